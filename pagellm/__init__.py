@@ -1,0 +1,34 @@
+"""pagellm: an LLM serving engine built on PagedAttention.
+
+Names are imported on first use, so `import pagellm.core...` (pure bookkeeping) does
+not pull in torch or the model code.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pagellm.entrypoints.llm",
+    "LLMEngine": "pagellm.engine.llm_engine",
+    "EngineConfig": "pagellm.config",
+    "SamplingParams": "pagellm.sampling_params",
+    "RequestOutput": "pagellm.outputs",
+    "CompletionOutput": "pagellm.outputs",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from pagellm.config import EngineConfig
+    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.entrypoints.llm import LLM
+    from pagellm.outputs import CompletionOutput, RequestOutput
+    from pagellm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagellm' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from pagellm.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+The model calls `backend.forward` in each layer and knows nothing else about paging.
+A backend owns the layout of its KV cache tensors; the model runner allocates them
+through `kv_cache_shape` and fills the metadata.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens come from and go to.
+
+    Sequences are ordered decodes first (one query token each), then prefills (a
+    prompt, a chunk of one, or a recomputation), so backends can batch the decodes.
+    """
+
+    # [num_tokens] flat index into the cache's (num_blocks * block_size) slots.
+    slot_mapping: torch.Tensor
+    # [num_seqs, max_blocks] physical block ids; rows padded with 0 (a valid block id).
+    block_tables: torch.Tensor
+    # Per sequence: tokens computed this step, and context length after this step.
+    query_lens: list[int]
+    seq_lens: list[int]
+    # [num_seqs] seq_lens as a tensor on the device.
+    seq_lens_tensor: torch.Tensor
+    num_decodes: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+class AttentionBackend(ABC):
+    """Paged attention: store the step's K/V through the slot mapping, then attend."""
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D]."""

@@ -1,0 +1,75 @@
+"""Paged attention in plain torch: the CPU path and the reference for other backends."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store each new token's K/V in its slot (block_id * block_size + offset)."""
+    kvh, d = k.shape[1:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence, as [length, KVH, D]."""
+    bs = cache.shape[1]
+    nb = -(-length // bs)
+    return cache[block_table[:nb]].flatten(0, 1)[:length]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            ql, ctx = meta.query_lens[i], meta.seq_lens[i]
+            end = start + ql
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
+                                           meta.block_tables[i], ctx, scale)
+            start = end
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One query token per sequence, all sequences in one batched product."""
+        nd = meta.num_decodes
+        bs = meta.block_size
+        max_len = max(meta.seq_lens[:nd])
+        nb = -(-max_len // bs)
+        tables = meta.block_tables[:nd, :nb]
+        kvh, d = k_cache.shape[2:]
+        # [B, KVH, L, D]; padding slots hold finite values (the cache starts zeroed).
+        keys = k_cache[tables].view(nd, nb * bs, kvh, d).transpose(1, 2)
+        vals = v_cache[tables].view(nd, nb * bs, kvh, d).transpose(1, 2)
+        h = q.shape[1]
+        # The G query heads that share a KV head ride in the "query length" dimension,
+        # so each K/V block is read once per KV head rather than once per query head.
+        qg = q.view(nd, kvh, h // kvh, d)
+        mask = torch.arange(nb * bs, device=q.device)[None, :] < meta.seq_lens_tensor[:nd, None]
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask[:, None, None, :], scale=scale)
+        return o.reshape(nd, h, d)
+
+    @staticmethod
+    def _prefill(q, k, v, k_cache, v_cache, block_table, ctx: int, scale: float) -> torch.Tensor:
+        ql = q.shape[0]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
+        if ctx == ql:
+            # A fresh prompt: its K/V are all in this step, no need to read the cache.
+            kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Part of the context is already cached (a later chunk, a cached prefix).
+            kh = gather_kv(k_cache, block_table, ctx).transpose(0, 1).unsqueeze(0)
+            vh = gather_kv(v_cache, block_table, ctx).transpose(0, 1).unsqueeze(0)
+            qpos = torch.arange(ctx - ql, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,104 @@
+"""The engine's record of one request: its tokens, its progress and its state."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    `num_computed_tokens` counts the leading tokens of `all_token_ids` whose K/V sit in
+    the cache. A step computes the next chunk; when a step reaches the end of
+    `all_token_ids`, the model samples one more token. Prefill, chunked prefill, decode
+    and recomputation after preemption are all this one rule.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    cumulative_logprob: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Per-request RNG, so that a seeded request samples the same text in any batch.
+    generator: object | None = None
+    # The context window: a sequence stops with "length" when it reaches it.
+    max_model_len: int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens or 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+
+    def check_stop(self) -> bool:
+        """Finish the request on eos, a stop token or max_tokens; True if it finished."""
+        params = self.sampling_params
+        n_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return self.finish(RequestStatus.FINISHED_STOPPED)
+            if last in params.stop_token_ids:
+                return self.finish(RequestStatus.FINISHED_STOPPED, stop_reason=last)
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return self.finish(RequestStatus.FINISHED_LENGTH)
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return self.finish(RequestStatus.FINISHED_LENGTH)
+        return False
+
+    def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+        self.status = status
+        self.stop_reason = stop_reason
+        self.finished_time = time.time()
+        return True

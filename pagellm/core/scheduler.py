@@ -1,0 +1,138 @@
+"""Iteration-level (continuous batching) scheduling with preemption by recomputation.
+
+Each step the scheduler picks the requests that run and how many of their tokens each
+computes: the running requests first (a decode is one token, an unfinished prefill its
+next chunk), then waiting requests in arrival order while the token budget, the
+sequence limit and the free blocks allow. It never touches tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def start(self) -> int:
+        """Position of the first token this step computes."""
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        # Admission order: the last one is the most recently admitted, the first to preempt.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens_to_compute, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+                budget -= n
+                i += 1
+                continue
+            break
+        # A step that had to preempt is short of blocks: admitting more would thrash.
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens_to_compute, budget)
+                if not self.kv.allocate_slots(req, n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+                budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Free all of a request's blocks and queue it first to recompute them later."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is; its blocks return to the pool."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not req.is_finished:
+            req.finish(status)
+        self.kv.free(req)
+        return req
+
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance each scheduled request past the tokens it computed and append what it
+        sampled; requests that hit eos, a stop token or their length limit are finished
+        and their blocks freed. Returns the requests that received a token."""
+        updated = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            updated.append(req)
+            if req.check_stop():
+                self.finish_request(req.request_id, req.status)
+        return updated

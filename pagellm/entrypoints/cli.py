@@ -1,0 +1,134 @@
+"""The `pagellm` command: generate and chat on the CPU (or a GPU when there is one)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from pagellm.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=_bytes_or_fraction, default=None,
+                   help="KV cache budget: bytes (e.g. 2G, 512M) or a fraction of free memory (e.g. 0.5)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default, reproducible)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+
+
+def _bytes_or_fraction(text: str) -> float | int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    value = float(t)
+    return value if value <= 1 else int(value)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                seed=args.seed)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.sampling_seed, stop=args.stop)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagellm.entrypoints.llm import LLM
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("pagellm generate: give --prompt or prompts on standard input, one a line", file=sys.stderr)
+        return 2
+    llm = LLM(**engine_kwargs(args))
+    outputs = llm.generate(prompts, sampling_params(args), use_tqdm=len(prompts) > 1)
+    for out in outputs:
+        if len(outputs) > 1:
+            print(f"--- {out.prompt!r}")
+        print(out.outputs[0].text, flush=True)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    params = sampling_params(args)
+    tok = engine.tokenizer
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    turn = 0
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.strip()})
+        prompt = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True), add_special_tokens=False)
+        rid = f"chat-{turn}"
+        turn += 1
+        engine.add_request(rid, prompt, params)
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.delta_text, end="", flush=True)
+                reply = out.outputs[0].text
+        print(flush=True)
+        history.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="LLM serving engine built on PagedAttention")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts (from --prompt or standard input) and print them")
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="talk to the model; replies stream as they are generated")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,100 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from pagellm.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Conversation = list[dict]
+
+
+class LLM:
+    """Loads a model once and runs batches of prompts through the paged engine."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: float | int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 load_format: str = "auto", seed: int = 0) -> None:
+        config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
+                              num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              max_model_len=max_model_len, load_format=load_format, seed=seed)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        All prompts are validated before any runs, so one bad prompt harms no other.
+        """
+        prompts = _as_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                                                   add_special_tokens=False)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    # A flat list of ints is one tokenized prompt, not many.
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts

@@ -1,0 +1,186 @@
+"""Turns a scheduling decision into tensors, runs the model once, and samples.
+
+Owns the model, the KV cache tensors and the sampler. Receives, per scheduled
+request, the chunk of tokens to compute, its first position and its block table;
+knows nothing of how they were chosen.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagellm.model.config import ModelArchConfig
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# With no budget given, the CPU path takes this much for KV, or half the free memory if less.
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # fp32 on the CPU: bf16 matrix products are slower there, and fp32 matches the reference.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass
+class StepResult:
+    """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]`."""
+
+    request_ids: list[str]
+    sampled: SamplerOutput | None
+
+
+class ModelRunner:
+    def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 backend: AttentionBackend | None = None, seed: int = 0) -> None:
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.backend = backend or TorchAttentionBackend()
+        with torch.device(device):
+            self.model = LlamaForCausalLM(arch, self.backend, max_model_len).to(dtype)
+        self.model.eval()
+        self.sampler = Sampler(seed=seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    # ---- weights -------------------------------------------------------------------
+    def load_weights(self, weights) -> None:
+        with torch.no_grad():
+            self.model.load_weights((n, t.to(self.dtype)) for n, t in weights)
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of a realistic scale, for benchmarks of shapes with no checkpoint."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(p.dtype))
+
+    # ---- KV cache --------------------------------------------------------------------
+    def bytes_per_block(self, block_size: int) -> int:
+        a = self.arch
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
+        if kv_cache_memory is None:
+            free = free_memory_bytes(self.device)
+            budget = int(0.9 * free) if self.device.type == "cuda" else min(_DEFAULT_CPU_KV_BYTES, free // 2)
+        elif isinstance(kv_cache_memory, float):
+            budget = int(kv_cache_memory * free_memory_bytes(self.device))
+        else:
+            budget = int(kv_cache_memory)
+        n = budget // self.bytes_per_block(block_size)
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory!r} holds no KV block "
+                             f"(one block takes {self.bytes_per_block(block_size)} bytes)")
+        return n
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        a = self.arch
+        shape = self.backend.kv_cache_shape(num_blocks, block_size, a.num_key_value_heads, a.head_dim)
+        # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN is NaN.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(a.num_hidden_layers)
+        ]
+        self.block_size = block_size
+
+    # ---- one step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
+        # Decodes first, so the backend can batch them in one product.
+        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, sample_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return StepResult([], None)
+        # Only the last position of each sampling sequence needs logits.
+        logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])
+        reqs = [s.request for _, s in sample_rows]
+        sampling = SamplingMetadata.build(
+            params=[r.sampling_params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[r.generator for r in reqs],
+            eos_token_ids=eos_token_ids,
+            vocab_size=self.arch.vocab_size,
+            device=self.device,
+        )
+        return StepResult([r.request_id for r in reqs], self.sampler(logits, sampling))
+
+    def _prepare(self, items: list[ScheduledRequest]):
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        num_decodes = 0
+        for s in items:
+            req, start, n = s.request, s.start, s.num_new_tokens
+            if n == 1:
+                num_decodes += 1
+            end = start + n
+            tokens.extend(_token_slice(req.prompt_token_ids, req.output_token_ids, start, end))
+            positions.extend(range(start, end))
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(table)
+            if s.samples:
+                sample_rows.append((len(tokens) - 1, s))
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            num_decodes=num_decodes,
+            block_size=bs,
+        )
+        return (torch.tensor(tokens, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
+
+
+def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output, without building the concatenation."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p:end - p]
+    if end <= p:
+        return prompt[start:end]
+    return prompt[start:] + output[:end - p]

@@ -1,0 +1,129 @@
+"""The scheduler, with the model replaced by a rule that makes the next token."""
+from __future__ import annotations
+
+import random
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.scheduler import Scheduler
+from pagellm.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def fake_next_token(req: Request) -> int:
+    # Deterministic in the sequence so far, as greedy decoding is.
+    return (sum(req.all_token_ids) * 31 + len(req.all_token_ids)) % 97 + 1
+
+
+def run(sched: Scheduler, max_steps: int = 10_000) -> dict:
+    """Step until every request has finished, checking invariants every step."""
+    steps = 0
+    seen_max_batch = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        assert not out.is_empty, "no progress: the scheduler deadlocked"
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
+        seen_max_batch = max(seen_max_batch, len(out.scheduled))
+        for s in out.scheduled:
+            table = sched.kv.block_table(s.request.request_id)
+            assert len(table) * sched.kv.block_size >= s.start + s.num_new_tokens
+        sampled = {s.request.request_id: fake_next_token(s.request) for s in out.scheduled if s.samples}
+        sched.update_after_step(out, sampled)
+        steps += 1
+        assert steps < max_steps
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+    return {"steps": steps, "max_batch": seen_max_batch}
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_budget=64) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, max_tokens_budget)
+
+
+def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int) -> Request:
+    req = Request(rid, [random.randint(1, 90) for _ in range(prompt_len)], SamplingParams(max_tokens=max_tokens))
+    sched.add_request(req)
+    return req
+
+
+def reference_outputs(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    out = {}
+    for rid, prompt in prompts.items():
+        req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens))
+        while len(req.output_token_ids) < max_tokens:
+            req.append_token(fake_next_token(req))
+        out[rid] = req.output_token_ids
+    return out
+
+
+def test_continuous_batching_mixes_prefill_and_decode():
+    random.seed(0)
+    sched = make(max_tokens_budget=20)
+    reqs = [add(sched, f"r{i}", random.randint(3, 30), 10) for i in range(6)]
+    first = sched.schedule()
+    # A 20-token budget: the first prompt is chunked or several are packed, never exceeded.
+    assert first.num_batched_tokens <= 20
+    sched.update_after_step(first, {s.request.request_id: 5 for s in first.scheduled if s.samples})
+    run(sched)
+    assert all(len(r.output_token_ids) == 10 for r in reqs)
+
+
+def test_preemption_recomputes_and_preserves_outputs():
+    random.seed(1)
+    prompts = {f"r{i}": [random.randint(1, 90) for _ in range(random.randint(5, 20))] for i in range(8)}
+    expected = reference_outputs(prompts, 24)
+    # 14 blocks of 4 tokens: far less than 8 requests of up to 44 tokens need at once.
+    sched = make(num_blocks=14, block_size=4, max_num_seqs=8, max_tokens_budget=64)
+    reqs = [Request(rid, list(p), SamplingParams(max_tokens=24)) for rid, p in prompts.items()]
+    for r in reqs:
+        sched.add_request(r)
+    run(sched)
+    assert sched.num_preemptions > 0
+    for r in reqs:
+        assert r.output_token_ids == expected[r.request_id]
+        assert r.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_chunked_prefill_over_several_steps():
+    sched = make(max_tokens_budget=8)
+    req = add(sched, "long", 30, 3)
+    chunks = []
+    while req.num_computed_tokens < 30:
+        out = sched.schedule()
+        chunks.append(out.scheduled[0].num_new_tokens)
+        sched.update_after_step(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+    assert chunks == [8, 8, 8, 6]
+    run(sched)
+
+
+def test_admission_waits_for_blocks_and_is_fcfs():
+    sched = make(num_blocks=4, block_size=4, max_tokens_budget=64)
+    a = add(sched, "a", 12, 2)
+    b = add(sched, "b", 12, 2)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    assert b.status == RequestStatus.WAITING
+    run(sched)
+
+
+def test_abort_at_any_point_frees_everything():
+    random.seed(2)
+    for abort_after in range(0, 12):
+        sched = make(num_blocks=20, block_size=2, max_tokens_budget=16)
+        reqs = [add(sched, f"r{i}", random.randint(2, 12), 6) for i in range(4)]
+        for _ in range(abort_after):
+            out = sched.schedule()
+            sched.update_after_step(out, {s.request.request_id: 3 for s in out.scheduled if s.samples})
+        sched.finish_request("r1", RequestStatus.FINISHED_ABORTED)
+        sched.finish_request("r3", RequestStatus.FINISHED_ABORTED)
+        run(sched)
+        assert reqs[1].status == RequestStatus.FINISHED_ABORTED or reqs[1].status.finished
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make(num_blocks=200, max_num_seqs=3, max_tokens_budget=512)
+    for i in range(10):
+        add(sched, f"r{i}", 4, 5)
+    stats = run(sched)
+    assert stats["max_batch"] == 3

@@ -34,6 +34,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
 
 
 def _bytes_or_fraction(text: str) -> float | int:
@@ -56,7 +57,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sampling_seed, stop=args.stop)
+                          seed=args.sampling_seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

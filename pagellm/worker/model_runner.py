@@ -20,7 +20,7 @@ from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # With no budget given, the CPU path takes this much for KV, or half the free memory if less.
-_DEFAULT_CPU_KV_BYTES = 2 << 30
+_DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def resolve_device(device: str) -> torch.device:
@@ -66,7 +66,7 @@ class ModelRunner:
         with torch.device(device):
             self.model = LlamaForCausalLM(arch, self.backend, max_model_len).to(dtype)
         self.model.eval()
-        self.sampler = Sampler(seed=seed)
+        self.sampler = Sampler(seed=seed, device=device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
 

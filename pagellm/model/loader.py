@@ -1,0 +1,93 @@
+"""Resolving the user's `model` argument to a ModelSource: format, architecture, tokenizer, weights.
+
+This module owns the decision of which reader handles a path, and the rule that nothing is ever
+fetched from a model hub: a model is a local GGUF file, a local Hugging Face directory, or the
+bundled default.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from pagellm.model.bundled import default_model_path
+from pagellm.model.config import ModelArchConfig
+from pagellm.model.gguf_loader import iter_gguf_weights, read_gguf_config
+from pagellm.model.hf_loader import iter_hf_weights, read_hf_config
+from pagellm.model.tokenizer import Tokenizer
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+# "org/name" with nothing that a local path would usually have.
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass
+class ModelSource:
+    """Everything needed to build a model: where it is, its shapes, its tokenizer, and its weights."""
+
+    path: str
+    format: str  # "gguf" | "hf"
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    # Called once by the model loader; a fresh one-tensor-at-a-time iterator. None for load_format="dummy".
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None
+
+
+def load_model_source(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Find and read the model's config and tokenizer; weights are only read when `weights()` is called.
+
+    `model` None means the bundled SmolLM2-135M-Instruct GGUF. `load_format` "gguf" and "safetensors"
+    insist on that format, "dummy" reads config and tokenizer only (for random-weight runs).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(_missing_message(model, path))
+
+    fmt = _detect_format(path)
+    if load_format == "gguf" and fmt != "gguf":
+        raise ValueError(f"load_format 'gguf' needs a .gguf file, but {path} is not one")
+    if load_format == "safetensors" and fmt != "hf":
+        raise ValueError(f"load_format 'safetensors' needs a Hugging Face model directory, but {path} is not one")
+
+    if fmt == "gguf":
+        arch, tokenizer = read_gguf_config(path), Tokenizer.from_gguf(path)
+        weights = partial(iter_gguf_weights, path)
+    else:
+        arch, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
+        weights = partial(iter_hf_weights, path)
+    return ModelSource(
+        path=path,
+        format=fmt,
+        arch=arch,
+        tokenizer=tokenizer,
+        weights=None if load_format == "dummy" else weights,
+    )
+
+
+def _detect_format(path: str) -> str:
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return "gguf"
+        raise ValueError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model directory")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    raise ValueError(
+        f"{path} is a directory without config.json; expected a Hugging Face model directory "
+        "(config.json, tokenizer.json, *.safetensors) or a path to a .gguf file"
+    )
+
+
+def _missing_message(model: str | None, path: str) -> str:
+    message = f"model path not found: {path}" if model in (None, path) else f"model path not found: {model} ({path})"
+    if model is not None and _HUB_ID_RE.fullmatch(model):
+        message += (
+            f". {model!r} looks like a model hub id, but pagellm never downloads from a model hub; "
+            "download the model yourself and pass its local path"
+        )
+    return message

@@ -1,0 +1,96 @@
+"""Bad input gets a clear error naming the limit, and harms nothing else."""
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(tiny_llama_dir, block_size=4, num_kv_blocks=40, max_model_len=256)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=-0.1), ["temperature", "-0.1", ">= 0"]),
+    (dict(top_p=0.0), ["top_p", "(0, 1]"]),
+    (dict(top_p=1.5), ["top_p", "1.5"]),
+    (dict(top_k=0), ["top_k", "0"]),
+    (dict(top_k=-2), ["top_k", "-2"]),
+    (dict(n=0), ["n", ">= 1"]),
+    (dict(max_tokens=0), ["max_tokens", ">= 1"]),
+    (dict(min_p=2.0), ["min_p", "[0, 1]"]),
+])
+def test_invalid_sampling_params(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def _ok(llm):
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    s = llm.stats()
+    assert s["free_blocks"] == s["total_blocks"] and s["num_waiting"] == s["num_running"] == 0
+
+
+@pytest.mark.parametrize("prompt, words", [
+    ("", ["prompt", "empty"]),
+    ({"prompt_token_ids": []}, ["prompt", "empty"]),
+    ({"prompt_token_ids": [1, 2, 99999]}, ["99999", "[0, 320)"]),
+    ({"prompt_token_ids": [-1]}, ["-1"]),
+    ({"prompt_token_ids": [7] * 256}, ["256 tokens", "max_model_len is 256"]),
+])
+def test_bad_prompts_are_refused_and_harm_nothing(llm, prompt, words):
+    with pytest.raises(ValueError) as e:
+        llm.generate([{"prompt_token_ids": [3, 4]}, prompt], use_tqdm=False)
+    for w in words:
+        assert w in str(e.value)
+    _ok(llm)
+
+
+def test_request_that_can_never_fit_the_pool(llm):
+    # 40 blocks of 4 tokens = 160 slots; 10 + 200 tokens can never fit.
+    with pytest.raises(ValueError) as e:
+        llm.generate({"prompt_token_ids": [3] * 10}, SamplingParams(max_tokens=200), use_tqdm=False)
+    assert "40" in str(e.value) and "KV blocks" in str(e.value)
+    _ok(llm)
+
+
+def test_abort_mid_flight_frees_blocks(llm):
+    eng = llm.engine
+    eng.add_request("x", {"prompt_token_ids": [3] * 30}, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.add_request("y", {"prompt_token_ids": [4] * 30}, SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert llm.stats()["used_blocks"] > 0
+    eng.abort_request("x")
+    while eng.has_unfinished_requests():
+        eng.step()
+    _ok(llm)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(block_size=0), ["block_size", "0"]),
+    (dict(num_kv_blocks=0), ["num_kv_blocks", "0"]),
+    (dict(kv_cache_memory=-5), ["kv_cache_memory"]),
+    (dict(dtype="int3"), ["dtype", "int3"]),
+    (dict(load_format="pickle"), ["load_format", "pickle"]),
+    (dict(max_model_len=100000), ["max_model_len", "512"]),
+])
+def test_bad_engine_options(tiny_llama_dir, kwargs, words):
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_llama_dir, **kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_missing_and_corrupt_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM(str(tmp_path / "nope.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ValueError, match="bad.gguf"):
+        LLM(str(bad))

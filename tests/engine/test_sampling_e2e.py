@@ -1,0 +1,83 @@
+"""Sampling through the whole engine: seeds, stops, logprobs, penalties, limits."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(tiny_llama_dir, block_size=4, num_kv_blocks=256)
+
+
+PROMPTS = [{"prompt_token_ids": [5 + i, 40, 77, 100 + i]} for i in range(6)]
+
+
+def test_seed_gives_same_text_in_any_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(PROMPTS[1:4] + [PROMPTS[0]] + PROMPTS[4:], [other] * 3 + [seeded] + [other] * 2,
+                         use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    # And a different seed gives a different sample (near-certain over 12 tokens at T=1 on random weights).
+    diff = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert diff != alone
+
+
+def test_max_and_min_tokens(llm):
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [7, 7]
+    assert all(o.outputs[0].finish_reason == "length" for o in out)
+
+
+def test_stop_token_ids(llm):
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = free[4]
+    first = free.index(stop_at)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                  stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_string_truncates_text(llm):
+    tok = llm.get_tokenizer()
+    free = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = free.text
+    stop = text[3:5]
+    assert stop
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert tok.decode(out.token_ids).startswith(out.text)
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    total = 0.0
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and entry[tok].rank == 1  # greedy picks the top token
+        top = sorted(entry.values(), key=lambda lp: -lp.logprob)
+        assert len(entry) == 3 and all(lp.logprob <= 0 for lp in top)
+        total += entry[tok].logprob
+    assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-5)
+
+
+def test_repetition_penalty_changes_greedy_output(llm):
+    plain = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    penal = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                    repetition_penalty=5.0), use_tqdm=False)
+    toks = penal[0].outputs[0].token_ids
+    assert toks != plain[0].outputs[0].token_ids
+    # A strong penalty makes repeats rarer than without it.
+    assert len(set(toks)) >= len(set(plain[0].outputs[0].token_ids))

@@ -1,0 +1,46 @@
+"""The bundled SmolLM2-135M-Instruct GGUF against transformers on the same weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+from tests.conftest import hf_greedy
+
+N_NEW = 20
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
+    "Hi",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf) -> LLM:
+    return LLM(smollm2_gguf, max_model_len=1024, kv_cache_memory=256 << 20)
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_gguf(llm, smollm2_gguf):
+    path = Path(smollm2_gguf)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    expected = [hf_greedy(hf, p, N_NEW) for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert outs[0].outputs[0].text == tok.decode(expected[0])
+
+
+def test_chat_knows_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, not by length
+    assert llm.stats()["used_blocks"] == 0

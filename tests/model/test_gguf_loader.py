@@ -1,0 +1,342 @@
+"""GGUF reading: files written the way llama.cpp's converter writes them must read back as the HF model."""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagellm.model.bundled import default_model_path
+from pagellm.model.gguf_loader import iter_gguf_weights, read_gguf_config
+from pagellm.model.loader import load_model_source
+
+# Every matmul input width is a multiple of 256 so that K-quants (256-value blocks) fit.
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 256, 4, 2, 2, 300
+HEAD_DIM = HIDDEN // HEADS
+
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_PARTS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in HF_TO_GGUF:
+        return HF_TO_GGUF[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER_PARTS[part]}.{suffix}"
+
+
+def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter layout for q/k rows: within each head, interleave the two rotary halves."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_state_dict(tie: bool = False) -> dict[str, np.ndarray]:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=tie,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # norms are all ones at init; make them distinguishable
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    sd = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    if tie:
+        sd.pop("lm_head.weight")
+    return sd
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, Q | None]], arch: str = "llama", head_dim: int = HEAD_DIM,
+               theta: float = 10000.0, context: int = 2048, extra=None) -> None:
+    """A GGUF with llama.cpp's metadata keys; `tensors` maps GGUF names to (data, raw_dtype)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(context)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(theta)
+    w.add_rope_dimension_count(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if extra:
+        extra(w)
+    for name, (data, raw_dtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def stored_layout(sd: dict[str, np.ndarray], permute: bool = True) -> dict[str, np.ndarray]:
+    """HF tensors as the converter stores them (q/k rows permuted), keyed by GGUF name."""
+    out = {}
+    for name, value in sd.items():
+        if permute and ".q_proj." in name:
+            value = rope_permute(value, HEADS)
+        elif permute and ".k_proj." in name:
+            value = rope_permute(value, KV_HEADS)
+        out[gguf_name(name)] = np.ascontiguousarray(value)
+    return out
+
+
+def random_k_quant_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid K-quant bytes: arbitrary quants and scales, finite small f16 super-block scales."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    scale = lambda: rng.uniform(1e-3, 1e-2, size=(rows, cols // block_size)).astype(np.float16)  # noqa: E731
+    if qtype == Q.Q4_K:  # d then dmin open the block
+        blocks[..., 0:2] = scale()[..., None].view(np.uint8)
+        blocks[..., 2:4] = scale()[..., None].view(np.uint8)
+    else:  # Q6_K: d closes the block
+        blocks[..., -2:] = scale()[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def encode_as(value: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, Q | None]:
+    if value.ndim == 1 or qtype == Q.F32:  # llama.cpp keeps norms in F32
+        return value.astype(np.float32), None
+    if qtype == Q.F16:
+        return value.astype(np.float16), None
+    if qtype in (Q.Q4_K, Q.Q6_K):  # the gguf package cannot quantize these
+        return random_k_quant_blocks(*value.shape, qtype, rng), qtype
+    return quantize(value.astype(np.float32), qtype), qtype
+
+
+@pytest.fixture(scope="module")
+def llama_sd() -> dict[str, np.ndarray]:
+    return hf_state_dict()
+
+
+def test_f32_round_trips_exactly(tmp_path, llama_sd):
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, {k: (v, None) for k, v in stored_layout(llama_sd).items()})
+    loaded = dict(iter_gguf_weights(str(path)))
+    assert set(loaded) == set(llama_sd)
+    for name, value in llama_sd.items():
+        assert loaded[name].dtype == torch.float32
+        assert torch.equal(loaded[name], torch.from_numpy(value)), name
+    cfg = read_gguf_config(str(path))
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (LAYERS, HIDDEN, FFN)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert cfg.vocab_size == VOCAB and cfg.rms_norm_eps == 1e-6 and cfg.max_position_embeddings == 2048
+    assert not cfg.tie_word_embeddings and cfg.rope_scaling is None and cfg.architecture == "llama"
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == [2]
+
+
+# Tolerances relative to each row's largest magnitude, per the formats' step sizes.
+QUANT_TOLERANCE = {Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.15}
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_quantized_tensors_dequantize_and_unpermute(tmp_path, llama_sd, qtype):
+    rng = np.random.default_rng(1)
+    stored = {k: encode_as(v, qtype, rng) for k, v in stored_layout(llama_sd).items()}
+    path = tmp_path / f"{qtype.name}.gguf"
+    write_gguf(path, stored)
+    loaded = dict(iter_gguf_weights(str(path)))
+    assert set(loaded) == set(llama_sd)
+    for name, tensor in loaded.items():
+        data, raw = stored[gguf_name(name)]
+        expected = dequantize(data, raw) if raw is not None else data.astype(np.float32)
+        assert np.isfinite(expected).all()
+        assert tuple(tensor.shape) == llama_sd[name].shape, name
+        got = tensor.numpy()
+        # Re-applying the converter's permutation must give back exactly the stored (dequantized) rows.
+        if ".q_proj." in name:
+            got = rope_permute(got, HEADS)
+        elif ".k_proj." in name:
+            got = rope_permute(got, KV_HEADS)
+        np.testing.assert_array_equal(got, expected.reshape(got.shape), err_msg=name)
+        if qtype in QUANT_TOLERANCE:  # and it is the original weight, up to quantization error
+            original = llama_sd[name]
+            scale = np.abs(original).max(axis=-1, keepdims=True)
+            assert np.all(np.abs(tensor.numpy() - original) <= QUANT_TOLERANCE[qtype] * scale), name
+
+
+def test_tied_embeddings_yield_no_lm_head(tmp_path):
+    sd = hf_state_dict(tie=True)
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, {k: (v, None) for k, v in stored_layout(sd).items()})
+    assert read_gguf_config(str(path)).tie_word_embeddings
+    assert set(dict(iter_gguf_weights(str(path)))) == set(sd)
+
+
+def test_qwen2_is_not_permuted_and_has_biases(tmp_path, llama_sd):
+    sd = dict(llama_sd)
+    rng = np.random.default_rng(2)
+    for i in range(LAYERS):
+        for proj, rows in (("q", HIDDEN), ("k", KV_HEADS * HEAD_DIM), ("v", KV_HEADS * HEAD_DIM)):
+            sd[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = rng.standard_normal(rows).astype(np.float32)
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, {k: (v, None) for k, v in stored_layout(sd, permute=False).items()}, arch="qwen2")
+    loaded = dict(iter_gguf_weights(str(path)))
+    assert set(loaded) == set(sd)
+    for name, value in sd.items():
+        assert torch.equal(loaded[name], torch.from_numpy(value)), name
+    cfg = read_gguf_config(str(path))
+    assert cfg.architecture == "qwen2" and cfg.attention_bias
+
+
+def test_llama_q_bias_is_unpermuted_too(tmp_path, llama_sd):
+    sd = dict(llama_sd)
+    sd["model.layers.0.self_attn.q_proj.bias"] = np.arange(HIDDEN, dtype=np.float32)
+    path = tmp_path / "bias.gguf"
+    write_gguf(path, {k: (v, None) for k, v in stored_layout(sd).items()})
+    loaded = dict(iter_gguf_weights(str(path)))
+    assert torch.equal(loaded["model.layers.0.self_attn.q_proj.bias"], torch.arange(HIDDEN, dtype=torch.float32))
+    assert read_gguf_config(str(path)).attention_bias
+
+
+def test_metadata_extras(tmp_path, llama_sd):
+    def extra(w: gguf.GGUFWriter) -> None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+        w.add_uint32("tokenizer.ggml.eot_token_id", 7)
+        w.add_key_length(HEAD_DIM)
+
+    path = tmp_path / "extras.gguf"
+    write_gguf(path, {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}, extra=extra)
+    cfg = read_gguf_config(str(path))
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert cfg.eos_token_ids == [2, 7]
+    assert cfg.tie_word_embeddings
+
+
+def test_llama3_rope_freqs_tensor_becomes_hf_rope_scaling(tmp_path):
+    """llama.cpp stores Llama 3.1 scaling as a per-frequency tensor; the HF parameters are recovered."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, theta = 128, 500000.0
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, rope_parameters=params,
+                         max_position_embeddings=131072)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    factors = (plain / scaled).numpy().astype(np.float32)
+
+    path = tmp_path / "llama31.gguf"
+    write_gguf(path, {"rope_freqs.weight": (factors, None)}, head_dim=head_dim, theta=theta, context=131072,
+               extra=lambda w: w.add_key_length(head_dim))
+    cfg = read_gguf_config(str(path))
+    s = cfg.rope_scaling
+    assert s["rope_type"] == "llama3" and s["factor"] == 8.0 and s["low_freq_factor"] == 1.0
+    assert s["high_freq_factor"] == pytest.approx(4.0, rel=1e-4) and type(s["high_freq_factor"]) is float
+    assert s["original_max_position_embeddings"] == 8192
+    assert list(iter_gguf_weights(str(path))) == []  # rope_freqs is config, not a parameter
+    assert math.isclose(cfg.rope_theta, theta)
+
+
+def test_bundled_model_config():
+    cfg = read_gguf_config(default_model_path())
+    assert cfg.architecture == "llama"
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size) == (576, 1536, 64, 49152)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == [2]
+    assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5 and cfg.rope_scaling is None
+    assert cfg.max_position_embeddings == 8192
+
+
+def test_missing_file_raises_file_not_found(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        read_gguf_config(missing)
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        iter_gguf_weights(missing)
+
+
+@pytest.fixture(scope="module")
+def valid_gguf_bytes(tmp_path_factory, llama_sd) -> bytes:
+    path = tmp_path_factory.mktemp("valid") / "valid.gguf"
+    write_gguf(path, {k: (v, None) for k, v in stored_layout(llama_sd).items()})
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "header_cut", "data_cut", "bad_magic"])
+def test_corrupt_files_raise_value_error_naming_the_file(tmp_path, valid_gguf_bytes, damage):
+    data = {
+        "empty": b"",
+        "garbage": os.urandom(4096),
+        "header_cut": valid_gguf_bytes[:200],
+        "data_cut": valid_gguf_bytes[: len(valid_gguf_bytes) - 1000],
+        "bad_magic": b"GGML" + valid_gguf_bytes[4:],
+    }[damage]
+    path = tmp_path / f"{damage}.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        read_gguf_config(str(path))
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        list(iter_gguf_weights(str(path)))
+
+
+def test_unsupported_tensor_type_is_named(tmp_path, llama_sd):
+    tensors = {k: (v, None) for k, v in stored_layout(llama_sd).items()}
+    tensors["token_embd.weight"] = (np.zeros((VOCAB, HIDDEN), dtype=np.int8), None)  # written as I8
+    path = tmp_path / "i8.gguf"
+    write_gguf(path, tensors)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}.*I8"):
+        list(iter_gguf_weights(str(path)))
+
+
+def test_unsupported_architecture_and_unknown_tensor(tmp_path, llama_sd):
+    path = tmp_path / "gemma.gguf"
+    write_gguf(path, {}, arch="gemma")
+    with pytest.raises(ValueError, match="gemma"):
+        read_gguf_config(str(path))
+    path = tmp_path / "extra.gguf"
+    write_gguf(path, {"blk.0.ffn_gate_exps.weight": (np.zeros((2, 32), np.float32), None)})
+    with pytest.raises(ValueError, match="ffn_gate_exps"):
+        list(iter_gguf_weights(str(path)))
+
+
+def test_load_model_source_defaults_to_the_bundled_gguf():
+    source = load_model_source(None)
+    assert source.format == "gguf" and source.path == default_model_path()
+    assert source.arch.num_hidden_layers == 30 and source.tokenizer.eos_token_id == 2
+    name, tensor = next(source.weights())
+    assert name == "model.embed_tokens.weight" and tuple(tensor.shape) == (49152, 576)
+    assert load_model_source(default_model_path(), "dummy").weights is None
+    assert load_model_source(default_model_path(), "gguf").format == "gguf"
+
+
+def test_load_model_source_refusals(tmp_path):
+    with pytest.raises(ValueError, match="'pt'.*auto, gguf, safetensors, dummy"):
+        load_model_source(None, "pt")
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model_source(default_model_path(), "safetensors")
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model_source("SomeOrg/some-model-that-is-not-here")
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        load_model_source(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="config.json"):
+        load_model_source(str(tmp_path))

@@ -184,6 +184,16 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              req.is_finished, metrics, delta_text=delta)
 
+    def kv_snapshot(self) -> dict:
+        """Who holds which physical block right now: the data behind a block map."""
+        pool = self.kv.pool
+        return {
+            "block_size": self.kv.block_size,
+            "num_blocks": pool.num_blocks,
+            "ref_cnt": list(pool.ref_cnt),
+            "tables": {rid: list(t) for rid, t in self.kv.block_tables.items()},
+        }
+
     def stats(self) -> dict:
         pool = self.kv.pool
         return {

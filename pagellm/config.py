@@ -23,6 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, value: object, limit: str) -> None:

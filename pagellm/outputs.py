@@ -1,7 +1,7 @@
 """What the engine hands back: vLLM-shaped request and completion outputs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -46,6 +46,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Prompt tokens whose KV came from the prefix cache instead of a forward pass.
     num_cached_tokens: int = 0
-    # Text produced since the previous output of this request (for streaming).
-    delta_text: str = field(default="", repr=False)

@@ -1,4 +1,5 @@
-"""The pool of physical KV blocks: ids, reference counts and the free list.
+"""The pool of physical KV blocks: ids, reference counts, the free list and the
+index of cached full blocks.
 
 Pure bookkeeping: no tensors live here. A physical block id indexes the first
 dimension of every layer's K and V cache tensors.
@@ -14,12 +15,17 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Hands out physical blocks and takes them back.
+    """Hands out physical blocks, takes them back, and remembers what full blocks hold.
 
-    Invariants: every block is either on the free list with ref_cnt 0, or off it with
-    ref_cnt >= 1; `num_free_blocks + num_used_blocks == num_blocks`. The free list is
-    kept in least-recently-freed-first order (an OrderedDict gives O(1) removal from
-    the middle, which a later cache hit on a freed block needs).
+    Invariants, kept by every method:
+    - a block is on the free list exactly when its ref_cnt is 0;
+    - `num_free_blocks + num_used_blocks == num_blocks`;
+    - `cached[h] == b` exactly when `block_hash[b] == h` for indexed blocks; a block
+      keeps its hash (and stays findable) after it is freed, until it is evicted;
+    - the free list runs least recently freed first, so eviction is LRU, and a cached
+      block that some request still references is never evicted (it is not free).
+    The free list is an OrderedDict: a cache hit on a free block removes it from the
+    middle in O(1).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -27,7 +33,10 @@ class BlockPool:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -37,24 +46,38 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable cached prefix."""
+        return sum(1 for b in self._free if self.block_hash[b] is not None)
+
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
 
+    def free_block_ids(self) -> list[int]:
+        """The free list in eviction order (first = next to be reused)."""
+        return list(self._free)
+
     def allocate(self, n: int = 1) -> list[int]:
-        """Take n blocks off the free list (oldest first), each with ref_cnt 1."""
+        """Take n blocks off the free list, oldest first, each with ref_cnt 1.
+
+        A block that still held a cached prefix is evicted from the hash index.
+        """
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
         out = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
             self.ref_cnt[block_id] = 1
             out.append(block_id)
         return out
 
     def incref(self, block_ids: Iterable[int]) -> None:
-        """Share blocks that are already in use."""
+        """Take one more reference to each block, reviving it from the free list if needed."""
         for b in block_ids:
-            assert self.ref_cnt[b] > 0, f"incref of free block {b}"
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
             self.ref_cnt[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -69,3 +92,26 @@ class BlockPool:
             self.ref_cnt[b] = cnt
             if cnt == 0:
                 self._free[b] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Index a full block by its hash. If another block already holds the same
+        content, the first one stays the indexed copy."""
+        if self.block_hash[block_id] is not None or block_hash in self.cached:
+            return
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def _evict(self, block_id: int) -> None:
+        h = self.block_hash[block_id]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block_id] = None
+            self.num_evictions += 1
+
+    def reset_cache(self) -> None:
+        """Forget every cached prefix held by free blocks."""
+        for b in self._free:
+            self._evict(b)

@@ -51,6 +51,17 @@ class Request:
     generator: object | None = None
     # The context window: a sequence stops with "length" when it reaches it.
     max_model_len: int | None = None
+    # Prefix caching: an optional tenant salt, the chained hashes of the full blocks
+    # so far, how many of those are indexed, and how many prompt tokens were reused.
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    num_cached_tokens: int = 0
+    # Parallel sampling: the user's request id, this sequence's index in it, and how
+    # many sibling sequences to fork from it once its prompt is computed.
+    group_id: str = ""
+    index: int = 0
+    pending_forks: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,6 +86,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    def fork(self, request_id: str, index: int, sampling_params: SamplingParams) -> Request:
+        """A sibling sequence at the same point: same tokens, same progress."""
+        return Request(
+            request_id=request_id, prompt_token_ids=self.prompt_token_ids, sampling_params=sampling_params,
+            eos_token_ids=self.eos_token_ids, prompt=self.prompt, arrival_time=self.arrival_time,
+            output_token_ids=list(self.output_token_ids), num_computed_tokens=self.num_computed_tokens,
+            status=self.status, max_model_len=self.max_model_len, cache_salt=self.cache_salt,
+            num_cached_tokens=self.num_cached_tokens, group_id=self.group_id, index=index,
+            cumulative_logprob=self.cumulative_logprob,
+        )
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

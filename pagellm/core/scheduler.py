@@ -8,7 +8,7 @@ sequence limit and the free blocks allow. It never touches tensors.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
@@ -19,6 +19,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_table: list[int]
+    # Sibling sequences forked from this one this step: they sample from its logits.
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -35,6 +37,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (src, dst) physical block copies to make before the forward pass (copy-on-write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -85,17 +89,54 @@ class Scheduler:
             break
         # A step that had to preempt is short of blocks: admitting more would thrash.
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0:
                 req = self.waiting[0]
-                n = min(req.num_tokens_to_compute, budget)
-                if not self.kv.allocate_slots(req, n):
+                if len(self.running) + 1 + req.pending_forks > self.max_num_seqs:
                     break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
-                budget -= n
+                scheduled = self._admit(req, budget)
+                if scheduled is None:
+                    break
+                out.scheduled.append(scheduled)
+                budget -= scheduled.num_new_tokens
+        for s in out.scheduled:
+            if s.samples and s.request.pending_forks:
+                s.forks = self._fork(s)
+        out.block_copies = self.kv.take_copies()
         return out
+
+    def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
+        """Start a waiting request from its longest cached prefix, if its blocks can be had."""
+        blocks, num_cached = self.kv.get_computed_blocks(req)
+        n = min(req.num_tokens - num_cached, budget)
+        req.num_computed_tokens = num_cached
+        if not self.kv.allocate_slots(req, n, blocks):
+            req.num_computed_tokens = 0
+            return None
+        self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return ScheduledRequest(req, n, self.kv.block_table(req.request_id))
+
+    def _fork(self, s: ScheduledRequest) -> list[Request]:
+        """Fork the siblings of a request whose prompt this step completes. They share
+        every block by reference and sample their first token from the same logits."""
+        parent = s.request
+        children = []
+        for i in range(1, parent.pending_forks + 1):
+            params = parent.sampling_params
+            if params.seed is not None:
+                params = replace(params, seed=params.seed + i)
+            child = parent.fork(f"{parent.group_id}#{i}", i, params)
+            child.num_computed_tokens = s.start + s.num_new_tokens
+            self.kv.fork(parent, child)
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
 
     def _preempt(self, req: Request) -> None:
         """Free all of a request's blocks and queue it first to recompute them later."""
@@ -126,13 +167,14 @@ class Scheduler:
         and their blocks freed. Returns the requests that received a token."""
         updated = []
         for s in out.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.append_token(token)
-            updated.append(req)
-            if req.check_stop():
-                self.finish_request(req.request_id, req.status)
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
+            for req in [s.request, *s.forks]:
+                token = sampled.get(req.request_id)
+                if token is None:
+                    continue
+                req.append_token(token)
+                updated.append(req)
+                if req.check_stop():
+                    self.finish_request(req.request_id, req.status)
         return updated

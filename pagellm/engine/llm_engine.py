@@ -22,13 +22,30 @@ PromptType = str | list[int] | dict
 
 
 @dataclass
-class _Tracked:
-    """Engine-side state of a request that the scheduler need not know."""
+class _Seq:
+    """Engine-side state of one sequence that the scheduler need not know."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
+class _Group:
+    """One user request: its n (or best_of) sequences."""
+
+    request_id: str
+    num_seqs: int
+    params: SamplingParams
+    seqs: dict[int, _Seq]
+
+    def seq_ids(self) -> list[str]:
+        return [self.request_id] + [f"{self.request_id}#{i}" for i in range(1, self.num_seqs)]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.num_seqs and all(s.request.is_finished for s in self.seqs.values())
 
 
 class LLMEngine:
@@ -50,13 +67,14 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self.runner.num_blocks_for_budget(
             config.block_size, config.kv_cache_memory)
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}  # every sequence id in use -> its group
 
     @staticmethod
     def _resolve_max_model_len(asked: int | None, model_max: int) -> int:
@@ -82,10 +100,14 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Validate, tokenize and queue a request. Raises ValueError, changing nothing, on bad input."""
         params = params or SamplingParams()
-        if request_id in self._tracked:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        num_seqs = params.best_of or params.n
+        group = _Group(request_id, num_seqs, params, {})
+        taken = next((sid for sid in group.seq_ids() if sid in self._seq_group), None)
+        if taken is not None:
+            raise ValueError(f"request_id {taken!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._validate(ids, params)
         req = Request(
@@ -96,13 +118,22 @@ class LLMEngine:
             prompt=text,
             arrival_time=arrival_time or time.time(),
             max_model_len=self.max_model_len,
+            cache_salt=cache_salt,
+            pending_forks=num_seqs - 1,
         )
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self._tracked[request_id] = _Tracked(req, IncrementalDetokenizer(self.tokenizer, ids, params),
-                                             logprobs=[] if params.logprobs is not None else None)
+        self._track(group, req)
+        self._groups[request_id] = group
+        for sid in group.seq_ids():
+            self._seq_group[sid] = group
         self.scheduler.add_request(req)
         return req
+
+    def _track(self, group: _Group, req: Request) -> None:
+        params = req.sampling_params
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        group.seqs[req.index] = _Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+                                     logprobs=[] if params.logprobs is not None else None)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -116,8 +147,9 @@ class LLMEngine:
                              f"which must hold the prompt plus at least one generated token")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
-        if params.n > 1 or (params.best_of or 1) > 1:
-            raise ValueError("n > 1 and best_of > 1 are not supported yet (parallel sampling comes with KV sharing)")
+        num_seqs = params.best_of or params.n
+        if num_seqs > self.config.max_num_seqs:
+            raise ValueError(f"n and best_of must be <= max_num_seqs ({self.config.max_num_seqs}), got {num_seqs}")
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         need = self.kv.blocks_for(longest)
         if need > self.kv.num_blocks:
@@ -126,41 +158,63 @@ class LLMEngine:
                 f"but the whole KV pool has {self.kv.num_blocks}; lower max_tokens or enlarge the pool")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop requests wherever they are; their blocks return to the pool at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            self._tracked.pop(rid, None)
+            group = self._groups.get(rid)
+            if group is not None:
+                for sid in group.seq_ids():
+                    self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
+                self._drop(group)
+
+    def _drop(self, group: _Group) -> None:
+        del self._groups[group.request_id]
+        for sid in group.seq_ids():
+            self._seq_group.pop(sid, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return an output for every request
+        that received tokens."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        for s in sched.scheduled:
+            for child in s.forks:
+                self._track(self._seq_group[child.request_id], child)
         result = self.runner.execute(sched, set(self.eos_token_ids))
         sampled = {}
         if result.sampled is not None:
             sampled = dict(zip(result.request_ids, result.sampled.token_ids))
         updated = self.scheduler.update_after_step(sched, sampled)
         rows = {rid: i for i, rid in enumerate(result.request_ids)}
-        return [self._emit(req, result.sampled, rows[req.request_id]) for req in updated]
+        touched: dict[str, _Group] = {}
+        for req in updated:
+            group = self._seq_group[req.request_id]
+            self._update_seq(group.seqs[req.index], result.sampled, rows[req.request_id])
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            out = self._output(group)
+            if out is not None:
+                outputs.append(out)
+            if group.finished:
+                self._drop(group)
+        return outputs
 
-    def _emit(self, req: Request, sampled, row: int) -> RequestOutput:
-        tr = self._tracked[req.request_id]
+    def _update_seq(self, seq: _Seq, sampled, row: int) -> None:
+        req = seq.request
         token = req.output_token_ids[-1]
         req.cumulative_logprob += sampled.logprobs[row]
-        if tr.logprobs is not None:
-            tr.logprobs.append(self._logprob_entry(token, sampled, row))
-        stop = tr.detokenizer.update([token])
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(token, sampled, row))
+        stop = seq.detokenizer.update([token])
         if stop is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             req.stop_reason = stop
-        delta = tr.detokenizer.get_delta(finished=req.is_finished)
-        tr.text += delta
-        if req.is_finished:
-            del self._tracked[req.request_id]
-        return self._output(req, tr, delta)
+        seq.text += seq.detokenizer.get_delta(finished=req.is_finished)
 
     def _logprob_entry(self, token: int, sampled, row: int) -> dict[int, Logprob]:
         entry = {}
@@ -173,16 +227,30 @@ class LLMEngine:
             entry[token] = Logprob(sampled.logprobs[row], rank, self.tokenizer.decode([token], skip_special_tokens=False))
         return entry
 
-    def _output(self, req: Request, tr: _Tracked, delta: str) -> RequestOutput:
-        finish = req.status.value if req.is_finished else None
-        completion = CompletionOutput(
-            index=0, text=tr.text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob, logprobs=tr.logprobs,
-            finish_reason=finish, stop_reason=req.stop_reason,
-        )
-        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.is_finished, metrics, delta_text=delta)
+    def _output(self, group: _Group) -> RequestOutput | None:
+        seqs = [group.seqs[i] for i in sorted(group.seqs)]
+        if group.num_seqs > group.params.n:
+            # best_of: only the final answer, the n most likely sequences.
+            if not group.finished:
+                return None
+            seqs = sorted(seqs, key=lambda s: -s.request.cumulative_logprob)[:group.params.n]
+        completions = [
+            CompletionOutput(
+                index=i, text=s.text, token_ids=list(s.request.output_token_ids),
+                cumulative_logprob=s.request.cumulative_logprob, logprobs=s.logprobs,
+                finish_reason=s.request.status.value if s.request.is_finished else None,
+                stop_reason=s.request.stop_reason,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        first = group.seqs[0].request
+        times = [s.request.first_token_time for s in group.seqs.values() if s.request.first_token_time]
+        finished_times = [s.request.finished_time for s in group.seqs.values() if s.request.finished_time]
+        metrics = RequestMetrics(first.arrival_time, min(times) if times else None,
+                                 max(finished_times) if group.finished else None,
+                                 sum(s.request.num_preemptions for s in group.seqs.values()))
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
+                             metrics, num_cached_tokens=first.num_cached_tokens)
 
     def kv_snapshot(self) -> dict:
         """Who holds which physical block right now: the data behind a block map."""
@@ -191,7 +259,12 @@ class LLMEngine:
             "block_size": self.kv.block_size,
             "num_blocks": pool.num_blocks,
             "ref_cnt": list(pool.ref_cnt),
+            # A free block that still holds a reusable cached prefix.
+            "cached": [c == 0 and h is not None for c, h in zip(pool.ref_cnt, pool.block_hash)],
             "tables": {rid: list(t) for rid, t in self.kv.block_tables.items()},
+            # Sequence id -> the user request it belongs to (n > 1 forks several).
+            "sequence_groups": {rid: self.scheduler.requests[rid].group_id
+                                for rid in self.kv.block_tables if rid in self.scheduler.requests},
         }
 
     def stats(self) -> dict:
@@ -205,5 +278,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "cached_blocks": pool.num_cached_free_blocks,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
             "max_model_len": self.max_model_len,
         }

@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off automatic prefix caching (on by default)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -51,7 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed)
+                seed=args.seed, enable_prefix_caching=args.enable_prefix_caching)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -103,8 +105,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = ""
         while engine.has_unfinished_requests():
             for out in engine.step():
-                print(out.delta_text, end="", flush=True)
-                reply = out.outputs[0].text
+                text = out.outputs[0].text
+                print(text[len(reply):], end="", flush=True)
+                reply = text
         print(flush=True)
         history.append({"role": "assistant", "content": reply})
 

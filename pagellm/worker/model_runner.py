@@ -116,18 +116,33 @@ class ModelRunner:
         ]
         self.block_size = block_size
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give each new block the contents of the shared one it replaces."""
+        src = torch.tensor([a for a, _ in copies], device=self.device)
+        dst = torch.tensor([b for _, b in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
         # Decodes first, so the backend can batch them in one product.
         items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        if sched.block_copies:
+            self.copy_blocks(sched.block_copies)
         input_ids, positions, meta, sample_rows = self._prepare(items)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return StepResult([], None)
-        # Only the last position of each sampling sequence needs logits.
-        logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])
-        reqs = [s.request for _, s in sample_rows]
+        # Only the last position of each sampling sequence needs logits; forked siblings
+        # sample from the same row as their parent.
+        rows, reqs = [], []
+        for row, s in sample_rows:
+            for req in [s.request, *s.forks]:
+                rows.append(row)
+                reqs.append(req)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         sampling = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],

@@ -73,6 +73,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
+        self.num_generation_tokens = 0
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}  # every sequence id in use -> its group
 
@@ -185,10 +187,14 @@ class LLMEngine:
             for child in s.forks:
                 self._track(self._seq_group[child.request_id], child)
         result = self.runner.execute(sched, set(self.eos_token_ids))
+        for s in sched.scheduled:
+            self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
+                                                   - s.start)
         sampled = {}
         if result.sampled is not None:
             sampled = dict(zip(result.request_ids, result.sampled.token_ids))
         updated = self.scheduler.update_after_step(sched, sampled)
+        self.num_generation_tokens += len(sampled)
         rows = {rid: i for i, rid in enumerate(result.request_ids)}
         touched: dict[str, _Group] = {}
         for req in updated:
@@ -281,5 +287,7 @@ class LLMEngine:
             "cached_blocks": pool.num_cached_free_blocks,
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "generation_tokens": self.num_generation_tokens,
             "max_model_len": self.max_model_len,
         }

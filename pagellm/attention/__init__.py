@@ -1,0 +1,3 @@
+from pagellm.attention.selector import select_backend
+
+__all__ = ["select_backend"]

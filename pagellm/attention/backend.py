@@ -44,6 +44,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Paged attention: store the step's K/V through the slot mapping, then attend."""
 
+    # True when a decode-only forward reads tensors and shapes alone (no Python lists of
+    # lengths, no host synchronisation), so it can be captured in a CUDA graph.
+    supports_cuda_graphs: bool = False
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)

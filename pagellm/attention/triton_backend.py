@@ -1,0 +1,62 @@
+"""Paged attention through Triton kernels: the GPU path.
+
+Same contract as `TorchAttentionBackend.forward`: store the step's K/V through the slot
+mapping, then attend; decodes (first `num_decodes` rows) go through the split-K decode
+kernel, everything else (fresh prompts, chunks, prompts with a cached prefix) through one
+prefill launch. The decode path touches only tensors and shapes, so a decode-only step can be
+captured in a CUDA graph (`supports_cuda_graphs`).
+"""
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.triton_kernels import (
+    KernelConfig,
+    default_decode_config,
+    default_prefill_config,
+    paged_decode,
+    paged_prefill,
+    prefill_tiles,
+    store_kv,
+)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graphs = True
+
+    def __init__(self, decode_config: KernelConfig | None = None, prefill_config: KernelConfig | None = None,
+                 num_splits: int | None = None) -> None:
+        """Configs None take each device's defaults; `num_splits` None lets the decode kernel choose."""
+        self.decode_config = decode_config
+        self.prefill_config = prefill_config
+        self.num_splits = num_splits
+        # Every layer gets the same metadata object in one step: build the prefill work list
+        # for the first layer and reuse it in the others.
+        self._tiles_for: AttentionMetadata | None = None
+        self._tiles: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale,
+                         out=out[:nd], num_splits=self.num_splits, config=self.decode_config)
+        if meta.num_seqs > nd:
+            cfg = self.prefill_config or default_prefill_config(q.device, q.shape[-1])
+            paged_prefill(q[nd:], k_cache, v_cache, meta.block_tables, self._prefill_tiles(meta, cfg, q.device),
+                          scale, out=out[nd:], config=cfg)
+        return out
+
+    def _prefill_tiles(self, meta: AttentionMetadata, cfg: KernelConfig, device: torch.device) -> torch.Tensor:
+        if meta is not self._tiles_for:
+            nd = meta.num_decodes
+            self._tiles = prefill_tiles(list(range(nd, meta.num_seqs)), meta.query_lens[nd:], meta.seq_lens[nd:],
+                                        cfg.block_m, device)
+            self._tiles_for = meta
+        return self._tiles
+
+
+__all__ = ["TritonAttentionBackend", "default_decode_config"]

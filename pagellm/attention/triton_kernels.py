@@ -1,0 +1,424 @@
+"""Triton kernels for paged attention and the thin launchers around them.
+
+Owns three jobs over the paged KV pool:
+
+- `store_kv`: write this step's new K/V into their slots (slot = block * block_size + offset);
+  a negative slot is skipped, which is how padded rows of a CUDA-graph batch write nothing.
+- `paged_decode`: one query token per sequence. A program takes one (sequence, KV head, split)
+  and every query head that shares that KV head (GQA), so each K/V tile is read once per KV
+  head. Long contexts are split over several programs (flash-decoding); each writes a partial
+  output and its log-sum-exp, and `_combine_kernel` merges them. The decode path reads only
+  tensors and shapes, never Python lists of lengths, so it can be captured in a CUDA graph.
+- `paged_prefill`: prompts, chunks of prompts, and prompts whose prefix is already cached, in
+  one launch for the whole batch, all K/V read through the block table with the causal offset
+  `context - query_len`. One kernel for the three cases, rather than torch SDPA for fresh
+  prompts plus a paged kernel for the cached part: SDPA would need one call per sequence
+  (ragged lengths) and a gather of any cached prefix into contiguous memory first, while the
+  paged kernel reads the new tokens straight back from the pool, where `store_kv` has just
+  put them (still in L2).
+
+Every cache is [num_blocks, block_size, num_kv_heads, head_dim] (the backend's default
+`kv_cache_shape`) with the last dimension contiguous. Softmax runs in the log2 domain
+(scores pre-multiplied by scale * log2(e)) so the kernels use exp2, and accumulates in fp32.
+Block ids and slots are widened to int64 before they multiply a stride: one layer's pool can
+exceed 2**31 elements on a large GPU.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Store
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    # One program per token: all of its KV heads in one [heads, dim] tile.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, DIM_PAD)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (slot >= 0)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, KVH, D] into the caches at `slot_mapping` [T]; slots < 0 are skipped."""
+    num_tokens, kvh, d = k.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim_contiguous(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1],
+        NUM_KV_HEADS=kvh, HEAD_DIM=d, HEADS_PAD=triton.next_power_of_2(kvh), DIM_PAD=triton.next_power_of_2(d),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_splits, block_size,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_ps, stride_ph, stride_pk,
+    stride_ls, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # Each sequence is cut into `num_splits` runs of whole tiles by its own length, so a graph
+    # captured with many splits (sized for the longest context) still spreads a short sequence
+    # over all of them instead of leaving it on the first. Empty splits (seq_len 0 for padded
+    # graph rows, or fewer tiles than splits) run no iteration and report lse = -inf.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    n = tl.arange(0, BLOCK_N)
+    head = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    # The GROUP query heads of this KV head are the rows of one matrix (padded to GROUP_PAD >= 16
+    # for tl.dot): one pass over K/V serves them all.
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + n
+        valid = pos < hi
+        # A tile may span several pages: look up the physical block of every position.
+        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+        row = block * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        part = part_out_ptr + seq.to(tl.int64) * stride_ps + split * stride_pk
+        tl.store(part + head[:, None] * stride_ph + d[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_ph, stride_pk,
+    stride_ls, stride_lh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    # One program per (sequence, query head): weight each split's output by exp2(lse - max).
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    k = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    k_mask = k < num_splits
+    d_mask = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + k, mask=k_mask, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    # A sequence with nothing to attend to (a padded graph row) gets zeros, not NaN.
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    total = tl.sum(w, axis=0)
+    w = w / tl.where(total > 0, total, 1.0)
+    parts = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph + k[:, None] * stride_pk + d[None, :],
+                    mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.sum(parts * w[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch shape of one kernel; `block_m` is unused by decode."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    block_m: int = 16
+
+
+# Enough programs for a few per multiprocessor, so that the last wave is not mostly idle.
+_DECODE_PROGRAMS_PER_SM = 4
+# Below this many tokens a split's fixed cost (loading q, writing a partial) outweighs its work.
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 32
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """How many programs share one (sequence, KV head): enough to fill the GPU, none too short.
+
+    Depends only on shapes (batch size, the block table's width), never on the lengths in
+    it, so a CUDA graph captured for a batch size keeps a valid choice at every replay.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    want = -(-(_DECODE_PROGRAMS_PER_SM * num_sms) // programs)
+    most = max(1, max_context // _MIN_SPLIT_TOKENS)
+    return max(1, min(want, most, _MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_decode_config(device: torch.device, head_dim: int) -> KernelConfig:
+    if device.type != "cuda":
+        return KernelConfig(block_n=16)  # the interpreter: smallest tile tl.dot accepts
+    return KernelConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
+
+
+def default_prefill_config(device: torch.device, head_dim: int) -> KernelConfig:
+    if device.type != "cuda":
+        return KernelConfig(block_n=16, block_m=16)
+    if head_dim <= 128:
+        return KernelConfig(block_n=64, block_m=64, num_warps=4, num_stages=2)
+    return KernelConfig(block_n=32, block_m=64, num_warps=8, num_stages=2)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                 num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    q: [B, H, D]; block_tables: [B, W]; seq_lens: [B] (context length including the token just
+    stored; 0 gives a zero output). `num_splits` None picks from the shapes. Writes `out`
+    [B, H, D] (may be a strided view) and returns it. No host synchronisation: capturable.
+    """
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    assert h % kvh == 0, f"{h} query heads do not share {kvh} KV heads evenly"
+    _check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    if out is None:
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    block_size = k_cache.shape[1]
+    cfg = config or default_decode_config(q.device, d)
+    if num_splits is None:
+        num_splits = choose_num_splits(b, kvh, block_tables.shape[1] * block_size, _num_sms(q.device))
+    group = h // kvh
+    dim_pad = triton.next_power_of_2(d)
+    direct = num_splits == 1
+    if direct:
+        part_out, part_lse = out, out  # unused placeholders: the kernel writes `out` itself
+        part_strides = (0, 0, 0, 0, 0)
+    else:
+        part_out = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)
+        part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                        part_lse.stride(0), part_lse.stride(1))
+    _decode_kernel[(b, kvh, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_out, part_lse,
+        scale * _LOG2E, num_splits, block_size,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *part_strides,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, DIM_PAD=dim_pad,
+        BLOCK_N=cfg.block_n, DIRECT=direct, PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _combine_kernel[(b, h)](
+            part_out, part_lse, out, num_splits,
+            *part_strides,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=d, DIM_PAD=dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill / extend
+# ---------------------------------------------------------------------------------------------
+# A prefill work item is one tile of BLOCK_M query rows of one sequence, five int32 fields:
+# (block-table row, first query token of the sequence in q, query length, context length,
+# first row of the tile within the sequence's queries).
+_TILE_FIELDS = 5
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, out_ptr,
+    qk_scale, block_size,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tiles_ptr + tl.program_id(0) * 5  # _TILE_FIELDS
+    head = tl.program_id(1)
+    row = tl.load(tile).to(tl.int64)
+    q_first = tl.load(tile + 1)
+    q_len = tl.load(tile + 2)
+    seq_len = tl.load(tile + 3)
+    m_start = tl.load(tile + 4)
+    kvh = head // GROUP
+    # The query rows are the last q_len positions of the context: the first seq_len - q_len are
+    # a cached prefix or earlier chunks, already in the pool.
+    prefix = seq_len - q_len
+    r = m_start + tl.arange(0, BLOCK_M)
+    r_mask = r < q_len
+    q_pos = prefix + r
+    d = tl.arange(0, DIM_PAD)
+    d_mask = d < HEAD_DIM
+    n = tl.arange(0, BLOCK_N)
+    tok = (q_first + r).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table = block_tables_ptr + row * stride_bt
+    # Causal: no row of this tile sees past the tile's last position.
+    hi = tl.minimum(seq_len, prefix + m_start + BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        pos = start + n
+        valid = pos < hi
+        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+        kv_row = block * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        # Every row sees position 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def prefill_tiles(block_table_rows: list[int], query_lens: list[int], seq_lens: list[int], block_m: int,
+                  device: torch.device) -> torch.Tensor:
+    """The work list of `paged_prefill`: one int32 row per BLOCK_M query rows of a sequence.
+
+    Sequence i's queries are tokens [sum(query_lens[:i]), ...) of the q given to the kernel,
+    and its block table is row `block_table_rows[i]`. Built on the host once per step: ragged
+    lengths then cost no idle programs.
+    """
+    rows: list[int] = []
+    q_first = 0
+    for bt_row, ql, sl in zip(block_table_rows, query_lens, seq_lens):
+        for m_start in range(0, ql, block_m):
+            rows += [bt_row, q_first, ql, sl, m_start]
+        q_first += ql
+    return torch.tensor(rows, dtype=torch.int32).view(-1, _TILE_FIELDS).to(device)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  tiles: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                  config: KernelConfig | None = None) -> torch.Tensor:
+    """Causal attention of the prefill tokens q [T, H, D] over their paged contexts.
+
+    `tiles` comes from `prefill_tiles` with the same `config.block_m`; every query token's K/V
+    must already be in the cache. Writes `out` [T, H, D] and returns it.
+    """
+    _, h, d = q.shape
+    kvh = k_cache.shape[2]
+    assert h % kvh == 0, f"{h} query heads do not share {kvh} KV heads evenly"
+    _check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    if out is None:
+        out = torch.empty_like(q)
+    num_tiles = tiles.shape[0]
+    if num_tiles == 0:
+        return out
+    cfg = config or default_prefill_config(q.device, d)
+    _prefill_kernel[(num_tiles, h)](
+        q, k_cache, v_cache, block_tables, tiles, out,
+        scale * _LOG2E, k_cache.shape[1],
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=triton.next_power_of_2(d),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 runs exact ("ieee") so fp32 results match the torch reference; 16-bit inputs go
+    # through the tensor cores whatever this says.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+
+
+__all__ = ["KernelConfig", "choose_num_splits", "default_decode_config", "default_prefill_config",
+           "paged_decode", "paged_prefill", "prefill_tiles", "store_kv"]

@@ -1,0 +1,221 @@
+"""The Triton kernels against plain attention over contiguous K/V.
+
+On a CPU they run under Triton's interpreter (tests/attention/conftest.py switches it on), so
+shapes are small and cases few; on a GPU the same cases run compiled, in fp32 and bf16.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagellm.attention.backend import AttentionMetadata  # noqa: E402
+from pagellm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagellm.attention.triton_kernels import (  # noqa: E402
+    KernelConfig,
+    choose_num_splits,
+    paged_decode,
+    paged_prefill,
+    prefill_tiles,
+    store_kv,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# fp32 everywhere; bf16 only where it is compiled (the interpreter's numpy has no bf16).
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [ql, H, D], the last ql positions of a context with K/V k, v: [ctx, KVH, D]; fp64, causal."""
+    ql, h, _ = q.shape
+    ctx, kvh, _ = k.shape
+    q, k, v = q.double(), k.double().repeat_interleave(h // kvh, 1), v.double().repeat_interleave(h // kvh, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@dataclass
+class Batch:
+    """Sequences laid out in a shuffled paged pool, as the model runner would leave them."""
+
+    shapes: list[tuple[int, int]]  # (tokens already cached, tokens computed this step)
+    q: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    full_k: list[torch.Tensor]
+    full_v: list[torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    slots: torch.Tensor
+    tables: list[list[int]]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + n for c, n in self.shapes]
+
+    def meta(self) -> AttentionMetadata:
+        sl = self.seq_lens
+        return AttentionMetadata(
+            slot_mapping=self.slots, block_tables=self.block_tables, query_lens=[n for _, n in self.shapes],
+            seq_lens=sl, seq_lens_tensor=torch.tensor(sl, device=DEVICE),
+            num_decodes=sum(n == 1 for _, n in self.shapes), block_size=self.k_cache.shape[1])
+
+    def expected(self, scale: float) -> torch.Tensor:
+        outs, start = [], 0
+        for (_, n), k, v in zip(self.shapes, self.full_k, self.full_v):
+            outs.append(naive(self.q[start:start + n], k, v, scale))
+            start += n
+        return torch.cat(outs)
+
+
+def make_batch(shapes, heads, head_dim, block_size, dtype, seed, num_blocks=64, store_new=False) -> Batch:
+    """Random K/V for each sequence; the cached part written into the pool, the new part returned.
+
+    With `store_new`, the new tokens are written into the pool too (what store_kv would do), for
+    kernels that only read the pool.
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    h, kvh = heads
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    k_cache = rand(num_blocks, block_size, kvh, head_dim)  # garbage everywhere nothing was written
+    v_cache = rand(num_blocks, block_size, kvh, head_dim)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    full_k, full_v, tables, qs, ks, vs, slots = [], [], [], [], [], [], []
+    for cached, new in shapes:
+        ctx = cached + new
+        k_all, v_all = rand(ctx, kvh, head_dim), rand(ctx, kvh, head_dim)
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        upto = ctx if store_new else cached
+        for p in range(upto):
+            k_cache[table[p // block_size], p % block_size] = k_all[p]
+            v_cache[table[p // block_size], p % block_size] = v_all[p]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, ctx)]
+        full_k.append(k_all), full_v.append(v_all), tables.append(table)
+        qs.append(rand(new, h, head_dim)), ks.append(k_all[cached:]), vs.append(v_all[cached:])
+    width = max(map(len, tables)) + 1  # one spare column: padding the kernels must never read
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    d = DEVICE
+    return Batch(list(shapes), torch.cat(qs).to(d), torch.cat(ks).to(d), torch.cat(vs).to(d),
+                 [x.to(d) for x in full_k], [x.to(d) for x in full_v], k_cache.to(d), v_cache.to(d),
+                 torch.tensor(padded, device=d), torch.tensor(slots, device=d), tables)
+
+
+# ---- store ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_slots_and_skips_negative(dtype):
+    kvh, d, bs, nb = 2, 16, 4, 8
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(5, kvh, d, generator=gen).to(dtype).to(DEVICE)
+    # A strided V, as the model hands it over (a slice of the fused qkv projection).
+    v = torch.randn(5, kvh, 2 * d, generator=gen).to(dtype).to(DEVICE)[..., :d]
+    k_cache = torch.zeros(nb, bs, kvh, d, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([9, 0, -1, 31, 14], device=DEVICE)
+    store_kv(k, v, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_k[s // bs, s % bs], want_v[s // bs, s % bs] = k[t], v[t]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+# ---- decode -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 16), ((8, 4), 32), ((8, 2), 16)])
+def test_decode_matches_naive(heads, head_dim, block_size, num_splits):
+    # Ragged contexts: one token, one short of a block, a block, and a few blocks and a bit.
+    shapes = [(0, 1), (block_size - 2, 1), (block_size - 1, 1), (45, 1), (17, 1)]
+    for dtype in DTYPES:
+        b = make_batch(shapes, heads, head_dim, block_size, dtype, seed=block_size + num_splits, store_new=True)
+        scale = head_dim ** -0.5
+        out = paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, torch.tensor(b.seq_lens, device=DEVICE),
+                           scale, num_splits=num_splits)
+        torch.testing.assert_close(out.double(), b.expected(scale), **TOL[dtype])
+
+
+def test_decode_split_choice_and_empty_rows():
+    """More splits than tiles, a strided output view, and seq_len 0 rows (padded graph rows) giving zeros."""
+    b = make_batch([(30, 1), (3, 1)], (4, 2), 16, 4, torch.float32, seed=7, store_new=True)
+    seq_lens = torch.tensor(b.seq_lens + [0], device=DEVICE)
+    q = torch.cat([b.q, torch.randn(1, 4, 16, device=DEVICE)])
+    tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables[:1])])
+    scale = 0.25
+    for splits in (1, 5):
+        out = torch.full((3, 4, 32), 7.0, device=DEVICE)[..., :16]
+        paged_decode(q, b.k_cache, b.v_cache, tables, seq_lens, scale, out=out, num_splits=splits)
+        torch.testing.assert_close(out[:2].double(), b.expected(scale), atol=1e-3, rtol=1e-3)
+        assert torch.equal(out[2], torch.zeros(4, 16, device=DEVICE))
+
+
+def test_choose_num_splits():
+    # Many sequences already fill the GPU: no split.
+    assert choose_num_splits(256, 8, 4096, 132) == 1
+    # One long sequence spreads over many programs, but not past the cap.
+    assert choose_num_splits(1, 8, 131072, 132) == 32
+    # A short context never makes splits shorter than their fixed cost.
+    assert choose_num_splits(1, 8, 300, 132) == 1
+    assert choose_num_splits(64, 8, 4096, 132) == 2
+
+
+# ---- prefill / extend ---------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size,heads,head_dim", [(4, (4, 4), 16), (16, (8, 2), 32)])
+def test_prefill_matches_naive(block_size, heads, head_dim):
+    # A fresh prompt, a one-token prompt, a chunk on earlier chunks, a prompt with a cached
+    # prefix (whole blocks) and a long chunk crossing several query tiles.
+    shapes = [(0, 13), (0, 1), (9, 7), (2 * block_size, 5), (3, 40)]
+    cfg = KernelConfig(block_n=16, block_m=16) if DEVICE.type == "cpu" else None
+    for dtype in DTYPES:
+        b = make_batch(shapes, heads, head_dim, block_size, dtype, seed=block_size, store_new=True)
+        scale = head_dim ** -0.5
+        tiles = prefill_tiles(list(range(len(shapes))), [n for _, n in shapes], b.seq_lens,
+                              cfg.block_m if cfg else 64, DEVICE)
+        out = paged_prefill(b.q, b.k_cache, b.v_cache, b.block_tables, tiles, scale, config=cfg)
+        torch.testing.assert_close(out.double(), b.expected(scale), **TOL[dtype])
+
+
+# ---- the backend ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size,heads", [(4, (8, 2)), (16, (4, 4))])
+def test_backend_matches_torch_backend_on_mixed_batch(block_size, heads):
+    # Decodes first, then a fresh prompt, a chunk over a cached part, and a cached prefix.
+    shapes = [(12, 1), (0, 1), (33, 1), (0, 11), (9, 7), (block_size, 3)]
+    head_dim = 16
+    scale = head_dim ** -0.5
+    caches = {}
+    outs = {}
+    for name, backend in (("torch", TorchAttentionBackend()), ("triton", TritonAttentionBackend(num_splits=2))):
+        b = make_batch(shapes, heads, head_dim, block_size, torch.float32, seed=3)
+        outs[name] = backend.forward(b.q, b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta(), scale)
+        caches[name] = (b.k_cache, b.v_cache)
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(outs["triton"].double(), b.expected(scale), atol=1e-3, rtol=1e-3)
+    assert torch.equal(caches["triton"][0], caches["torch"][0])
+    assert torch.equal(caches["triton"][1], caches["torch"][1])
+
+
+def test_select_backend():
+    from pagellm.attention import select_backend
+
+    assert type(select_backend(torch.device("cpu"))).__name__ == "TorchAttentionBackend"
+    assert type(select_backend(torch.device("cpu"), "torch")).__name__ == "TorchAttentionBackend"
+    # Under the interpreter (CPU) or on a GPU, "triton" is allowed.
+    assert isinstance(select_backend(DEVICE, "triton"), TritonAttentionBackend)
+    if DEVICE.type == "cuda":
+        assert isinstance(select_backend(DEVICE), TritonAttentionBackend)
+    with pytest.raises(ValueError, match="attention backend"):
+        select_backend(torch.device("cpu"), "flash")

@@ -15,12 +15,15 @@ _EXPORTS = {
     "LLMEngine": "pagellm.engine.llm_engine",
     "EngineConfig": "pagellm.config",
     "SamplingParams": "pagellm.sampling_params",
+    "BeamSearchParams": "pagellm.beam_search",
+    "BeamSearchOutput": "pagellm.beam_search",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
+    from pagellm.beam_search import BeamSearchOutput, BeamSearchParams
     from pagellm.config import EngineConfig
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM

@@ -74,6 +74,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_tokens_to_compute == 0:
+                i += 1  # a beam holding its blocks while its siblings catch up
+                continue
             n = min(req.num_tokens_to_compute, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
@@ -129,14 +132,26 @@ class Scheduler:
             params = parent.sampling_params
             if params.seed is not None:
                 params = replace(params, seed=params.seed + i)
-            child = parent.fork(f"{parent.group_id}#{i}", i, params)
+            child = self.fork_request(parent, f"{parent.group_id}#{i}", i, params)
             child.num_computed_tokens = s.start + s.num_new_tokens
-            self.kv.fork(parent, child)
-            self.requests[child.request_id] = child
-            self.running.append(child)
             children.append(child)
         parent.pending_forks = 0
         return children
+
+    def fork_request(self, parent: Request, child_id: str, index: int, params) -> Request:
+        """A new sequence continuing `parent` from where it is now. If the parent holds
+        blocks, the child shares them all by reference (copy-on-write later); if it
+        was preempted, the child waits to be recomputed like it."""
+        child = parent.fork(child_id, index, params)
+        self.requests[child_id] = child
+        if parent.request_id in self.kv.block_tables:
+            self.kv.fork(parent, child)
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+        return child
 
     def _preempt(self, req: Request) -> None:
         """Free all of a request's blocks and queue it first to recompute them later."""

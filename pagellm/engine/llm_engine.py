@@ -3,10 +3,12 @@ update the requests, detokenize and emit outputs."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from pagellm.beam_search import Beam, BeamSearchParams, BeamState
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
@@ -48,6 +50,23 @@ class _Group:
         return len(self.seqs) == self.num_seqs and all(s.request.is_finished for s in self.seqs.values())
 
 
+@dataclass
+class _BeamGroup:
+    """One beam-search request: its live beams (each a sequence in the scheduler) and
+    the candidates they have reported this round."""
+
+    request_id: str
+    state: BeamState
+    requests: dict[str, Request]
+    root: Request
+    pending: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    next_seq: int = 1
+
+    @property
+    def finished(self) -> bool:
+        return self.state.done
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -75,8 +94,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
         self.num_generation_tokens = 0
-        self._groups: dict[str, _Group] = {}
-        self._seq_group: dict[str, _Group] = {}  # every sequence id in use -> its group
+        self._groups: dict[str, _Group | _BeamGroup] = {}
+        self._seq_group: dict[str, _Group | _BeamGroup] = {}  # every sequence id in use -> its group
 
     @staticmethod
     def _resolve_max_model_len(asked: int | None, model_max: int) -> int:
@@ -105,6 +124,7 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Validate, tokenize and queue a request. Raises ValueError, changing nothing, on bad input."""
         params = params or SamplingParams()
+        self._check_request_id(request_id)
         num_seqs = params.best_of or params.n
         group = _Group(request_id, num_seqs, params, {})
         taken = next((sid for sid in group.seq_ids() if sid in self._seq_group), None)
@@ -130,6 +150,34 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return req
 
+    def _check_request_id(self, request_id: str) -> None:
+        if not isinstance(request_id, str) or not request_id or "#" in request_id:
+            raise ValueError(f"request_id must be a non-empty string without '#' (kept for sibling sequences), "
+                             f"got {request_id!r}")
+        if request_id in self._seq_group:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def add_beam_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                         arrival_time: float | None = None) -> Request:
+        """Queue a beam search. Its beams are sequences like any other; between rounds
+        the engine forks the chosen ones and drops the rest."""
+        self._check_request_id(request_id)
+        text, ids = self.tokenize_prompt(prompt)
+        w = params.beam_width
+        # Each beam reads the top 2W continuations of its last position, greedily "sampled".
+        seq_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2 * w)
+        # A round waits for every beam, so all W must be able to hold their blocks at once.
+        self._validate(ids, seq_params, num_seqs=w, seqs_at_once=w)
+        req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=seq_params,
+                      eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time or time.time(),
+                      max_model_len=self.max_model_len)
+        group = _BeamGroup(request_id, BeamState(params, self.eos_token_ids, [Beam(request_id, [], np.float32(0))]),
+                           {request_id: req}, root=req)
+        self._groups[request_id] = group
+        self._seq_group[request_id] = group
+        self.scheduler.add_request(req)
+        return req
+
     def _track(self, group: _Group, req: Request) -> None:
         params = req.sampling_params
         if params.seed is not None:
@@ -137,7 +185,8 @@ class LLMEngine:
         group.seqs[req.index] = _Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
                                      logprobs=[] if params.logprobs is not None else None)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams, num_seqs: int | None = None,
+                  seqs_at_once: int = 1) -> None:
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.arch.vocab_size
@@ -149,14 +198,16 @@ class LLMEngine:
                              f"which must hold the prompt plus at least one generated token")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
-        num_seqs = params.best_of or params.n
+        num_seqs = num_seqs or params.best_of or params.n
         if num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"n and best_of must be <= max_num_seqs ({self.config.max_num_seqs}), got {num_seqs}")
+            raise ValueError(f"n, best_of and beam_width must be <= max_num_seqs ({self.config.max_num_seqs}), "
+                             f"got {num_seqs}")
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        need = self.kv.blocks_for(longest)
+        need = self.kv.blocks_for(longest) * seqs_at_once
         if need > self.kv.num_blocks:
             raise ValueError(
-                f"the request needs up to {need} KV blocks ({longest} tokens at block_size {self.kv.block_size}) "
+                f"the request needs up to {need} KV blocks ({seqs_at_once} x {longest} tokens at block_size "
+                f"{self.kv.block_size}) "
                 f"but the whole KV pool has {self.kv.num_blocks}; lower max_tokens or enlarge the pool")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -164,13 +215,17 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self._groups.get(rid)
             if group is not None:
-                for sid in group.seq_ids():
+                for sid in self._seq_ids(group):
                     self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
                 self._drop(group)
 
-    def _drop(self, group: _Group) -> None:
+    @staticmethod
+    def _seq_ids(group: _Group | _BeamGroup) -> list[str]:
+        return list(group.requests) if isinstance(group, _BeamGroup) else group.seq_ids()
+
+    def _drop(self, group: _Group | _BeamGroup) -> None:
         del self._groups[group.request_id]
-        for sid in group.seq_ids():
+        for sid in self._seq_ids(group):
             self._seq_group.pop(sid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -190,13 +245,24 @@ class LLMEngine:
         for s in sched.scheduled:
             self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                                                    - s.start)
-        sampled = {}
+        sampled, beam_rows = {}, []
         if result.sampled is not None:
-            sampled = dict(zip(result.request_ids, result.sampled.token_ids))
+            for i, (rid, token) in enumerate(zip(result.request_ids, result.sampled.token_ids)):
+                if isinstance(self._seq_group[rid], _BeamGroup):
+                    beam_rows.append((rid, i))
+                else:
+                    sampled[rid] = token
         updated = self.scheduler.update_after_step(sched, sampled)
         self.num_generation_tokens += len(sampled)
         rows = {rid: i for i, rid in enumerate(result.request_ids)}
-        touched: dict[str, _Group] = {}
+        touched: dict[str, _Group | _BeamGroup] = {}
+        for rid, row in beam_rows:
+            group = self._seq_group[rid]
+            group.pending[rid] = result.sampled.top_logprobs[row]
+            if len(group.pending) == len(group.state.live):
+                self._advance_beams(group)
+                if group.finished:
+                    touched[group.request_id] = group
         for req in updated:
             group = self._seq_group[req.request_id]
             self._update_seq(group.seqs[req.index], result.sampled, rows[req.request_id])
@@ -209,6 +275,44 @@ class LLMEngine:
             if group.finished:
                 self._drop(group)
         return outputs
+
+    def _advance_beams(self, group: _BeamGroup) -> None:
+        """Every live beam has reported: choose the next beams, then fork the ones chosen
+        more than once (sharing blocks) and drop the ones not chosen (releasing them)."""
+        state = group.state
+        old = {b.seq_id: b for b in state.live}
+        selections = state.select(group.pending)
+        group.pending = {}
+        self.num_generation_tokens += len(selections)
+        chosen = {sel.parent for sel in selections}
+        for sid in old:
+            if state.done or sid not in chosen:
+                self.scheduler.finish_request(sid, RequestStatus.FINISHED_STOPPED)
+                del group.requests[sid]
+                self._seq_group.pop(sid, None)
+        if state.done:
+            return
+        reused: set[str] = set()
+        appends = []
+        live = []
+        for sel in selections:
+            parent = old[sel.parent]
+            if sel.parent in reused:
+                sid = f"{group.request_id}#{group.next_seq}"
+                group.next_seq += 1
+                parent_req = group.requests[sel.parent]
+                req = self.scheduler.fork_request(parent_req, sid, group.next_seq, parent_req.sampling_params)
+                group.requests[sid] = req
+                self._seq_group[sid] = group
+            else:
+                reused.add(sel.parent)
+                sid = sel.parent
+            appends.append((group.requests[sid], sel.token))
+            live.append(Beam(sid, parent.tokens + [sel.token], sel.score))
+        # Tokens go in only after every fork, so each child starts from its parent's state.
+        for req, token in appends:
+            req.append_token(token)
+        state.live = live
 
     def _update_seq(self, seq: _Seq, sampled, row: int) -> None:
         req = seq.request
@@ -233,7 +337,23 @@ class LLMEngine:
             entry[token] = Logprob(sampled.logprobs[row], rank, self.tokenizer.decode([token], skip_special_tokens=False))
         return entry
 
-    def _output(self, group: _Group) -> RequestOutput | None:
+    def _beam_output(self, group: _BeamGroup) -> RequestOutput:
+        results = group.state.results(self.tokenizer.decode)
+        completions = [
+            CompletionOutput(index=i, text=seq.text, token_ids=seq.token_ids,
+                             cumulative_logprob=seq.cumulative_logprob, logprobs=None,
+                             finish_reason="stop" if seq.token_ids and seq.token_ids[-1] in self.eos_token_ids
+                             and not group.state.params.ignore_eos else "length")
+            for i, seq in enumerate(results.sequences)
+        ]
+        first = group.root
+        now = time.time()
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, True,
+                             RequestMetrics(first.arrival_time, first.first_token_time, now, first.num_preemptions))
+
+    def _output(self, group: _Group | _BeamGroup) -> RequestOutput | None:
+        if isinstance(group, _BeamGroup):
+            return self._beam_output(group)
         seqs = [group.seqs[i] for i in sorted(group.seqs)]
         if group.num_seqs > group.params.n:
             # best_of: only the final answer, the n most likely sequences.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+from pagellm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
@@ -65,6 +66,31 @@ class LLM:
         prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
                                                    add_special_tokens=False)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; all prompts' beams run in the same batches.
+
+        Each result's `.sequences` are sorted best first (by cumulative logprob over
+        generated_length ** length_penalty, as in Hugging Face transformers).
+        """
+        prompts = _as_list(prompts)
+        ids = []
+        try:
+            for prompt in prompts:
+                rid = str(next(self._ids))
+                self.engine.add_beam_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        results = []
+        for out in self._run(ids, use_tqdm):
+            seqs = [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob,
+                                       c.cumulative_logprob / max(1, len(c.token_ids)) ** params.length_penalty)
+                    for c in out.outputs]
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def stats(self) -> dict:
         return self.engine.stats()

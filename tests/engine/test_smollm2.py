@@ -7,8 +7,9 @@ import pytest
 import torch
 import transformers
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, BeamSearchParams, SamplingParams
 from tests.conftest import hf_greedy
+from tests.engine.test_beam_search import hf_beam
 
 N_NEW = 20
 TEXTS = [
@@ -24,11 +25,15 @@ def llm(smollm2_gguf) -> LLM:
     return LLM(smollm2_gguf, max_model_len=1024, kv_cache_memory=256 << 20)
 
 
-@pytest.mark.slow
-def test_greedy_matches_transformers_gguf(llm, smollm2_gguf):
+@pytest.fixture(scope="module")
+def hf(smollm2_gguf):
     path = Path(smollm2_gguf)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_gguf(llm, hf):
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
     expected = [hf_greedy(hf, p, N_NEW) for p in prompts]
@@ -44,3 +49,12 @@ def test_chat_knows_paris(llm):
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, not by length
     assert llm.stats()["used_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_beam_search_matches_transformers_gguf(llm, hf):
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS[:2]]
+    results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(3, 12))
+    for p, res in zip(prompts, results):
+        assert res.sequences[0].token_ids == hf_beam(hf, p, 3, 12, 1.0, tok.eos_token_id)

@@ -3,39 +3,17 @@ directories, and the bundled SmolLM2 GGUF."""
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def _byte_tokenizer(path: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer with no merges: 256 byte tokens plus specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(ByteLevel.alphabet())
-    specials = ["<s>", "</s>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + alphabet)}
-    assert len(vocab) <= vocab_size
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+from pagellm.model.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE, write_byte_tokenizer
 
 
 def _save(model, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
-    _byte_tokenizer(path, model.config.vocab_size)
+    write_byte_tokenizer(path, model.config.vocab_size, CHAT_TEMPLATE)
     return path
 
 

@@ -161,7 +161,10 @@ def test_abort_group_frees_every_sequence(tiny_llama_dir):
     eng.abort_request("g")
     assert not eng.has_unfinished_requests()
     _all_free(llm)
+    eng.add_request("h", {"prompt_token_ids": [3]}, SamplingParams(n=2))
     with pytest.raises(ValueError, match="already in use"):
-        eng.add_request("h", {"prompt_token_ids": [3]}, SamplingParams(n=2))
+        eng.add_request("h", {"prompt_token_ids": [3]})
+    with pytest.raises(ValueError, match="without '#'"):
         eng.add_request("h#1", {"prompt_token_ids": [3]})
     eng.abort_request("h")
+    _all_free(llm)

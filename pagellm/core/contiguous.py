@@ -48,7 +48,6 @@ class ExtentPool:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
         self._starts: list[int] = [0]
         self._lens: list[int] = [num_blocks]
         self._num_free = num_blocks
@@ -56,6 +55,14 @@ class ExtentPool:
     @property
     def num_free_blocks(self) -> int:
         return self._num_free
+
+    @property
+    def ref_cnt(self) -> list[int]:
+        """1 for an allocated block, 0 for a free one (built on demand: O(num_blocks))."""
+        out = [1] * self.num_blocks
+        for start, length in zip(self._starts, self._lens):
+            out[start:start + length] = [0] * length
+        return out
 
     @property
     def num_used_blocks(self) -> int:
@@ -71,7 +78,8 @@ class ExtentPool:
         return max(self._lens, default=0)
 
     def is_free(self, block_id: int) -> bool:
-        return self.ref_cnt[block_id] == 0
+        i = bisect.bisect_right(self._starts, block_id) - 1
+        return i >= 0 and block_id < self._starts[i] + self._lens[i]
 
     def allocate(self, n: int) -> int | None:
         """First-fit: the start of a run of n free blocks at the lowest address, or None."""
@@ -104,11 +112,12 @@ class ExtentPool:
 
     def free(self, start: int, n: int) -> None:
         """Return the run [start, start+n) and merge it with free neighbours."""
-        for b in range(start, start + n):
-            assert self.ref_cnt[b] == 1, f"double free of block {b}"
-            self.ref_cnt[b] = 0
-        self._num_free += n
         i = bisect.bisect_left(self._starts, start)
+        # The run must not overlap the free extents on either side of it (a double free).
+        assert 0 <= start and start + n <= self.num_blocks, f"blocks {start}..{start + n - 1} out of range"
+        assert i == 0 or self._starts[i - 1] + self._lens[i - 1] <= start, f"double free of block {start}"
+        assert i == len(self._starts) or start + n <= self._starts[i], f"double free of block {start + n - 1}"
+        self._num_free += n
         merge_prev = i > 0 and self._starts[i - 1] + self._lens[i - 1] == start
         merge_next = i < len(self._starts) and self._starts[i] == start + n
         if merge_prev and merge_next:
@@ -124,8 +133,6 @@ class ExtentPool:
             self._lens.insert(i, n)
 
     def _take(self, start: int, n: int) -> None:
-        for b in range(start, start + n):
-            self.ref_cnt[b] = 1
         self._num_free -= n
 
 

@@ -1,0 +1,11 @@
+"""`pagellm bench ...`: the benchmark subcommands, registered on the main CLI."""
+from __future__ import annotations
+
+
+def add_bench_parser(sub) -> None:
+    from pagellm.bench import memory, sharing, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: memory, throughput, sharing (results in benchmarks/results/)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for module in (memory, throughput, sharing):
+        module.add_parser(bench_sub)

@@ -1,0 +1,139 @@
+"""What every bench command shares: where results go, the metadata that makes them
+reproducible (machine, versions, git commit, command line), tables, plots, progress."""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+RESULTS_DIR = Path("benchmarks") / "results"
+
+
+def output_paths(name: str, out: str | None) -> tuple[Path, Path]:
+    """(json, png) paths: `--out` as given (with or without an extension), else
+    benchmarks/results/<name>-<date>."""
+    if out is None:
+        stem = RESULTS_DIR / f"{name}-{_dt.date.today().isoformat()}"
+    else:
+        stem = Path(out)
+        if stem.suffix in (".json", ".png"):
+            stem = stem.with_suffix("")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    return stem.with_suffix(".json"), stem.with_suffix(".png")
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+            mem = round(kb / (1 << 20), 1)
+    except (OSError, StopIteration):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform()}
+
+
+def versions(extra: Sequence[str] = ()) -> dict:
+    """Installed versions, read from package metadata so nothing heavy is imported."""
+    out = {"python": platform.python_version()}
+    for pkg in ("pagellm", "torch", "transformers", *extra):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def git_commit() -> dict:
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def metadata(name: str, argv: Sequence[str] | None = None, extra_versions: Sequence[str] = ()) -> dict:
+    argv = list(sys.argv if argv is None else argv)
+    return {
+        "benchmark": name,
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "machine": machine_info(),
+        "versions": versions(extra_versions),
+        "git": git_commit(),
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+
+
+def _jsonable(x: Any):
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain-text table with right-aligned numbers."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(vals: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def _fmt(c: Any) -> str:
+    if c is None:
+        return "-"
+    if isinstance(c, float):
+        if c != c:
+            return "nan"
+        if abs(c) >= 100:
+            return f"{c:,.0f}"
+        if abs(c) >= 1:
+            return f"{c:.2f}"
+        return f"{c:.3f}"
+    return str(c)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def progress(iterable=None, total: int | None = None, desc: str = "", enable: bool = True, unit: str = "it"):
+    """A tqdm bar on stderr, or a silent pass-through."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, disable=not enable, unit=unit, leave=False)

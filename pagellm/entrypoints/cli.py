@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+    from pagellm.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
     from pagellm.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

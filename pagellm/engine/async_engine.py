@@ -1,0 +1,335 @@
+"""The engine on a thread of its own, driven from asyncio.
+
+`LLMEngine` is not thread-safe and `step()` blocks for up to a second, so one thread owns
+the engine: it drains a queue of commands (add, abort, call), steps while work is pending
+and otherwise sleeps on the queue. Each step's outputs go back to the event loop in one
+`call_soon_threadsafe`, onto a per-request `asyncio.Queue`; the event loop never blocks.
+
+A request whose consumer goes away (cancelled, closed, or `abort()`) is aborted at once
+and its blocks return to the pool. A step that raises fails the requests it was running
+(the batch cannot be told apart) and the engine goes on serving the next ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from pagellm.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm.async_engine")
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting for their first token; try again later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served (HTTP 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; every request in that step fails with this error (HTTP 500)."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before it finished."""
+
+
+class StepObserver(Protocol):
+    """Called on the engine thread, in step order: the hook for metrics."""
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
+
+    def on_abort(self, request_id: str, now: float) -> None: ...
+
+    def on_error(self, request_id: str, now: float) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterate it with `async for`.
+
+    Leaving it before the last output (an exception, `break`, a cancelled task) must be
+    followed by `abort()`; `AsyncLLMEngine.generate` and `async with` do that.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: whoever waited for this request is gone
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncLLMEngine:
+    """`LLMEngine` for asyncio: `add_request` / `generate` give each request its own stream."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
+                 observer: StepObserver | None = None) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None, got {max_waiting_requests}")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self._observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        # Event-loop side: the open streams, and those still waiting for their first output.
+        self._streams: dict[str, RequestStream] = {}
+        self._unstarted: set[str] = set()
+        # Engine-thread side: the requests the engine holds.
+        self._live: set[str] = set()
+        self._stats: dict = engine.stats()
+        self.num_step_failures = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine(config), **kwargs)
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread after its current step; open requests fail."""
+        if self._thread is None:
+            return
+        self._commands.put(("stop",))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+        self._fail(list(self._streams), EngineDeadError("the engine has shut down"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    # ---- requests --------------------------------------------------------------------------
+    @property
+    def num_unstarted(self) -> int:
+        """Requests that have not produced their first output yet (queued, or in prefill)."""
+        return len(self._unstarted)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+        """Hand a request to the engine; returns once the engine accepted it.
+
+        Raises ValueError for bad input (the engine's message), QueueFullError when
+        `max_waiting_requests` are already waiting, EngineDeadError when the engine is gone.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.max_waiting_requests is not None and len(self._unstarted) >= self.max_waiting_requests:
+            raise QueueFullError(f"{len(self._unstarted)} requests are already waiting "
+                                 f"(max_waiting_requests is {self.max_waiting_requests}); retry later")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._unstarted.add(request_id)
+        accepted = self._loop.create_future()
+        self._commands.put(("add", request_id, prompt, params, accepted, time.time()))
+        try:
+            await accepted
+        except BaseException:
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request, cumulative as `LLMEngine.step` returns them.
+
+        The request is aborted as soon as the consumer stops early: cancelled while waiting
+        for an output, or closing the generator (`contextlib.aclosing`, or when it is collected).
+        """
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request now: its stream ends with RequestAborted and its blocks are freed."""
+        stream = self._streams.pop(request_id, None)
+        self._unstarted.discard(request_id)
+        if stream is None:
+            return
+        stream._queue.put_nowait(RequestAborted(f"request {request_id!r} was aborted"))
+        self._commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps and return its result."""
+        self._check_alive()
+        fut = self._loop.create_future()
+        self._commands.put(("call", fn, fut))
+        return await fut
+
+    def stats(self) -> dict:
+        """The engine's stats as of its last step (never waits for the engine)."""
+        return {**self._stats, "num_unstarted": len(self._unstarted), "num_step_failures": self.num_step_failures}
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+        if self._thread is None or self._loop is None:
+            raise EngineDeadError("the engine is not started")
+
+    # ---- event-loop side of the hand-over --------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            self._unstarted.discard(out.request_id)
+            if out.finished:
+                del self._streams[out.request_id]
+            stream._queue.put_nowait(out)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            self._unstarted.discard(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._queue.put_nowait(error)
+
+    @staticmethod
+    def _resolve(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        if fut.done():  # the awaiting task was cancelled
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def _to_loop(self, fn: Callable, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            pass
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                for cmd in self._drain(block=not busy):
+                    if cmd[0] == "stop":
+                        return
+                    self._handle(cmd)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._stats = self.engine.stats()
+        except BaseException as e:  # a bug outside step(): nothing can be trusted any more
+            logger.exception("the engine thread died")
+            self._dead = e
+            self._to_loop(self._fail_all, EngineDeadError(f"the engine thread died: {e!r}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail(list(self._streams), error)
+
+    def _drain(self, block: bool) -> list[tuple]:
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, fut, arrival = cmd
+            try:
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+            except Exception as e:
+                self._to_loop(self._resolve, fut, None, e)
+            else:
+                self._live.add(rid)
+                self._to_loop(self._resolve, fut, None, None)
+        elif kind == "abort":
+            rid = cmd[1]
+            if rid in self._live:
+                self._live.discard(rid)
+                self.engine.abort_request(rid)
+                if self._observer is not None:
+                    self._observer.on_abort(rid, time.time())
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                self._to_loop(self._resolve, fut, None, e)
+            else:
+                self._to_loop(self._resolve, fut, result, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.num_step_failures += 1
+            failed = sorted(self._live)
+            logger.exception("engine step failed; failing its %d requests", len(failed))
+            # Aborting frees their blocks; if even that fails the engine's state is lost.
+            self.engine.abort_request(failed)
+            self._live.clear()
+            if self._observer is not None:
+                for rid in failed:
+                    self._observer.on_error(rid, time.time())
+            self._to_loop(self._fail, failed, EngineStepError(f"internal error while generating: {e!r}"))
+            return
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        if self._observer is not None:
+            try:
+                self._observer.on_outputs(outputs, time.time())
+            except Exception:  # metrics must never take the engine down
+                logger.exception("step observer failed")
+        if outputs:
+            self._to_loop(self._deliver, outputs)

@@ -1,0 +1,172 @@
+"""The FastAPI app: routes, error handlers, middleware, and `run_server` for `pagellm serve`."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+import pagellm
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.openai import dashboard
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagellm.entrypoints.openai.metrics import ServerMetrics
+from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                 TokenizeRequest)
+from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
+
+logger = logging.getLogger("pagellm.server")
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_request_body_bytes: int = 4 << 20
+
+
+def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
+    """The app around an engine that is not started yet; the app's lifespan starts and stops it."""
+    model_name = config.served_model_names[0]
+    completions = OpenAIServingCompletion(engine, config.served_model_names)
+    chat = OpenAIServingChat(engine, config.served_model_names)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI (and vLLM) answer 400 for a malformed body.
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+        return bad_request(message, param=loc[0] if loc else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return OpenAIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}", code="internal_error").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            error = engine.dead_error
+            raise OpenAIError(503, f"the engine is not running{f': {error!r}' if error else ''}",
+                              code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagellm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pagellm", "root": engine.engine.model_path,
+             "parent": None, "max_model_len": engine.max_model_len, "permission": []}
+            for name in config.served_model_names]}
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(req, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(req, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        completions.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = chat.render(req.messages, req.add_generation_prompt)
+        else:
+            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        completions.check_model(req.model)
+        vocab = engine.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    dashboard.register(app, engine, metrics, model_name)
+
+    # Outermost first: the key is checked before a large body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, ServerConfig]:
+    from pagellm.config import EngineConfig
+    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.entrypoints.cli import engine_kwargs
+    from pagellm.entrypoints.openai.cli_args import default_model_name
+
+    llm_engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    names = args.served_model_name or [default_model_name(llm_engine.model_path)]
+    metrics = ServerMetrics(names[0])
+    engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
+    metrics.bind(engine.stats)
+    config = ServerConfig(served_model_names=names, api_key=args.api_key,
+                          max_request_body_bytes=args.max_request_body_bytes)
+    return build_app(engine, metrics, config), engine, config
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    app, engine, config = build_server(args)
+    stats = engine.stats()
+    logger.info("serving %s as %r on http://%s:%d (KV pool: %d blocks of %d tokens, max_model_len %d); "
+                "block map at /dashboard", engine.engine.model_path, config.served_model_names[0], args.host,
+                args.port, stats["total_blocks"], stats["block_size"], engine.max_model_len)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,63 @@
+"""`pagellm serve`: its flags. Importable without the server extra, so the CLI can list it."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from pagellm.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                              description="Serve the model over an OpenAI-compatible HTTP API "
+                                          "(/v1/completions, /v1/chat/completions, /metrics, /dashboard).")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
+                   help="require `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize "
+                        "(default: $PAGELLM_API_KEY, else no key)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients use for the model (default: derived from --model, "
+                        "e.g. SmolLM2-135M-Instruct); other names get 404")
+    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests allowed to wait for their first token; more are refused with 503 "
+                        f"and Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help=f"larger request bodies get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def default_model_name(model_path: str) -> str:
+    """`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`; a directory -> its name."""
+    name = os.path.basename(os.path.normpath(model_path))
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    name = re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+    return name or "model"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import sys
+
+    for arg, value in (("--port", args.port), ("--max-request-body-bytes", args.max_request_body_bytes)):
+        if value < 1:
+            print(f"pagellm serve: {arg} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    if args.max_waiting_requests < 0:
+        print(f"pagellm serve: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)
+        return 2
+    try:
+        from pagellm.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        print(f"pagellm serve: the server needs the `server` extra ({e}); "
+              "install it with `pip install 'pagellm[server]'`", file=sys.stderr)
+        return 2
+    return run_server(args)

@@ -1,0 +1,75 @@
+"""Plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would get between a
+streaming response and the client's disconnect): the API key and the body size limit."""
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagellm.entrypoints.openai.errors import OpenAIError
+
+# Paths that need the API key when one is set; health, metrics and the dashboard stay open.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Compared in constant time, so the key cannot be guessed byte by byte from timings.
+            if not hmac.compare_digest(given, self.expected):
+                error = OpenAIError(401, "Invalid or missing API key; send it as `Authorization: Bearer <key>`.",
+                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 for a request body over `max_bytes`, declared (Content-Length) or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        # Read the whole body first (it is small by construction), then replay it to the app.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = OpenAIError(413, f"The request body is larger than the server's limit of {self.max_bytes} bytes.",
+                            code="request_too_large", headers={"Connection": "close"})
+        await error.response()(scope, receive, send)

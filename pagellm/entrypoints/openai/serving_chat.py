@@ -1,0 +1,124 @@
+"""POST /v1/chat/completions: messages rendered through the model's (sandboxed) chat template."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagellm.engine.async_engine import RequestStream
+from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagellm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, engine_error, merge_streams,
+                                                       random_id, sse)
+from pagellm.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        self.check_common(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
+        ids = self.render(req.messages, req.add_generation_prompt, tools=req.tools,
+                          **(req.chat_template_kwargs or {}))
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
+        params = self.sampling_params(req, max_tokens=max_tokens,
+                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        request_id = random_id("chatcmpl")
+        streams = await self.add_requests(request_id, [(None, ids)], [params])
+        if req.stream:
+            return StreamingResponse(self.stream(req, request_id, streams[0]), media_type="text/event-stream")
+        (final,) = await self.collect(raw_request, streams)
+        return JSONResponse(self.response(req, request_id, final))
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool, **kwargs) -> list[int]:
+        conversation = [self.message_dict(m) for m in messages]
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      **kwargs)
+        except ValueError as e:
+            raise bad_request(e, param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def message_dict(m: ChatMessage) -> dict:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            parts = []
+            for p in m.content:
+                if p.type != "text" or p.text is None:
+                    raise bad_request(f"only text content parts are supported, got type {p.type!r}",
+                                      param="messages")
+                parts.append(p.text)
+            d["content"] = "\n".join(parts)
+        return d
+
+    def logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
+        if not req.logprobs or logprobs is None:
+            return None
+        return self.chat_logprobs(token_ids, logprobs, req.top_logprobs or 0)
+
+    def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput) -> dict:
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        cached = getattr(final, "num_cached_tokens", 0) or 0
+        return {"id": request_id, "object": "chat.completion", "created": self.now(), "model": self.model_name,
+                "choices": choices, "usage": self.usage(len(final.prompt_token_ids), completion_tokens, cached)}
+
+    async def stream(self, req: ChatCompletionRequest, request_id: str,
+                     stream: RequestStream) -> AsyncIterator[str]:
+        created = self.now()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        prompt_tokens = cached = 0
+
+        def usage() -> dict:
+            return self.usage(prompt_tokens, sum(sent_tokens.values()), cached)
+
+        def chunk(index: int, delta: dict, c: CompletionOutput | None = None, logprobs=None) -> str:
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_name,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason if c else None,
+                                 "stop_reason": c.stop_reason if c else None}]}
+            if continuous:
+                body["usage"] = usage()
+            return sse(body)
+
+        try:
+            # The role comes first, one chunk per choice, before any token (as OpenAI and vLLM do).
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for _, out in merge_streams([stream]):
+                prompt_tokens = len(out.prompt_token_ids)
+                cached = getattr(out, "num_cached_tokens", 0) or 0
+                for c in out.outputs:
+                    done_text, done_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                    delta = c.text[done_text:]
+                    new_ids = c.token_ids[done_tokens:]
+                    if not delta and not new_ids and c.finish_reason is None:
+                        continue
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
+                    yield chunk(c.index, {"content": delta}, c, self.logprobs(req, new_ids, lps))
+            if include_usage:
+                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model_name, "choices": [], "usage": usage()})
+        except Exception as e:
+            error = engine_error(e)
+            if error is None:
+                raise
+            yield error.sse()
+        finally:
+            stream.abort()
+        yield SSE_DONE

@@ -1,0 +1,131 @@
+"""POST /v1/completions: one or many prompts (text or token ids), streamed or not."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagellm.engine.async_engine import RequestStream
+from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.protocol import CompletionRequest
+from pagellm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, engine_error, merge_streams,
+                                                       random_id, sse)
+from pagellm.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        self.check_common(req)
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)",
+                              param="echo")
+        self.check_logprobs(req.logprobs, "logprobs")
+        if req.stream and req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n when streaming", param="best_of")
+        prompts = self.parse_prompts(req.prompt)
+        params = [self.sampling_params(req, max_tokens=self.resolve_max_tokens(len(ids), req.max_tokens, req.n,
+                                                                               "prompt"),
+                                       logprobs=req.logprobs, best_of=req.best_of)
+                  for _, ids in prompts]
+        request_id = random_id("cmpl")
+        streams = await self.add_requests(request_id, prompts, params)
+        texts = [text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+                 for text, ids in prompts]
+        if req.stream:
+            return StreamingResponse(self.stream(req, request_id, streams, texts), media_type="text/event-stream")
+        finals = await self.collect(raw_request, streams)
+        return JSONResponse(self.response(req, request_id, finals, texts))
+
+    def parse_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt must not be empty", param="prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append((item, self.tokenizer.encode(item) if item else []))
+            else:
+                out.append((None, list(item)))
+            if not out[-1][1]:
+                raise bad_request("prompt must not be empty", param="prompt")
+        return out
+
+    def choice(self, req: CompletionRequest, index: int, c: CompletionOutput, text: str,
+               token_ids: list[int], logprobs, offset: int) -> dict:
+        lp = None
+        if req.logprobs is not None and logprobs is not None:
+            lp = self.completion_logprobs(token_ids, logprobs, req.logprobs, offset)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def response(self, req: CompletionRequest, request_id: str, finals: list[RequestOutput],
+                 texts: list[str]) -> dict:
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            cached += getattr(out, "num_cached_tokens", 0) or 0
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                completion_tokens += len(c.token_ids)
+                prefix = texts[i] if req.echo else ""
+                choices.append(self.choice(req, i * req.n + c.index, c, prefix + c.text, c.token_ids, c.logprobs,
+                                           0))
+        return {"id": request_id, "object": "text_completion", "created": self.now(), "model": self.model_name,
+                "choices": choices, "usage": self.usage(prompt_tokens, completion_tokens, cached)}
+
+    async def stream(self, req: CompletionRequest, request_id: str, streams: list[RequestStream],
+                     texts: list[str]) -> AsyncIterator[str]:
+        created = self.now()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        sent_text: dict[tuple[int, int], int] = {}
+        sent_tokens: dict[tuple[int, int], int] = {}
+        prompt_tokens: dict[int, int] = {}
+        cached: dict[int, int] = {}
+
+        def usage() -> dict:
+            return self.usage(sum(prompt_tokens.values()), sum(sent_tokens.values()), sum(cached.values()))
+
+        try:
+            async for i, out in merge_streams(streams):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                cached[i] = getattr(out, "num_cached_tokens", 0) or 0
+                for c in out.outputs:
+                    key = (i, c.index)
+                    first = key not in sent_text
+                    done_text, done_tokens = sent_text.get(key, 0), sent_tokens.get(key, 0)
+                    delta = c.text[done_text:]
+                    new_ids = c.token_ids[done_tokens:]
+                    if not delta and not new_ids and c.finish_reason is None:
+                        continue
+                    sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+                    prefix = texts[i] if req.echo and first else ""
+                    offset = done_text + (len(texts[i]) if req.echo else 0)
+                    lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
+                    chunk = {"id": request_id, "object": "text_completion", "created": created,
+                             "model": self.model_name,
+                             "choices": [self.choice(req, i * req.n + c.index, c, prefix + delta, new_ids, lps,
+                                                     offset)]}
+                    if continuous:
+                        chunk["usage"] = usage()
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({"id": request_id, "object": "text_completion", "created": created,
+                           "model": self.model_name, "choices": [], "usage": usage()})
+        except Exception as e:
+            error = engine_error(e)
+            if error is None:
+                raise
+            yield error.sse()
+        finally:
+            for s in streams:
+                s.abort()
+        yield SSE_DONE

@@ -1,0 +1,285 @@
+"""What the completion and chat endpoints share: the model-name check, the sampling
+parameters, context-length checks, logprob and usage shapes, and the plumbing from HTTP
+requests to engine streams (error mapping, disconnects, several prompts at once)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
+                                         RequestAborted, RequestStream)
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagellm.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
+from pagellm.outputs import Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+# Retry-After for a full queue: a step takes well under a second, a request a few seconds.
+RETRY_AFTER_SECONDS = 1
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+def engine_error(e: BaseException) -> OpenAIError | None:
+    """The HTTP answer for an exception out of the engine, or None for an unexpected one."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return OpenAIError(503, f"The server is overloaded: {e}", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), code="engine_unavailable")
+    if isinstance(e, EngineStepError):
+        return OpenAIError(500, str(e), code="internal_error")
+    if isinstance(e, RequestAborted):
+        return OpenAIError(500, str(e), code="aborted")
+    if isinstance(e, ValueError):
+        return bad_request(e)
+    return None
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: one engine, the names it is served under."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        stats = engine.stats()
+        self.pool_tokens = stats["total_blocks"] * stats["block_size"]
+
+    # ---- validation ------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.served_model_names:
+            raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
+                                   f"{', '.join(repr(n) for n in self.served_model_names)}.",
+                              param="model", code="model_not_found")
+
+    def check_common(self, req: SamplingFields) -> None:
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options can only be set when stream is true", param="stream_options")
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, n: int, what: str) -> int:
+        """Check the prompt (plus max_tokens, when given) fits the context; default max_tokens.
+
+        Without max_tokens a request may run to the end of the context, as in vLLM, but no
+        further than the KV pool can hold, so that an unbounded request is never refused.
+        """
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your {what} has "
+                f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of "
+                f"the {what}.", param=what, code="context_length_exceeded")
+        if max_tokens is None:
+            return max(1, min(limit - prompt_len, (self.pool_tokens - prompt_len) // max(1, n)))
+        if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {what} or completion.",
+                param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    @staticmethod
+    def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                        best_of: int | None = None) -> SamplingParams:
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=req.n, best_of=best_of, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
+                top_k=given(req.top_k, -1), min_p=given(req.min_p, 0.0),
+                repetition_penalty=given(req.repetition_penalty, 1.0),
+                presence_penalty=given(req.presence_penalty, 0.0),
+                frequency_penalty=given(req.frequency_penalty, 0.0), seed=req.seed, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+
+    @staticmethod
+    def check_logprobs(value: int | None, name: str) -> None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+
+    # ---- engine plumbing -------------------------------------------------------------------
+    async def add_requests(self, base_id: str, prompts: list[tuple[str | None, list[int]]],
+                           params: list[SamplingParams]) -> list[RequestStream]:
+        """Add every prompt (as `<base_id>-<i>`); if any is refused, none stays."""
+        tasks = [asyncio.ensure_future(self.engine.add_request(
+                     f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, p))
+                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for s in streams:
+                s.abort()
+            raise engine_error(failure) or failure
+        return streams
+
+    @staticmethod
+    async def last_output(stream: RequestStream) -> RequestOutput:
+        final = None
+        async with stream:
+            async for out in stream:
+                final = out
+        assert final is not None and final.finished
+        return final
+
+    async def collect(self, raw_request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """The final output of each stream; aborts them all if the client disconnects or one fails."""
+        try:
+            results = await until_disconnected(raw_request, asyncio.gather(
+                *(self.last_output(s) for s in streams), return_exceptions=True))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for s in streams:
+                s.abort()
+            raise engine_error(failure) or failure
+        return results
+
+    # ---- shapes ----------------------------------------------------------------------------
+    def token_text(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
+                            text_offset: int) -> dict:
+        """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(token_ids, logprobs):
+            lp = entry.get(tid)
+            text = self.token_text(tid, lp)
+            tokens.append(text)
+            token_lps.append(max(lp.logprob, -9999.0) if lp is not None else None)
+            top = {}
+            for other_id, other in sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:max(num_top, 1)]:
+                top[self.token_text(other_id, other)] = max(other.logprob, -9999.0)
+            if lp is not None:  # vLLM lists the sampled token among the top ones too
+                top.setdefault(text, max(lp.logprob, -9999.0))
+            tops.append(top)
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int) -> dict:
+        """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+        def item(tid: int, lp: Logprob | None, value: float | None) -> dict:
+            text = self.token_text(tid, lp)
+            return {"token": text, "logprob": max(value, -9999.0) if value is not None else -9999.0,
+                    "bytes": list(text.encode("utf-8", errors="replace"))}
+
+        content = []
+        for tid, entry in zip(token_ids, logprobs):
+            lp = entry.get(tid)
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            content.append({**item(tid, lp, lp.logprob if lp else None),
+                            "top_logprobs": [item(t, other, other.logprob) for t, other in top]})
+        return {"content": content}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    @staticmethod
+    def now() -> int:
+        return int(time.time())
+
+
+async def wait_for_disconnect(raw_request: Request) -> None:
+    """Returns when the client has gone away (the body has been read already)."""
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, unless the client disconnects first: then cancel it, raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientDisconnected()
+
+
+_END = object()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                merged.put_nowait((i, out))
+        except Exception as e:
+            merged.put_nowait((i, e))
+        finally:
+            merged.put_nowait((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await merged.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()

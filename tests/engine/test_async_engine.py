@@ -1,0 +1,183 @@
+"""AsyncLLMEngine: the engine on its own thread, one asyncio stream per request."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from pagellm.config import EngineConfig
+from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
+                                         RequestAborted)
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny_llama_dir):
+    return LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, max_num_seqs=8))
+
+
+def run(llm_engine, body, **kwargs):
+    """Run `body(engine)` with a started AsyncLLMEngine around the shared LLMEngine."""
+    async def main():
+        engine = AsyncLLMEngine(llm_engine, **kwargs)
+        engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+            assert not llm_engine.has_unfinished_requests()
+            assert llm_engine.stats()["used_blocks"] == 0
+
+    return asyncio.run(main())
+
+
+def params(n: int = 6, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_generate_streams_cumulative_outputs(llm_engine):
+    async def body(engine):
+        outs = [o async for o in engine.generate("a", "hello", params(6))]
+        return outs, engine.stats()
+
+    outs, stats = run(llm_engine, body)
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+    assert stats["num_unstarted"] == 0
+
+
+def test_concurrent_requests_match_sequential(llm_engine):
+    prompts = [f"prompt {i}" for i in range(6)]
+
+    async def body(engine):
+        async def one(i):
+            return [o async for o in engine.generate(str(i), prompts[i], params(5))][-1].outputs[0].token_ids
+
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    together = run(llm_engine, body)
+    expected = [llm_engine_generate(llm_engine, p) for p in prompts]
+    assert together == expected
+
+
+def llm_engine_generate(llm_engine, prompt):
+    llm_engine.add_request("seq-" + prompt, prompt, params(5))
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                result = out.outputs[0].token_ids
+    return result
+
+
+def test_bad_input_raises_and_leaves_nothing(llm_engine):
+    async def body(engine):
+        with pytest.raises(ValueError, match="vocabulary"):
+            await engine.add_request("bad", [1, 10**6], params())
+        with pytest.raises(ValueError, match="already in use"):
+            stream = await engine.add_request("dup", "hi", params(50))
+            await engine.add_request("dup", "hi", params())
+        stream.abort()
+        return engine.stats()
+
+    stats = run(llm_engine, body)
+    assert stats["num_unstarted"] == 0
+
+
+def test_queue_bound(llm_engine):
+    async def body(engine):
+        first = asyncio.ensure_future(engine.add_request("a", "hello", params()))
+        await asyncio.sleep(0)  # "a" is now waiting for its first token
+        with pytest.raises(QueueFullError, match="max_waiting_requests is 1"):
+            await engine.add_request("b", "hello", params())
+        stream = await first
+        async with stream:
+            outs = [o async for o in stream]
+        assert outs[-1].finished
+        # Once "a" has started, there is room again.
+        return [o async for o in engine.generate("c", "hello", params(2))][-1]
+
+    assert run(llm_engine, body, max_waiting_requests=1).finished
+
+
+def test_consumer_leaving_aborts(llm_engine):
+    async def body(engine):
+        async def consume():
+            async for _ in engine.generate("long", "hello", params(400)):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while engine.stats()["used_blocks"] == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The abort reaches the engine thread before this call does.
+        return await engine.call(lambda e: (e.has_unfinished_requests(), e.stats()["used_blocks"]))
+
+    assert run(llm_engine, body) == (False, 0)
+
+
+def test_closing_the_generator_aborts(llm_engine):
+    async def body(engine):
+        async with contextlib.aclosing(engine.generate("brk", "hello", params(400))) as outputs:
+            async for _ in outputs:
+                break
+        return await engine.call(lambda e: e.has_unfinished_requests())
+
+    assert run(llm_engine, body) is False
+
+
+def test_abort_ends_the_stream(llm_engine):
+    async def body(engine):
+        stream = await engine.add_request("x", "hello", params(400))
+        await stream.__anext__()
+        engine.abort("x")
+        with pytest.raises(RequestAborted):
+            async for _ in stream:
+                pass
+        return await engine.call(lambda e: e.has_unfinished_requests())
+
+    assert run(llm_engine, body) is False
+
+
+def test_step_failure_fails_its_requests_then_serves(llm_engine, monkeypatch):
+    real_step = llm_engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(llm_engine, "step", flaky_step)
+
+    async def body(engine):
+        with pytest.raises(EngineStepError, match="boom"):
+            async for _ in engine.generate("victim", "hello", params(50)):
+                pass
+        after = [o async for o in engine.generate("next", "hello", params(3))][-1]
+        return after, engine.stats()
+
+    after, stats = run(llm_engine, body)
+    assert after.finished and len(after.outputs[0].token_ids) == 3
+    assert stats["num_step_failures"] == 1
+
+
+def test_shutdown_fails_open_streams(llm_engine):
+    async def main():
+        engine = AsyncLLMEngine(llm_engine)
+        engine.start()
+        stream = await engine.add_request("open", "hello", params(400))
+        await engine.shutdown()
+        with pytest.raises((EngineDeadError, RequestAborted)):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("late", "hello", params())
+        llm_engine.abort_request("open")
+
+    asyncio.run(main())

@@ -1,0 +1,14 @@
+"""Fixtures for the server tests: one SmolLM2 server process shared by the modules that need it."""
+from __future__ import annotations
+
+import pytest
+
+from server_utils import RemoteServer
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """The bundled SmolLM2 with a small KV pool (91 blocks), shared by the server test modules."""
+    server = RemoteServer(["--kv-cache-memory", "64M", "--max-model-len", "2048"])
+    yield server
+    server.close()

@@ -1,0 +1,256 @@
+"""The OpenAI-compatible server driven by the official `openai` client, against the bundled SmolLM2."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+import httpx  # noqa: E402
+
+from server_utils import MODEL_NAME, metric_value  # noqa: E402
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+COUNT = "Count from one to ten: 1, 2, 3,"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_server):
+    return smollm2_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = server.client(timeout=120)
+    yield c
+    c.close()
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].owned_by == "pagellm"
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.model == MODEL_NAME
+    (choice,) = r.choices
+    assert "Paris" in choice.text
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == 5
+    assert r.usage.total_tokens == 13
+
+
+def test_completion_stream_matches_non_stream(client):
+    kwargs = dict(model=MODEL_NAME, prompt=COUNT, max_tokens=12, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_is_server_sent_events(server):
+    body = {"model": MODEL_NAME, "prompt": COUNT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_chat(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=40, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    assert r.usage.completion_tokens > 0
+    assert isinstance(r.usage.prompt_tokens_details.cached_tokens, int)
+
+
+def test_chat_max_completion_tokens_and_cached_tokens(client):
+    messages = [{"role": "system", "content": "You are a helpful geography teacher who answers briefly."}] + CHAT
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=3,
+                                           temperature=0)
+    assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 3
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=3,
+                                           temperature=0)
+    # The same prompt again: its full blocks come from the prefix cache.
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+
+
+def test_chat_stream(client):
+    full = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].object == "chat.completion.chunk"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_n(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, n=3,
+                                  temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 30
+    assert len({c.text for c in r.choices}) > 1
+
+
+def test_completion_best_of(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, n=1, best_of=3,
+                                  temperature=1.0, seed=3)
+    assert len(r.choices) == 1
+
+
+def test_chat_n_stream(client):
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, n=2, temperature=1.0,
+                                            seed=11, stream=True)
+    texts, finished = {0: "", 1: ""}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert set(finished) == {0, 1}
+    assert all(texts.values())
+
+
+def test_several_prompts_and_token_ids(client, server):
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)
+    r = client.completions.create(model=MODEL_NAME, prompt=["The capital of France is", "The capital of Germany is"],
+                                  max_tokens=4, temperature=0, n=1)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == by_ids.choices[0].text
+    assert "Paris" in r.choices[0].text and "Berlin" in r.choices[1].text
+    assert r.usage.prompt_tokens == 10 and r.usage.completion_tokens == 8
+
+
+def test_several_prompts_stream(client):
+    stream = client.completions.create(model=MODEL_NAME, prompt=["The capital of France is", "The capital of Germany is"],
+                                       max_tokens=4, temperature=0, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert "Paris" in texts[0] and "Berlin" in texts[1]
+
+
+def test_stop_strings(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=COUNT, max_tokens=16, temperature=0, stop=[" 7", "zzz"])
+    (c,) = r.choices
+    assert c.text == " 4, 5, 6,"
+    assert c.finish_reason == "stop"
+    assert c.model_extra["stop_reason"] == " 7"
+    kept = client.completions.create(model=MODEL_NAME, prompt=COUNT, max_tokens=16, temperature=0, stop=" 7",
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == " 4, 5, 6, 7"
+    streamed = client.completions.create(model=MODEL_NAME, prompt=COUNT, max_tokens=16, temperature=0, stop=[" 7"],
+                                         stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == " 4, 5, 6,"
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=3)
+    (c,) = r.choices
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0
+        assert 3 <= len(top) <= 4
+        # Greedy: the chosen token is the most likely one.
+        assert top[token] == pytest.approx(value) and value == pytest.approx(max(top.values()))
+    streamed = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=5,
+                                         temperature=0, logprobs=3, stream=True)
+    tokens, offsets = [], []
+    for ch in streamed:
+        if ch.choices and ch.choices[0].logprobs:
+            tokens += ch.choices[0].logprobs.tokens
+            offsets += ch.choices[0].logprobs.text_offset
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.bytes == list(t.token.encode())
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                  echo=True)
+    assert r.choices[0].text.startswith("The capital of France is Paris")
+    streamed = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=3,
+                                         temperature=0, echo=True, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == r.choices[0].text
+
+
+def test_seed_reproducible(client):
+    kwargs = dict(model=MODEL_NAME, prompt="My favourite animal is", max_tokens=10, temperature=1.0, seed=1234)
+    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+
+
+def test_sampling_extras(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0.7,
+                                  top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5, seed=5,
+                                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                                              "ignore_eos": True, "min_tokens": 2})
+    assert r.usage.completion_tokens == 6
+
+
+def test_tokenize_detokenize(server):
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL_NAME, "prompt": "Hello world"}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 2048
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == "Hello world"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    assert chat["count"] > r["count"]
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    labels = {"model_name": MODEL_NAME}
+    for name in ("pagellm:num_requests_running", "pagellm:num_requests_waiting", "pagellm:kv_cache_usage_perc",
+                 "pagellm:prefix_cache_queries_total", "pagellm:prefix_cache_hits_total",
+                 "pagellm:num_preemptions_total", "pagellm:prompt_tokens_total", "pagellm:generation_tokens_total",
+                 "pagellm:time_to_first_token_seconds_count", "pagellm:inter_token_latency_seconds_count",
+                 "pagellm:e2e_request_latency_seconds_count"):
+        assert metric_value(text, name, **labels) is not None, name
+    assert 0 <= metric_value(text, "pagellm:kv_cache_usage_perc", **labels) <= 1
+    assert metric_value(text, "pagellm:generation_tokens_total", **labels) >= 2
+    assert metric_value(text, "pagellm:request_success_total", finished_reason="length", **labels) >= 1
+    assert metric_value(text, "pagellm:e2e_request_latency_seconds_count", **labels) >= 1
+    assert "_created" not in text

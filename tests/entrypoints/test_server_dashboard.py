@@ -1,0 +1,147 @@
+"""The KV block map, loaded in a real headless browser (Debian's chromium) while requests run."""
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import httpx  # noqa: E402
+
+from server_utils import MODEL_NAME  # noqa: E402
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+# 52 tokens: three full blocks of 16 that the n sequences of one request share.
+SHARED_PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern, "
+                 "a notebook and a thermos of tea, and wrote down the name of every ship that passed the rocks "
+                 "below, the colour of its sails and the song its sailors sang.")
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return path
+
+
+def browse(url: str, *extra: str, budget_ms: int = 2500) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="pagellm-chromium-") as profile:
+        cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1400,900",
+               f"--virtual-time-budget={budget_ms}", *extra, url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+
+
+def dump_dom(url: str) -> str:
+    proc = browse(url, "--dump-dom")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def cell_states(dom: str) -> list[str]:
+    """The state of each drawn cell of the block map, in block order."""
+    return re.findall(r'<div class="cell (\w+)"[^>]*data-cell=', dom)
+
+
+def grid_attrs(dom: str) -> dict[str, int]:
+    m = re.search(r'<div id="grid"([^>]*)>', dom)
+    assert m, dom[:2000]
+    return {k: int(v) for k, v in re.findall(r'data-(\w+)="(\d+)"', m.group(1))}
+
+
+class Background:
+    """Streaming requests on a thread of their own, held open until `close()`."""
+
+    def __init__(self, url: str, bodies: list[dict]) -> None:
+        self.url, self.bodies = url, bodies
+        self.started = threading.Event()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.started.wait(120), "no request produced a token"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # surfaced by close()
+            self.error = e
+            self.started.set()
+
+    async def _main(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=120) as http:
+            await asyncio.gather(*(self._one(http, b) for b in self.bodies))
+
+    async def _one(self, http: httpx.AsyncClient, body: dict) -> None:
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    self.started.set()
+                if self.stop.is_set():
+                    return  # hang up: the server aborts the request
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_server):
+    smollm2_server.wait_all_blocks_free()
+    return smollm2_server
+
+
+def test_dashboard_draws_every_block_when_idle(server):
+    dom = dump_dom(server.url + "/dashboard")
+    n = server.state()["num_blocks"]
+    attrs = grid_attrs(dom)
+    assert attrs["cells"] == n
+    states = cell_states(dom)
+    assert len(states) == n and set(states) <= {"free", "cached"}
+    assert attrs["used"] == attrs["shared"] == 0
+    assert MODEL_NAME in dom
+
+
+def test_dashboard_shows_shared_blocks_of_parallel_sampling(server):
+    bodies = [{"model": MODEL_NAME, "prompt": SHARED_PROMPT, "n": 4, "max_tokens": 300, "temperature": 1.0,
+               "seed": 1, "ignore_eos": True}]
+    bodies += [{"model": MODEL_NAME, "prompt": f"Story {i}: the dragon", "max_tokens": 300, "temperature": 1.0,
+                "seed": i, "ignore_eos": True} for i in range(6)]
+    load = Background(server.url, bodies)
+    try:
+        state = server.state()
+        groups = state["groups"]
+        shared = [b for b, r in enumerate(state["ref_cnt"]) if r > 1]
+        assert len(shared) >= 3, state
+        # The shared blocks belong to the sequences of one request: its n forks.
+        owners = {rid for rid, table in state["tables"].items() if shared[0] in table}
+        assert len(owners) >= 2 and len({groups.get(rid, rid) for rid in owners}) == 1
+
+        dom = dump_dom(server.url + "/dashboard")
+        attrs = grid_attrs(dom)
+        assert attrs["cells"] == state["num_blocks"]
+        assert attrs["shared"] >= 3 and attrs["used"] >= attrs["shared"]
+        states = cell_states(dom)
+        assert len(states) == state["num_blocks"]
+        assert states.count("shared") == attrs["shared"] and "used" in states
+
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard.png"
+        shot.unlink(missing_ok=True)
+        proc = browse(server.url + "/dashboard", f"--screenshot={shot}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert shot.stat().st_size > 20_000
+    finally:
+        load.close()
+    server.wait_all_blocks_free()

@@ -46,16 +46,21 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        ids = []
+        ids = self._add_all(lambda rid, i: self.engine.add_request(rid, prompts[i], params[i]), len(prompts))
+        return self._run(ids, use_tqdm)
+
+    def _add_all(self, add, count: int) -> list[str]:
+        """Add every request or none: one that fails validation withdraws the others."""
+        ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i in range(count):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                add(rid, i)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -75,15 +80,7 @@ class LLM:
         generated_length ** length_penalty, as in Hugging Face transformers).
         """
         prompts = _as_list(prompts)
-        ids = []
-        try:
-            for prompt in prompts:
-                rid = str(next(self._ids))
-                self.engine.add_beam_request(rid, prompt, params)
-                ids.append(rid)
-        except Exception:
-            self.engine.abort_request(ids)
-            raise
+        ids = self._add_all(lambda rid, i: self.engine.add_beam_request(rid, prompts[i], params), len(prompts))
         results = []
         for out in self._run(ids, use_tqdm):
             seqs = [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob,

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -120,10 +121,16 @@ def test_dashboard_shows_shared_blocks_of_parallel_sampling(server):
                 "seed": i, "ignore_eos": True} for i in range(6)]
     load = Background(server.url, bodies)
     try:
-        state = server.state()
-        groups = state["groups"]
-        shared = [b for b, r in enumerate(state["ref_cnt"]) if r > 1]
+        # The siblings fork once the prompt is computed; wait for them.
+        deadline = time.monotonic() + 60
+        while True:
+            state = server.state()
+            shared = [b for b, r in enumerate(state["ref_cnt"]) if r > 1]
+            if len(shared) >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert len(shared) >= 3, state
+        groups = state["groups"]
         # The shared blocks belong to the sequences of one request: its n forks.
         owners = {rid for rid, table in state["tables"].items() if shared[0] in table}
         assert len(owners) >= 2 and len({groups.get(rid, rid) for rid in owners}) == 1

@@ -1,0 +1,649 @@
+#!/usr/bin/env python3
+"""The prepared GPU check (issue 6): kernel tests, bandwidths, end-to-end throughput, roofline.
+
+    bash benchmarks/gpu_check.sh                   # on the GPU machine, from the repository root
+    python benchmarks/gpu_check.py --cpu-smoke     # here: every part's code on tiny shapes, < 1 minute
+
+Writes benchmarks/results/gpu_check-<date>-<machine>.json after every part, so a part that
+fails or runs out of time still leaves the others' figures. Parts, in order of importance:
+
+1. kernel_tests: pytest on tests/attention and tests/worker/test_cuda_graphs.py, compiled on the GPU.
+2. copy_bandwidth: a device-to-device copy, bytes read plus written per second.
+3. decode_bandwidth: the paged decode kernel at B=64, context 4096, 32 query heads, 8 KV heads,
+   head dim 128, bf16, block sizes 16 and 32, in K/V bytes read per second, against torch's
+   scaled_dot_product_attention on contiguous K/V (enable_gqa) in the same run; plus a small sweep
+   of tile configs and split counts, so the defaults can be tuned from one run.
+4. e2e_8b, e2e_1b: offline throughput with random weights in the Llama-3-8B and Llama-3.2-1B
+   shapes (256 requests, prompts uniform in 64-512 tokens, 128 output tokens, ignore_eos):
+   pagellm (Triton backend, CUDA-graph decode), transformers `generate` (static batch 256) and
+   `generate_batch` (its continuous batching); and a roofline of pagellm's decode steps (weights
+   plus KV bytes per step over the measured copy bandwidth, against the measured step time).
+
+The GPU machine reaches no registry. Its image has torch 2.11, triton 3.6, transformers 5.17,
+tokenizers, safetensors, jinja2, numpy, tqdm, pytest and hypothesis, but not gguf, which
+pagellm.model.loader imports at module level. Carry its pure-Python wheel (gpu_check.sh installs
+.whl/*.whl when present):
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
+Without it this script puts a stub `gguf` module in place (the dummy-weight path never reads a
+GGUF file) and says so in the JSON.
+
+Until the model runner picks the backend and the CUDA graphs itself, this script swaps in the
+Triton backend and wraps the model with CUDAGraphRunner; the JSON records which happened.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# Model shapes: the published configs of Llama-3-8B and Llama-3.2-1B (weights random).
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+               tie_word_embeddings=False),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+               max_position_embeddings=131072, tie_word_embeddings=True,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, max_position_embeddings=512,
+                 tie_word_embeddings=False),
+}
+
+
+class PartTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_budget(seconds: float):
+    """Raise PartTimeout in this thread after `seconds` (checked between Python bytecodes).
+
+    Nests: an inner budget never outlives the outer one, and the outer timer resumes after it.
+    """
+    def fire(signum, frame):
+        raise PartTimeout(f"over its budget of {seconds:.0f} s")
+
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    old = signal.signal(signal.SIGALRM, fire)
+    t0 = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, min(max(1.0, seconds), outer_left) if outer_left > 0 else max(1.0, seconds))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if outer_left > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(0.01, outer_left - (time.monotonic() - t0)))
+
+
+class Report:
+    """The JSON document, rewritten whole after every part."""
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        self.path = path
+        self.doc = {"meta": meta, "parts": {}}
+        self.started = time.monotonic()
+
+    def run(self, name: str, budget: float, fn, *args) -> None:
+        left = self.doc["meta"]["deadline_s"] - (time.monotonic() - self.started)
+        budget = min(budget, left - 5)
+        print(f"== {name} (budget {budget:.0f} s)", flush=True)
+        if budget < 10:
+            self.doc["parts"][name] = {"status": "skipped", "error": "out of time before it started"}
+            self.write()
+            return
+        t0 = time.monotonic()
+        part: dict = {}
+        try:
+            with time_budget(budget):
+                part.update(fn(*args) or {})
+            part["status"] = "ok"
+        except PartTimeout as e:
+            part.update(status="timeout", error=str(e))
+        except Exception as e:  # one part's failure must not lose the others
+            part.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+        part["seconds"] = round(time.monotonic() - t0, 1)
+        self.doc["parts"][name] = part
+        print(json.dumps({k: v for k, v in part.items() if k != "traceback"}, indent=1)[:3000], flush=True)
+        cleanup()
+        self.write()
+
+    def write(self) -> None:
+        self.doc["meta"]["duration_s"] = round(time.monotonic() - self.started, 1)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1))
+        tmp.replace(self.path)
+
+
+def cleanup() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gbs(nbytes: int, ms: float) -> float:
+    """GB/s to four significant figures (CPU smoke runs measure far below 1 GB/s)."""
+    return float(f"{nbytes / ms / 1e6:.4g}")
+
+
+def median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median time of one call: CUDA events on a GPU, the wall clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# ---- environment ---------------------------------------------------------------------------------
+def stub_gguf_if_missing() -> bool:
+    """Put a stub `gguf` in sys.modules when the package is absent; True if stubbed."""
+    try:
+        import gguf  # noqa: F401
+        return False
+    except ImportError:
+        pass
+
+    class _Missing:
+        def __init__(self, *a, **k):
+            raise RuntimeError("gguf is not installed on this machine (gpu_check stubbed it)")
+
+    mod = types.ModuleType("gguf")
+    mod.GGUFReader = _Missing
+    mod.GGUFValueType = types.SimpleNamespace(FLOAT32=object(), STRING=object())
+    quants = types.ModuleType("gguf.quants")
+    quants.dequantize = _Missing
+    mod.quants = quants
+    sys.modules["gguf"], sys.modules["gguf.quants"] = mod, quants
+    return True
+
+
+def environment(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("triton", "transformers", "tokenizers", "numpy", "gguf", "jinja2", "pytest"):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            info[name] = "missing"
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                    capability=f"{p.major}.{p.minor}")
+    return info
+
+
+def machine_name(device: torch.device, cpu_smoke: bool) -> str:
+    if cpu_smoke:
+        return "cpu-smoke"
+    if device.type == "cuda":
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return "cpu"
+
+
+# ---- 1. kernel tests ---------------------------------------------------------------------------------
+def kernel_tests(budget: float, cpu_smoke: bool) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/attention",
+           "tests/worker/test_cuda_graphs.py"]
+    if cpu_smoke:
+        cmd += ["-k", "choose_num_splits or batch_size_ladder"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget - 5)
+    out = proc.stdout + proc.stderr
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out.splitlines()[-1])} \
+        if out.strip() else {}
+    result = {"returncode": proc.returncode, "counts": counts, "tail": out[-4000:]}
+    if proc.returncode != 0:
+        raise RuntimeError(f"pytest exited {proc.returncode}: {out.splitlines()[-1] if out else ''}")
+    return result
+
+
+# ---- 2. copy bandwidth --------------------------------------------------------------------------------
+def copy_bandwidth(device: torch.device, nbytes: int) -> dict:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup=3, iters=20)
+    return {"bytes_copied": nbytes, "median_ms": round(ms, 4), "gb_per_s_read_plus_write": gbs(2 * nbytes, ms)}
+
+
+# ---- 3. decode bandwidth --------------------------------------------------------------------------------
+def decode_bandwidth(device: torch.device, shape: dict, block_sizes: list[int], sweep: list[tuple[int, int, int]],
+                     splits: list[int], iters: int) -> dict:
+    import torch.nn.functional as F
+
+    from pagellm.attention.triton_kernels import (
+        KernelConfig,
+        choose_num_splits,
+        default_decode_config,
+        paged_decode,
+    )
+
+    b, ctx, h, kvh, d = shape["batch"], shape["context"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, h, 1, d, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(b, kvh, ctx, d, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(b, kvh, ctx, d, generator=gen, device=device, dtype=dtype)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    scale = d ** -0.5
+    result: dict = {"shape": shape, "dtype": str(dtype), "kv_bytes": kv_bytes}
+
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+    ref = sdpa()
+    ms = median_ms(sdpa, device, warmup=3, iters=iters)
+    result["sdpa_contiguous"] = {"median_ms": round(ms, 4), "gb_per_s": gbs(kv_bytes, ms)}
+    sdpa_gbs = kv_bytes / ms / 1e6
+
+    qp = q.view(b, h, d)
+    seq_lens = torch.full((b,), ctx, device=device, dtype=torch.long)
+    for bs in block_sizes:
+        per_seq = ctx // bs
+        tables = torch.randperm(b * per_seq, generator=gen, device=device).view(b, per_seq)
+        k_cache = torch.empty(b * per_seq, bs, kvh, d, device=device, dtype=dtype)
+        v_cache = torch.empty_like(k_cache)
+        # Sequence i's token t lives in block tables[i, t // bs] at offset t % bs.
+        k_cache[tables.flatten()] = k.permute(0, 2, 1, 3).reshape(b * per_seq, bs, kvh, d)
+        v_cache[tables.flatten()] = v.permute(0, 2, 1, 3).reshape(b * per_seq, bs, kvh, d)
+        out = torch.empty_like(qp)
+        auto = choose_num_splits(b, kvh, per_seq * bs, torch.cuda.get_device_properties(device).multi_processor_count
+                                 if device.type == "cuda" else 1)
+        default = default_decode_config(device, d)
+        entry: dict = {"auto_num_splits": auto, "default_config": dataclasses.asdict(default), "runs": []}
+
+        def run(cfg, ns):
+            return lambda: paged_decode(qp, k_cache, v_cache, tables, seq_lens, scale, out=out, num_splits=ns,
+                                        config=cfg)
+
+        paged_decode(qp, k_cache, v_cache, tables, seq_lens, scale, out=out)
+        entry["max_abs_err_vs_sdpa"] = float((out.float() - ref.view(b, h, d).float()).abs().max())
+        ms = median_ms(run(None, None), device, warmup=3, iters=iters)
+        entry["default"] = {"median_ms": round(ms, 4), "gb_per_s": gbs(kv_bytes, ms),
+                            "vs_sdpa": round(kv_bytes / ms / 1e6 / sdpa_gbs, 3)}
+        variants = [(KernelConfig(block_n=bn, num_warps=w, num_stages=s), None) for bn, w, s in sweep]
+        variants += [(None, ns) for ns in splits]
+        for cfg, ns in variants:
+            try:
+                ms = median_ms(run(cfg, ns), device, warmup=2, iters=max(5, iters // 2))
+                entry["runs"].append({"config": None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages],
+                                      "num_splits": ns if ns is not None else auto, "median_ms": round(ms, 4),
+                                      "gb_per_s": gbs(kv_bytes, ms)})
+            except Exception as e:  # a config that does not compile (shared memory) is a data point too
+                entry["runs"].append({"config": None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages],
+                                      "num_splits": ns, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        best = max((r for r in entry["runs"] if "gb_per_s" in r), key=lambda r: r["gb_per_s"], default=None)
+        entry["best"] = best
+        result[f"paged_block_{bs}"] = entry
+        del k_cache, v_cache, tables
+        cleanup()
+    return result
+
+
+# ---- 4. end to end -------------------------------------------------------------------------------------
+def write_model_dir(path: Path, shape: dict) -> Path:
+    """config.json of the shape and a byte-level tokenizer padded to its vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+               bos_token_id=None, eos_token_id=None, pad_token_id=0, torch_dtype="bfloat16", **shape)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    specials = ["<s>", "</s>", "<unk>"]
+    alphabet = sorted(ByteLevel.alphabet())
+    names = specials + alphabet
+    names += [f"<|x{i}|>" for i in range(shape["vocab_size"] - len(names))]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<s>").save_pretrained(path)
+    return path
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def device_dummy_init(runner, seed: int = 0) -> None:
+    """The engine's dummy init (N(0, 0.02), norms 1), drawn on the device: minutes faster at 8B."""
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in runner.model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+class _GraphedModel:
+    """Stands in for runner.model until the runner calls CUDAGraphRunner itself."""
+
+    def __init__(self, model, graphs) -> None:
+        self._model, self._graphs = model, graphs
+
+    def __call__(self, *args):
+        return self._graphs(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def enable_gpu_path(llm, max_num_seqs: int) -> dict:
+    from pagellm.attention.triton_backend import TritonAttentionBackend
+    from pagellm.worker.cuda_graphs import CUDAGraphRunner
+
+    runner = llm.engine.runner
+    info = {}
+    if isinstance(runner.backend, TritonAttentionBackend):
+        info["backend"] = "triton (chosen by the model runner)"
+    else:
+        info["backend"] = f"triton (swapped in by gpu_check; the runner chose {type(runner.backend).__name__})"
+        backend = TritonAttentionBackend()
+        runner.backend = backend
+        for layer in runner.model.layers:
+            layer.self_attn.backend = backend
+    if hasattr(runner, "cuda_graphs"):
+        info["cuda_graphs"] = "by the model runner" if runner.cuda_graphs is not None else "off in the model runner"
+    else:
+        t0 = time.monotonic()
+        graphs = CUDAGraphRunner(runner.model, runner.kv_caches, backend=runner.backend,
+                                 block_size=runner.block_size, max_model_len=llm.engine.max_model_len,
+                                 max_num_seqs=max_num_seqs, device=runner.device)
+        graphs.capture()
+        runner.model = _GraphedModel(runner.model, graphs)
+        info["cuda_graphs"] = (f"wrapped by gpu_check: {len(graphs.graphs)} graphs captured "
+                               f"in {time.monotonic() - t0:.1f} s" if graphs.use_graphs else "eager padding (no CUDA)")
+    return info
+
+
+def instrument_steps(runner, kv_bytes_per_token: int) -> list[dict]:
+    """Time every runner.execute; note batch composition and KV bytes read by the step's decodes."""
+    steps: list[dict] = []
+    execute = runner.execute
+
+    def timed(sched, *args, **kwargs):
+        items = sched.scheduled
+        decodes = [s for s in items if s.num_new_tokens == 1]
+        ctx = sum(s.start + s.num_new_tokens for s in decodes)
+        prefill_tokens = sum(s.num_new_tokens for s in items if s.num_new_tokens != 1)
+        sync(runner.device)
+        t0 = time.perf_counter()
+        out = execute(sched, *args, **kwargs)
+        sync(runner.device)
+        steps.append({"ms": (time.perf_counter() - t0) * 1e3, "decodes": len(decodes),
+                      "prefill_tokens": prefill_tokens, "kv_bytes": ctx * kv_bytes_per_token})
+        return out
+
+    runner.execute = timed
+    return steps
+
+
+def roofline(steps: list[dict], weight_bytes: int, bandwidth_gbs: float | None) -> dict:
+    dec = [s for s in steps if s["prefill_tokens"] == 0 and s["decodes"]]
+    out = {"steps": len(steps), "decode_only_steps": len(dec), "weight_bytes": weight_bytes,
+           "bandwidth_gb_per_s": bandwidth_gbs,
+           "decode_share_of_time": round(sum(s["ms"] for s in dec) / max(1e-9, sum(s["ms"] for s in steps)), 3)}
+    if not dec or not bandwidth_gbs:
+        return out
+    limit = [(weight_bytes + s["kv_bytes"]) / (bandwidth_gbs * 1e6) for s in dec]  # ms
+    measured = [s["ms"] for s in dec]
+    out.update(
+        median_step_ms=round(statistics.median(measured), 3),
+        median_roofline_ms=round(statistics.median(limit), 3),
+        fraction_of_roofline=float(f"{sum(limit) / sum(measured):.3g}"),
+        by_batch={f"{bucket // 2 + 1}-{bucket}": {
+            "steps": len(sel), "median_ms": round(statistics.median(m for _, m, _ in sel), 3),
+            "median_roofline_ms": round(statistics.median(r for _, _, r in sel), 3)}
+            for bucket in (256, 128, 64, 32, 16, 8, 4, 2, 1)
+            for sel in [[(s["decodes"], m, r) for s, m, r in zip(dec, measured, limit)
+                         if bucket // 2 < s["decodes"] <= bucket]] if sel},
+    )
+    return out
+
+
+def e2e(device: torch.device, shape_name: str, n: int, lo: int, hi: int, new: int, budgets: dict,
+        bandwidth: dict, cpu_smoke: bool) -> dict:
+    shape = SHAPES[shape_name]
+    result: dict = {"shape": shape_name, "requests": n, "prompt_len": [lo, hi], "output_len": new}
+    prompts = make_prompts(n, lo, hi, shape["vocab_size"])
+    result["prompt_tokens"] = sum(map(len, prompts))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(Path(tmp) / shape_name, shape)
+        for system, fn in (("pagellm", _pagellm), ("hf_generate", _hf_generate), ("hf_generate_batch", _hf_batch)):
+            if not budgets.get(system):
+                result[system] = {"skipped": True}
+                continue
+            t0 = time.monotonic()
+            try:
+                with time_budget(budgets[system]):
+                    result[system] = fn(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke)
+            except Exception as e:
+                result[system] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+            result[system]["seconds"] = round(time.monotonic() - t0, 1)
+            cleanup()
+    p, s = result["pagellm"].get("tok_per_s"), result["hf_generate"].get("tok_per_s")
+    if p and s:
+        result["pagellm_over_hf_generate"] = round(p / s, 2)
+    return result
+
+
+def _pagellm(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke) -> dict:
+    from pagellm import LLM, SamplingParams
+    from pagellm.worker import model_runner as mr
+
+    res: dict = {}
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * \
+        shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"]) * \
+        (2 if device.type == "cuda" else 4)
+    need = len(prompts) * (max(map(len, prompts)) + new) * kv_per_token
+    original_init = mr.ModelRunner.init_dummy_weights
+    if device.type == "cuda":
+        mr.ModelRunner.init_dummy_weights = device_dummy_init
+        res["dummy_init"] = "on the device (patched by gpu_check)"
+    t0 = time.monotonic()
+    try:
+        llm = LLM(model=str(model_dir), load_format="dummy", dtype="bfloat16" if device.type == "cuda" else "float32",
+                  device=device.type, max_model_len=min(1024, shape["max_position_embeddings"]), max_num_seqs=256,
+                  max_num_batched_tokens=8192, kv_cache_memory=int(need * 1.25) + (1 << 28))
+    finally:
+        mr.ModelRunner.init_dummy_weights = original_init
+    res["init_s"] = round(time.monotonic() - t0, 1)
+    res.update(enable_gpu_path(llm, 256) if (device.type == "cuda" or cpu_smoke) else {})
+    params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+    t0 = time.monotonic()
+    llm.generate([{"prompt_token_ids": p[:16]} for p in prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    res["warmup_s"] = round(time.monotonic() - t0, 1)
+    steps = instrument_steps(llm.engine.runner, kv_per_token)
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    model = llm.engine.runner.model
+    model = getattr(model, "_model", model)
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                       if not (name.startswith("embed_tokens") and model.lm_head is not None))
+    res.update(elapsed_s=round(elapsed, 2), generated_tokens=generated, tok_per_s=round(generated / elapsed, 1),
+               total_tok_per_s=round((generated + sum(map(len, prompts))) / elapsed, 1),
+               roofline=roofline(steps, weight_bytes, bandwidth.get("gb_per_s_read_plus_write")))
+    del llm, model
+    return res
+
+
+def _hf_model(device, model_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def _hf_generate(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke) -> dict:
+    model = _hf_model(device, model_dir)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, min_new_tokens=4, **kw)
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **kw)
+        sync(device)
+    elapsed = time.perf_counter() - t0
+    generated = (out.shape[1] - width) * out.shape[0]
+    del model
+    return {"batch": len(prompts), "elapsed_s": round(elapsed, 2), "generated_tokens": generated,
+            "tok_per_s": round(generated / elapsed, 1)}
+
+
+def _hf_batch(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke) -> dict:
+    from transformers import GenerationConfig
+
+    model = _hf_model(device, model_dir)
+    gen_cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        if cpu_smoke:  # each call costs ~20 s of thread hand-offs on a CPU: one short call shows the path works
+            prompts = prompts[:2]
+        else:
+            model.generate_batch(inputs=[p[:16] for p in prompts[:4]], generation_config=gen_cfg, progress_bar=False)
+        sync(device)
+        # Timed as a user calls it: a manager that is not persistent warms up (captures its graphs) per call.
+        t0 = time.perf_counter()
+        outs = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
+        sync(device)
+    elapsed = time.perf_counter() - t0
+    generated = sum(len(o.generated_tokens) for o in outs.values())
+    del model
+    return {"elapsed_s": round(elapsed, 2), "generated_tokens": generated, "tok_per_s": round(generated / elapsed, 1),
+            "requests_returned": len(outs), "note": "includes generate_batch's own per-call warm-up"}
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--deadline", type=float, default=450.0, help="seconds for the whole check")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/...)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip")
+    ap.add_argument("--skip-hf", action="store_true", help="pagellm only in the end-to-end parts")
+    args = ap.parse_args()
+
+    if args.cpu_smoke:
+        from pagellm.attention.interpreter import use_interpreter_without_gpu
+
+        use_interpreter_without_gpu()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
+    stubbed = stub_gguf_if_missing()
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    machine = machine_name(device, args.cpu_smoke)
+    out = args.out or (Path(tempfile.gettempdir()) / f"gpu_check-{date}-{machine}.json" if args.cpu_smoke
+                       else ROOT / "benchmarks" / "results" / f"gpu_check-{date}-{machine}.json")
+    meta = {"date": date, "machine": machine, "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+            "commit": os.environ.get("PAGELLM_COMMIT") or _git_commit(), "deadline_s": args.deadline,
+            "gguf_stubbed": stubbed, "argv": sys.argv[1:]}
+    report = Report(out, meta)
+    report.doc["meta"]["environment"] = environment(device)
+    report.write()
+    skip = set(filter(None, args.skip.split(",")))
+    smoke = args.cpu_smoke
+    bandwidth: dict = {}
+
+    def copy_part():
+        bandwidth.update(copy_bandwidth(device, (64 << 20) if smoke else (2 << 30)))
+        return dict(bandwidth)
+
+    decode_shape = (dict(batch=2, context=64, heads=4, kv_heads=2, head_dim=16) if smoke
+                    else dict(batch=64, context=4096, heads=32, kv_heads=8, head_dim=128))
+    sweep = [(16, 4, 2)] if smoke else [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
+    splits = [2] if smoke else [1, 2, 4, 8]
+    parts = [
+        ("kernel_tests", 150, kernel_tests, 150, smoke),
+        ("copy_bandwidth", 20, copy_part),
+        ("decode_bandwidth", 90, decode_bandwidth, device, decode_shape, [4, 16] if smoke else [16, 32], sweep,
+         splits, 3 if smoke else 30),
+    ]
+    if smoke:
+        budgets = {"pagellm": 60, "hf_generate": 30, "hf_generate_batch": 45}
+        parts.append(("e2e_tiny", 90, e2e, device, "tiny", 6, 8, 24, 6, budgets, bandwidth, True))
+    else:
+        hf = 0 if args.skip_hf else 1
+        parts.append(("e2e_8b", 60 + hf * 110, e2e, device, "8b", 256, 64, 512, 128,
+                      {"pagellm": 60, "hf_generate": 45 * hf, "hf_generate_batch": 60 * hf}, bandwidth, False))
+        parts.append(("e2e_1b", 45 + hf * 70, e2e, device, "1b", 256, 64, 512, 128,
+                      {"pagellm": 45, "hf_generate": 30 * hf, "hf_generate_batch": 40 * hf}, bandwidth, False))
+    for name, budget, fn, *fargs in parts:
+        if name in skip:
+            report.doc["parts"][name] = {"status": "skipped", "error": "--skip"}
+            continue
+        report.run(name, budget, fn, *fargs)
+    report.write()
+    print(f"wrote {out}")
+    return 0 if all(p.get("status") in ("ok", "skipped") for p in report.doc["parts"].values()) else 1
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

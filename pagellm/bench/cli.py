@@ -3,9 +3,9 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    from pagellm.bench import memory, sharing, throughput
+    from pagellm.bench import memory, serve, sharing, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: memory, throughput, sharing (results in benchmarks/results/)")
+    bench = sub.add_parser("bench", help="benchmarks: memory, throughput, serve, sharing (results in benchmarks/results/)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for module in (memory, throughput, sharing):
+    for module in (memory, throughput, serve, sharing):
         module.add_parser(bench_sub)

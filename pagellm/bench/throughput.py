@@ -125,6 +125,8 @@ def _instrument(engine) -> tuple[PhaseTimer, list]:
                (runner, "execute", "execute"), (runner, "_prepare", "prepare_inputs"),
                (runner.model, "forward", "model_forward"), (runner.backend, "forward", "attention"),
                (runner.model, "compute_logits", "logits"), (runner, "sampler", "sampler")]
+    # Phases the engine does not have (it is evolving) are left out rather than failing the run.
+    targets = [t for t in targets if hasattr(t[0], t[1])]
     for obj, attr, name in targets:
         timer.wrap(obj, attr, name)
     return timer, targets

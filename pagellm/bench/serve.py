@@ -1,0 +1,352 @@
+"""`pagellm bench serve`: a load generator against a running OpenAI-compatible server.
+
+Requests arrive as a Poisson process at each rate given; each one is a streamed
+`POST /v1/completions` (stream=true, ignore_eos, max_tokens set, usage requested) and
+is timed from the moment it is sent: time to first token (TTFT), time per output token
+after the first (TPOT), end-to-end latency, and normalized latency (end-to-end seconds
+per output token, the PagedAttention paper's measure). Per rate: percentiles, throughput,
+and how many requests failed.
+
+Targets: `--url` (repeatable, `LABEL=URL` to name it) for servers already running, or
+`--launch POLICY` (repeatable) to start `pagellm serve` here once per KV policy, one
+after another, on a free loopback port, and stop it afterwards. Policies other than
+`paged` need `pagellm serve --kv-policy`; without it they are reported as skipped.
+
+Only loopback addresses are accepted: this is a load generator.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+from pagellm.bench import report
+
+# Words for prompts: ordinary English, so a byte-pair tokenizer sees plausible text.
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which have had are not were "
+    "been one all their there would more when who will about into time only some could them other than then "
+    "first also after made many before over such most where through years work under while water world "
+    "people house small great city long little found country place number part school river between state "
+    "during music early life called family several three power known later being government found story "
+    "garden morning evening winter summer market village mountain window letter travel simple question "
+    "answer reason history science nature market light sound voice paper table street field forest island"
+).split()
+
+
+@dataclass
+class ServeConfig:
+    rates: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 4.0])
+    num_requests: int = 32
+    workload: str = "alpaca"
+    max_prompt: int = 512
+    max_output: int = 128
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+@dataclass
+class RequestRecord:
+    sent: float
+    first_token: float | None = None
+    done: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    error: str | None = None
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"--url must point at this machine (127.0.0.0/8, ::1 or localhost), got {url!r}")
+
+
+def make_requests(cfg: ServeConfig) -> list[tuple[str, int]]:
+    """(prompt text, max_tokens) per request; lengths from the memory bench's workloads,
+    clipped for a CPU server. A word is about 1.3 tokens; usage reports the true count."""
+    from pagellm.bench.memory import WORKLOADS, sample_lengths
+
+    lengths = sample_lengths(WORKLOADS[cfg.workload], cfg.num_requests, cfg.seed, 2048)
+    rng = random.Random(cfg.seed)
+    out = []
+    for p, o in lengths:
+        n_words = max(1, round(min(p, cfg.max_prompt) / 1.3))
+        out.append((" ".join(rng.choice(_WORDS) for _ in range(n_words)), max(1, min(o, cfg.max_output))))
+    return out
+
+
+async def _one(client, url: str, model: str, prompt: str, max_tokens: int, rec: RequestRecord) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    rec.error = str(chunk["error"])[:200]
+                    return
+                usage = chunk.get("usage")
+                if usage:
+                    rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
+                    rec.prompt_tokens = usage.get("prompt_tokens")
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    if rec.first_token is None:
+                        rec.first_token = time.perf_counter()
+                    if not usage:
+                        rec.output_tokens += 1  # a lower bound until usage arrives
+        rec.done = time.perf_counter()
+    except Exception as e:  # a refused, reset or timed-out connection is a failed request, not a crash
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+
+
+async def run_rate(url: str, model: str, work: list[tuple[str, int]], rate: float, seed: int,
+                   timeout_s: float) -> list[RequestRecord]:
+    import httpx
+
+    rng = random.Random(seed + 17)
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=len(work) + 4, max_keepalive_connections=len(work) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        tasks = []
+        start = time.perf_counter()
+        t_next = 0.0
+        for prompt, max_tokens in work:
+            delay = start + t_next - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = RequestRecord(sent=time.perf_counter())
+            records.append(rec)
+            tasks.append(asyncio.create_task(_one(client, url, model, prompt, max_tokens, rec)))
+            t_next += rng.expovariate(rate)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s + 60)
+    return records
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(records: list[RequestRecord], rate: float) -> dict:
+    ok = [r for r in records if r.error is None and r.done is not None and r.first_token is not None]
+    ttft = [r.first_token - r.sent for r in ok]
+    e2e = [r.done - r.sent for r in ok]
+    tpot = [(r.done - r.first_token) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    norm = [(r.done - r.sent) / r.output_tokens for r in ok if r.output_tokens]
+    span = (max(r.done for r in ok) - min(r.sent for r in records)) if ok else 0.0
+    out_tokens = sum(r.output_tokens for r in ok)
+
+    def stats(xs: list[float]) -> dict:
+        return {"mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9),
+                "p99": _pct(xs, 0.99)}
+
+    return {
+        "rate": rate, "num_requests": len(records), "completed": len(ok),
+        "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if r.error})[:5],
+        "ttft_s": stats(ttft), "tpot_s": stats(tpot), "e2e_s": stats(e2e), "normalized_latency_s": stats(norm),
+        "output_tokens": out_tokens, "duration_s": span,
+        "throughput_tok_s": out_tokens / span if span else 0.0,
+        "throughput_req_s": len(ok) / span if span else 0.0,
+    }
+
+
+def get_model(url: str, timeout: float = 10.0) -> str:
+    import httpx
+
+    r = httpx.get(url + "/v1/models", timeout=timeout)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no answer from {url}/v1/models within {timeout_s:.0f} s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_supports_kv_policy() -> bool:
+    from pagellm.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices.get("serve")
+    return serve is not None and any("--kv-policy" in a.option_strings for a in serve._actions)
+
+
+def launch(policy: str, engine_args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagellm", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--disable-access-log", *engine_args]
+    if policy != "paged":
+        cmd += ["--kv-policy", policy]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bench_target(url: str, cfg: ServeConfig, show_progress: bool) -> dict:
+    model = get_model(url)
+    work = make_requests(cfg)
+    rows = []
+    for rate in report.progress(cfg.rates, desc=f"bench serve {url}", enable=show_progress, unit="rate"):
+        records = asyncio.run(run_rate(url, model, work, rate, cfg.seed, cfg.timeout_s))
+        rows.append(summarize(records, rate))
+    return {"url": url, "model": model, "rates": rows}
+
+
+def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: list[str], engine_args: list[str],
+                    out_dir: str, show_progress: bool = True, ready_timeout_s: float = 600.0) -> dict:
+    targets: dict = {}
+    skipped: dict = {}
+    for label, url in urls:
+        check_loopback(url)
+        targets[label] = bench_target(url.rstrip("/"), cfg, show_progress)
+    if policies and any(p != "paged" for p in policies) and not serve_supports_kv_policy():
+        for p in policies:
+            if p != "paged":
+                skipped[p] = "`pagellm serve` has no --kv-policy option yet"
+        policies = [p for p in policies if p == "paged"]
+    for policy in policies:
+        log_path = os.path.join(out_dir, f"serve-{policy}.log")
+        proc, url = launch(policy, engine_args, log_path)
+        try:
+            wait_ready(url, proc, ready_timeout_s)
+            targets[policy] = {**bench_target(url, cfg, show_progress), "launched": True,
+                               "engine_args": engine_args}
+        except (RuntimeError, TimeoutError) as e:
+            skipped[policy] = f"{e} (log: {log_path})"
+        finally:
+            stop(proc)
+    return {"config": asdict(cfg), "targets": targets, "skipped": skipped}
+
+
+def print_tables(results: dict) -> None:
+    headers = ["target", "rate req/s", "done", "failed", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "e2e p50 s",
+               "e2e p99 s", "norm lat s/tok", "tok/s"]
+    rows = []
+    for label, t in results["targets"].items():
+        for r in t["rates"]:
+            rows.append([label, r["rate"], r["completed"], r["failed"], r["ttft_s"]["p50"], r["ttft_s"]["p99"],
+                         r["tpot_s"]["p50"], r["e2e_s"]["p50"], r["e2e_s"]["p99"], r["normalized_latency_s"]["mean"],
+                         r["throughput_tok_s"]])
+    print(report.format_table(headers, rows))
+    for k, why in results["skipped"].items():
+        print(f"skipped {k}: {why}")
+
+
+def plot(results: dict, path) -> None:
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for label, t in results["targets"].items():
+        rates = [r["rate"] for r in t["rates"]]
+        axes[0].plot(rates, [r["normalized_latency_s"]["mean"] for r in t["rates"]], marker="o", label=label)
+        axes[1].plot(rates, [r["ttft_s"]["p50"] for r in t["rates"]], marker="o", label=f"{label} p50")
+        axes[1].plot(rates, [r["ttft_s"]["p99"] for r in t["rates"]], marker="x", ls="--", label=f"{label} p99")
+        axes[2].plot(rates, [r["throughput_tok_s"] for r in t["rates"]], marker="o", label=label)
+    for ax, title, ylabel in ((axes[0], "normalized latency vs rate", "s / output token"),
+                              (axes[1], "time to first token", "s"), (axes[2], "throughput", "output tokens/s")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="load-test a `pagellm serve` (OpenAI API, streaming): TTFT, TPOT, latency "
+                                     "and throughput vs request rate",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", action="append", default=[], help="a running server, as URL or LABEL=URL; repeatable")
+    p.add_argument("--launch", action="append", default=[], metavar="POLICY",
+                   help="start `pagellm serve` with this KV policy (paged, contiguous-max, ...); repeatable")
+    p.add_argument("--engine-args", default="--kv-cache-memory 256M --max-model-len 1024",
+                   help="engine flags for --launch (a quoted string)")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates (req/s)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
+    p.add_argument("--workload", choices=["alpaca", "sharegpt"], default="alpaca")
+    p.add_argument("--max-prompt", type=int, default=512, help="clip prompts (tokens, approximately)")
+    p.add_argument("--max-output", type=int, default=128, help="clip outputs (tokens)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/serve-<date>)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.url and not args.launch:
+        raise ValueError("give --url URL (a running server) or --launch POLICY (start one here)")
+    if any(r <= 0 for r in args.rates) or args.num_requests < 1:
+        raise ValueError("--rates must be > 0 and --num-requests >= 1")
+    urls = []
+    for u in args.url:
+        label, _, rest = u.partition("=")
+        urls.append((label, rest) if rest and "://" not in label else (u, u))
+    cfg = ServeConfig(rates=sorted(args.rates), num_requests=args.num_requests, workload=args.workload,
+                      max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed, timeout_s=args.timeout)
+    json_path, png_path = report.output_paths("serve", args.out)
+    results = {**report.metadata("serve", extra_versions=("httpx",)),
+               **run_serve_bench(cfg, urls, list(dict.fromkeys(args.launch)), args.engine_args.split(),
+                                 tempfile.gettempdir(), show_progress=not args.no_progress)}
+    print_tables(results)
+    report.write_json(json_path, results)
+    plot(results, png_path)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0 if results["targets"] else 1

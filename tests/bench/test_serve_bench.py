@@ -1,0 +1,89 @@
+"""`pagellm bench serve` against a stand-in OpenAI-compatible streaming server on loopback."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pagellm.bench.serve import check_loopback
+from pagellm.entrypoints.cli import main
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list[dict] = []
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, json.dumps({"object": "list", "data": [{"id": "stand-in", "object": "model"}]}).encode())
+        else:
+            self._send(404, b"{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        n = body["max_tokens"]
+        for i in range(n):
+            time.sleep(0.001)
+            chunk = {"id": "c", "object": "text_completion", "model": "stand-in",
+                     "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": n + 7}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+        self.close_connection = True
+
+
+@pytest.fixture
+def stand_in_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_serve_bench_tiny(tmp_path, stand_in_server):
+    stem = tmp_path / "serve"
+    rc = main(["bench", "serve", "--url", f"fake={stand_in_server}", "--rates", "20", "50", "--num-requests", "6",
+               "--max-output", "5", "--out", str(stem), "--no-progress"])
+    assert rc == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["benchmark"] == "serve" and data["versions"]["python"]
+    rows = data["targets"]["fake"]["rates"]
+    assert [r["rate"] for r in rows] == [20.0, 50.0]
+    for r in rows:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p50"]
+        assert r["tpot_s"]["p50"] > 0 and r["normalized_latency_s"]["mean"] > 0
+        assert r["output_tokens"] == sum(min(5, b["max_tokens"]) for b in _Handler.seen[:6])
+        assert r["throughput_tok_s"] > 0
+    body = _Handler.seen[0]
+    assert body["stream"] is True and body["ignore_eos"] is True and body["model"] == "stand-in"
+    assert stem.with_suffix(".png").stat().st_size > 1000
+
+
+def test_only_loopback_targets():
+    check_loopback("http://127.0.0.1:8000")
+    check_loopback("http://localhost:1")
+    check_loopback("http://[::1]:8000")
+    with pytest.raises(ValueError, match="this machine"):
+        check_loopback("http://10.0.0.1:8000")

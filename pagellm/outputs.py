@@ -48,3 +48,5 @@ class RequestOutput:
     metrics: RequestMetrics
     # Prompt tokens whose KV came from the prefix cache instead of a forward pass.
     num_cached_tokens: int = 0
+    # Set when processing this request failed: it was aborted, the others carry on.
+    error: str | None = None

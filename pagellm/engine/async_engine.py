@@ -323,6 +323,15 @@ class AsyncLLMEngine:
                     self._observer.on_error(rid, time.time())
             self._to_loop(self._fail, failed, EngineStepError(f"internal error while generating: {e!r}"))
             return
+        errored = [o for o in outputs if o.error is not None]
+        if errored:
+            outputs = [o for o in outputs if o.error is None]
+            for o in errored:
+                self._live.discard(o.request_id)
+                logger.error("request %s failed: %s", o.request_id, o.error)
+                if self._observer is not None:
+                    self._observer.on_error(o.request_id, time.time())
+                self._to_loop(self._fail, [o.request_id], EngineStepError(f"internal error while generating: {o.error}"))
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)

@@ -263,18 +263,39 @@ class LLMEngine:
                 self._advance_beams(group)
                 if group.finished:
                     touched[group.request_id] = group
+        failed: dict[str, Exception] = {}
         for req in updated:
-            group = self._seq_group[req.request_id]
-            self._update_seq(group.seqs[req.index], result.sampled, rows[req.request_id])
+            group = self._seq_group.get(req.request_id)
+            if group is None or group.request_id in failed:
+                continue
+            try:
+                self._update_seq(group.seqs[req.index], result.sampled, rows[req.request_id])
+            except Exception as e:  # one request's failure must not take down the others
+                failed[group.request_id] = e
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
-            out = self._output(group)
+            try:
+                if group.request_id in failed:
+                    raise failed[group.request_id]
+                out = self._output(group)
+            except Exception as e:
+                outputs.append(self._fail(group, e))
+                continue
             if out is not None:
                 outputs.append(out)
             if group.finished:
                 self._drop(group)
         return outputs
+
+    def _fail(self, group: _Group | _BeamGroup, error: Exception) -> RequestOutput:
+        """Abort a request whose processing raised; its blocks go back at once."""
+        first = group.root if isinstance(group, _BeamGroup) else group.seqs[0].request
+        self.abort_request(group.request_id)
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, [], True,
+                             RequestMetrics(first.arrival_time, first.first_token_time, time.time(),
+                                            first.num_preemptions),
+                             error=f"{type(error).__name__}: {error}")
 
     def _advance_beams(self, group: _BeamGroup) -> None:
         """Every live beam has reported: choose the next beams, then fork the ones chosen

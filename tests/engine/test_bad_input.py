@@ -94,3 +94,25 @@ def test_missing_and_corrupt_model(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 20)
     with pytest.raises(ValueError, match="bad.gguf"):
         LLM(str(bad))
+
+
+def test_a_failing_request_fails_alone(llm):
+    """A request whose processing raises is aborted; the others finish untouched."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for rid in ("ok1", "bad", "ok2"):
+        eng.add_request(rid, {"prompt_token_ids": [5, 6, 7]}, params)
+
+    def broken(token_ids):
+        raise RuntimeError("detokenizer exploded")
+
+    eng._groups["bad"].seqs[0].detokenizer.update = broken
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["bad"].error == "RuntimeError: detokenizer exploded"
+    assert len(finished["ok1"].outputs[0].token_ids) == 6 and finished["ok1"].error is None
+    assert finished["ok2"].outputs[0].token_ids == finished["ok1"].outputs[0].token_ids
+    _ok(llm)

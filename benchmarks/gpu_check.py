@@ -324,25 +324,10 @@ def decode_bandwidth(device: torch.device, shape: dict, block_sizes: list[int], 
 
 # ---- 4. end to end -------------------------------------------------------------------------------------
 def write_model_dir(path: Path, shape: dict) -> Path:
-    """config.json of the shape and a byte-level tokenizer padded to its vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
+    """config.json of the shape and a byte-level tokenizer; no EOS, so nothing stops early."""
+    from pagellm.model.synthetic import write_dummy_model_dir
 
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
-               bos_token_id=None, eos_token_id=None, pad_token_id=0, torch_dtype="bfloat16", **shape)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    specials = ["<s>", "</s>", "<unk>"]
-    alphabet = sorted(ByteLevel.alphabet())
-    names = specials + alphabet
-    names += [f"<|x{i}|>" for i in range(shape["vocab_size"] - len(names))]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="<s>").save_pretrained(path)
-    return path
+    return Path(write_dummy_model_dir(path, shape, bos_token_id=None, eos_token_id=None, pad_token_id=0))
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -209,6 +209,18 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return max(1, min(want, most, _MAX_SPLITS))
 
 
+def group_pad(group: int) -> int:
+    """Rows of the decode kernel's query tile. Triton 3.6 would pad fewer rows itself; 16 is
+    the tensor cores' own tile height, the shape its MMA lowering is most used with."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def dot_pad(n: int) -> int:
+    """A tl.dot reduction dimension: a power of two, and at least the 16 that 16-bit tensor-core
+    instructions reduce over (the interpreter accepts less; the GPU compiler does not)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -253,7 +265,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits is None:
         num_splits = choose_num_splits(b, kvh, block_tables.shape[1] * block_size, _num_sms(q.device))
     group = h // kvh
-    dim_pad = triton.next_power_of_2(d)
+    dim_pad = dot_pad(d)
     direct = num_splits == 1
     if direct:
         part_out, part_lse = out, out  # unused placeholders: the kernel writes `out` itself
@@ -272,7 +284,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *part_strides,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, DIM_PAD=dim_pad,
+        GROUP=group, GROUP_PAD=group_pad(group), HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_N=cfg.block_n, DIRECT=direct, PRECISION=_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -400,7 +412,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=triton.next_power_of_2(d),
+        GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=dot_pad(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,67 @@
+"""Compile the Triton kernels for an H100/H200 (sm_90) without a GPU, and print each one's shared memory.
+
+The interpreter runs kernels in NumPy and never lowers them, so it cannot see what only the
+GPU compiler rejects (dot shapes, layouts, types, shared memory); this script runs that compiler
+ahead of time. Run in a process without TRITON_INTERPRET (test_triton_compile.py does).
+`--all` also compiles the benchmark sweep's configs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pagellm.attention import triton_kernels as K  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict, num_warps: int = 4,
+                   num_stages: int = 2):
+    """Every argument not in `pointers`/`constexprs` is an int32 unless `scalars` names its type."""
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, scalars.get(name, "i32"))
+                 for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def cases(full: bool):
+    for dt in ("bf16", "fp32"):
+        prec = "ieee" if dt == "fp32" else "tf32"
+        kv = {"k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}"}
+        yield ("store", dt), K._store_kv_kernel, {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64", **kv}, {}, \
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128), 4, 1
+        # Llama shapes in bf16; the tests' small shapes in fp32.
+        shapes = [(4, 128), (1, 64), (2, 8)] if dt == "bf16" else [(2, 16), (4, 32)]
+        configs = [(64, 4, 2)] + ([(32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)] if full else [])
+        for group, d in shapes:
+            for direct in (True, False):
+                for bn, warps, stages in configs:
+                    part = f"*{dt}" if direct else "*fp32"
+                    yield (f"decode group={group} d={d} direct={direct} tile={bn} warps={warps} stages={stages}", dt), \
+                        K._decode_kernel, {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "seq_lens_ptr": "*i64",
+                                           "out_ptr": f"*{dt}", "part_out_ptr": part, "part_lse_ptr": part, **kv}, \
+                        {"qk_scale": "fp32"}, dict(GROUP=group, GROUP_PAD=K.group_pad(group), HEAD_DIM=d, DIM_PAD=K.dot_pad(d),
+                                                   BLOCK_N=bn, DIRECT=direct, PRECISION=prec), warps, stages
+            yield (f"prefill group={group} d={d}", dt), K._prefill_kernel, \
+                {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "tiles_ptr": "*i32", "out_ptr": f"*{dt}", **kv}, \
+                {"qk_scale": "fp32"}, dict(GROUP=group, HEAD_DIM=d, DIM_PAD=K.dot_pad(d), BLOCK_M=64, BLOCK_N=64, PRECISION=prec), \
+                4, 2
+        yield ("combine", dt), K._combine_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dt}"}, \
+            {}, dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=32), 4, 1
+
+
+def main() -> int:
+    for (name, dt), fn, pointers, scalars, constexprs, warps, stages in cases("--all" in sys.argv):
+        compiled = compile_kernel(fn, pointers, scalars, constexprs, warps, stages)
+        print(f"ok {dt:4s} {name}: shared memory {compiled.metadata.shared} bytes", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,6 @@ import torch
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.triton_kernels import (
     KernelConfig,
-    default_decode_config,
     default_prefill_config,
     paged_decode,
     paged_prefill,
@@ -59,4 +58,4 @@ class TritonAttentionBackend(AttentionBackend):
         return self._tiles
 
 
-__all__ = ["TritonAttentionBackend", "default_decode_config"]
+__all__ = ["TritonAttentionBackend"]

@@ -22,12 +22,32 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """`compiled_decode`: read K/V in place with the compiled CPU kernel for decodes
+    (None: whenever it is available and the cache is float32 on the CPU). False keeps
+    the pure-torch path, the reference that every other path is tested against."""
+
+    def __init__(self, compiled_decode: bool | None = None) -> None:
+        self.compiled_decode = compiled_decode
+
+    def _use_compiled(self, q: torch.Tensor) -> bool:
+        if self.compiled_decode is False or q.device.type != "cpu" or q.dtype != torch.float32:
+            return False
+        from pagellm.attention import cpu_kernels
+
+        return cpu_kernels.available()
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            if self._use_compiled(q):
+                from pagellm.attention import cpu_kernels
+
+                out[:nd] = cpu_kernels.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                                    meta.seq_lens_tensor[:nd], scale)
+            else:
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         start = nd
         for i in range(nd, meta.num_seqs):
             ql, ctx = meta.query_lens[i], meta.seq_lens[i]

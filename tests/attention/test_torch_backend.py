@@ -22,9 +22,10 @@ def naive(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled-decode"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-def test_mixed_batch_matches_naive(block_size, heads):
+def test_mixed_batch_matches_naive(block_size, heads, compiled):
     rng = random.Random(block_size * 10 + heads[0])
     torch.manual_seed(block_size)
     h, kvh = heads
@@ -55,7 +56,12 @@ def test_mixed_batch_matches_naive(block_size, heads):
         query_lens=[n for _, n in shapes], seq_lens=seq_lens, seq_lens_tensor=torch.tensor(seq_lens),
         num_decodes=sum(n == 1 for _, n in shapes), block_size=block_size)
     scale = d ** -0.5
-    out = TorchAttentionBackend().forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)
+    backend = TorchAttentionBackend(compiled_decode=compiled)
+    if compiled:
+        from pagellm.attention import cpu_kernels
+
+        assert cpu_kernels.available(), "the CPU kernel must build here (gcc and ninja are installed by the set-up)"
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)
     expected = torch.cat([naive(q, k, v, scale) for q, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # Every new token's K/V landed in its slot.

@@ -24,6 +24,8 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True
+    # Run decode steps eagerly on a GPU instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, value: object, limit: str) -> None:

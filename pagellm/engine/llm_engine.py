@@ -86,6 +86,8 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self.runner.num_blocks_for_budget(
             config.block_size, config.kv_cache_memory)
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
+        if not config.enforce_eager:
+            self.runner.capture_cuda_graphs(config.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.arch.eos_token_ids)

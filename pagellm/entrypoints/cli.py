@@ -24,6 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching (on by default)")
+    g.add_argument("--enforce-eager", action="store_true", help="on a GPU, do not capture CUDA graphs for decode")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -53,7 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, enable_prefix_caching=args.enable_prefix_caching)
+                seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+                enforce_eager=args.enforce_eager)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -20,12 +20,13 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory: float | int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 load_format: str = "auto", seed: int = 0, enable_prefix_caching: bool = True) -> None:
+                 load_format: str = "auto", seed: int = 0, enable_prefix_caching: bool = True,
+                 enforce_eager: bool = False) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, load_format=load_format, seed=seed,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

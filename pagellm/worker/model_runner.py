@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.worker.cuda_graphs import CUDAGraphRunner
 from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,7 +63,9 @@ class ModelRunner:
         self.arch = arch
         self.device = device
         self.dtype = dtype
-        self.backend = backend or TorchAttentionBackend()
+        self.backend = backend or select_backend(device)
+        self.max_model_len = max_model_len
+        self.cuda_graphs: CUDAGraphRunner | None = None
         with torch.device(device):
             self.model = LlamaForCausalLM(arch, self.backend, max_model_len).to(dtype)
         self.model.eval()
@@ -124,6 +127,15 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        """Record decode steps for a ladder of batch sizes (CUDA only; after the KV
+        cache is allocated, which must never be reallocated afterwards)."""
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs:
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, backend=self.backend,
+                                               block_size=self.block_size, max_model_len=self.max_model_len,
+                                               max_num_seqs=max_num_seqs, device=self.device)
+            self.cuda_graphs.capture()
+
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
@@ -132,7 +144,8 @@ class ModelRunner:
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
         input_ids, positions, meta, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        # A captured graph replays decode-only steps; anything else runs eagerly.
+        hidden = (self.cuda_graphs or self.model)(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return StepResult([], None)
         # Only the last position of each sampling sequence needs logits; forked siblings

@@ -105,7 +105,7 @@ def test_rejects_a_backend_that_cannot_be_captured():
                         max_num_seqs=4, device=DEVICE)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @torch.inference_mode()
 def test_graph_replay_over_several_steps_matches_eager():
     """Real capture: steps of varying batch size replayed from graphs, against the eager model."""

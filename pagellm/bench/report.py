@@ -15,6 +15,17 @@ from typing import Any, Iterable, Sequence
 
 RESULTS_DIR = Path("benchmarks") / "results"
 
+# Ordinary English words for synthetic prompts, so a byte-pair tokenizer sees plausible text.
+COMMON_WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which have had are not were "
+    "been one all their there would more when who will about into time only some could them other than then "
+    "first also after made many before over such most where through years work under while water world "
+    "people house small great city long little found country place number part school river between state "
+    "during music early life called family several three power known later being government found story "
+    "garden morning evening winter summer market village mountain window letter travel simple question "
+    "answer reason history science nature market light sound voice paper table street field forest island"
+).split()
+
 
 def output_paths(name: str, out: str | None) -> tuple[Path, Path]:
     """(json, png) paths: `--out` as given (with or without an extension), else

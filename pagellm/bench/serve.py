@@ -33,16 +33,6 @@ from urllib.parse import urlparse
 
 from pagellm.bench import report
 
-# Words for prompts: ordinary English, so a byte-pair tokenizer sees plausible text.
-_WORDS = (
-    "the of and to in is was for on that with as by at from his her they this which have had are not were "
-    "been one all their there would more when who will about into time only some could them other than then "
-    "first also after made many before over such most where through years work under while water world "
-    "people house small great city long little found country place number part school river between state "
-    "during music early life called family several three power known later being government found story "
-    "garden morning evening winter summer market village mountain window letter travel simple question "
-    "answer reason history science nature market light sound voice paper table street field forest island"
-).split()
 
 
 @dataclass
@@ -88,7 +78,8 @@ def make_requests(cfg: ServeConfig) -> list[tuple[str, int]]:
     out = []
     for p, o in lengths:
         n_words = max(1, round(min(p, cfg.max_prompt) / 1.3))
-        out.append((" ".join(rng.choice(_WORDS) for _ in range(n_words)), max(1, min(o, cfg.max_output))))
+        text = " ".join(rng.choice(report.COMMON_WORDS) for _ in range(n_words))
+        out.append((text, max(1, min(o, cfg.max_output))))
     return out
 
 

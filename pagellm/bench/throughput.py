@@ -80,6 +80,8 @@ def word_list(tok) -> list[str]:
 def make_workload(tok, cfg: ThroughputConfig) -> list[Work]:
     rng = random.Random(cfg.seed)
     words = word_list(tok)
+    if len(words) < 100:  # a byte-level or tiny vocabulary: plain English words instead
+        words = list(report.COMMON_WORDS)
     work = []
     for _ in range(cfg.num_requests):
         n = rng.randint(cfg.min_prompt, cfg.max_prompt)
@@ -100,9 +102,14 @@ class PhaseTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self._saved: dict[tuple[int, str], object] = {}
 
     def wrap(self, obj, attr: str, name: str) -> None:
         inner = getattr(obj, attr)
+        # An instance attribute (a callable object such as the sampler) is put back on unwrap;
+        # a method is simply un-shadowed.
+        if attr in vars(obj):
+            self._saved[(id(obj), attr)] = vars(obj)[attr]
 
         def timed(*a, **k):
             t = time.perf_counter()
@@ -115,7 +122,11 @@ class PhaseTimer:
         setattr(obj, attr, timed)
 
     def unwrap(self, obj, attr: str) -> None:
-        obj.__dict__.pop(attr, None)
+        key = (id(obj), attr)
+        if key in self._saved:
+            setattr(obj, attr, self._saved.pop(key))
+        else:
+            vars(obj).pop(attr, None)
 
 
 def _instrument(engine) -> tuple[PhaseTimer, list]:
@@ -295,9 +306,11 @@ def run_hf_generate_batch(model, work: list[Work], cfg: ThroughputConfig) -> tup
                           max_generated_length=max(w.max_tokens for w in work), num_requests=len(work))
     outputs = {}
     bar = report.progress(total=len(work), desc="hf generate_batch", enable=cfg.show_progress, unit="req")
-    t0 = time.perf_counter()
+    # Timed from when the manager is up: its one-off setup (cache allocation, warmup) is
+    # left out, as pagellm's engine construction and warmup are.
     with torch.no_grad(), model.continuous_batching_context_manager(
             generation_config=gc, block=True, timeout=5, workload_hints=hints) as manager:
+        t0 = time.perf_counter()
         for i, w in enumerate(work):
             manager.add_request(w.prompt, request_id=f"r{i}", max_new_tokens=w.max_tokens, eos_token_id=-1)
         while len(outputs) < len(work):
@@ -307,8 +320,8 @@ def run_hf_generate_batch(model, work: list[Work], cfg: ThroughputConfig) -> tup
                 bar.update(1)
             elif res is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped before finishing")
+        wall = time.perf_counter() - t0
     bar.close()
-    wall = time.perf_counter() - t0
     gen = sum(len(v) for v in outputs.values())
     return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
             "requests_per_s": len(work) / wall}, outputs
@@ -349,13 +362,19 @@ def llama_cpp_available() -> bool:
 
 
 # ---- the run --------------------------------------------------------------------------------------
-def run_throughput_bench(cfg: ThroughputConfig) -> dict:
+def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
+    """Run every system; `on_update(results so far)` is called after each one, so a long
+    run that is cut short still leaves what it measured."""
     import torch
 
     from pagellm.entrypoints.llm import LLM
     from pagellm.sampling_params import SamplingParams
 
     torch.set_num_threads(cfg.threads)
+    if not cfg.show_progress:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     load = {"loadavg_start": os.getloadavg()}
     max_len = cfg.max_prompt + cfg.max_output
     llm = LLM(cfg.model, dtype="float32", device="cpu", block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
@@ -368,11 +387,31 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
     llm.generate([{"prompt_token_ids": work[0].prompt[:16]}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)
     systems: dict = {}
-    outputs: dict = {}
     skipped: dict = {}
     hf = None
     sample = list(range(min(cfg.check_samples, len(work))))
     reference: dict = {}
+    ins = [len(w.prompt) for w in work]
+    outs_len = [w.max_tokens for w in work]
+
+    def snapshot(profile: dict | None) -> dict:
+        return {
+            "config": asdict(cfg),
+            "model": model_path,
+            "workload": {"num_requests": len(work), "mean_prompt": sum(ins) / len(ins),
+                         "mean_output": sum(outs_len) / len(outs_len), "total_prompt_tokens": sum(ins),
+                         "total_output_tokens": sum(outs_len)},
+            "load": load,
+            "systems": systems,
+            "skipped": skipped,
+            "greedy_check": {"sample": sample,
+                             "reference": "transformers generate, one unpadded request at a time, fp32",
+                             "pagellm_all_match": all(all(systems[s]["greedy_matches_transformers"].values())
+                                                      for s in systems if s.startswith("pagellm-"))},
+            "profile": profile,
+            "targets": check_targets(systems),
+        }
+
     need_hf = any(s.startswith("hf-") for s in cfg.systems) or sample
     if need_hf:
         hf = load_hf(model_path)
@@ -390,34 +429,25 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
             if not llama_cpp_available():
                 skipped[name] = "llama_cpp (llama-cpp-python) is not installed"
                 continue
+            if not model_path.lower().endswith(".gguf"):
+                skipped[name] = "llama.cpp needs a GGUF model"
+                continue
             res, outs = run_llama_cpp(model_path, work, cfg)
         else:
             raise ValueError(f"unknown system {name!r}; choose from {DEFAULT_SYSTEMS} or hf-static-<B>")
         res["greedy_matches_transformers"] = {str(i): outs.get(i) == reference[i] for i in sample}
+        # The 1-minute load average after the run: other processes on the machine skew timings.
+        res["loadavg_after"] = os.getloadavg()[0]
         systems[name] = res
-        outputs[name] = outs
+        if on_update:
+            on_update(snapshot(None))
     profile = None
     if cfg.profile and "pagellm-paged" in cfg.systems:
         sub = work[: max(8, len(work) // 4)]
         profile, _ = run_pagellm(llm, sub, "paged", cfg, profile=True)
         profile["num_requests"] = len(sub)
     load["loadavg_end"] = os.getloadavg()
-    ins = [len(w.prompt) for w in work]
-    outs_len = [w.max_tokens for w in work]
-    return {
-        "config": asdict(cfg),
-        "model": model_path,
-        "workload": {"num_requests": len(work), "mean_prompt": sum(ins) / len(ins), "mean_output": sum(outs_len) / len(outs_len),
-                     "total_prompt_tokens": sum(ins), "total_output_tokens": sum(outs_len)},
-        "load": load,
-        "systems": systems,
-        "skipped": skipped,
-        "greedy_check": {"sample": sample, "reference": "transformers generate, one unpadded request at a time, fp32",
-                         "pagellm_all_match": all(all(systems[s]["greedy_matches_transformers"].values())
-                                                  for s in systems if s.startswith("pagellm-"))},
-        "profile": profile,
-        "targets": check_targets(systems),
-    }
+    return snapshot(profile)
 
 
 def check_targets(systems: dict) -> list[dict]:
@@ -524,9 +554,9 @@ def main(args: argparse.Namespace) -> int:
     for name, lo, hi in (("prompt", cfg.min_prompt, cfg.max_prompt), ("output", cfg.min_output, cfg.max_output)):
         if not 1 <= lo <= hi:
             raise ValueError(f"--min-{name} and --max-{name} must satisfy 1 <= min <= max, got {lo}, {hi}")
-    results = {**report.metadata("throughput", extra_versions=("accelerate", "llama_cpp_python")),
-               **run_throughput_bench(cfg)}
+    meta = report.metadata("throughput", extra_versions=("accelerate", "llama_cpp_python"))
     json_path, png_path = report.output_paths("throughput", args.out)
+    results = {**meta, **run_throughput_bench(cfg, on_update=lambda r: report.write_json(json_path, {**meta, **r}))}
     print_tables(results)
     report.write_json(json_path, results)
     plot(results, png_path)

@@ -425,6 +425,7 @@ def add_parser(sub) -> None:
     p.add_argument("--refine-steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/memory-<date>)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU core)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=main)
 
@@ -450,7 +451,7 @@ def main(args: argparse.Namespace) -> int:
         cfg.rate = {w: args.rate for w in cfg.workloads}
     if args.sweep:
         cfg.sweep = {w: sorted(args.sweep) for w in cfg.workloads}
-    results = {**report.metadata("memory"), **run_memory_bench(cfg, show_progress=not args.no_progress)}
+    results = {**report.metadata("memory"), **run_memory_bench(cfg, show_progress=not args.no_progress, workers=args.workers)}
     json_path, png_path = report.output_paths("memory", args.out)
     print_tables(results)
     report.write_json(json_path, results)

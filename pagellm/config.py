@@ -26,6 +26,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Run decode steps eagerly on a GPU instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
+    # Ranks that split each layer's heads and features (torch.distributed; see README "Tensor parallelism").
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, value: object, limit: str) -> None:
@@ -47,5 +49,7 @@ class EngineConfig:
              "an integer >= 1")
         need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
              "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
+        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+             self.tensor_parallel_size, "an integer >= 1")
         need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
              "max_model_len", self.max_model_len, "an integer >= 2")

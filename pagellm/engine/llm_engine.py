@@ -78,16 +78,25 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed)
-        if source.weights is None:
-            self.runner.init_dummy_weights(config.seed)
+        if config.tensor_parallel_size > 1:
+            from pagellm.distributed.driver import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(config, source, self.device, self.dtype, self.max_model_len)
         else:
-            self.runner.load_weights(source.weights())
-        num_blocks = config.num_kv_blocks or self.runner.num_blocks_for_budget(
-            config.block_size, config.kv_cache_memory)
-        self.runner.allocate_kv_cache(num_blocks, config.block_size)
-        if not config.enforce_eager:
-            self.runner.capture_cuda_graphs(config.max_num_seqs)
+            self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed)
+        try:
+            if source.weights is None:
+                self.runner.init_dummy_weights(config.seed)
+            else:
+                self.runner.load_weights(source.weights())
+            num_blocks = config.num_kv_blocks or self.runner.num_blocks_for_budget(
+                config.block_size, config.kv_cache_memory)
+            self.runner.allocate_kv_cache(num_blocks, config.block_size)
+            if not config.enforce_eager:
+                self.runner.capture_cuda_graphs(config.max_num_seqs)
+        except BaseException:
+            self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
+            raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.arch.eos_token_ids)
@@ -400,6 +409,16 @@ class LLMEngine:
                                  sum(s.request.num_preemptions for s in group.seqs.values()))
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
                              metrics, num_cached_tokens=first.num_cached_tokens)
+
+    def memory_report(self) -> list[dict]:
+        """Per rank (one entry without tensor parallelism): bytes of weights and of KV cache it
+        holds, its KV heads, and its peak memory so far."""
+        return self.runner.memory_report()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards. Also
+        done at garbage collection and interpreter exit."""
+        self.runner.shutdown()
 
     def kv_snapshot(self) -> dict:
         """Who holds which physical block right now: the data behind a block map."""

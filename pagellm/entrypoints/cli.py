@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching (on by default)")
     g.add_argument("--enforce-eager", action="store_true", help="on a GPU, do not capture CUDA graphs for decode")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (processes; gloo on the CPU, NCCL on GPUs)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -55,7 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -139,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1:
+            from pagellm.distributed.worker_main import is_torchrun_worker, run_worker
+
+            if is_torchrun_worker():  # torchrun started this rank: rank 0 runs the command, the others serve it
+                return run_worker(args.device, args.model)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"pagellm: error: {e}", file=sys.stderr)

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
+from pagellm.model.parallel import ShardShapes, column_linear, embedding, gather_logits, row_linear, shard_weight
 from pagellm.model.rope import RotaryEmbedding
 
 
@@ -31,16 +33,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, backend: AttentionBackend,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        shapes = ShardShapes.of(cfg, tp)  # this rank's heads
+        self.num_heads = shapes.num_heads
+        self.num_kv_heads = shapes.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matrix: one product per layer instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = column_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, tp)
+        self.o_proj = row_linear(self.q_size, cfg.hidden_size, False, tp)
         self.scale = self.head_dim ** -0.5
         self.rope = rope
         self.backend = backend
@@ -57,10 +61,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = ShardShapes.of(cfg, tp).intermediate_size
+        self.gate_up_proj = column_linear(cfg.hidden_size, 2 * inter, False, tp)
+        self.down_proj = row_linear(inter, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -68,12 +73,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, backend: AttentionBackend,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, backend)
+        self.self_attn = Attention(cfg, rope, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, positions, x, kv_cache, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
@@ -81,17 +87,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+    """With `tp`, this rank's shard of the network (see pagellm.model.parallel); without, all of it."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        self.shapes = ShardShapes.of(cfg, tp)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = embedding(self.shapes.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:  # column-parallel over the vocabulary
+            self.lm_head = nn.Linear(cfg.hidden_size, self.shapes.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -100,12 +111,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(positions, x, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.tp is None:
+            return F.linear(hidden, weight).float()
+        logits = gather_logits(F.linear(hidden, weight), self.tp, self.cfg.vocab_size)
+        return None if logits is None else logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive (and
+        cutting each down to this rank's shard first, under tensor parallelism)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -113,7 +129,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            target, rows = _fused_target(name, self.cfg)
+            if self.tp is not None:
+                tensor = shard_weight(name, tensor, self.cfg, self.tp)
+            target, rows = _fused_target(name, self.shapes, self.cfg.head_dim)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for a {self.cfg.architecture} model")
             param = params[target]
@@ -127,10 +145,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model file lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
 
-def _fused_target(name: str, cfg: ModelArchConfig) -> tuple[str, tuple[int, int] | None]:
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    inter = cfg.intermediate_size
+def _fused_target(name: str, shapes: ShardShapes, head_dim: int) -> tuple[str, tuple[int, int] | None]:
+    q = shapes.num_heads * head_dim
+    kv = shapes.num_kv_heads * head_dim
+    inter = shapes.intermediate_size
     name = name.removeprefix("model.")
     parts = {
         "self_attn.q_proj": ("self_attn.qkv_proj", (0, q)),

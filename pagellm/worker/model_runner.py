@@ -14,6 +14,7 @@ import torch
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
@@ -59,7 +60,8 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 backend: AttentionBackend | None = None, seed: int = 0) -> None:
+                 backend: AttentionBackend | None = None, seed: int = 0,
+                 tp: TensorParallelGroup | None = None) -> None:
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -67,7 +69,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.cuda_graphs: CUDAGraphRunner | None = None
         with torch.device(device):
-            self.model = LlamaForCausalLM(arch, self.backend, max_model_len).to(dtype)
+            self.model = LlamaForCausalLM(arch, self.backend, max_model_len, tp).to(dtype)
         self.model.eval()
         self.sampler = Sampler(seed=seed, device=device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -92,7 +94,7 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int) -> int:
         a = self.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * elem
+        return 2 * a.num_hidden_layers * block_size * self.model.shapes.num_kv_heads * a.head_dim * elem
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None:
@@ -110,7 +112,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
-        shape = self.backend.kv_cache_shape(num_blocks, block_size, a.num_key_value_heads, a.head_dim)
+        shape = self.backend.kv_cache_shape(num_blocks, block_size, self.model.shapes.num_kv_heads, a.head_dim)
         # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN is NaN.
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -141,13 +143,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
         # Decodes first, so the backend can batch them in one product.
         items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        if sched.block_copies:
-            self.copy_blocks(sched.block_copies)
         input_ids, positions, meta, sample_rows = self._prepare(items)
-        # A captured graph replays decode-only steps; anything else runs eagerly.
-        hidden = (self.cuda_graphs or self.model)(input_ids, positions, self.kv_caches, meta)
-        if not sample_rows:
-            return StepResult([], None)
         # Only the last position of each sampling sequence needs logits; forked siblings
         # sample from the same row as their parent.
         rows, reqs = [], []
@@ -155,7 +151,9 @@ class ModelRunner:
             for req in [s.request, *s.forks]:
                 rows.append(row)
                 reqs.append(req)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.run_step(sched.block_copies, input_ids, positions, meta, rows)
+        if logits is None:
+            return StepResult([], None)
         sampling = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
@@ -166,6 +164,29 @@ class ModelRunner:
             device=self.device,
         )
         return StepResult([r.request_id for r in reqs], self.sampler(logits, sampling))
+
+    @torch.inference_mode()
+    def run_step(self, block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, rows: list[int]) -> torch.Tensor | None:
+        """A step's tensor work: copy-on-write block copies, the forward pass, the logits of `rows`.
+
+        Every tensor-parallel rank runs this with the same arguments (pagellm.distributed);
+        rank 0 alone gets the logits. None when no row samples.
+        """
+        if block_copies:
+            self.copy_blocks(block_copies)
+        # A captured graph replays decode-only steps; anything else runs eagerly.
+        hidden = (self.cuda_graphs or self.model)(input_ids, positions, self.kv_caches, meta)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def memory_report(self) -> list[dict]:
+        """Bytes of weights and KV cache this process holds (one entry per tensor-parallel rank)."""
+        return [rank_memory(self, rank=0)]
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (tensor-parallel workers); nothing on one rank."""
 
     def _prepare(self, items: list[ScheduledRequest]):
         bs = self.block_size
@@ -202,6 +223,21 @@ class ModelRunner:
         )
         return (torch.tensor(tokens, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
+
+
+def rank_memory(runner: ModelRunner, rank: int) -> dict:
+    """What one rank holds: its weight and KV cache bytes, and its peak memory so far (the
+    process's peak RSS on the CPU, the allocator's peak on CUDA)."""
+    import resource
+
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    report = {"rank": rank, "device": str(runner.device), "weight_bytes": weights, "kv_cache_bytes": kv,
+              "num_kv_heads": runner.model.shapes.num_kv_heads,
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if runner.device.type == "cuda":
+        report["peak_device_bytes"] = torch.cuda.max_memory_allocated(runner.device)
+    return report
 
 
 def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -1,0 +1,256 @@
+"""Rank 0 of a tensor-parallel engine: it starts the worker ranks (or finds them started by
+torchrun), runs its own shard, mirrors every call that touches the model to the workers,
+notices when one dies, and stops them.
+
+The engine above sees an ordinary ModelRunner: the scheduler and the block allocator run
+once, here, and each step's inputs are broadcast before rank 0 runs its own shard.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagellm.config import EngineConfig
+from pagellm.distributed import process_group
+from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack_step, spawn_main, warm_up_kernels
+from pagellm.model.loader import ModelSource
+from pagellm.model.parallel import check_tensor_parallel
+from pagellm.worker.model_runner import ModelRunner, rank_memory
+
+logger = logging.getLogger(__name__)
+_START_TIMEOUT_S = 300.0
+
+
+class TensorParallelError(RuntimeError):
+    """A worker rank died or a collective failed; the engine cannot run another step."""
+
+
+class WorkerGroup:
+    """The worker ranks as rank 0 sees them: their processes (when rank 0 spawned them), the
+    channel to them, and whether the group is still usable."""
+
+    def __init__(self, device: torch.device, procs: list, saved_threads: int) -> None:
+        self.device = device
+        self.procs = procs
+        self.tp = None
+        self.channel = None
+        self.error: str | None = None
+        self._saved_threads = saved_threads
+        self._closed = False
+
+    @classmethod
+    def start(cls, size: int, device_type: str) -> WorkerGroup:
+        """Spawn ranks 1..size-1 on this machine, or, under torchrun, join the ranks it started."""
+        env = process_group.torchrun_env()
+        if env is not None and env["world_size"] > 1:
+            if env["rank"] != 0:
+                raise RuntimeError(f"this process is rank {env['rank']} of a torchrun group; only rank 0 runs "
+                                   "the engine, the others run `python -m pagellm.distributed.worker_main`")
+            if env["world_size"] != size:
+                raise ValueError(f"tensor_parallel_size ({size}) must equal torchrun's WORLD_SIZE "
+                                 f"({env['world_size']})")
+            group = cls(process_group.local_device(device_type, env["local_rank"]), [],
+                        _set_threads(process_group.threads_per_rank(env["local_world_size"])))
+            try:
+                group.tp, group.channel = process_group.join(0, size, group.device)
+            except BaseException:
+                group.close()
+                raise
+            return group
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process; pagellm runs one "
+                               "tensor-parallel engine per process (shut the other one down first)")
+        device = process_group.local_device(device_type, 0)
+        threads = process_group.threads_per_rank(size)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=process_group.collective_timeout())
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=spawn_main, name=f"pagellm-tp-rank{r}", daemon=True,
+                             args=(r, size, "127.0.0.1", store.port, device_type, os.getpid(), threads))
+                 for r in range(1, size)]
+        group = cls(device, procs, _set_threads(threads))
+        try:
+            for p in procs:
+                p.start()
+            group._wait_ready(store)
+            group.tp, group.channel = process_group.join(0, size, device, store)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def _wait_ready(self, store: dist.Store) -> None:
+        keys = [READY_KEY.format(rank=r) for r in range(1, len(self.procs) + 1)]
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not store.check(keys):
+            self._raise_if_dead("while starting")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel workers did not start within {_START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # ---- talking to the workers ------------------------------------------------------------
+    def call(self, command: str, args: tuple, local: Callable[[], Any]) -> list[Any]:
+        """Run `command` on every worker and `local()` here; every rank's value, rank 0 first.
+        Rank 0's own exception is raised as it is; a worker's as TensorParallelError."""
+        self.check()
+        error, value = None, None
+        try:
+            self.channel.send(command, args)
+            try:
+                value = local()
+            except Exception as e:
+                error = e
+            answers = self.channel.collect(None if error is None else f"rank 0: {error}", value)
+        except Exception as e:
+            raise self.failed(e) from e
+        if error is not None:
+            raise error
+        failed = [e for e, _ in answers if e is not None]
+        if failed:
+            raise TensorParallelError("; ".join(failed))
+        return [v for _, v in answers]
+
+    def check(self) -> None:
+        """Raise TensorParallelError when the group is no longer usable (checked before every step)."""
+        if self.error is not None:
+            raise TensorParallelError(self.error)
+        self._raise_if_dead("")
+
+    def _raise_if_dead(self, when: str) -> None:
+        dead = self._dead()
+        if dead:
+            raise self._fail(f"{dead}{' ' + when if when else ''}")
+
+    def _dead(self, wait: float = 0.0) -> str:
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [f"tensor-parallel worker rank {r} (pid {p.pid}) died with exit code {p.exitcode}"
+                    for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return "; ".join(dead)
+            time.sleep(0.05)
+
+    def failed(self, cause: BaseException) -> TensorParallelError:
+        """The error to raise after a collective failed: name a dead worker if there is one."""
+        # A killed worker's sockets close before the process is reaped: give it a moment.
+        dead = self._dead(wait=2.0) if self.procs else ""
+        return self._fail(dead or f"tensor-parallel collective failed: {type(cause).__name__}: {cause}")
+
+    def _fail(self, reason: str) -> TensorParallelError:
+        self.error = f"{reason}; this engine cannot run any more steps (create a new one)"
+        self.close()
+        return TensorParallelError(self.error)
+
+    # ---- stopping ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the workers (asking first, when the group is still healthy) and leave the group.
+        Idempotent; runs at engine shutdown, garbage collection and interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        graceful = self.error is None and self.channel is not None
+        if self.error is None:
+            self.error = "this tensor-parallel engine was shut down"
+        if graceful:
+            try:
+                self.channel.send("shutdown")
+            except Exception:
+                graceful = False
+        for p in self.procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=10 if graceful else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        try:
+            process_group.leave()
+        except Exception:  # a group whose peers are gone may not tear down cleanly; nothing is left to do
+            pass
+        torch.set_num_threads(self._saved_threads)
+
+
+def _set_threads(n: int) -> int:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return saved
+
+
+class DriverModelRunner(ModelRunner):
+    """Rank 0's ModelRunner: its own shard, and each call that touches the model mirrored to the workers."""
+
+    def __init__(self, workers: WorkerGroup, spec: WorkerSpec) -> None:
+        self.workers = workers
+        self._finalizer = weakref.finalize(self, workers.close)
+
+        def build() -> None:
+            ModelRunner.__init__(self, spec.arch, workers.device, spec.dtype, spec.max_model_len, seed=spec.seed,
+                                 tp=workers.tp)
+            warm_up_kernels(workers.device)
+
+        workers.call("init", (spec,), build)
+
+    def load_weights(self, weights) -> None:
+        self.workers.call("load_weights", (), lambda: ModelRunner.load_weights(self, weights))
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        self.workers.call("init_dummy_weights", (seed,), lambda: ModelRunner.init_dummy_weights(self, seed))
+
+    def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
+        # Every rank must hold the same blocks: the one with the least room decides.
+        return min(self.workers.call("num_blocks_for_budget", (block_size, kv_cache_memory),
+                                     lambda: ModelRunner.num_blocks_for_budget(self, block_size, kv_cache_memory)))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.workers.call("allocate_kv_cache", (num_blocks, block_size),
+                          lambda: ModelRunner.allocate_kv_cache(self, num_blocks, block_size))
+
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        logger.info("pagellm: tensor-parallel steps run eagerly (no CUDA graphs)")
+
+    def run_step(self, block_copies, input_ids, positions, meta, rows):
+        self.workers.check()
+        args, tensors = pack_step(block_copies, input_ids, positions, meta, rows)
+        try:
+            self.workers.channel.send("step", args, tensors)
+            return super().run_step(block_copies, input_ids, positions, meta, rows)
+        except Exception as e:  # the ranks are out of step now: the group is done
+            raise self.workers.failed(e) from e
+
+    def memory_report(self) -> list[dict]:
+        return self.workers.call("memory_report", (), lambda: rank_memory(self, 0))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks this engine spawned (none under torchrun)."""
+        return self.workers.pids
+
+
+def start_tensor_parallel(config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype,
+                          max_model_len: int) -> DriverModelRunner:
+    """Check the model splits `config.tensor_parallel_size` ways, start the ranks, build every shard."""
+    check_tensor_parallel(source.arch, config.tensor_parallel_size)
+    workers = WorkerGroup.start(config.tensor_parallel_size, device.type)
+    spec = WorkerSpec(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed)
+    try:
+        return DriverModelRunner(workers, spec)
+    except BaseException:
+        workers.close()
+        raise

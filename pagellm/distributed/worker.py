@@ -1,0 +1,194 @@
+"""A worker rank (1..N-1) of a tensor-parallel engine: it holds its shard of the model and of
+the KV cache and does whatever rank 0 broadcasts, until told to stop.
+
+Ranks are started by the engine (`spawn_main`, through torch.multiprocessing) or by torchrun
+(`run_from_env`, e.g. `torchrun ... -m pagellm.distributed.worker_main`). A worker never
+outlives the process that started it: it exits when its parent goes, and when rank 0's end
+of a collective closes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.distributed import process_group
+from pagellm.distributed.channel import Channel
+from pagellm.distributed.group import TensorParallelGroup
+from pagellm.model.config import ModelArchConfig
+
+READY_KEY = "pagellm/ready/{rank}"
+
+
+@dataclass
+class WorkerSpec:
+    """What rank 0 tells each worker about the model, right after the group forms."""
+
+    arch: ModelArchConfig
+    model_path: str
+    load_format: str
+    device_type: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+
+
+def pack_step(block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata, rows: list[int]) -> tuple[tuple, dict[str, torch.Tensor]]:
+    """`ModelRunner.run_step`'s arguments as (small Python values, tensors) for the channel.
+    Every AttentionMetadata field travels, whatever fields it grows."""
+    tensors = {"input_ids": input_ids, "positions": positions}
+    values = {}
+    for f in dataclasses.fields(meta):
+        if f.init:
+            v = getattr(meta, f.name)
+            if isinstance(v, torch.Tensor):
+                tensors["meta." + f.name] = v
+            else:
+                values[f.name] = v
+    return (block_copies, rows, values), tensors
+
+
+def unpack_step(args: tuple, tensors: dict[str, torch.Tensor]) -> tuple:
+    block_copies, rows, values = args
+    meta = AttentionMetadata(**values, **{k[5:]: v for k, v in tensors.items() if k.startswith("meta.")})
+    return block_copies, tensors["input_ids"], tensors["positions"], meta, rows
+
+
+class Worker:
+    """The commands a worker answers; each runs the same ModelRunner method rank 0 runs."""
+
+    def __init__(self, tp: TensorParallelGroup, device: torch.device, local_rank: int,
+                 model_path: str | None = None) -> None:
+        self.tp = tp
+        self.device = device
+        self.local_rank = local_rank
+        self.model_path = model_path  # this machine's path to the model, if not rank 0's
+        self.spec: WorkerSpec | None = None
+        self.runner = None
+
+    def init(self, spec: WorkerSpec) -> None:
+        from pagellm.worker.model_runner import ModelRunner
+
+        if spec.device_type != self.device.type:
+            raise ValueError(f"rank 0 runs on {spec.device_type} but this rank on {self.device.type} "
+                             "(start the workers with the same --device)")
+        self.spec = spec
+        torch.manual_seed(spec.seed)
+        self.runner = ModelRunner(spec.arch, self.device, spec.dtype, spec.max_model_len, seed=spec.seed, tp=self.tp)
+        warm_up_kernels(self.device)
+
+    def load_weights(self) -> None:
+        from pagellm.model.loader import load_model_source
+
+        spec = self.spec
+        path = self.model_path or spec.model_path
+        source = load_model_source(path, spec.load_format)
+        if source.arch != spec.arch:
+            raise ValueError(f"the model at {path} on this machine is not rank 0's model "
+                             f"({source.arch} != {spec.arch})")
+        self.runner.load_weights(source.weights())
+
+    def init_dummy_weights(self, seed: int) -> None:
+        self.runner.init_dummy_weights(seed)
+
+    def num_blocks_for_budget(self, block_size: int, kv_cache_memory) -> int:
+        return self.runner.num_blocks_for_budget(block_size, kv_cache_memory)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def memory_report(self) -> dict:
+        from pagellm.worker.model_runner import rank_memory
+
+        return rank_memory(self.runner, self.tp.rank)
+
+    def step(self, args: tuple, tensors: dict[str, torch.Tensor]) -> None:
+        self.runner.run_step(*unpack_step(args, tensors))
+
+
+COMMANDS = ("init", "load_weights", "init_dummy_weights", "num_blocks_for_budget", "allocate_kv_cache",
+            "memory_report")
+
+
+def serve(channel: Channel, tp: TensorParallelGroup, device: torch.device, local_rank: int,
+          model_path: str | None = None) -> None:
+    """Do rank 0's commands until it says "shutdown"."""
+    worker = Worker(tp, device, local_rank, model_path)
+    while True:
+        command, args, tensors = channel.recv()
+        if command == "step":
+            worker.step(args, tensors)
+        elif command == "shutdown":
+            return
+        elif command in COMMANDS:
+            try:
+                value, error = getattr(worker, command)(*args), None
+            except Exception as e:
+                traceback.print_exc()
+                value, error = None, f"tensor-parallel rank {tp.rank}: {type(e).__name__}: {e}"
+            channel.answer(error, value)
+        else:
+            raise RuntimeError(f"unknown command {command!r} from rank 0")
+
+
+def warm_up_kernels(device: torch.device) -> None:
+    """Build the CPU decode kernel now, not inside the first step's collectives."""
+    if device.type == "cpu":
+        from pagellm.attention import cpu_kernels
+
+        cpu_kernels.available()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagellm-parent-watch", daemon=True).start()
+
+
+def _run(rank: int, size: int, local_rank: int, device_type: str, store: dist.Store | None,
+         model_path: str | None = None) -> None:
+    try:
+        device = process_group.local_device(device_type, local_rank)
+        tp, channel = process_group.join(rank, size, device, store)
+        serve(channel, tp, device, local_rank, model_path)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # skip teardown that would wait on peers that are gone
+    process_group.leave()
+
+
+def spawn_main(rank: int, size: int, host: str, port: int, device_type: str, parent_pid: int,
+               num_threads: int) -> None:
+    """Entry point of a rank the engine spawned on this machine."""
+    _exit_with_parent(parent_pid)
+    torch.set_num_threads(num_threads)
+    store = dist.TCPStore(host, port, is_master=False, timeout=process_group.collective_timeout())
+    store.set(READY_KEY.format(rank=rank), str(os.getpid()))
+    _run(rank, size, rank, device_type, store)
+
+
+def run_from_env(device_type: str | None = None, model_path: str | None = None) -> None:
+    """Entry point of a worker rank torchrun started (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    env = process_group.torchrun_env()
+    if env is None:
+        raise RuntimeError("not started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT must be set")
+    if env["rank"] == 0:
+        raise RuntimeError("rank 0 runs the engine (e.g. `pagellm serve --tensor-parallel-size N`), not a worker")
+    _exit_with_parent(os.getppid())
+    torch.set_num_threads(process_group.threads_per_rank(env["local_world_size"]))
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    _run(env["rank"], env["world_size"], env["local_rank"], device_type, None, model_path)

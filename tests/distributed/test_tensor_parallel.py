@@ -1,0 +1,205 @@
+"""Tensor parallelism on the CPU with gloo: 2 ranks give the tokens and logits of 1 rank,
+hold half the weights and KV, and fail fast (and leave no process behind) when a rank dies."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineConfig
+from pagellm.distributed.driver import TensorParallelError
+from pagellm.entrypoints.cli import build_parser, engine_kwargs
+from pagellm.model.synthetic import write_dummy_model_dir
+from tests.conftest import _save
+
+ENGINE = dict(block_size=4, num_kv_blocks=40, max_num_seqs=8)
+PREFIX = list(range(3, 30))  # 27 tokens: 6 full blocks of 4 that later prompts share
+
+
+def _prompts(salt: int) -> list[dict]:
+    return [{"prompt_token_ids": PREFIX + [40 + salt + i, 50 + i, 60 + 2 * i]} for i in range(6)]
+
+
+def _run(llm: LLM) -> tuple[list, dict]:
+    """A workload that preempts (40 blocks for 6 sequences that grow to 12 blocks each), hits
+    the prefix cache (the second batch shares the first's prefix), and forks sequences that
+    copy-on-write their shared last block (n=2)."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": PREFIX}], greedy, use_tqdm=False)
+    outs += llm.generate(_prompts(0), greedy, use_tqdm=False)
+    outs += llm.generate(_prompts(1)[:2], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8,
+                                                           ignore_eos=True, logprobs=2), use_tqdm=False)
+    return outs, llm.stats()
+
+
+def _assert_same(ref: list, got: list) -> None:
+    for a, b in zip(ref, got, strict=True):
+        assert a.num_cached_tokens == b.num_cached_tokens
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            assert ca.token_ids == cb.token_ids
+            for la, lb in zip(ca.logprobs, cb.logprobs, strict=True):
+                assert la.keys() == lb.keys()
+                for tok in la:
+                    assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=1e-4)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pid: int, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_llama_dir(tmp_path_factory) -> str:
+    """A Llama whose vocabulary (321) does not divide by 2, so the last rank's rows are padding."""
+    import transformers
+
+    torch.manual_seed(2)
+    cfg = transformers.LlamaConfig(vocab_size=321, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    return str(_save(transformers.LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("odd-vocab")))
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_two_ranks_match_one_through_preemption_prefix_caching_and_forks(model, request):
+    path = request.getfixturevalue(model)
+    ref, ref_stats = _run(LLM(path, **ENGINE))
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        got, stats = _run(llm)
+        pids = llm.engine.runner.worker_pids
+    assert ref_stats["num_preemptions"] > 0 and ref_stats["prefix_cache_hits"] > 0
+    for key in ("num_preemptions", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens"):
+        assert stats[key] == ref_stats[key]
+    _assert_same(ref, got)
+    assert len(pids) == 1 and all(_wait_gone(p) for p in pids)
+
+
+def test_memory_per_rank_is_half_and_shutdown_leaves_nothing(tiny_llama_dir):
+    threads = torch.get_num_threads()
+    [one] = LLM(tiny_llama_dir, **ENGINE).engine.memory_report()
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE)
+    report = llm.engine.memory_report()
+    pids = llm.engine.runner.worker_pids
+    assert [r["rank"] for r in report] == [0, 1]
+    # Replicated on every rank: the RMSNorm weights (2 per layer and the final one).
+    replicated = (2 * 2 + 1) * 64 * 4
+    for r in report:
+        assert r["num_kv_heads"] == 1 and one["num_kv_heads"] == 2
+        assert r["kv_cache_bytes"] * 2 == one["kv_cache_bytes"]
+        assert r["weight_bytes"] == (one["weight_bytes"] - replicated) // 2 + replicated
+        assert r["peak_rss_bytes"] > 0
+    assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert all(_wait_gone(p) for p in pids)
+    assert torch.get_num_threads() == threads
+    with pytest.raises(TensorParallelError):
+        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_replicated_kv_heads_keep_a_full_head_per_rank(tiny_qwen2_dir):
+    # tiny_qwen2 has one KV head: both ranks hold it (as vLLM does), and half the query heads.
+    with LLM(tiny_qwen2_dir, tensor_parallel_size=2, **ENGINE) as llm:
+        report = llm.engine.memory_report()
+    [one] = LLM(tiny_qwen2_dir, **ENGINE).engine.memory_report()
+    assert [r["num_kv_heads"] for r in report] == [1, 1]
+    assert all(r["kv_cache_bytes"] == one["kv_cache_bytes"] for r in report)
+
+
+def test_killed_worker_fails_fast_and_leaves_no_orphan(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert llm.generate("hello", params, use_tqdm=False)[0].outputs[0].token_ids
+    [pid] = llm.engine.runner.worker_pids
+    os.kill(pid, signal.SIGKILL)
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(["hello", "world"], params, use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=generate, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "generate hung after a worker died"
+    assert len(errors) == 1 and isinstance(errors[0], TensorParallelError)
+    assert f"rank 1 (pid {pid}) died" in str(errors[0])
+    assert _gone(pid)  # reaped, not a zombie left behind
+    assert not llm.engine.has_unfinished_requests()  # the failed requests were aborted
+    with pytest.raises(TensorParallelError, match="cannot run any more steps"):
+        llm.generate("again", params, use_tqdm=False)
+    llm.shutdown()
+
+
+def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir, tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        from pagellm import LLM
+
+        if __name__ == "__main__":
+            llm = LLM({tiny_llama_dir!r}, tensor_parallel_size=2, block_size=4, num_kv_blocks=16)
+            print(*llm.engine.runner.worker_pids, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no finalizer: the workers must notice alone
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 1
+    assert all(_wait_gone(p) for p in pids)
+
+
+def test_torchrun_ranks_match_one_rank(odd_vocab_llama_dir):
+    """Two ranks started by torchrun (as on two machines), both running `pagellm generate`:
+    rank 0 runs the engine, rank 1 serves it. The vocabulary is padded for the split."""
+    args = ["--model", odd_vocab_llama_dir, "--prompt", "The capital of France is", "--max-tokens", "12",
+            "--num-kv-blocks", "32", "--block-size", "8"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("OMP_NUM_THREADS", None)
+    two = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "pagellm", "generate",
+                          "--tensor-parallel-size", "2", *args], capture_output=True, text=True, timeout=240, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = LLM(odd_vocab_llama_dir, num_kv_blocks=32, block_size=8).generate(
+        "The capital of France is", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert two.stdout.rstrip("\n") == one[0].outputs[0].text
+
+
+def test_heads_that_do_not_split_are_a_clear_error(tmp_path):
+    path = write_dummy_model_dir(tmp_path / "m", "tiny")  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*num_attention_heads \(4\) must be divisible"):
+        LLM(path, load_format="dummy", tensor_parallel_size=3, num_kv_blocks=8)
+    path = write_dummy_model_dir(tmp_path / "k", "tiny", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) must be divisible by 2, or divide it"):
+        LLM(path, load_format="dummy", tensor_parallel_size=2, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_tensor_parallel_size_flag():
+    args = build_parser().parse_args(["generate", "--tensor-parallel-size", "2"])
+    assert engine_kwargs(args)["tensor_parallel_size"] == 2
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["tensor_parallel_size"] == 1

@@ -328,14 +328,14 @@ def run_hf_generate_batch(model, work: list[Work], cfg: ThroughputConfig) -> tup
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------------
-def run_llama_cpp(model_path: str, work: list[Work], cfg: ThroughputConfig) -> tuple[dict, dict]:
+def _llama_cpp_child(model_path: str, work: list[Work], threads: int, seed: int, show_progress: bool, conn) -> None:
     from llama_cpp import Llama
 
     n_ctx = max(len(w.prompt) + w.max_tokens for w in work) + 8
-    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=cfg.threads, n_threads_batch=cfg.threads,
-                n_batch=512, seed=cfg.seed, verbose=False)
+    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, seed=seed, verbose=False)
     outputs = {}
-    bar = report.progress(total=len(work), desc="llama.cpp", enable=cfg.show_progress, unit="req")
+    bar = report.progress(total=len(work), desc="llama.cpp", enable=show_progress, unit="req")
     t0 = time.perf_counter()
     for i, w in enumerate(work):
         toks = []
@@ -346,22 +346,63 @@ def run_llama_cpp(model_path: str, work: list[Work], cfg: ThroughputConfig) -> t
                 break
         outputs[i] = toks
         bar.update(1)
-    bar.close()
     wall = time.perf_counter() - t0
+    bar.close()
+    conn.send((wall, outputs))
+    conn.close()
+
+
+def run_llama_cpp(model_path: str, work: list[Work], cfg: ThroughputConfig) -> tuple[dict, dict]:
+    """llama.cpp in a child process: a crash in its native code (some builds fault in their
+    AMX kernels on some CPUs) is reported instead of taking the whole benchmark down."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_llama_cpp_child,
+                       args=(model_path, work, cfg.threads, cfg.seed, cfg.show_progress, child))
+    proc.start()
+    child.close()
+    try:
+        wall, outputs = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"llama.cpp exited with status {proc.exitcode} before finishing") from None
+    proc.join()
     gen = sum(len(v) for v in outputs.values())
     return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
             "requests_per_s": len(work) / wall, "weights": Path(model_path).name}, outputs
 
 
 def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """Installed, checked without loading its native libraries into this process."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 # ---- the run --------------------------------------------------------------------------------------
+def matmul_gflops(threads: int, seconds: float = 0.5) -> float:
+    """fp32 GFLOP/s of a decode-sized linear layer ([32, 576] x [576, 1536]) right now: how
+    much of the machine this process is getting. About 220 on 2 idle cores of this machine
+    kind; far less when other processes compete (OpenMP threads then wait on each other)."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x, w = torch.randn(32, 576), torch.randn(1536, 576)
+    for _ in range(20):
+        torch.nn.functional.linear(x, w)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(50):
+            torch.nn.functional.linear(x, w)
+        n += 50
+    dt = (time.perf_counter() - t0) / n
+    torch.set_num_threads(prev)
+    return 2 * 32 * 576 * 1536 / dt / 1e9
+
+
 def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     """Run every system; `on_update(results so far)` is called after each one, so a long
     run that is cut short still leaves what it measured."""
@@ -375,7 +416,7 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-    load = {"loadavg_start": os.getloadavg()}
+    load = {"loadavg_start": os.getloadavg(), "matmul_gflops_start": matmul_gflops(cfg.threads)}
     max_len = cfg.max_prompt + cfg.max_output
     llm = LLM(cfg.model, dtype="float32", device="cpu", block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -432,12 +473,17 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
             if not model_path.lower().endswith(".gguf"):
                 skipped[name] = "llama.cpp needs a GGUF model"
                 continue
-            res, outs = run_llama_cpp(model_path, work, cfg)
+            try:
+                res, outs = run_llama_cpp(model_path, work, cfg)
+            except RuntimeError as e:
+                skipped[name] = str(e)
+                continue
         else:
             raise ValueError(f"unknown system {name!r}; choose from {DEFAULT_SYSTEMS} or hf-static-<B>")
         res["greedy_matches_transformers"] = {str(i): outs.get(i) == reference[i] for i in sample}
-        # The 1-minute load average after the run: other processes on the machine skew timings.
+        # The machine's state after the run: other processes on it skew every timing.
         res["loadavg_after"] = os.getloadavg()[0]
+        res["matmul_gflops_after"] = matmul_gflops(cfg.threads)
         systems[name] = res
         if on_update:
             on_update(snapshot(None))
@@ -447,6 +493,7 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         profile, _ = run_pagellm(llm, sub, "paged", cfg, profile=True)
         profile["num_requests"] = len(sub)
     load["loadavg_end"] = os.getloadavg()
+    load["matmul_gflops_end"] = matmul_gflops(cfg.threads)
     return snapshot(profile)
 
 
@@ -479,9 +526,12 @@ def print_tables(results: dict) -> None:
         match = r["greedy_matches_transformers"]
         rows.append([name, r["tokens_per_s"], r["requests_per_s"], r["wall_s"], r.get("mean_batch"),
                      r.get("peak_batch"), r.get("num_preemptions"),
-                     f"{sum(match.values())}/{len(match)}" if match else "-"])
+                     f"{sum(match.values())}/{len(match)}" if match else "-", r.get("matmul_gflops_after")])
     print(report.format_table(["system", "gen tok/s", "req/s", "wall s", "mean batch", "peak batch", "preempt",
-                               "greedy = HF"], rows))
+                               "greedy = HF", "GFLOP/s after"], rows))
+    load = results["load"]
+    print(f"machine: load average {load['loadavg_start'][0]:.1f} at start; a reference matmul ran at "
+          f"{load['matmul_gflops_start']:.0f} GFLOP/s (about 220 on 2 idle cores)")
     for name, why in results["skipped"].items():
         print(f"skipped {name}: {why}")
     p = results["systems"].get("pagellm-paged")

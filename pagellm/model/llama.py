@@ -16,7 +16,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.parallel import ShardShapes, column_linear, embedding, gather_logits, row_linear, shard_weight
-from pagellm.model.rope import RotaryEmbedding
+from pagellm.model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; bit-identical to the reference's three steps in fp32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in fp32 like the reference, whatever the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -33,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, backend: AttentionBackend,
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         shapes = ShardShapes.of(cfg, tp)  # this rank's heads
@@ -46,16 +49,16 @@ class Attention(nn.Module):
         self.qkv_proj = column_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, tp)
         self.o_proj = row_linear(self.q_size, cfg.hidden_size, False, tp)
         self.scale = self.head_dim ** -0.5
-        self.rope = rope
         self.backend = backend
 
-    def forward(self, positions, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -73,16 +76,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, backend: AttentionBackend,
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, backend, tp)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope, x, kv_cache, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -95,9 +98,10 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.shapes = ShardShapes.of(cfg, tp)
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # cos/sin are looked up once per step and handed to every layer.
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = embedding(self.shapes.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -107,8 +111,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rope.cos_sin(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv, meta)
+            x = layer(rope, x, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -72,7 +72,7 @@ def prefix_cache_run(model: str | None, prefix_len: int, num_requests: int, suff
     out = {}
     rng = random.Random(seed)
     for caching in (True, False):
-        llm = LLM(model, enable_prefix_caching=caching, kv_cache_memory=kv_cache_memory, max_model_len=2048)
+        llm = LLM(model, enable_prefix_caching=caching, kv_cache_memory=kv_cache_memory)
         vocab = llm.engine.arch.vocab_size
         rng.seed(seed)
         prefix = [rng.randrange(100, vocab - 100) for _ in range(prefix_len)]

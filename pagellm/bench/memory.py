@@ -451,7 +451,8 @@ def main(args: argparse.Namespace) -> int:
         cfg.rate = {w: args.rate for w in cfg.workloads}
     if args.sweep:
         cfg.sweep = {w: sorted(args.sweep) for w in cfg.workloads}
-    results = {**report.metadata("memory"), **run_memory_bench(cfg, show_progress=not args.no_progress, workers=args.workers)}
+    results = {**report.metadata("memory"),
+               **run_memory_bench(cfg, show_progress=not args.no_progress, workers=args.workers)}
     json_path, png_path = report.output_paths("memory", args.out)
     print_tables(results)
     report.write_json(json_path, results)

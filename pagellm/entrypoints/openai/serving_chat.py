@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagellm.engine.async_engine import RequestStream
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagellm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, engine_error, merge_streams,
+from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.outputs import CompletionOutput, RequestOutput
 
@@ -30,7 +30,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [(None, ids)], [params])
         if req.stream:
-            return StreamingResponse(self.stream(req, request_id, streams[0]), media_type="text/event-stream")
+            return StreamingResponse(guarded_sse(self.events(req, request_id, streams[0]), streams),
+                                     media_type="text/event-stream")
         (final,) = await self.collect(raw_request, streams)
         return JSONResponse(self.response(req, request_id, final))
 
@@ -73,8 +74,9 @@ class OpenAIServingChat(OpenAIServing):
         return {"id": request_id, "object": "chat.completion", "created": self.now(), "model": self.model_name,
                 "choices": choices, "usage": self.usage(len(final.prompt_token_ids), completion_tokens, cached)}
 
-    async def stream(self, req: ChatCompletionRequest, request_id: str,
+    async def events(self, req: ChatCompletionRequest, request_id: str,
                      stream: RequestStream) -> AsyncIterator[str]:
+        """The chunks of a streamed answer (sent through guarded_sse)."""
         created = self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -95,30 +97,21 @@ class OpenAIServingChat(OpenAIServing):
                 body["usage"] = usage()
             return sse(body)
 
-        try:
-            # The role comes first, one chunk per choice, before any token (as OpenAI and vLLM do).
-            for i in range(req.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for _, out in merge_streams([stream]):
-                prompt_tokens = len(out.prompt_token_ids)
-                cached = getattr(out, "num_cached_tokens", 0) or 0
-                for c in out.outputs:
-                    done_text, done_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                    delta = c.text[done_text:]
-                    new_ids = c.token_ids[done_tokens:]
-                    if not delta and not new_ids and c.finish_reason is None:
-                        continue
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
-                    yield chunk(c.index, {"content": delta}, c, self.logprobs(req, new_ids, lps))
-            if include_usage:
-                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage()})
-        except Exception as e:
-            error = engine_error(e)
-            if error is None:
-                raise
-            yield error.sse()
-        finally:
-            stream.abort()
-        yield SSE_DONE
+        # The role comes first, one chunk per choice, before any token (as OpenAI and vLLM do).
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for _, out in merge_streams([stream]):
+            prompt_tokens = len(out.prompt_token_ids)
+            cached = getattr(out, "num_cached_tokens", 0) or 0
+            for c in out.outputs:
+                done_text, done_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                delta = c.text[done_text:]
+                new_ids = c.token_ids[done_tokens:]
+                if not delta and not new_ids and c.finish_reason is None:
+                    continue
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
+                yield chunk(c.index, {"content": delta}, c, self.logprobs(req, new_ids, lps))
+        if include_usage:
+            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                       "model": self.model_name, "choices": [], "usage": usage()})

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagellm.engine.async_engine import RequestStream
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import CompletionRequest
-from pagellm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, engine_error, merge_streams,
+from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.outputs import CompletionOutput, RequestOutput
 
@@ -36,7 +36,8 @@ class OpenAIServingCompletion(OpenAIServing):
         texts = [text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
                  for text, ids in prompts]
         if req.stream:
-            return StreamingResponse(self.stream(req, request_id, streams, texts), media_type="text/event-stream")
+            return StreamingResponse(guarded_sse(self.events(req, request_id, streams, texts), streams),
+                                     media_type="text/event-stream")
         finals = await self.collect(raw_request, streams)
         return JSONResponse(self.response(req, request_id, finals, texts))
 
@@ -81,8 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"id": request_id, "object": "text_completion", "created": self.now(), "model": self.model_name,
                 "choices": choices, "usage": self.usage(prompt_tokens, completion_tokens, cached)}
 
-    async def stream(self, req: CompletionRequest, request_id: str, streams: list[RequestStream],
+    async def events(self, req: CompletionRequest, request_id: str, streams: list[RequestStream],
                      texts: list[str]) -> AsyncIterator[str]:
+        """The chunks of a streamed answer (sent through guarded_sse)."""
         created = self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -94,38 +96,28 @@ class OpenAIServingCompletion(OpenAIServing):
         def usage() -> dict:
             return self.usage(sum(prompt_tokens.values()), sum(sent_tokens.values()), sum(cached.values()))
 
-        try:
-            async for i, out in merge_streams(streams):
-                prompt_tokens[i] = len(out.prompt_token_ids)
-                cached[i] = getattr(out, "num_cached_tokens", 0) or 0
-                for c in out.outputs:
-                    key = (i, c.index)
-                    first = key not in sent_text
-                    done_text, done_tokens = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                    delta = c.text[done_text:]
-                    new_ids = c.token_ids[done_tokens:]
-                    if not delta and not new_ids and c.finish_reason is None:
-                        continue
-                    sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
-                    prefix = texts[i] if req.echo and first else ""
-                    offset = done_text + (len(texts[i]) if req.echo else 0)
-                    lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
-                    chunk = {"id": request_id, "object": "text_completion", "created": created,
-                             "model": self.model_name,
-                             "choices": [self.choice(req, i * req.n + c.index, c, prefix + delta, new_ids, lps,
-                                                     offset)]}
-                    if continuous:
-                        chunk["usage"] = usage()
-                    yield sse(chunk)
-            if include_usage:
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage()})
-        except Exception as e:
-            error = engine_error(e)
-            if error is None:
-                raise
-            yield error.sse()
-        finally:
-            for s in streams:
-                s.abort()
-        yield SSE_DONE
+        async for i, out in merge_streams(streams):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            cached[i] = getattr(out, "num_cached_tokens", 0) or 0
+            for c in out.outputs:
+                key = (i, c.index)
+                first = key not in sent_text
+                done_text, done_tokens = sent_text.get(key, 0), sent_tokens.get(key, 0)
+                delta = c.text[done_text:]
+                new_ids = c.token_ids[done_tokens:]
+                if not delta and not new_ids and c.finish_reason is None:
+                    continue
+                sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+                prefix = texts[i] if req.echo and first else ""
+                offset = done_text + (len(texts[i]) if req.echo else 0)
+                lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
+                chunk = {"id": request_id, "object": "text_completion", "created": created,
+                         "model": self.model_name,
+                         "choices": [self.choice(req, i * req.n + c.index, c, prefix + delta, new_ids, lps,
+                                                 offset)]}
+                if continuous:
+                    chunk["usage"] = usage()
+                yield sse(chunk)
+        if include_usage:
+            yield sse({"id": request_id, "object": "text_completion", "created": created,
+                       "model": self.model_name, "choices": [], "usage": usage()})

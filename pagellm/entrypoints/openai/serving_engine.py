@@ -250,6 +250,25 @@ async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
 _END = object()
 
 
+async def guarded_sse(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
+    """An SSE body as sent: `events`, then `[DONE]`. An engine failure ends the events with
+    an error event (anything else propagates); the streams are aborted however it ends, so
+    a client that went away frees its requests' blocks at once."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:
+        error = engine_error(e)
+        if error is None:
+            raise
+        yield error.sse()
+    finally:
+        await events.aclose()
+        for s in streams:
+            s.abort()
+    yield SSE_DONE
+
+
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:

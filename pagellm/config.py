@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+# How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
+# request as before paging (the baselines of `pagellm bench`; see pagellm.core.contiguous).
+KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
 
 @dataclass
@@ -24,6 +27,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True
+    kv_policy: str = "paged"
     # Run decode steps eagerly on a GPU instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
     # Ranks that split each layer's heads and features (torch.distributed; see README "Tensor parallelism").
@@ -37,6 +41,7 @@ class EngineConfig:
         need(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
         need(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device,
              "'auto', 'cpu' or 'cuda[:N]'")
+        need(self.kv_policy in KV_POLICIES, "kv_policy", self.kv_policy, f"one of {KV_POLICIES}")
         need(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, f"one of {_LOAD_FORMATS}")
         need(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024, "block_size", self.block_size,
              "an integer in [1, 1024]")

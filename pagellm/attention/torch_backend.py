@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.kernels import cpu
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -30,11 +31,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.compiled_decode = compiled_decode
 
     def _use_compiled(self, q: torch.Tensor) -> bool:
-        if self.compiled_decode is False or q.device.type != "cpu" or q.dtype != torch.float32:
-            return False
-        from pagellm.attention import cpu_kernels
-
-        return cpu_kernels.available()
+        return self.compiled_decode is not False and cpu.usable(q)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -42,10 +39,8 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             if self._use_compiled(q):
-                from pagellm.attention import cpu_kernels
-
-                out[:nd] = cpu_kernels.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                                    meta.seq_lens_tensor[:nd], scale)
+                out[:nd] = cpu.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                             meta.seq_lens_tensor[:nd], scale)
             else:
                 out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         start = nd

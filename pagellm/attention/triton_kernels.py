@@ -80,6 +80,33 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # Decode
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size, stride_cb, stride_cs,
+                  head_offset):
+    """K and V ([BLOCK_N, DIM_PAD]) of positions `pos` of one sequence, read through its block
+    table row `table`: a tile may span several pages, so each position looks up its block."""
+    block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    row = block * stride_cb + (pos % block_size) * stride_cs + head_offset
+    mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One online-softmax step (base 2; qk_scale includes log2 e) over a K/V tile, scores
+    where `keep` is false masked out. Returns the new running max, sum and accumulator."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -123,20 +150,9 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
         valid = pos < hi
-        # A tile may span several pages: look up the physical block of every position.
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        row = block * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
+                             stride_cb, stride_cs, kvh * stride_ch)
+        m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PRECISION)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -349,20 +365,11 @@ def _prefill_kernel(
     for start in range(0, hi, BLOCK_N):
         pos = start + n
         valid = pos < hi
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        kv_row = block * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # Every row sees position 0 in the first tile, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
+                             stride_cb, stride_cs, kvh * stride_ch)
+        # Every row sees position 0 in the first tile, so the running max is finite from then on.
+        keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],

@@ -9,8 +9,8 @@ and how many requests failed.
 
 Targets: `--url` (repeatable, `LABEL=URL` to name it) for servers already running, or
 `--launch POLICY` (repeatable) to start `pagellm serve` here once per KV policy, one
-after another, on a free loopback port, and stop it afterwards. Policies other than
-`paged` need `pagellm serve --kv-policy`; without it they are reported as skipped.
+after another, on a free loopback port (`pagellm serve --kv-policy POLICY`), and stop it
+afterwards.
 
 Only loopback addresses are accepted: this is a load generator.
 """
@@ -200,21 +200,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_supports_kv_policy() -> bool:
-    from pagellm.entrypoints.cli import build_parser
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    serve = sub.choices.get("serve")
-    return serve is not None and any("--kv-policy" in a.option_strings for a in serve._actions)
-
-
 def launch(policy: str, engine_args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "pagellm", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-access-log", *engine_args]
-    if policy != "paged":
-        cmd += ["--kv-policy", policy]
+           "--disable-access-log", "--kv-policy", policy, *engine_args]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
@@ -247,11 +236,6 @@ def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: lis
     for label, url in urls:
         check_loopback(url)
         targets[label] = bench_target(url.rstrip("/"), cfg, show_progress)
-    if policies and any(p != "paged" for p in policies) and not serve_supports_kv_policy():
-        for p in policies:
-            if p != "paged":
-                skipped[p] = "`pagellm serve` has no --kv-policy option yet"
-        policies = [p for p in policies if p == "paged"]
     for policy in policies:
         log_path = os.path.join(out_dir, f"serve-{policy}.log")
         proc, url = launch(policy, engine_args, log_path)

@@ -3,9 +3,9 @@ pagellm against what a user would otherwise run, in one process on the same prom
 
 Systems (any subset with --systems):
 - `pagellm-paged`: the engine as shipped (paged KV, block size 16).
-- `pagellm-contiguous-max` / `-oracle` / `-pow2`: the same engine with the KV manager
-  swapped for a contiguous-reservation allocator of the same number of blocks, so the
-  difference is what paging buys at one KV budget.
+- `pagellm-contiguous-max` / `-oracle` / `-pow2`: the same engine built with
+  `kv_policy=contiguous-*` (a contiguous region reserved per request) over the same
+  number of blocks, so the difference is what paging buys at one KV budget.
 - `hf-static-<B>`: transformers `generate` on padded static batches of B requests in
   input order (left padding, greedy); a batch runs until its longest request is done.
   Only the tokens each request asked for are counted.
@@ -166,26 +166,25 @@ def _phase_breakdown(timer: PhaseTimer) -> dict:
     }
 
 
-def _swap_kv(engine, policy: str):
-    """Give the engine a fresh KV manager of the same size for `policy`.
+def make_llm(cfg: ThroughputConfig, policy: str = "paged", num_kv_blocks: int | None = None):
+    """A fresh engine for one run: its own KV pool of the run's budget (so no run reuses
+    another's cached prefixes), fp32 on the CPU like every other system here."""
+    from pagellm.entrypoints.llm import LLM
 
-    A hook until EngineConfig.kv_policy selects the manager at construction: the KV tensors
-    and block size stay as they are, only the bookkeeping over them changes. A fresh paged
-    manager also empties the prefix cache, so no run reuses another's blocks.
-    """
-    from pagellm.core.contiguous import make_kv_manager
-
-    kv = make_kv_manager(policy, engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len)
-    engine.kv = kv
-    engine.scheduler.kv = kv
-    return kv
+    return LLM(cfg.model, dtype="float32", device="cpu", block_size=cfg.block_size,
+               num_kv_blocks=num_kv_blocks or cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
+               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_prompt + cfg.max_output,
+               seed=cfg.seed, kv_policy=policy)
 
 
-def run_pagellm(llm, work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False) -> dict:
+def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False) -> dict:
     from pagellm.sampling_params import SamplingParams
 
+    llm = make_llm(cfg, policy)
+    # Warm up kernels and allocators once, outside the measurement.
+    llm.generate([{"prompt_token_ids": work[0].prompt[:16]}], SamplingParams(temperature=0, max_tokens=4),
+                 use_tqdm=False)
     engine = llm.engine
-    _swap_kv(engine, policy)
     timer, targets = _instrument(engine)
     batch_sizes: list[int] = []
     outputs: dict[int, list[int]] = {}
@@ -229,7 +228,7 @@ def run_pagellm(llm, work: list[Work], policy: str, cfg: ThroughputConfig, profi
         "num_preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.kv.num_blocks,
         "block_size": engine.kv.block_size, "phases": _phase_breakdown(timer),
     }
-    engine.scheduler.num_preemptions = 0
+    llm.shutdown()
     if prof:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
@@ -408,25 +407,18 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     run that is cut short still leaves what it measured."""
     import torch
 
-    from pagellm.entrypoints.llm import LLM
-    from pagellm.sampling_params import SamplingParams
-
     torch.set_num_threads(cfg.threads)
     if not cfg.show_progress:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
     load = {"loadavg_start": os.getloadavg(), "matmul_gflops_start": matmul_gflops(cfg.threads)}
-    max_len = cfg.max_prompt + cfg.max_output
-    llm = LLM(cfg.model, dtype="float32", device="cpu", block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-              max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-              max_model_len=max_len, seed=cfg.seed)
-    model_path = llm.engine.model_path
-    tok = llm.get_tokenizer()
+    # The model's path and tokenizer, from an engine with a token KV pool.
+    probe = make_llm(cfg, num_kv_blocks=1)
+    model_path = probe.engine.model_path
+    tok = probe.get_tokenizer()
+    probe.shutdown()
     work = make_workload(tok, cfg)
-    # Warm up kernels and allocators once, outside every measurement.
-    llm.generate([{"prompt_token_ids": work[0].prompt[:16]}], SamplingParams(temperature=0, max_tokens=4),
-                 use_tqdm=False)
     systems: dict = {}
     skipped: dict = {}
     hf = None
@@ -460,7 +452,7 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         reference[i] = hf_greedy_one(hf, work[i].prompt, work[i].max_tokens)
     for name in cfg.systems:
         if name.startswith("pagellm-"):
-            res, outs = run_pagellm(llm, work, name.removeprefix("pagellm-"), cfg)
+            res, outs = run_pagellm(work, name.removeprefix("pagellm-"), cfg)
         elif name.startswith("hf-static-"):
             pad = tok.eos_token_id if tok.eos_token_id is not None else 0
             res, outs = run_hf_static(hf, work, int(name.removeprefix("hf-static-")), pad, cfg)
@@ -490,7 +482,7 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     profile = None
     if cfg.profile and "pagellm-paged" in cfg.systems:
         sub = work[: max(8, len(work) // 4)]
-        profile, _ = run_pagellm(llm, sub, "paged", cfg, profile=True)
+        profile, _ = run_pagellm(sub, "paged", cfg, profile=True)
         profile["num_requests"] = len(sub)
     load["loadavg_end"] = os.getloadavg()
     load["matmul_gflops_end"] = matmul_gflops(cfg.threads)

@@ -29,10 +29,9 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Sequence
 
+from pagellm.config import KV_POLICIES as POLICIES
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request
-
-POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
 
 class ExtentPool:
@@ -67,6 +66,14 @@ class ExtentPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self._num_free
+
+    # The paged pool's prefix-cache view, for the engine's stats and block map: a contiguous
+    # layout shares nothing, so no block ever holds a reusable prefix.
+    num_cached_free_blocks = 0
+
+    @property
+    def block_hash(self) -> list[None]:
+        return [None] * self.num_blocks
 
     @property
     def free_extents(self) -> list[tuple[int, int]]:
@@ -167,6 +174,7 @@ class ContiguousKVManager:
         self._regions: dict[str, list[int]] = {}
         # (src, dst) block copies for the runner, as the paged manager queues them.
         self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = self.prefix_hits = 0  # no prefix cache: always zero
 
     @property
     def num_blocks(self) -> int:

@@ -143,7 +143,7 @@ def serve(channel: Channel, tp: TensorParallelGroup, device: torch.device, local
 def warm_up_kernels(device: torch.device) -> None:
     """Build the CPU decode kernel now, not inside the first step's collectives."""
     if device.type == "cpu":
-        from pagellm.attention import cpu_kernels
+        from pagellm.kernels import cpu as cpu_kernels
 
         cpu_kernels.available()
 

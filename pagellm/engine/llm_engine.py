@@ -10,7 +10,7 @@ import torch
 
 from pagellm.beam_search import Beam, BeamSearchParams, BeamState
 from pagellm.config import EngineConfig
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.contiguous import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.detokenizer import IncrementalDetokenizer
@@ -97,7 +97,8 @@ class LLMEngine:
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
+                                  enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

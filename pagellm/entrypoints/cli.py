@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from pagellm.config import KV_POLICIES
 from pagellm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching (on by default)")
+    g.add_argument("--kv-policy", default="paged", choices=KV_POLICIES,
+                   help="paged KV blocks (the default), or a contiguous region reserved per request "
+                        "(the pre-paging baselines, for comparison)")
     g.add_argument("--enforce-eager", action="store_true", help="on a GPU, do not capture CUDA graphs for decode")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (processes; gloo on the CPU, NCCL on GPUs)")
@@ -56,7 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+                seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy,
                 enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
 
 

@@ -21,13 +21,13 @@ class LLM:
                  kv_cache_memory: float | int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  load_format: str = "auto", seed: int = 0, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, tensor_parallel_size: int = 1) -> None:
+                 enforce_eager: bool = False, tensor_parallel_size: int = 1, kv_policy: str = "paged") -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, load_format=load_format, seed=seed,
                               enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                              tensor_parallel_size=tensor_parallel_size)
+                              tensor_parallel_size=tensor_parallel_size, kv_policy=kv_policy)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

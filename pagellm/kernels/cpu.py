@@ -1,11 +1,13 @@
-"""A compiled paged-decode kernel for the CPU, built on first use.
+"""Fused float32 kernels for the CPU path, compiled on first use.
 
 torch has no op that reads K/V through a block table, so the pure-torch path gathers
 each sequence's blocks into a padded copy before attending; on the CPU that copy, not
-the arithmetic, dominates a long-context decode step. This small C++ kernel reads the
-blocks in place. It is compiled once (torch.utils.cpp_extension, cached under
-TORCH_EXTENSIONS_DIR); when no compiler is at hand, or PAGELLM_CPU_KERNELS=0, the torch
-path runs instead and the results are the same up to float rounding.
+the arithmetic, dominates a long-context decode step. RoPE and the MLP's activation are
+chains of small element-wise ops in torch, each a full pass over memory. The C++ in
+csrc/cpu_ops.cpp does each in one pass (see its header). It is compiled once
+(torch.utils.cpp_extension, cached under TORCH_EXTENSIONS_DIR); when no compiler is at
+hand, or PAGELLM_CPU_KERNELS=0, the torch code runs instead, with the same results up
+to float rounding (bit-identical for RoPE).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 
 
 @lru_cache(maxsize=1)
@@ -27,10 +29,10 @@ def _load():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="pagellm_paged_decode", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+        return load(name="pagellm_cpu_ops", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a broken toolchain: fall back, loudly once
-        logger.warning("pagellm: CPU paged-decode kernel unavailable (%s); using the torch path", e)
+        logger.warning("pagellm: CPU kernels unavailable (%s); using the torch path", e)
         return None
 
 
@@ -38,7 +40,22 @@ def available() -> bool:
     return _load() is not None
 
 
+def usable(x: torch.Tensor) -> bool:
+    """Whether the compiled kernels serve this tensor: float32 on the CPU, and built."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and available()
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, D] float32 on the CPU. Returns [B, H, D]."""
     return _load().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q: [T, H, D] and k: [T, KVH, D] in place; cos, sin: [T, D] contiguous."""
+    _load().rotary_embedding_(q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] (gate, then up) -> silu(gate) * up: [T, I]."""
+    return _load().silu_and_mul(x)

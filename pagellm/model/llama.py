@@ -16,7 +16,8 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.parallel import ShardShapes, column_linear, embedding, gather_logits, row_linear, shard_weight
-from pagellm.model.rope import RotaryEmbedding, apply_rope
+from pagellm.kernels import cpu
+from pagellm.model.rope import RotaryEmbedding, rotate_qk
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +59,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = rotate_qk(q, k, *rope)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -71,7 +72,10 @@ class MLP(nn.Module):
         self.down_proj = row_linear(inter, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu.usable(gate_up):
+            return self.down_proj(cpu.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from pagellm.kernels import cpu
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -43,12 +45,22 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, D] tables for this step's positions; looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """[T, D] tables for this step's positions; looked up once per step, used by every layer."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] rotated in the rotate-half layout."""
+    """x: [T, heads, D] rotated in the rotate-half layout (the reference formula)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, KVH, D], rotated; in place by the compiled kernel where it
+    serves (same bits as apply_rope), as new tensors otherwise."""
+    if cpu.usable(q):
+        cpu.rotary_embedding_(q, k, cos, sin)
+        return q, k
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -25,11 +25,12 @@ def naive(q, k, v, scale):
 @pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled-decode"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-def test_mixed_batch_matches_naive(block_size, heads, compiled):
+@pytest.mark.parametrize("d", [8, 64])  # 64: the compiled kernel's unrolled path; 8: its generic one
+def test_mixed_batch_matches_naive(block_size, heads, compiled, d):
     rng = random.Random(block_size * 10 + heads[0])
     torch.manual_seed(block_size)
     h, kvh = heads
-    d, num_blocks = 8, 512
+    num_blocks = 512
     # (context already cached, tokens computed this step): decodes first, then fresh
     # prefills, chunks on top of a cached part, and a one-token prompt.
     shapes = [(rng.randint(1, 40), 1) for _ in range(3)] + [(0, 1), (0, 13), (9, 7), (20, 1 + block_size)]
@@ -58,7 +59,7 @@ def test_mixed_batch_matches_naive(block_size, heads, compiled):
     scale = d ** -0.5
     backend = TorchAttentionBackend(compiled_decode=compiled)
     if compiled:
-        from pagellm.attention import cpu_kernels
+        from pagellm.kernels import cpu as cpu_kernels
 
         assert cpu_kernels.available(), "the CPU kernel must build here (gcc and ninja are installed by the set-up)"
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)

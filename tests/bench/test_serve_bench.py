@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pagellm.bench.serve import check_loopback
+from pagellm.bench.serve import ServeConfig, check_loopback, make_requests
 from pagellm.entrypoints.cli import main
 
 
@@ -87,3 +87,22 @@ def test_only_loopback_targets():
     check_loopback("http://[::1]:8000")
     with pytest.raises(ValueError, match="this machine"):
         check_loopback("http://10.0.0.1:8000")
+
+
+@pytest.mark.slow
+def test_serve_bench_launches_real_servers_per_policy(tmp_path, tiny_llama_dir):
+    """`--launch POLICY` starts `pagellm serve --kv-policy POLICY` for each policy in turn."""
+    stem = tmp_path / "serve"
+    engine_args = f"--model {tiny_llama_dir} --block-size 4 --num-kv-blocks 128 --max-model-len 256"
+    rc = main(["bench", "serve", "--launch", "paged", "--launch", "contiguous-max", "--engine-args", engine_args,
+               "--rates", "50", "--num-requests", "4", "--max-prompt", "16", "--max-output", "4",
+               "--out", str(stem), "--no-progress"])
+    assert rc == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    expected_tokens = sum(n for _, n in make_requests(ServeConfig(num_requests=4, max_prompt=16, max_output=4)))
+    assert data["skipped"] == {}
+    for policy in ("paged", "contiguous-max"):
+        target = data["targets"][policy]
+        assert target["launched"] is True
+        (row,) = target["rates"]
+        assert row["completed"] == 4 and row["failed"] == 0 and row["output_tokens"] == expected_tokens

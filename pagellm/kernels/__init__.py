@@ -1,0 +1,1 @@
+"""Compiled kernels that the model and the attention backends call where they serve."""

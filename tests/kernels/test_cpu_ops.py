@@ -1,0 +1,61 @@
+"""The compiled CPU kernels against the torch code they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels import cpu
+from pagellm.model.rope import RotaryEmbedding, apply_rope, rotate_qk
+
+
+def test_kernels_build_here():
+    # The set-up installs gcc and ninja; without them every test below fails here first.
+    assert cpu.available()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_in_place_is_bit_identical_to_the_reference(head_dim):
+    torch.manual_seed(0)
+    h, kvh, t = 6, 2, 37
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (t,))
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    # q and k as the model has them: strided views into one fused qkv product.
+    qkv = torch.randn(t, (h + 2 * kvh) * head_dim)
+    q = qkv[:, :h * head_dim].view(t, h, head_dim)
+    k = qkv[:, h * head_dim:(h + kvh) * head_dim].view(t, kvh, head_dim)
+    expected_q, expected_k = apply_rope(q.clone(), cos, sin), apply_rope(k.clone(), cos, sin)
+    v_before = qkv[:, (h + kvh) * head_dim:].clone()
+    out_q, out_k = rotate_qk(q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+    assert torch.equal(qkv[:, (h + kvh) * head_dim:], v_before)  # v untouched
+
+
+def test_silu_and_mul_matches_torch():
+    torch.manual_seed(0)
+    x = torch.randn(19, 2 * 1536) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_paged_decode_head_dim_128_through_scattered_blocks():
+    torch.manual_seed(0)
+    b, h, kvh, d, bs, nb = 5, 8, 2, 128, 16, 64
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    lens = torch.tensor([1, 16, 17, 100, 200])
+    tables = torch.stack([torch.randperm(nb)[:13] for _ in range(b)])
+    q = torch.randn(b, h, d)
+    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    for i in range(b):
+        n = int(lens[i])
+        k = k_cache[tables[i]].flatten(0, 1)[:n].repeat_interleave(h // kvh, dim=1)
+        v = v_cache[tables[i]].flatten(0, 1)[:n].repeat_interleave(h // kvh, dim=1)
+        p = (torch.einsum("hd,khd->hk", q[i], k) * d ** -0.5).softmax(-1)
+        torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", p, v), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_refused_with_a_message():
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))

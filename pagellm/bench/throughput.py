@@ -49,8 +49,16 @@ class ThroughputConfig:
     seed: int = 0
     systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     block_size: int = 16
-    # The KV budget every pagellm policy gets, in blocks of block_size tokens.
-    num_kv_blocks: int = 1024
+    # The KV budget every pagellm policy gets, in blocks of block_size tokens. None: the KV
+    # memory transformers' largest static batch (64) needs at full length, i.e. 64
+    # max-length requests: what a contiguous max-length reservation fits exactly.
+    num_kv_blocks: int | None = None
+
+    @property
+    def kv_blocks(self) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return -(-64 * (self.max_prompt + self.max_output) // self.block_size)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     threads: int = 2
@@ -172,7 +180,7 @@ def make_llm(cfg: ThroughputConfig, policy: str = "paged", num_kv_blocks: int | 
     from pagellm.entrypoints.llm import LLM
 
     return LLM(cfg.model, dtype="float32", device="cpu", block_size=cfg.block_size,
-               num_kv_blocks=num_kv_blocks or cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
+               num_kv_blocks=num_kv_blocks or cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_prompt + cfg.max_output,
                seed=cfg.seed, kv_policy=policy)
 
@@ -575,7 +583,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="comma-separated; pagellm-<policy>, hf-static-<batch>, hf-generate-batch, llama-cpp")
-    p.add_argument("--num-kv-blocks", type=int, default=1024, help="KV budget for every pagellm policy, in blocks")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV budget for every pagellm policy, in blocks (default: what 64 requests of the "
+                        "longest possible length need, the KV memory of transformers' static batch of 64)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--check-samples", type=int, default=4, help="requests whose greedy tokens are checked")

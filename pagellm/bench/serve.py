@@ -219,8 +219,25 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def warm_up(url: str, model: str, timeout_s: float) -> None:
+    """One short request before any timing, so a server's one-off start-up costs (kernels
+    built or loaded, first allocations) do not land in the first rate's figures."""
+    rec = RequestRecord(sent=time.perf_counter())
+
+    async def go() -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+            await _one(client, url, model, "Hello", 2, rec)
+
+    asyncio.run(go())
+    if rec.error:
+        raise RuntimeError(f"the warm-up request to {url} failed: {rec.error}")
+
+
 def bench_target(url: str, cfg: ServeConfig, show_progress: bool) -> dict:
     model = get_model(url)
+    warm_up(url, model, cfg.timeout_s)
     work = make_requests(cfg)
     rows = []
     for rate in report.progress(cfg.rates, desc=f"bench serve {url}", enable=show_progress, unit="rate"):

@@ -74,9 +74,11 @@ def test_serve_bench_tiny(tmp_path, stand_in_server):
         assert r["completed"] == 6 and r["failed"] == 0
         assert 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p50"]
         assert r["tpot_s"]["p50"] > 0 and r["normalized_latency_s"]["mean"] > 0
-        assert r["output_tokens"] == sum(min(5, b["max_tokens"]) for b in _Handler.seen[:6])
+        assert r["output_tokens"] == sum(min(5, b["max_tokens"]) for b in _Handler.seen[1:7])
         assert r["throughput_tok_s"] > 0
-    body = _Handler.seen[0]
+    # One warm-up request goes first and is not counted; then 6 per rate.
+    assert len(_Handler.seen) == 1 + 2 * 6 and _Handler.seen[0]["max_tokens"] == 2
+    body = _Handler.seen[1]
     assert body["stream"] is True and body["ignore_eos"] is True and body["model"] == "stand-in"
     assert stem.with_suffix(".png").stat().st_size > 1000
 

@@ -174,13 +174,13 @@ def _phase_breakdown(timer: PhaseTimer) -> dict:
     }
 
 
-def make_llm(cfg: ThroughputConfig, policy: str = "paged", num_kv_blocks: int | None = None):
+def make_llm(cfg: ThroughputConfig, policy: str):
     """A fresh engine for one run: its own KV pool of the run's budget (so no run reuses
     another's cached prefixes), fp32 on the CPU like every other system here."""
     from pagellm.entrypoints.llm import LLM
 
     return LLM(cfg.model, dtype="float32", device="cpu", block_size=cfg.block_size,
-               num_kv_blocks=num_kv_blocks or cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
+               num_kv_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_prompt + cfg.max_output,
                seed=cfg.seed, kv_policy=policy)
 
@@ -415,17 +415,17 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     run that is cut short still leaves what it measured."""
     import torch
 
+    from pagellm.model.loader import load_model_source
+
     torch.set_num_threads(cfg.threads)
     if not cfg.show_progress:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
     load = {"loadavg_start": os.getloadavg(), "matmul_gflops_start": matmul_gflops(cfg.threads)}
-    # The model's path and tokenizer, from an engine with a token KV pool.
-    probe = make_llm(cfg, num_kv_blocks=1)
-    model_path = probe.engine.model_path
-    tok = probe.get_tokenizer()
-    probe.shutdown()
+    # The model's path and tokenizer (config and tokenizer only; each run loads the weights).
+    source = load_model_source(cfg.model)
+    model_path, tok = source.path, source.tokenizer
     work = make_workload(tok, cfg)
     systems: dict = {}
     skipped: dict = {}

@@ -14,9 +14,9 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.group import TensorParallelGroup
+from pagellm.kernels import cpu
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.parallel import ShardShapes, column_linear, embedding, gather_logits, row_linear, shard_weight
-from pagellm.kernels import cpu
 from pagellm.model.rope import RotaryEmbedding, rotate_qk
 
 

@@ -59,3 +59,8 @@ def test_paged_decode_head_dim_128_through_scattered_blocks():
 def test_bad_inputs_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="float32"):
         cpu.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
+        cpu.silu_and_mul(torch.randn(2, 7))
+    q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    with pytest.raises(RuntimeError, match=r"cos/sin must be \[T, D\]"):
+        cpu.rotary_embedding_(q, k, torch.randn(3, 8), torch.randn(3, 8))  # fewer rows than tokens

@@ -250,7 +250,10 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
   }
   check_f32_cpu(cos, "cos");
   check_f32_cpu(sin, "sin");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == q.size(2), "cos/sin must be [T, D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == q.size(0) && k.size(0) == q.size(0) && cos.size(1) == q.size(2) &&
+                  k.size(2) == q.size(2),
+              "cos/sin must be [T, D] for q: [T, H, D] and k: [T, KVH, D]");
   rope_inplace(q, cos.data_ptr<float>(), sin.data_ptr<float>());
   rope_inplace(k, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
@@ -258,6 +261,7 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
 // x: [T, 2I] (gate then up). Returns silu(gate) * up: [T, I].
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_f32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2I] (gate, then up)");
   x = x.contiguous();
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = torch::empty({T, I}, x.options());

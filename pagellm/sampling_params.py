@@ -29,6 +29,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before picking; OpenAI's range, [-100, 100]:
+    # -100 all but bans a token, +100 all but forces it.
+    logit_bias: dict[int, float] | None = None
+    # When set, only these token ids can be picked.
+    allowed_token_ids: list[int] | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +41,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -72,7 +81,27 @@ class SamplingParams:
             bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_token_id(token):
+                bad("logit_bias", token, "a mapping from token ids >= 0 (a key)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                bad(f"logit_bias[{token}]", bias, "a number in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or not all(_is_token_id(t) for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids the model has no logit for (the sampler could not honour them)."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            out = sorted({t for t in ids if t >= vocab_size})
+            if out:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
+                                 f"{out[:10]}{' ...' if len(out) > 10 else ''}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

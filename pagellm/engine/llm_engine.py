@@ -208,6 +208,12 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              f"which must hold the prompt plus at least one generated token")
+        params.check_vocab(vocab)
+        if params.allowed_token_ids and params.min_tokens:
+            held_off = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if held_off.issuperset(params.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids {params.allowed_token_ids} are all stop or end-of-sequence "
+                                 f"tokens, which min_tokens ({params.min_tokens}) holds off: nothing could be picked")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
         num_seqs = num_seqs or params.best_of or params.n

@@ -1,7 +1,7 @@
 """Next-token sampling for one engine step, vectorized over the batch.
 
 Owns the path from a step's logits ``[B, V]`` (one row per sequence that
-samples this step) to the chosen token ids: penalties, the min_tokens ban,
+samples this step) to the chosen token ids: penalties, logit_bias, allowed_token_ids, the min_tokens ban,
 greedy argmax, temperature, top-k / top-p / min-p truncation, seeded and
 unseeded random draws, and the logprobs reported for the chosen tokens.
 Everything that depends only on the requests, not on the logits, is computed
@@ -86,6 +86,10 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None
     additive_index: torch.Tensor | None   # presence/frequency: logit -= amount
     additive_amount: torch.Tensor | None
+    bias_index: torch.Tensor | None       # logit_bias: logit += amount
+    bias_amount: torch.Tensor | None
+    restricted_rows: torch.Tensor | None  # rows with allowed_token_ids ...
+    allowed_index: torch.Tensor | None    # ... and the (row, token) pairs they allow
     banned_index: torch.Tensor | None     # eos/stop ids before min_tokens
     logprob_rows: list[int]               # rows whose params.logprobs is set
     logprob_ks: list[int]                 # their params.logprobs
@@ -96,8 +100,9 @@ class SamplingMetadata:
 
     @property
     def needs_adjustment(self) -> bool:
-        """Whether any logit must change before picking: penalties or the min_tokens ban."""
+        """Whether any logit must change before picking: penalties, biases, allowed sets or the min_tokens ban."""
         return (self.repetition_index is not None or self.additive_index is not None
+                or self.bias_index is not None or self.restricted_rows is not None
                 or self.banned_index is not None)
 
     @classmethod
@@ -154,6 +159,22 @@ class SamplingMetadata:
                 additive_index = keys
                 additive_amount = presence[row] + frequency[row] * counts.to(torch.float32)
 
+        bias_index = bias_amount = None
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if bias_rows:
+            pairs = [(i * vocab_size + t, b) for i in bias_rows for t, b in params[i].logit_bias.items()
+                     if t < vocab_size]
+            if pairs:
+                bias_index = torch.tensor([k for k, _ in pairs], dtype=torch.long, device=device)
+                bias_amount = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+
+        restricted_rows = allowed_index = None
+        allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if allow_rows:
+            restricted_rows = torch.tensor(allow_rows, dtype=torch.long, device=device)
+            allowed_index = torch.unique(_flat_keys(
+                allow_rows, [params[i].allowed_token_ids for i in allow_rows], vocab_size, device))
+
         banned = []
         for i, p in enumerate(params):
             if len(output_token_ids[i]) < p.min_tokens:
@@ -169,6 +190,8 @@ class SamplingMetadata:
             groups=groups,
             repetition_index=repetition_index, repetition_penalty=repetition_penalty,
             additive_index=additive_index, additive_amount=additive_amount,
+            bias_index=bias_index, bias_amount=bias_amount,
+            restricted_rows=restricted_rows, allowed_index=allowed_index,
             banned_index=banned_index,
             logprob_rows=logprob_rows,
             logprob_ks=[params[i].logprobs for i in logprob_rows],
@@ -202,7 +225,8 @@ def _build_group(rows: list[int], params: list[SamplingParams],
 
 
 def apply_penalties_(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition, then presence/frequency penalties, then the min_tokens ban, in place.
+    """In place, in this order: the repetition penalty, presence/frequency penalties,
+    logit_bias, the allowed_token_ids restriction, then the min_tokens ban.
 
     ``logits`` must be a contiguous [B, V] float tensor that the caller owns.
     """
@@ -215,6 +239,12 @@ def apply_penalties_(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     if meta.additive_index is not None:
         idx = meta.additive_index
         flat[idx] = flat[idx] - meta.additive_amount
+    if meta.bias_index is not None:
+        flat.index_add_(0, meta.bias_index, meta.bias_amount)
+    if meta.restricted_rows is not None:
+        kept = flat[meta.allowed_index]
+        logits.index_fill_(0, meta.restricted_rows, float("-inf"))
+        flat[meta.allowed_index] = kept
     if meta.banned_index is not None:
         flat[meta.banned_index] = float("-inf")
     return logits

@@ -20,6 +20,11 @@ def llm(tiny_llama_dir) -> LLM:
     (dict(n=0), ["n", ">= 1"]),
     (dict(max_tokens=0), ["max_tokens", ">= 1"]),
     (dict(min_p=2.0), ["min_p", "[0, 1]"]),
+    (dict(logit_bias={5: 101.0}), ["logit_bias[5]", "101.0", "[-100, 100]"]),
+    (dict(logit_bias={-3: 1.0}), ["logit_bias", "-3", ">= 0"]),
+    (dict(logit_bias={"5": 1.0}), ["logit_bias", "'5'"]),
+    (dict(allowed_token_ids=[]), ["allowed_token_ids", "non-empty"]),
+    (dict(allowed_token_ids=[1, -2]), ["allowed_token_ids", "-2"]),
 ])
 def test_invalid_sampling_params(kwargs, words):
     with pytest.raises(ValueError) as e:
@@ -46,6 +51,20 @@ def _ok(llm):
 def test_bad_prompts_are_refused_and_harm_nothing(llm, prompt, words):
     with pytest.raises(ValueError) as e:
         llm.generate([{"prompt_token_ids": [3, 4]}, prompt], use_tqdm=False)
+    for w in words:
+        assert w in str(e.value)
+    _ok(llm)
+
+
+@pytest.mark.parametrize("params, words", [
+    (SamplingParams(logit_bias={3: 1.0, 320: 5.0, 4000: 1.0}), ["logit_bias", "[320, 4000]", "[0, 320)"]),
+    (SamplingParams(allowed_token_ids=[3, 999]), ["allowed_token_ids", "[999]", "[0, 320)"]),
+    (SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2),
+     ["allowed_token_ids", "min_tokens (2)", "nothing could be picked"]),
+])
+def test_token_ids_the_sampler_cannot_honour(llm, params, words):
+    with pytest.raises(ValueError) as e:
+        llm.generate([{"prompt_token_ids": [3, 4]}] * 2, [SamplingParams(), params], use_tqdm=False)
     for w in words:
         assert w in str(e.value)
     _ok(llm)

@@ -46,6 +46,27 @@ def test_stop_token_ids(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
 
 
+def test_logit_bias_and_allowed_token_ids(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    free = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forced = next(t for t in range(3, 300) if t not in free)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                  logit_bias={forced: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [forced] * 6
+    # The reported logprobs are the model's own, not the biased ones: the forced token is unlikely.
+    assert out.cumulative_logprob < -6.0
+
+    allowed = [11, 12, 13, 200]
+    mixed = llm.generate(PROMPTS[:3], [SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True,
+                                                      allowed_token_ids=allowed), greedy,
+                                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                      allowed_token_ids=allowed)], use_tqdm=False)
+    assert set(mixed[0].outputs[0].token_ids) <= set(allowed)
+    assert set(mixed[2].outputs[0].token_ids) <= set(allowed)
+    # A neighbour's restriction does not leak into an unrestricted request.
+    assert mixed[1].outputs[0].token_ids == llm.generate(PROMPTS[1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_stop_string_truncates_text(llm):
     tok = llm.get_tokenizer()
     free = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),

@@ -230,6 +230,23 @@ def test_sampling_extras(client):
     assert r.usage.completion_tokens == 6
 
 
+def test_logit_bias_and_allowed_token_ids(server, client):
+    # Force " Paris" out of a prompt that would not start with it, in both endpoints, OpenAI's way.
+    paris = httpx.post(server.url + "/tokenize", json={"prompt": " Paris"}).json()["tokens"]
+    assert len(paris) == 1
+    r = client.completions.create(model=MODEL_NAME, prompt="My favourite animal is", max_tokens=3, temperature=0,
+                                  logit_bias={str(paris[0]): 100})
+    assert r.choices[0].text == " Paris" * 3
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0.8, seed=3,
+                                       logit_bias={str(paris[0]): 100})
+    assert r.choices[0].message.content == " Paris" * 2
+    # vLLM's allowed_token_ids: only these can come out, however the model leans.
+    yes_no = [httpx.post(server.url + "/tokenize", json={"prompt": w}).json()["tokens"][0] for w in (" yes", " no")]
+    r = client.completions.create(model=MODEL_NAME, prompt="Is Paris in France? Answer:", max_tokens=4,
+                                  temperature=1.0, seed=0, logprobs=1, extra_body={"allowed_token_ids": yes_no})
+    assert set(r.choices[0].logprobs.tokens) <= {" yes", " no"} and r.usage.completion_tokens == 4
+
+
 def test_tokenize_detokenize(server):
     r = httpx.post(server.url + "/tokenize", json={"model": MODEL_NAME, "prompt": "Hello world"}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 2048

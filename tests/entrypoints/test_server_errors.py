@@ -105,7 +105,10 @@ def test_unknown_route_and_method(server):
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 100000]}, None),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 150}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
 ])
 def test_invalid_completion_params(server, fields, param):
     assert_error(post(server, "/v1/completions", completion(**fields)), 400, param=param)

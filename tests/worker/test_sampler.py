@@ -197,6 +197,54 @@ def test_min_tokens_with_several_eos_ids() -> None:
     assert Sampler()(logits, meta).token_ids == [2]
 
 
+def test_logit_bias_moves_the_pick_but_not_the_reported_logprobs() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 3)
+    params = [SamplingParams(temperature=0, logit_bias={4: 100.0}),   # forces the least likely token
+              SamplingParams(temperature=0, logit_bias={0: -100.0}),  # bans the argmax
+              SamplingParams(temperature=0, logit_bias={2: 2.5, 0: -0.25})]
+    meta = meta_for(params, 5)
+    got = apply_penalties_(logits.clone(), meta)
+    expected = logits.clone()
+    expected[0, 4] += 100.0
+    expected[1, 0] -= 100.0
+    expected[2, 2] += 2.5
+    expected[2, 0] -= 0.25
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    out = Sampler(seed=0)(logits, meta)
+    assert out.token_ids == [4, 1, 2]
+    raw = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(torch.tensor(out.logprobs), raw[[0, 1, 2], [4, 1, 2]])
+
+
+def test_allowed_token_ids_restrict_only_their_own_row() -> None:
+    vocab = 40
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(9)) * 3
+    allowed = [5, 17, 33]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.5, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.5, seed=3, allowed_token_ids=[8])]
+    gens = [None, None, None, torch.Generator().manual_seed(3)]
+    sampler = Sampler(seed=0)
+    seen = set()
+    for _ in range(60):
+        out = sampler(logits, meta_for(params, vocab, generators=gens))
+        assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+        assert out.token_ids[1] == int(logits[1].argmax())  # its neighbours' sets do not reach it
+        assert out.token_ids[2] in allowed and out.token_ids[3] == 8
+        seen.add(out.token_ids[2])
+    assert len(seen) > 1, "a temperature of 1.5 over three allowed tokens should draw more than one"
+
+
+def test_allowed_tokens_then_min_tokens_ban() -> None:
+    vocab, stop_id = 10, 7
+    logits = torch.arange(vocab, dtype=torch.float32)[None].expand(2, vocab).contiguous()
+    params = [SamplingParams(temperature=0, allowed_token_ids=[2, stop_id], min_tokens=2,
+                             stop_token_ids=[stop_id])] * 2
+    out = Sampler()(logits, meta_for(params, vocab, outputs=[[1], [1, 1]]))
+    assert out.token_ids == [2, stop_id]  # held off before min_tokens, allowed after
+
+
 def test_top_logprobs_and_ranks() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5)) * 2
     params = [SamplingParams(temperature=1.0, logprobs=3), SamplingParams(temperature=0),

@@ -47,7 +47,7 @@ class OpenAIError(Exception):
         return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
 
-_FIELD = re.compile(r"^([a-z_]+) ")
+_FIELD = re.compile(r"^([a-z_]+)[ \[]")
 
 
 def bad_request(error: ValueError | str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -63,5 +63,6 @@ def bad_request(error: ValueError | str, param: str | None = None, code: str | N
 _KNOWN_FIELDS = {
     "n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs",
-    "top_logprobs", "prompt", "prompt_token_ids", "messages", "max_completion_tokens",
+    "top_logprobs", "prompt", "prompt_token_ids", "messages", "max_completion_tokens", "logit_bias",
+    "allowed_token_ids",
 }

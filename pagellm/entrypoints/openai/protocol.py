@@ -42,7 +42,8 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
+    allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -58,6 +58,19 @@ def engine_error(e: BaseException) -> OpenAIError | None:
     return None
 
 
+def token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if not logit_bias:
+        return None
+    out = {}
+    for key, bias in logit_bias.items():
+        try:
+            out[int(key)] = bias
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return out
+
+
 class OpenAIServing:
     """Base of the endpoint handlers: one engine, the names it is served under."""
 
@@ -78,8 +91,6 @@ class OpenAIServing:
                               param="model", code="model_not_found")
 
     def check_common(self, req: SamplingFields) -> None:
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options can only be set when stream is true", param="stream_options")
 
@@ -120,7 +131,8 @@ class OpenAIServing:
                 frequency_penalty=given(req.frequency_penalty, 0.0), seed=req.seed, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                logit_bias=token_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
 

@@ -284,12 +284,15 @@ def print_tables(results: dict) -> None:
 def plot(results: dict, path) -> None:
     plt = report.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for label, t in results["targets"].items():
+    for i, (label, t) in enumerate(results["targets"].items()):
         rates = [r["rate"] for r in t["rates"]]
-        axes[0].plot(rates, [r["normalized_latency_s"]["mean"] for r in t["rates"]], marker="o", label=label)
-        axes[1].plot(rates, [r["ttft_s"]["p50"] for r in t["rates"]], marker="o", label=f"{label} p50")
-        axes[1].plot(rates, [r["ttft_s"]["p99"] for r in t["rates"]], marker="x", ls="--", label=f"{label} p99")
-        axes[2].plot(rates, [r["throughput_tok_s"] for r in t["rates"]], marker="o", label=label)
+        color = f"C{i}"  # one color per target in every panel; p99 dashed beside its p50
+        axes[0].plot(rates, [r["normalized_latency_s"]["mean"] for r in t["rates"]], marker="o", color=color,
+                     label=label)
+        axes[1].plot(rates, [r["ttft_s"]["p50"] for r in t["rates"]], marker="o", color=color, label=f"{label} p50")
+        axes[1].plot(rates, [r["ttft_s"]["p99"] for r in t["rates"]], marker="x", ls="--", color=color,
+                     label=f"{label} p99")
+        axes[2].plot(rates, [r["throughput_tok_s"] for r in t["rates"]], marker="o", color=color, label=label)
     for ax, title, ylabel in ((axes[0], "normalized latency vs rate", "s / output token"),
                               (axes[1], "time to first token", "s"), (axes[2], "throughput", "output tokens/s")):
         ax.set_xlabel("request rate (req/s)")

@@ -24,21 +24,21 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 class TorchAttentionBackend(AttentionBackend):
     """`compiled_decode`: read K/V in place with the compiled CPU kernel for decodes
-    (None: whenever it is available and the cache is float32 on the CPU). False keeps
+    (None: whenever it is available and the cache is float32 or bfloat16 on the CPU). False keeps
     the pure-torch path, the reference that every other path is tested against."""
 
     def __init__(self, compiled_decode: bool | None = None) -> None:
         self.compiled_decode = compiled_decode
 
-    def _use_compiled(self, q: torch.Tensor) -> bool:
-        return self.compiled_decode is not False and cpu.usable(q)
+    def _use_compiled(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return self.compiled_decode is not False and cpu.decode_usable(q, k_cache)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            if self._use_compiled(q):
+            if self._use_compiled(q, k_cache):
                 out[:nd] = cpu.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                              meta.seq_lens_tensor[:nd], scale)
             else:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pagellm.bench import report
 
-DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-contiguous-max", "pagellm-contiguous-oracle",
+DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-contiguous-max", "pagellm-contiguous-oracle", "pagellm-paged-bf16",
                    "hf-static-8", "hf-static-32", "hf-static-64", "hf-generate-batch", "llama-cpp"]
 
 
@@ -174,21 +174,31 @@ def _phase_breakdown(timer: PhaseTimer) -> dict:
     }
 
 
-def make_llm(cfg: ThroughputConfig, policy: str):
+def pagellm_system(name: str) -> tuple[str, str]:
+    """`pagellm-<policy>` runs in float32 like every other system here; `pagellm-<policy>-bf16`
+    is the same engine in bfloat16 (weights and KV cache), the CPU's fast opt-in mode."""
+    policy = name.removeprefix("pagellm-")
+    if policy.endswith("-bf16"):
+        return policy.removesuffix("-bf16"), "bfloat16"
+    return policy, "float32"
+
+
+def make_llm(cfg: ThroughputConfig, policy: str, dtype: str = "float32"):
     """A fresh engine for one run: its own KV pool of the run's budget (so no run reuses
-    another's cached prefixes), fp32 on the CPU like every other system here."""
+    another's cached prefixes)."""
     from pagellm.entrypoints.llm import LLM
 
-    return LLM(cfg.model, dtype="float32", device="cpu", block_size=cfg.block_size,
+    return LLM(cfg.model, dtype=dtype, device="cpu", block_size=cfg.block_size,
                num_kv_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_prompt + cfg.max_output,
                seed=cfg.seed, kv_policy=policy)
 
 
-def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False) -> dict:
+def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False,
+                dtype: str = "float32") -> dict:
     from pagellm.sampling_params import SamplingParams
 
-    llm = make_llm(cfg, policy)
+    llm = make_llm(cfg, policy, dtype)
     # Warm up kernels and allocators once, outside the measurement.
     llm.generate([{"prompt_token_ids": work[0].prompt[:16]}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)
@@ -447,8 +457,10 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
             "skipped": skipped,
             "greedy_check": {"sample": sample,
                              "reference": "transformers generate, one unpadded request at a time, fp32",
+                                          # bfloat16 rounds differently from the fp32 reference: not expected to match.
                              "pagellm_all_match": all(all(systems[s]["greedy_matches_transformers"].values())
-                                                      for s in systems if s.startswith("pagellm-"))},
+                                                      for s in systems
+                                                      if s.startswith("pagellm-") and pagellm_system(s)[1] == "float32")},
             "profile": profile,
             "targets": check_targets(systems),
         }
@@ -460,7 +472,9 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         reference[i] = hf_greedy_one(hf, work[i].prompt, work[i].max_tokens)
     for name in cfg.systems:
         if name.startswith("pagellm-"):
-            res, outs = run_pagellm(work, name.removeprefix("pagellm-"), cfg)
+            policy, dtype = pagellm_system(name)
+            res, outs = run_pagellm(work, policy, cfg, dtype=dtype)
+            res["dtype"] = dtype
         elif name.startswith("hf-static-"):
             pad = tok.eos_token_id if tok.eos_token_id is not None else 0
             res, outs = run_hf_static(hf, work, int(name.removeprefix("hf-static-")), pad, cfg)
@@ -582,7 +596,7 @@ def add_parser(sub) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated; pagellm-<policy>, hf-static-<batch>, hf-generate-batch, llama-cpp")
+                   help="comma-separated; pagellm-<policy>[-bf16], hf-static-<batch>, hf-generate-batch, llama-cpp")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV budget for every pagellm policy, in blocks (default: what 64 requests of the "
                         "longest possible length need, the KV memory of transformers' static batch of 64)")

@@ -1,4 +1,4 @@
-"""Fused float32 kernels for the CPU path, compiled on first use.
+"""Fused kernels for the CPU path, compiled on first use: float32, and a bfloat16 KV cache.
 
 torch has no op that reads K/V through a block table, so the pure-torch path gathers
 each sequence's blocks into a padded copy before attending; on the CPU that copy, not
@@ -45,10 +45,23 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and available()
 
 
+def decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode serves this step: CPU tensors, a float32 or bfloat16 cache, built."""
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype in _DECODE_DTYPES
+            and k_cache.dtype in _DECODE_DTYPES and available())
+
+
+_DECODE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, H, D] float32 on the CPU. Returns [B, H, D]."""
-    return _load().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    """q: [B, H, D] on the CPU; a float32 or bfloat16 cache. Returns [B, H, D] in q's dtype.
+
+    The arithmetic is float32 either way: a bfloat16 cache is widened as it is read.
+    """
+    out = _load().paged_decode(q.float(), k_cache, v_cache, block_tables, seq_lens, scale)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

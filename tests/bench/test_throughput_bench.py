@@ -10,20 +10,22 @@ def test_throughput_bench_tiny(tmp_path, tiny_llama_dir):
     stem = tmp_path / "throughput"
     rc = main(["bench", "throughput", "--model", tiny_llama_dir, "--num-requests", "5", "--min-prompt", "4",
                "--max-prompt", "20", "--min-output", "2", "--max-output", "8", "--num-kv-blocks", "24",
-               "--block-size", "4", "--systems", "pagellm-paged,pagellm-contiguous-max,hf-static-2,llama-cpp",
+               "--block-size", "4", "--systems", "pagellm-paged,pagellm-contiguous-max,pagellm-paged-bf16,hf-static-2,llama-cpp",
                "--check-samples", "2", "--out", str(stem), "--no-progress"])
     assert rc == 0
     data = json.loads(stem.with_suffix(".json").read_text())
     assert data["benchmark"] == "throughput" and data["versions"]["transformers"] and data["command"]
     assert data["workload"]["num_requests"] == 5
-    assert set(data["systems"]) == {"pagellm-paged", "pagellm-contiguous-max", "hf-static-2"}
+    assert set(data["systems"]) == {"pagellm-paged", "pagellm-contiguous-max", "pagellm-paged-bf16", "hf-static-2"}
+    assert data["systems"]["pagellm-paged-bf16"]["dtype"] == "bfloat16"
+    assert data["systems"]["pagellm-paged"]["dtype"] == "float32"
     assert data["skipped"]["llama-cpp"]  # a safetensors directory, not a GGUF
     total = data["workload"]["total_output_tokens"]
     for name, r in data["systems"].items():
         assert r["generated_tokens"] == total
         assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
         assert set(r["greedy_matches_transformers"]) == {"0", "1"}
-    # pagellm's greedy tokens are transformers' whatever the KV layout.
+    # pagellm's greedy tokens are transformers' whatever the KV layout (in fp32; bf16 is not held to it).
     assert data["greedy_check"]["pagellm_all_match"] is True
     paged = data["systems"]["pagellm-paged"]
     assert paged["peak_batch"] >= 1 and paged["phases"]["steps"] > 0

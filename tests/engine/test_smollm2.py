@@ -51,6 +51,20 @@ def test_chat_knows_paris(llm):
     assert llm.stats()["used_blocks"] == 0
 
 
+def test_bfloat16_on_the_cpu_reads_its_kv_in_place_and_still_knows_paris(smollm2_gguf):
+    # bf16 is the CPU's fast opt-in (AMX matmuls, half the KV bytes); it rounds differently from
+    # the fp32 reference, so it is held to the answer, not to transformers' tokens.
+    llm = LLM(smollm2_gguf, dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
+    runner = llm.engine.runner
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    from pagellm.kernels import cpu
+
+    assert cpu.decode_usable(torch.empty(1, 1, 1, dtype=torch.bfloat16), runner.kv_caches[0][0])
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].text.startswith(" Paris")
+    assert llm.stats()["used_blocks"] == 0
+
+
 @pytest.mark.slow
 def test_beam_search_matches_transformers_gguf(llm, hf):
     tok = llm.get_tokenizer()

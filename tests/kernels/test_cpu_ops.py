@@ -56,6 +56,25 @@ def test_paged_decode_head_dim_128_through_scattered_blocks():
         torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", p, v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_a_bfloat16_cache_as_float32(q_dtype):
+    # The same float32 arithmetic over the widened values: a bfloat16 cache only halves the bytes.
+    torch.manual_seed(1)
+    b, h, kvh, d, bs, nb = 4, 9, 3, 64, 16, 80
+    k_cache = torch.randn(nb, bs, kvh, d).bfloat16()
+    v_cache = torch.randn(nb, bs, kvh, d).bfloat16()
+    lens = torch.tensor([3, 33, 512, 1000])
+    tables = torch.stack([torch.randperm(nb)[:63] for _ in range(b)])
+    q = torch.randn(b, h, d).to(q_dtype)
+    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert out.dtype == q_dtype
+    expected = cpu.paged_decode(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
+    # Float32 results agree to rounding (the two builds vectorize differently); a bfloat16 output
+    # may then round one unit (up to 2^-7 relative) the other way.
+    tol = 1e-6 if q_dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.float(), expected.to(q_dtype).float(), rtol=tol, atol=1e-6)
+
+
 def test_bad_inputs_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="float32"):
         cpu.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
@@ -64,3 +83,7 @@ def test_bad_inputs_are_refused_with_a_message():
     q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
     with pytest.raises(RuntimeError, match=r"cos/sin must be \[T, D\]"):
         cpu.rotary_embedding_(q, k, torch.randn(3, 8), torch.randn(3, 8))  # fewer rows than tokens
+    kc = torch.randn(4, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
+        cpu.paged_decode(torch.randn(1, 4, 8), kc, kc.bfloat16(), torch.zeros(1, 1, dtype=torch.long),
+                         torch.ones(1, dtype=torch.long), 1.0)

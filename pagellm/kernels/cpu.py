@@ -1,4 +1,4 @@
-"""Fused kernels for the CPU path, compiled on first use: float32, and a bfloat16 KV cache.
+"""Fused kernels for the CPU path, compiled on first use: float32 and bfloat16.
 
 torch has no op that reads K/V through a block table, so the pure-torch path gathers
 each sequence's blocks into a padded copy before attending; on the CPU that copy, not
@@ -7,7 +7,7 @@ chains of small element-wise ops in torch, each a full pass over memory. The C++
 csrc/cpu_ops.cpp does each in one pass (see its header). It is compiled once
 (torch.utils.cpp_extension, cached under TORCH_EXTENSIONS_DIR); when no compiler is at
 hand, or PAGELLM_CPU_KERNELS=0, the torch code runs instead, with the same results up
-to float rounding (bit-identical for RoPE).
+to float rounding (bit-identical for float32 RoPE).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
+_DTYPES = (torch.float32, torch.bfloat16)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 
 
@@ -41,17 +42,15 @@ def available() -> bool:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether the compiled kernels serve this tensor: float32 on the CPU, and built."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and available()
+    """Whether the compiled element-wise kernels serve this tensor: float32 or bfloat16 on the CPU, and built."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and available()
 
 
 def decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode serves this step: CPU tensors, a float32 or bfloat16 cache, built."""
-    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype in _DECODE_DTYPES
-            and k_cache.dtype in _DECODE_DTYPES and available())
+    return q.device.type == "cpu" and k_cache.device.type == "cpu" and k_cache.dtype in _DTYPES and usable(q)
 
 
-_DECODE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -65,10 +64,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q: [T, H, D] and k: [T, KVH, D] in place; cos, sin: [T, D] contiguous."""
+    """Rotate q: [T, H, D] and k: [T, KVH, D] in place; cos, sin: [T, D] contiguous, q's dtype.
+
+    float32: bit-identical to the reference formula. bfloat16: computed in float32 and
+    rounded once, where torch's bfloat16 ops round three times.
+    """
     _load().rotary_embedding_(q, k, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2I] (gate, then up) -> silu(gate) * up: [T, I]."""
+    """x: [T, 2I] (gate, then up) -> silu(gate) * up: [T, I], in x's dtype (float32 inside)."""
     return _load().silu_and_mul(x)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bfloat16 rows x: [T, H] with the reference's roundings (float32 statistics,
+    the normalized row rounded to bfloat16 before the weight multiplies it)."""
+    return _load().rms_norm_bf16(x, weight, eps)

@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # One fused kernel; bit-identical to the reference's three steps in fp32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and cpu.usable(x):
+            return cpu.rms_norm_bf16(x, self.weight, self.eps)  # the same roundings, one pass
         # Normalize in fp32 like the reference, whatever the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -59,7 +59,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D], k: [T, KVH, D], rotated; in place by the compiled kernel where it
-    serves (same bits as apply_rope), as new tensors otherwise."""
+    serves (in float32, the same bits as apply_rope; in bfloat16, one rounding instead of
+    apply_rope's three), as new tensors otherwise."""
     if cpu.usable(q):
         cpu.rotary_embedding_(q, k, cos, sin)
         return q, k

@@ -40,6 +40,36 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(cpu.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+def test_bfloat16_element_wise_kernels_round_once_from_float32():
+    torch.manual_seed(2)
+    bf = torch.bfloat16
+    # RoPE: the float32 formula over the widened inputs, rounded once.
+    t, h, kvh, d = 11, 6, 2, 64
+    rope = RotaryEmbedding(d, 4096, 10000.0, None)
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (t,)), bf)
+    q, k = torch.randn(t, h, d).to(bf), torch.randn(t, kvh, d).to(bf)
+    expected_q = apply_rope(q.float(), cos.float(), sin.float()).to(bf)
+    expected_k = apply_rope(k.float(), cos.float(), sin.float()).to(bf)
+    cpu.rotary_embedding_(q, k, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    # SiLU-and-mul likewise (exp may differ from torch's in the last float bit: one bf16 unit at most).
+    x = (torch.randn(7, 2 * 96) * 4).to(bf)
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_and_mul(x), (F.silu(gate) * up).to(bf), rtol=2 ** -7, atol=1e-6)
+    # RMSNorm against the model's own torch path for bfloat16 (float32 statistics, two roundings).
+    from pagellm.model.llama import RMSNorm
+
+    norm = RMSNorm(96, 1e-5).to(bf)
+    norm.weight.data = (torch.rand(96) + 0.5).to(bf)
+    rows = (torch.randn(13, 96) * 3).to(bf)
+    xf = rows.float()
+    reference = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(bf)
+    got = cpu.rms_norm_bf16(rows, norm.weight.data, 1e-5)
+    assert got.dtype == bf
+    torch.testing.assert_close(got.float(), reference.float(), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(norm(rows).float(), reference.float(), rtol=2 ** -7, atol=0)  # the model uses it
+
+
 def test_paged_decode_head_dim_128_through_scattered_blocks():
     torch.manual_seed(0)
     b, h, kvh, d, bs, nb = 5, 8, 2, 128, 16, 64
@@ -76,13 +106,15 @@ def test_paged_decode_reads_a_bfloat16_cache_as_float32(q_dtype):
 
 
 def test_bad_inputs_are_refused_with_a_message():
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
         cpu.silu_and_mul(torch.randn(2, 7))
     q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
     with pytest.raises(RuntimeError, match=r"cos/sin must be \[T, D\]"):
         cpu.rotary_embedding_(q, k, torch.randn(3, 8), torch.randn(3, 8))  # fewer rows than tokens
+    with pytest.raises(RuntimeError, match="cos must be a CPU tensor of BFloat16"):
+        cpu.rotary_embedding_(q.bfloat16(), k.bfloat16(), torch.randn(5, 8), torch.randn(5, 8))
     kc = torch.randn(4, 4, 2, 8)
     with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
         cpu.paged_decode(torch.randn(1, 4, 8), kc, kc.bfloat16(), torch.zeros(1, 1, dtype=torch.long),

@@ -1,4 +1,4 @@
-// Fused kernels for the CPU path (float32; the KV cache may also be bfloat16).
+// Fused kernels for the CPU path, float32 and bfloat16.
 //
 // - paged_decode: one query token per sequence, K/V read in place through the block
 //   table. The torch path has to gather every sequence's blocks into a padded copy
@@ -11,6 +11,9 @@
 //   Same arithmetic as the reference (x * cos + rotate_half(x) * sin, no fused
 //   multiply-add), so the results are bit-identical to it.
 // - silu_and_mul: silu(gate) * up of the MLP in one pass over [T, 2I].
+// - rms_norm_bf16: RMSNorm of bfloat16 rows in one pass (float32 runs torch's fused op).
+// The element-wise kernels take float32 or bfloat16; bfloat16 is computed in float32 and
+// rounded once per output.
 //
 // Built with OpenMP so that at::parallel_for spreads work over torch's intra-op threads
 // (it runs serially in an extension compiled without it); torch's own libgomp is the
@@ -236,67 +239,134 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale);
 }
 
+// Element types of the element-wise kernels: float, or bfloat16 computed in float and rounded
+// once on the way out (torch's bfloat16 ops round after every op).
+inline float f32(float x) { return x; }
+inline float f32(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T> inline T from_f32(float x) { return static_cast<T>(x); }
+
+static void check_cpu_dtype(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of ", dtype,
+              ", got ", t.scalar_type());
+}
+
+static void check_float_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor");
+}
+
 // One token's heads, rotated in place. No contraction into fused multiply-adds (the
 // attribute applies to this function's own body, so the loop lives here and not in a
 // lambda): x1 * c - x2 * s must round as torch's separate products and sum do.
-__attribute__((noinline, optimize("fp-contract=off"))) static void rope_token(float* x, int64_t NH, int64_t D,
-                                                                               const float* c, const float* s) {
+template <typename T>
+__attribute__((noinline, optimize("fp-contract=off"))) static void rope_token(T* x, int64_t NH, int64_t D,
+                                                                               const T* c, const T* s) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < NH; ++h) {
-    float* a = x + h * D;
-    float* b = a + half;
+    T* a = x + h * D;
+    T* b = a + half;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      const float x1 = a[i], x2 = b[i];
-      a[i] = x1 * c[i] + (-x2) * s[i];
-      b[i] = x2 * c[i + half] + x1 * s[i + half];
+      const float x1 = f32(a[i]), x2 = f32(b[i]);
+      a[i] = from_f32<T>(x1 * f32(c[i]) + (-x2) * f32(s[i]));
+      b[i] = from_f32<T>(x2 * f32(c[i + half]) + x1 * f32(s[i + half]));
     }
   }
 }
 
 // Rotates x: [T, heads, D] (rows may be strided, heads and D contiguous) in place with
 // cos, sin: [T, D] (contiguous), rotate-half layout.
-static void rope_inplace(torch::Tensor x, const float* cp, const float* sp) {
-  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2);
+template <typename T>
+static void rope_inplace(torch::Tensor x, const T* cp, const T* sp) {
+  const int64_t N = x.size(0), NH = x.size(1), D = x.size(2);
   const int64_t stride = x.stride(0);
-  float* xp = x.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rope_token(xp + t * stride, NH, D, cp + t * D, sp + t * D);
+  T* xp = x.data_ptr<T>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rope_token<T>(xp + t * stride, NH, D, cp + t * D, sp + t * D);
   });
 }
 
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  check_float_cpu(q, "q");
+  const auto dtype = q.scalar_type();
   for (auto* t : {&q, &k}) {
-    check_f32_cpu(*t, "q/k");
+    check_cpu_dtype(*t, "q/k", dtype);
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
                 "q and k must be [T, heads, D] with contiguous heads");
   }
-  check_f32_cpu(cos, "cos");
-  check_f32_cpu(sin, "sin");
+  check_cpu_dtype(cos, "cos", dtype);
+  check_cpu_dtype(sin, "sin", dtype);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
                   cos.size(0) == q.size(0) && k.size(0) == q.size(0) && cos.size(1) == q.size(2) &&
                   k.size(2) == q.size(2),
               "cos/sin must be [T, D] for q: [T, H, D] and k: [T, KVH, D]");
-  rope_inplace(q, cos.data_ptr<float>(), sin.data_ptr<float>());
-  rope_inplace(k, cos.data_ptr<float>(), sin.data_ptr<float>());
+  if (dtype == torch::kBFloat16) {
+    rope_inplace<at::BFloat16>(q, cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>());
+    rope_inplace<at::BFloat16>(k, cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>());
+  } else {
+    rope_inplace<float>(q, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rope_inplace<float>(k, cos.data_ptr<float>(), sin.data_ptr<float>());
+  }
+}
+
+template <typename T>
+static void silu_and_mul_impl(const T* xp, T* op, int64_t N, int64_t I) {
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = xp + t * 2 * I;
+      const T* u = g + I;
+      T* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float gi = f32(g[i]);
+        o[i] = from_f32<T>(gi / (1.f + std::exp(-gi)) * f32(u[i]));
+      }
+    }
+  });
 }
 
 // x: [T, 2I] (gate then up). Returns silu(gate) * up: [T, I].
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  check_f32_cpu(x, "x");
+  check_float_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2I] (gate, then up)");
   x = x.contiguous();
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+  const int64_t N = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({N, I}, x.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    silu_and_mul_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), N, I);
+  else
+    silu_and_mul_impl<float>(x.data_ptr<float>(), out.data_ptr<float>(), N, I);
+  return out;
+}
+
+// RMSNorm of bfloat16 rows as the reference computes it: the mean square and the scaling in
+// float32, the normalized row rounded to bfloat16, then multiplied by the weight (rounded
+// again). One pass instead of torch's six (an upcast, a square, a mean, rsqrt, two products).
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_cpu_dtype(x, "x", torch::kBFloat16);
+  check_cpu_dtype(weight, "weight", torch::kBFloat16);
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "x must be [T, H] for a weight of [H]");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t N = x.size(0), H = x.size(1);
+  auto out = torch::empty_like(x);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * 2 * I;
-      const float* u = g + I;
-      float* o = op + t * I;
+      const at::BFloat16* r = xp + t * H;
+      at::BFloat16* o = op + t * H;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += f32(r[i]) * f32(r[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (int64_t i = 0; i < H; ++i) {
+        const float normed = f32(from_f32<at::BFloat16>(f32(r[i]) * inv));
+        o[i] = from_f32<at::BFloat16>(f32(wp[i]) * normed);
+      }
     }
   });
   return out;
@@ -304,6 +374,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 q, float32 or bfloat16 K/V)");
-  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32)");
+  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, as the reference rounds it (CPU)");
 }

@@ -495,6 +495,10 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         else:
             raise ValueError(f"unknown system {name!r}; choose from {DEFAULT_SYSTEMS} or hf-static-<B>")
         res["greedy_matches_transformers"] = {str(i): outs.get(i) == reference[i] for i in sample}
+        # How far each checked request follows the reference before its first different token
+        # (1.0 = all of it): the figure that says how much a lower precision changes the text.
+        res["greedy_agreement"] = {str(i): _common_prefix(outs.get(i) or [], reference[i]) / max(1, len(reference[i]))
+                                   for i in sample}
         # The machine's state after the run: other processes on it skew every timing.
         res["loadavg_after"] = os.getloadavg()[0]
         res["matmul_gflops_after"] = matmul_gflops(cfg.threads)
@@ -509,6 +513,10 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     load["loadavg_end"] = os.getloadavg()
     load["matmul_gflops_end"] = matmul_gflops(cfg.threads)
     return snapshot(profile)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def check_targets(systems: dict) -> list[dict]:
@@ -538,11 +546,13 @@ def print_tables(results: dict) -> None:
     rows = []
     for name, r in results["systems"].items():
         match = r["greedy_matches_transformers"]
+        agree = r.get("greedy_agreement") or {}
         rows.append([name, r["tokens_per_s"], r["requests_per_s"], r["wall_s"], r.get("mean_batch"),
                      r.get("peak_batch"), r.get("num_preemptions"),
-                     f"{sum(match.values())}/{len(match)}" if match else "-", r.get("matmul_gflops_after")])
+                     f"{sum(match.values())}/{len(match)}" if match else "-",
+                     f"{100 * sum(agree.values()) / len(agree):.0f}%" if agree else "-", r.get("matmul_gflops_after")])
     print(report.format_table(["system", "gen tok/s", "req/s", "wall s", "mean batch", "peak batch", "preempt",
-                               "greedy = HF", "GFLOP/s after"], rows))
+                               "greedy = HF", "tokens before 1st diff", "GFLOP/s after"], rows))
     load = results["load"]
     print(f"machine: load average {load['loadavg_start'][0]:.1f} at start; a reference matmul ran at "
           f"{load['matmul_gflops_start']:.0f} GFLOP/s (about 220 on 2 idle cores)")

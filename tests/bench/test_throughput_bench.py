@@ -25,6 +25,8 @@ def test_throughput_bench_tiny(tmp_path, tiny_llama_dir):
         assert r["generated_tokens"] == total
         assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
         assert set(r["greedy_matches_transformers"]) == {"0", "1"}
+        for i, same in r["greedy_matches_transformers"].items():  # agreement 1.0 exactly when equal
+            assert (r["greedy_agreement"][i] == 1.0) == same and 0 <= r["greedy_agreement"][i] <= 1
     # pagellm's greedy tokens are transformers' whatever the KV layout (in fp32; bf16 is not held to it).
     assert data["greedy_check"]["pagellm_all_match"] is True
     paged = data["systems"]["pagellm-paged"]

@@ -406,9 +406,7 @@ def plot(results: dict, path) -> None:
         ax.set_ylabel("normalized latency (s/token)")
         ax.set_title(f"{wname}: latency vs rate")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def add_parser(sub) -> None:

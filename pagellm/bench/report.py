@@ -143,6 +143,13 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path, dpi: int = 110) -> None:
+    """Lay the figure out, write it to `path` and free it (pyplot keeps every open figure)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 def progress(iterable=None, total: int | None = None, desc: str = "", enable: bool = True, unit: str = "it"):
     """A tqdm bar on stderr, or a silent pass-through."""
     from tqdm.auto import tqdm

@@ -299,9 +299,7 @@ def plot(results: dict, path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def add_parser(sub) -> None:

@@ -158,9 +158,7 @@ def plot(result: dict, path) -> None:
         ax.set_title("parallel sampling" if mode == "parallel" else "beam search")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("KV blocks saved by sharing (%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=120)
 
 
 def add_parser(sub) -> None:

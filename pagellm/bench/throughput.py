@@ -591,9 +591,7 @@ def plot(results: dict, path) -> None:
         axes[1].tick_params(axis="y", labelsize=7)
     else:
         axes[1].axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def add_parser(sub) -> None:

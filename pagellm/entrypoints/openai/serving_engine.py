@@ -150,11 +150,7 @@ class OpenAIServing:
                  for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
-            for s in streams:
-                s.abort()
-            raise engine_error(failure) or failure
+        self._fail_together(results, streams)
         return streams
 
     @staticmethod
@@ -175,12 +171,17 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
             raise
+        self._fail_together(results, streams)
+        return results
+
+    @staticmethod
+    def _fail_together(results: list, streams: list[RequestStream]) -> None:
+        """If any result is an exception, abort every stream and raise the first (as an API error where it maps to one)."""
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             for s in streams:
                 s.abort()
             raise engine_error(failure) or failure
-        return results
 
     # ---- shapes ----------------------------------------------------------------------------
     def token_text(self, token_id: int, lp: Logprob | None) -> str:

@@ -54,9 +54,13 @@ _ROPE_SCALING_KEYS = {
 _MISSING = object()
 
 
-def read_gguf_config(path: str) -> ModelArchConfig:
-    """The architecture described by a GGUF file's `{arch}.*` and `tokenizer.ggml.*` metadata."""
-    reader = _open(path)
+def read_gguf_config(path: str, reader: GGUFReader | None = None) -> ModelArchConfig:
+    """The architecture described by a GGUF file's `{arch}.*` and `tokenizer.ggml.*` metadata.
+
+    `reader`: the file already opened by `open_gguf` (parsing the metadata takes seconds for a
+    large vocabulary, so a caller that also reads the weights opens it once).
+    """
+    reader = reader or open_gguf(path)
     arch = _architecture(reader, path)
 
     def key(name: str, default: Any = _MISSING) -> Any:
@@ -112,12 +116,13 @@ def read_gguf_config(path: str) -> ModelArchConfig:
     )
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str, reader: GGUFReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap.
 
     The file is opened and checked before this returns, so a bad path fails here, not at first use.
+    `reader`: as for read_gguf_config.
     """
-    reader = _open(path)
+    reader = reader or open_gguf(path)
     arch = _architecture(reader, path)
     heads = _as_int(_value(reader, f"{arch}.attention.head_count"), f"{arch}.attention.head_count", path)
     kv_heads = _value(reader, f"{arch}.attention.head_count_kv") or heads
@@ -139,7 +144,8 @@ def _weights(
         yield name, weight
 
 
-def _open(path: str) -> GGUFReader:
+def open_gguf(path: str) -> GGUFReader:
+    """Parse a GGUF file's header and metadata (the tensors stay in the mmap) and check it is whole."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:

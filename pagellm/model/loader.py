@@ -16,7 +16,7 @@ import torch
 
 from pagellm.model.bundled import default_model_path
 from pagellm.model.config import ModelArchConfig
-from pagellm.model.gguf_loader import iter_gguf_weights, read_gguf_config
+from pagellm.model.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
 from pagellm.model.hf_loader import iter_hf_weights, read_hf_config
 from pagellm.model.tokenizer import Tokenizer
 
@@ -56,8 +56,9 @@ def load_model_source(model: str | None, load_format: str = "auto") -> ModelSour
         raise ValueError(f"load_format 'safetensors' needs a Hugging Face model directory, but {path} is not one")
 
     if fmt == "gguf":
-        arch, tokenizer = read_gguf_config(path), Tokenizer.from_gguf(path)
-        weights = partial(iter_gguf_weights, path)
+        reader = open_gguf(path)  # parsed once for the config and the weights
+        arch, tokenizer = read_gguf_config(path, reader), Tokenizer.from_gguf(path)
+        weights = partial(iter_gguf_weights, path, reader)
     else:
         arch, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
         weights = partial(iter_hf_weights, path)

@@ -19,6 +19,9 @@
 // (it runs serially in an extension compiled without it); torch's own libgomp is the
 // one that gets loaded, as it carries the same soname.
 #include <torch/extension.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -48,6 +51,54 @@ struct WorkItem {
 // query heads that share it. Writes the normalised output when the run is the whole
 // context, else (max, sum, unnormalised accumulator) for the combine step.
 // DT > 0 fixes the head size at compile time so the inner loops unroll; DT == 0 reads D.
+#if defined(__AVX512F__)
+// 16 K/V elements widened to float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+// The 16 horizontal sums of v[0..15], as one vector in token order: a transpose-and-add tree
+// (15 adds and 30 shuffles) instead of 16 separate reductions of about 8 instructions each.
+inline __m512 hsum16(__m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: token pair (2i, 2i+1), 8 partial sums each
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lanes: lane L of b[i] holds token 4i+L's 4 partial sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  const __m512 u01 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  const __m512 u23 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+  // Element 4L + k now sums token 4k + L; put token t at element t.
+  const __m512 f = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u01), _mm512_castps_pd(u23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u01), _mm512_castps_pd(u23))));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// Scores of up to 16 tokens (rows of `row` elements from k) against one query head of DT
+// dimensions: s[t] = scale * q . k_t for t < n.
+template <int DT, typename T>
+inline void scores16(const float* q, const T* k, int64_t row, int64_t n, float scale, float* s) {
+  __m512 qv[DT / 16], v[16];
+  for (int c = 0; c < DT / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      __m512 p = _mm512_mul_ps(qv[0], load16(k + t * row));
+      for (int c = 1; c < DT / 16; ++c) p = _mm512_fmadd_ps(qv[c], load16(k + t * row + 16 * c), p);
+      v[t] = p;
+    } else {
+      v[t] = _mm512_setzero_ps();
+    }
+  }
+  const __m512 r = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1), r);
+}
+#endif
+
 template <int DT, typename T>
 void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t BS, const float* q,
                 const T* kp, const T* vp, const int64_t* table, float scale, float* out,
@@ -76,15 +127,26 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
         __builtin_prefetch(vn + i, 0, 3);
       }
     }
-    for (int64_t t = 0; t < nt; ++t) {
-      for (int64_t h = 0; h < KVH; ++h) {
-        const T* k = kb + t * row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qh = q + (h * G + g) * D;
-          float dot = 0.f;
+#if defined(__AVX512F__)
+    if constexpr (DT > 0 && DT % 16 == 0) {
+      for (int64_t h = 0; h < KVH; ++h)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t u = 0; u < nt; u += 16)
+            scores16<DT, T>(q + (h * G + g) * DT, kb + u * row + h * DT, row, std::min<int64_t>(16, nt - u), scale,
+                            s + (h * G + g) * BS + u);
+    } else
+#endif
+    {
+      for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* k = kb + t * row + h * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qh = q + (h * G + g) * D;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < D; ++i) dot += qh[i] * widen(k[i]);
-          s[(h * G + g) * BS + t] = dot * scale;
+            for (int64_t i = 0; i < D; ++i) dot += qh[i] * widen(k[i]);
+            s[(h * G + g) * BS + t] = dot * scale;
+          }
         }
       }
     }
@@ -106,14 +168,29 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
         for (int64_t i = 0; i < D; ++i) a[i] *= alpha;
       }
     }
-    for (int64_t t = 0; t < nt; ++t) {
-      for (int64_t h = 0; h < KVH; ++h) {
-        const T* v = vb + t * row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          float* a = acc + (h * G + g) * D;
-          const float p = s[(h * G + g) * BS + t];
+    // Each head's accumulator stays in registers over the block's tokens (a local array of a
+    // compile-time size); the V rows it reads are in L1 after the first query head.
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + (h * G + g) * D;
+        const float* p = s + (h * G + g) * BS;
+        if constexpr (DT > 0) {
+          float al[DT];
+          for (int64_t i = 0; i < DT; ++i) al[i] = a[i];
+          for (int64_t t = 0; t < nt; ++t) {
+            const T* v = vb + t * row + h * DT;
+            const float pt = p[t];
 #pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += p * widen(v[i]);
+            for (int64_t i = 0; i < DT; ++i) al[i] += pt * widen(v[i]);
+          }
+          for (int64_t i = 0; i < DT; ++i) a[i] = al[i];
+        } else {
+          for (int64_t t = 0; t < nt; ++t) {
+            const T* v = vb + t * row + h * D;
+            const float pt = p[t];
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) a[i] += pt * widen(v[i]);
+          }
         }
       }
     }

@@ -86,6 +86,27 @@ def test_paged_decode_head_dim_128_through_scattered_blocks():
         torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", p, v), rtol=1e-5, atol=1e-5)
 
 
+def test_paged_decode_against_float64_on_long_contexts_and_nan():
+    # Wide scores (keys scaled by 3) reach deep into exp's range; contexts of thousands split
+    # into several runs merged by log-sum-exp. A NaN in a query reaches that head's output.
+    torch.manual_seed(3)
+    b, h, kvh, d, bs, nb = 3, 9, 3, 64, 16, 200
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d) * 3, torch.randn(nb, bs, kvh, d)
+    lens = torch.tensor([5, 700, 3000])
+    tables = torch.stack([torch.randperm(nb)[:190] for _ in range(b)])
+    q = torch.randn(b, h, d)
+    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    for i in range(b):
+        n = int(lens[i])
+        k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(h // kvh, dim=1)
+        v = v_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(h // kvh, dim=1)
+        p = (torch.einsum("hd,khd->hk", q[i].double(), k) * 0.125).softmax(-1)
+        torch.testing.assert_close(out[i].double(), torch.einsum("hk,khd->hd", p, v), rtol=0, atol=5e-6)
+    q[1, 0, 0] = float("nan")
+    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.isnan(out[1, 0]).all() and not torch.isnan(out[1, 1:]).any() and not torch.isnan(out[0]).any()
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_reads_a_bfloat16_cache_as_float32(q_dtype):
     # The same float32 arithmetic over the widened values: a bfloat16 cache only halves the bytes.

@@ -459,8 +459,8 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
                              "reference": "transformers generate, one unpadded request at a time, fp32",
                                           # bfloat16 rounds differently from the fp32 reference: not expected to match.
                              "pagellm_all_match": all(all(systems[s]["greedy_matches_transformers"].values())
-                                                      for s in systems
-                                                      if s.startswith("pagellm-") and pagellm_system(s)[1] == "float32")},
+                                                      for s in systems if s.startswith("pagellm-")
+                                                      and pagellm_system(s)[1] == "float32")},
             "profile": profile,
             "targets": check_targets(systems),
         }

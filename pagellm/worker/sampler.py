@@ -1,8 +1,8 @@
 """Next-token sampling for one engine step, vectorized over the batch.
 
 Owns the path from a step's logits ``[B, V]`` (one row per sequence that
-samples this step) to the chosen token ids: penalties, logit_bias, allowed_token_ids, the min_tokens ban,
-greedy argmax, temperature, top-k / top-p / min-p truncation, seeded and
+samples this step) to the chosen token ids: penalties, logit_bias,
+allowed_token_ids, the min_tokens ban, greedy argmax, temperature, top-k / top-p / min-p truncation, seeded and
 unseeded random draws, and the logprobs reported for the chosen tokens.
 Everything that depends only on the requests, not on the logits, is computed
 once per step by ``SamplingMetadata.build``.

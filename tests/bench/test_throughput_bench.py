@@ -10,7 +10,8 @@ def test_throughput_bench_tiny(tmp_path, tiny_llama_dir):
     stem = tmp_path / "throughput"
     rc = main(["bench", "throughput", "--model", tiny_llama_dir, "--num-requests", "5", "--min-prompt", "4",
                "--max-prompt", "20", "--min-output", "2", "--max-output", "8", "--num-kv-blocks", "24",
-               "--block-size", "4", "--systems", "pagellm-paged,pagellm-contiguous-max,pagellm-paged-bf16,hf-static-2,llama-cpp",
+               "--block-size", "4",
+               "--systems", "pagellm-paged,pagellm-contiguous-max,pagellm-paged-bf16,hf-static-2,llama-cpp",
                "--check-samples", "2", "--out", str(stem), "--no-progress"])
     assert rc == 0
     data = json.loads(stem.with_suffix(".json").read_text())

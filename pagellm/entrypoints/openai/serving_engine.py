@@ -176,7 +176,8 @@ class OpenAIServing:
 
     @staticmethod
     def _fail_together(results: list, streams: list[RequestStream]) -> None:
-        """If any result is an exception, abort every stream and raise the first (as an API error where it maps to one)."""
+        """If any result is an exception, abort every stream and raise the first one (as an API
+        error where it maps to one)."""
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             for s in streams:

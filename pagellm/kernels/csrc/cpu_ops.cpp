@@ -5,7 +5,9 @@
 //   first (a write and a second read of all K/V); reading the blocks where they lie
 //   moves a third of the bytes and skips the padding. A bfloat16 cache is widened to
 //   float32 as it is read (a 16-bit shift), so it moves half the bytes of a float32 one
-//   with the same float32 arithmetic.
+//   with the same float32 arithmetic. With AVX-512, a block's 16 query-key dot products
+//   are reduced together and the softmax's exp is vectorized (scores16, exp16); other
+//   CPUs run the portable loops.
 // - rotary_embedding_: rotate-half RoPE applied in place to q and k, one pass instead
 //   of torch's five (two slices, a negation, a concatenation, two products, a sum).
 //   Same arithmetic as the reference (x * cos + rotate_half(x) * sin, no fused
@@ -46,11 +48,6 @@ struct WorkItem {
   int64_t seq, begin, end, part;  // part: row in the partial-results buffer, -1 if the run is the whole context
 };
 
-// Online softmax over the run, one block of keys at a time, for every query head: each
-// K/V row is read once (all KV heads of a token are one contiguous row) and serves the G
-// query heads that share it. Writes the normalised output when the run is the whole
-// context, else (max, sum, unnormalised accumulator) for the combine step.
-// DT > 0 fixes the head size at compile time so the inner loops unroll; DT == 0 reads D.
 #if defined(__AVX512F__)
 // 16 K/V elements widened to float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -120,6 +117,11 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// Online softmax over the run, one block of keys at a time, for every query head: each
+// K/V row is read once (all KV heads of a token are one contiguous row) and serves the G
+// query heads that share it. Writes the normalised output when the run is the whole
+// context, else (max, sum, unnormalised accumulator) for the combine step.
+// DT > 0 fixes the head size at compile time so the inner loops unroll; DT == 0 reads D.
 template <int DT, typename T>
 void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t BS, const float* q,
                 const T* kp, const T* vp, const int64_t* table, float scale, float* out,

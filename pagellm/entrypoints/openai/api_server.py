@@ -164,9 +164,11 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     app, engine, config = build_server(args)
     stats = engine.stats()
-    logger.info("serving %s as %r on http://%s:%d (KV pool: %d blocks of %d tokens, max_model_len %d); "
-                "block map at /dashboard", engine.engine.model_path, config.served_model_names[0], args.host,
-                args.port, stats["total_blocks"], stats["block_size"], engine.max_model_len)
+    core = engine.engine
+    logger.info("serving %s as %r on http://%s:%d (%s on %s; KV pool: %d blocks of %d tokens, max_model_len %d); "
+                "block map at /dashboard", core.model_path, config.served_model_names[0], args.host, args.port,
+                str(core.dtype).removeprefix("torch."), core.device, stats["total_blocks"], stats["block_size"],
+                engine.max_model_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
     return 0

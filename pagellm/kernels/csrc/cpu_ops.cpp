@@ -242,8 +242,14 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
   }
 }
 
-void check_f32_cpu(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat, name, " must be a float32 CPU tensor");
+void check_cpu_dtype(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of ", dtype,
+              ", got ", t.scalar_type());
+}
+
+void check_float_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor");
 }
 
 }  // namespace
@@ -338,7 +344,7 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  check_f32_cpu(q, "q");
+  check_cpu_dtype(q, "q", torch::kFloat);
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv &&
                   (kv == torch::kFloat || kv == torch::kBFloat16),
@@ -353,16 +359,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 inline float f32(float x) { return x; }
 inline float f32(at::BFloat16 x) { return static_cast<float>(x); }
 template <typename T> inline T from_f32(float x) { return static_cast<T>(x); }
-
-static void check_cpu_dtype(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of ", dtype,
-              ", got ", t.scalar_type());
-}
-
-static void check_float_cpu(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16),
-              name, " must be a float32 or bfloat16 CPU tensor");
-}
 
 // One token's heads, rotated in place. No contraction into fused multiply-adds (the
 // attribute applies to this function's own body, so the loop lives here and not in a

@@ -98,6 +98,12 @@ class SamplingParams:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
                                  f"{out[:10]}{' ...' if len(out) > 10 else ''}")
 
+    def min_tokens_held_off(self, eos_token_ids: set[int] | list[int]) -> set[int]:
+        """The token ids min_tokens keeps from being picked: the stop ids and, unless ignore_eos
+        (which makes EOS an ordinary token), the model's EOS ids."""
+        ids = set(self.stop_token_ids)
+        return ids if self.ignore_eos else ids | set(eos_token_ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS

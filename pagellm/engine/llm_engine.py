@@ -210,8 +210,7 @@ class LLMEngine:
                              f"which must hold the prompt plus at least one generated token")
         params.check_vocab(vocab)
         if params.allowed_token_ids and params.min_tokens:
-            held_off = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if held_off.issuperset(params.allowed_token_ids):
+            if params.min_tokens_held_off(self.eos_token_ids).issuperset(params.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids {params.allowed_token_ids} are all stop or end-of-sequence "
                                  f"tokens, which min_tokens ({params.min_tokens}) holds off: nothing could be picked")
         if params.logprobs is not None and params.logprobs > vocab:

@@ -178,9 +178,7 @@ class SamplingMetadata:
         banned = []
         for i, p in enumerate(params):
             if len(output_token_ids[i]) < p.min_tokens:
-                # With ignore_eos, eos is an ordinary token, so there is nothing to hold off.
-                ids = set(p.stop_token_ids) if p.ignore_eos else eos.union(p.stop_token_ids)
-                banned.extend(i * vocab_size + t for t in ids if 0 <= t < vocab_size)
+                banned.extend(i * vocab_size + t for t in p.min_tokens_held_off(eos) if 0 <= t < vocab_size)
         banned_index = torch.tensor(banned, dtype=torch.long, device=device) if banned else None
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]

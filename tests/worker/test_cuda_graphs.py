@@ -82,9 +82,15 @@ def test_padded_decode_equals_eager_and_leaves_other_slots_alone():
     out = runner(ids, pos, caches, meta)
     tol = dict(atol=1e-4, rtol=1e-4) if DEVICE.type == "cpu" else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out, expected, **tol)
-    for (k, v), (ek, ev) in zip(caches, eager_caches):
-        torch.testing.assert_close(k, ek, atol=0, rtol=0)
-        torch.testing.assert_close(v, ev, atol=0, rtol=0)
+    # The step's own slots hold the same K/V up to the rounding of a batch of 4 instead of 3
+    # (the projections' matrix products may block differently); every other slot is untouched.
+    written = torch.zeros(32 * BLOCK, dtype=torch.bool, device=DEVICE)
+    written[meta.slot_mapping] = True
+    for pair, eager_pair in zip(caches, eager_caches):
+        for got, want in zip(pair, eager_pair):
+            got, want = got.flatten(0, 1), want.flatten(0, 1)
+            torch.testing.assert_close(got[written], want[written], **tol)
+            torch.testing.assert_close(got[~written], want[~written], atol=0, rtol=0)
 
 
 @torch.inference_mode()

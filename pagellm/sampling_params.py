@@ -1,10 +1,17 @@
 """Per-request sampling options, validated where they are built."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this a temperature means greedy: dividing logits by it would overflow.
 _GREEDY_EPS = 1e-5
+# The sampler computes in float32: a float field must stay finite there (1e39 is inf in float32).
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# A repetition penalty divides positive logits and multiplies negative ones: outside this range it
+# overflows float32 logits or stops being a penalty worth the name (1e9 erases every seen token).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -39,64 +46,73 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        _need(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+              self.stop_token_ids, "a list of token ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
+            _need(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+                  "a mapping from token ids to numbers")
             self.logit_bias = dict(self.logit_bias) or None
         if self.allowed_token_ids is not None:
+            _need(isinstance(self.allowed_token_ids, (list, tuple)), "allowed_token_ids", self.allowed_token_ids,
+                  "a non-empty list of token ids")
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, value: object, limit: str) -> None:
-            raise ValueError(f"{name} must be {limit}, got {value!r}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", self.n, "an integer >= 1")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
-            bad("best_of", self.best_of, f"an integer >= n ({self.n})")
-        if self.temperature < 0:
-            bad("temperature", self.temperature, ">= 0")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            bad("top_k", self.top_k, "-1 (disabled) or an integer >= 1")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", self.min_p, "in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "> 0")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", self.min_tokens, "an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad("logprobs", self.logprobs, "an integer >= 0")
-        if any(not s for s in self.stop):
-            bad("stop", self.stop, "a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        """Every field in its range, of its type, and finite as the float32 the sampler computes in:
+        a value that passes here cannot make the sampler fail (for this request or its batch)."""
+        _integer("n", self.n, 1)
+        if self.best_of is not None:
+            _integer("best_of", self.best_of, self.n, limit=f"an integer >= n ({self.n})")
+        _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", self.top_k,
+              "-1 (disabled) or an integer >= 1")
+        _real("min_p", self.min_p, 0.0, 1.0)
+        _real("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            # Sibling sample i uses seed + i, and every one of them must be an int64.
+            siblings = (self.best_of or self.n) - 1
+            last = INT64_MAX - siblings
+            why = f" (seed + {siblings} is the last sample's seed and must fit in 64 bits)" if siblings else ""
+            _integer("seed", self.seed, INT64_MIN, last, limit=f"an integer in [{INT64_MIN}, {last}]{why}")
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens,
+                 limit=f"an integer in [0, max_tokens ({self.max_tokens})]" if self.max_tokens is not None else None)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _need(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+        for s in self.stop:
+            _need(isinstance(s, str) and s != "", "stop", self.stop, "a list of non-empty strings")
+            check_text("stop", s)
+        for t in self.stop_token_ids:
+            _need(_is_token_id(t), "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         for token, bias in (self.logit_bias or {}).items():
-            if not _is_token_id(token):
-                bad("logit_bias", token, "a mapping from token ids >= 0 (a key)")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                bad(f"logit_bias[{token}]", bias, "a number in [-100, 100]")
-        if self.allowed_token_ids is not None and (
-                not self.allowed_token_ids or not all(_is_token_id(t) for t in self.allowed_token_ids)):
-            bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+            _need(_is_token_id(token), "logit_bias", token, "a mapping from token ids >= 0 (a key)")
+            _real(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        if self.allowed_token_ids is not None:
+            _need(bool(self.allowed_token_ids) and all(_is_token_id(t) for t in self.allowed_token_ids),
+                  "allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse token ids the model has no logit for (the sampler could not honour them)."""
-        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids)):
             out = sorted({t for t in ids if t >= vocab_size})
             if out:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
                                  f"{out[:10]}{' ...' if len(out) > 10 else ''}")
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be -1 (disabled) or an integer in [1, {vocab_size}] (the vocabulary "
+                             f"size), got {self.top_k}")
 
     def min_tokens_held_off(self, eos_token_ids: set[int] | list[int]) -> set[int]:
         """The token ids min_tokens keeps from being picked: the stop ids and, unless ignore_eos
@@ -109,5 +125,43 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_int(value) and value >= 0
+
+
+def _need(ok: bool, name: str, value: object, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {limit}, got {value!r}")
+
+
+def _integer(name: str, value: object, low: int, high: int | None = None, limit: str | None = None) -> None:
+    """An int (never a bool or a float) in [low, high]."""
+    ok = _is_int(value) and value >= low and (high is None or value <= high)
+    _need(ok, name, value, limit or (f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"))
+
+
+def _real(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    """A number (never a bool or a string) in its range and finite in float32."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and abs(value) <= FLOAT32_MAX and (low < value if low_open else low <= value) and value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{_fmt(low)}, {_fmt(high)}]"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}" if abs(x) >= 1e6 else f"{x:g}"
+
+
+def check_text(name: str, text: str) -> None:
+    """Text must be valid Unicode that encodes to UTF-8: a lone surrogate ("\\ud800", which JSON can
+    carry) cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} must be valid UTF-8 text; it holds {text[e.start:e.end]!r} at character "
+                         f"{e.start}, a lone surrogate") from None

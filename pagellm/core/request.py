@@ -47,8 +47,6 @@ class Request:
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Per-request RNG, so that a seeded request samples the same text in any batch.
-    generator: object | None = None
     # The context window: a sequence stops with "length" when it reaches it.
     max_model_len: int | None = None
     # Prefix caching: an optional tenant salt, the chained hashes of the full blocks

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from pagellm.config import EngineConfig
 from pagellm.distributed import process_group
+from pagellm.errors import EngineFatalError
 from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack_step, spawn_main, warm_up_kernels
 from pagellm.model.loader import ModelSource
 from pagellm.model.parallel import check_tensor_parallel
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineFatalError):
     """A worker rank died or a collective failed; the engine cannot run another step."""
 
 

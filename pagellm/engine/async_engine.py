@@ -6,8 +6,10 @@ and otherwise sleeps on the queue. Each step's outputs go back to the event loop
 `call_soon_threadsafe`, onto a per-request `asyncio.Queue`; the event loop never blocks.
 
 A request whose consumer goes away (cancelled, closed, or `abort()`) is aborted at once
-and its blocks return to the pool. A step that raises fails the requests it was running
-(the batch cannot be told apart) and the engine goes on serving the next ones.
+and its blocks return to the pool. A request that fails in a step (the engine finds which
+one; see `LLMEngine.step`) fails alone and the others carry on. Only if `step()` itself
+raises, which means the scheduler or a tensor-parallel rank is broken, do all live
+requests fail; the engine then goes on serving the next ones if it can.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step raised; every request in that step fails with this error (HTTP 500)."""
+    """The request failed while it was generated (HTTP 500); the message says why."""
 
 
 class RequestAborted(RuntimeError):
@@ -118,7 +120,8 @@ class AsyncLLMEngine:
         # Engine-thread side: the requests the engine holds.
         self._live: set[str] = set()
         self._stats: dict = engine.stats()
-        self.num_step_failures = 0
+        # Steps whose step() raised (the engine's own count covers the failures it isolated).
+        self.num_unisolated_failures = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
@@ -212,7 +215,9 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict:
         """The engine's stats as of its last step (never waits for the engine)."""
-        return {**self._stats, "num_unstarted": len(self._unstarted), "num_step_failures": self.num_step_failures}
+        stats = {**self._stats, "num_unstarted": len(self._unstarted)}
+        stats["num_step_failures"] = stats.get("num_step_failures", 0) + self.num_unisolated_failures
+        return stats
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -312,9 +317,9 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            self.num_step_failures += 1
+            self.num_unisolated_failures += 1
             failed = sorted(self._live)
-            logger.exception("engine step failed; failing its %d requests", len(failed))
+            logger.exception("engine step raised; failing all %d live requests", len(failed))
             # Aborting frees their blocks; if even that fails the engine's state is lost.
             self.engine.abort_request(failed)
             self._live.clear()
@@ -331,7 +336,7 @@ class AsyncLLMEngine:
                 logger.error("request %s failed: %s", o.request_id, o.error)
                 if self._observer is not None:
                     self._observer.on_error(o.request_id, time.time())
-                self._to_loop(self._fail, [o.request_id], EngineStepError(f"internal error while generating: {o.error}"))
+                self._to_loop(self._fail, [o.request_id], EngineStepError(f"error while generating: {o.error}"))
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)

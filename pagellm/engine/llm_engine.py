@@ -1,9 +1,15 @@
 """The engine: add requests, step, abort. One step = schedule, run the model, sample,
-update the requests, detokenize and emit outputs."""
+update the requests, detokenize and emit outputs.
+
+A request can only fail itself: a step whose batch raises is retried on halves of the
+batch until the requests that fail alone are found (see `LLMEngine.step`).
+"""
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -13,14 +19,18 @@ from pagellm.config import EngineConfig
 from pagellm.core.contiguous import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.errors import EngineFatalError
 from pagellm.model.loader import load_model_source
 from pagellm.model.tokenizer import Tokenizer
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagellm.sampling_params import SamplingParams
-from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagellm.sampling_params import SamplingParams, check_text
+from pagellm.worker.model_runner import ModelRunner, StepResult, resolve_device, resolve_dtype
+from pagellm.worker.sampler import ROW_ERRORS
 
 PromptType = str | list[int] | dict
+logger = logging.getLogger("pagellm.engine")
 
 
 @dataclass
@@ -106,6 +116,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
         self.num_generation_tokens = 0
+        self.num_step_failures = 0  # steps whose batch raised (and was bisected)
+        self.request_failures: Counter[str] = Counter()  # failed requests, by cause
         self._groups: dict[str, _Group | _BeamGroup] = {}
         self._seq_group: dict[str, _Group | _BeamGroup] = {}  # every sequence id in use -> its group
 
@@ -127,6 +139,7 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt) if prompt else []
         if isinstance(prompt, list):
             return None, list(prompt)
@@ -138,6 +151,7 @@ class LLMEngine:
         params = params or SamplingParams()
         self._check_request_id(request_id)
         num_seqs = params.best_of or params.n
+        self._check_num_seqs(num_seqs)  # before anything is built per sequence
         group = _Group(request_id, num_seqs, params, {})
         taken = next((sid for sid in group.seq_ids() if sid in self._seq_group), None)
         if taken is not None:
@@ -192,8 +206,6 @@ class LLMEngine:
 
     def _track(self, group: _Group, req: Request) -> None:
         params = req.sampling_params
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         group.seqs[req.index] = _Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
                                      logprobs=[] if params.logprobs is not None else None)
 
@@ -202,7 +214,7 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.arch.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
@@ -215,10 +227,7 @@ class LLMEngine:
                                  f"tokens, which min_tokens ({params.min_tokens}) holds off: nothing could be picked")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
-        num_seqs = num_seqs or params.best_of or params.n
-        if num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"n, best_of and beam_width must be <= max_num_seqs ({self.config.max_num_seqs}), "
-                             f"got {num_seqs}")
+        self._check_num_seqs(num_seqs or params.best_of or params.n)
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         need = self.kv.blocks_for(longest) * seqs_at_once
         if need > self.kv.num_blocks:
@@ -226,6 +235,11 @@ class LLMEngine:
                 f"the request needs up to {need} KV blocks ({seqs_at_once} x {longest} tokens at block_size "
                 f"{self.kv.block_size}) "
                 f"but the whole KV pool has {self.kv.num_blocks}; lower max_tokens or enlarge the pool")
+
+    def _check_num_seqs(self, num_seqs: int) -> None:
+        if num_seqs > self.config.max_num_seqs:
+            raise ValueError(f"n, best_of and beam_width must be <= max_num_seqs ({self.config.max_num_seqs}), "
+                             f"got {num_seqs}")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks return to the pool at once."""
@@ -251,36 +265,70 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return an output for every request
-        that received tokens."""
+        that received tokens or failed (`RequestOutput.error` set, its blocks freed).
+
+        A failure stays with the request that caused it. If the batch's forward pass or
+        sampling raises, the step is retried on halves of the batch until the requests that
+        fail alone are found: they fail, and the others keep the results of the halves that
+        ran clean. A row whose logits cannot be sampled fails its own request. Only an
+        `EngineFatalError` (the engine cannot step at all) propagates.
+        """
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        try:
+            return self._run_step(sched)
+        except EngineFatalError:
+            raise
+        except Exception as e:  # a bug after the model ran: these requests' state is unknown
+            logger.exception("engine step failed outside the model; failing its %d sequences", len(sched.scheduled))
+            self.num_step_failures += 1
+            groups = {s.request.group_id for s in sched.scheduled} & self._groups.keys()
+            return [self._fail(self._groups[gid], e, "step_error") for gid in sorted(groups)]
+
+    def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         for s in sched.scheduled:
             for child in s.forks:
                 self._track(self._seq_group[child.request_id], child)
-        result = self.runner.execute(sched, set(self.eos_token_ids))
-        for s in sched.scheduled:
-            self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
-                                                   - s.start)
+        result, failures = self._execute(sched)
         sampled, beam_rows = {}, []
         if result.sampled is not None:
+            errors = result.sampled.errors or {}
             for i, (rid, token) in enumerate(zip(result.request_ids, result.sampled.token_ids)):
-                if isinstance(self._seq_group[rid], _BeamGroup):
+                group = self._seq_group[rid]
+                if i in errors:
+                    failures.setdefault(group.request_id, (RuntimeError(ROW_ERRORS[errors[i]]), errors[i]))
+                elif isinstance(group, _BeamGroup):
                     beam_rows.append((rid, i))
                 else:
                     sampled[rid] = token
+        outputs = [self._fail(self._groups[gid], error, cause) for gid, (error, cause) in failures.items()
+                   if gid in self._groups]
+        if failures:
+            sched = replace(sched, scheduled=[s for s in sched.scheduled if s.request.group_id not in failures])
+            sampled = {rid: t for rid, t in sampled.items() if self._seq_group[rid].request_id not in failures}
+            beam_rows = [(rid, i) for rid, i in beam_rows if self._seq_group[rid].request_id not in failures]
+        for s in sched.scheduled:
+            self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
+                                                   - s.start)
         updated = self.scheduler.update_after_step(sched, sampled)
         self.num_generation_tokens += len(sampled)
         rows = {rid: i for i, rid in enumerate(result.request_ids)}
         touched: dict[str, _Group | _BeamGroup] = {}
+        failed: dict[str, Exception] = {}
         for rid, row in beam_rows:
             group = self._seq_group[rid]
+            if group.request_id in failed:
+                continue
             group.pending[rid] = result.sampled.top_logprobs[row]
             if len(group.pending) == len(group.state.live):
-                self._advance_beams(group)
+                try:
+                    self._advance_beams(group)
+                except Exception as e:  # one request's failure must not take down the others
+                    failed[group.request_id] = e
+                    touched[group.request_id] = group
                 if group.finished:
                     touched[group.request_id] = group
-        failed: dict[str, Exception] = {}
         for req in updated:
             group = self._seq_group.get(req.request_id)
             if group is None or group.request_id in failed:
@@ -290,14 +338,13 @@ class LLMEngine:
             except Exception as e:  # one request's failure must not take down the others
                 failed[group.request_id] = e
             touched[group.request_id] = group
-        outputs = []
         for group in touched.values():
             try:
                 if group.request_id in failed:
                     raise failed[group.request_id]
                 out = self._output(group)
             except Exception as e:
-                outputs.append(self._fail(group, e))
+                outputs.append(self._fail(group, e, "output_error"))
                 continue
             if out is not None:
                 outputs.append(out)
@@ -305,9 +352,54 @@ class LLMEngine:
                 self._drop(group)
         return outputs
 
-    def _fail(self, group: _Group | _BeamGroup, error: Exception) -> RequestOutput:
-        """Abort a request whose processing raised; its blocks go back at once."""
+    def _execute(self, sched: SchedulerOutput) -> tuple[StepResult, dict[str, tuple[Exception, str]]]:
+        """Run the step; if it raises, find by bisection the requests that fail on their own.
+
+        Returns what the requests that ran clean sampled, and the culprits: user request id ->
+        (the error it raised alone, cause). Re-running part of a step is safe: the K/V a
+        sequence writes depends only on its own tokens, so a retry writes the same values, and
+        a seeded request's draws depend only on its seed and token index. A part carries only
+        the copy-on-write copies into its own blocks: copying again into a block that another
+        part has written since would erase that part's new token.
+        """
+        eos = set(self.eos_token_ids)
+        try:
+            return self.runner.execute(sched, eos), {}
+        except EngineFatalError:
+            raise
+        except Exception as error:
+            self.num_step_failures += 1
+            logger.warning("a step of %d sequences raised %s: %s; looking for the request that caused it",
+                           len(sched.scheduled), type(error).__name__, error)
+            first = error
+        culprits: dict[str, tuple[Exception, str]] = {}
+        clean: list[StepResult] = []
+
+        def bisect(part: list[ScheduledRequest], error: Exception) -> None:
+            if len(part) == 1:
+                culprits[part[0].request.group_id] = (error, "step_error")
+                return
+            mid = len(part) // 2
+            for half in (part[:mid], part[mid:]):
+                owned = {block for item in half for block in item.block_table}
+                copies = [(src, dst) for src, dst in sched.block_copies if dst in owned]
+                try:
+                    clean.append(self.runner.execute(
+                        replace(sched, scheduled=half, preempted=[], block_copies=copies), eos))
+                except EngineFatalError:
+                    raise
+                except Exception as e:
+                    bisect(half, e)
+
+        bisect(sched.scheduled, first)
+        for gid, (e, _) in culprits.items():
+            logger.error("request %s failed on its own and is dropped: %s: %s", gid, type(e).__name__, e)
+        return StepResult.concat(clean), culprits
+
+    def _fail(self, group: _Group | _BeamGroup, error: Exception, cause: str) -> RequestOutput:
+        """Abort a request that failed (counted under `cause`); its blocks go back at once."""
         first = group.root if isinstance(group, _BeamGroup) else group.seqs[0].request
+        self.request_failures[cause] += 1
         self.abort_request(group.request_id)
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, [], True,
                              RequestMetrics(first.arrival_time, first.first_token_time, time.time(),
@@ -457,5 +549,7 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.prefix_hits,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generation_tokens": self.num_generation_tokens,
+            "num_step_failures": self.num_step_failures,
+            "request_failures": dict(self.request_failures),
             "max_model_len": self.max_model_len,
         }

@@ -57,6 +57,14 @@ class StepResult:
     request_ids: list[str]
     sampled: SamplerOutput | None
 
+    @classmethod
+    def concat(cls, parts: list[StepResult]) -> StepResult:
+        """The results of disjoint parts of one step, as if it had run whole."""
+        parts = [p for p in parts if p.sampled is not None]
+        if not parts:
+            return cls([], None)
+        return cls([rid for p in parts for rid in p.request_ids], SamplerOutput.concat([p.sampled for p in parts]))
+
 
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -158,7 +166,6 @@ class ModelRunner:
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
-            generators=[r.generator for r in reqs],
             eos_token_ids=eos_token_ids,
             vocab_size=self.arch.vocab_size,
             device=self.device,

@@ -9,7 +9,13 @@ once per step by ``SamplingMetadata.build``.
 
 Rows are sampled by inverse-CDF: one uniform per row, searched in the
 cumulative weights. That needs B random numbers per step instead of B * V
-(exponential noise over [256, 49k] alone costs ~0.25 s on 2 cores).
+(exponential noise over [256, 49k] alone costs ~0.25 s on 2 cores). A seeded
+request's uniform for its k-th token is a pure function of (seed, k), so its text
+does not depend on the batch, on preemption, or on a step being run again.
+
+A row whose logits leave nothing to pick (NaN or +inf from the model, or every
+token ruled out) is reported in ``SamplerOutput.errors`` and fails its own request;
+the other rows of the batch are sampled as usual.
 """
 from __future__ import annotations
 
@@ -52,17 +58,35 @@ def _flat_keys(rows: list[int], seqs: list[list[int]], vocab_size: int,
     return tokens.add_(row_offsets)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function: a bijective 64-bit mixer with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The uniform in [0, 1) that a request seeded with ``seed`` uses for its ``index``-th
+    generated token: 24 random bits, exactly a float32."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 40) / float(1 << 24)
+
+
 @dataclass
 class _SampleGroup:
     """Rows that share one source of randomness and are sampled together.
 
     Unseeded rows form one group drawing from the sampler's generator; each
-    seeded row is a group of its own, so its arithmetic runs on a [1, V] tensor
-    whatever the batch is, and its tokens do not depend on its neighbours.
+    seeded row is a group of its own, with its uniform fixed by (seed, token
+    index), so its arithmetic runs on a [1, V] tensor whatever the batch is, and
+    its tokens do not depend on its neighbours.
     """
 
     rows: torch.Tensor                # [n] rows of the logits
-    generator: torch.Generator | None
+    uniform: torch.Tensor | None      # [1] for a seeded row; None: draw from the sampler's generator
     temperature: torch.Tensor | None  # [n, 1]; None when all are 1.0
     top_k: torch.Tensor               # [n] long, V when off
     top_p: torch.Tensor               # [n] float, 1.0 when off
@@ -107,30 +131,25 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              eos_token_ids: list[int] | set[int], vocab_size: int,
+              output_token_ids: list[list[int]], eos_token_ids: list[int] | set[int], vocab_size: int,
               device: torch.device | str = "cpu") -> SamplingMetadata:
-        """Precompute the step's tensors; row i of every list is row i of the logits.
-
-        ``generators[i]`` is the request's own generator when it has a seed; it
-        must live on ``device`` and persist across steps (the engine owns it).
-        """
+        """Precompute the step's tensors; row i of every list is row i of the logits."""
         batch = len(params)
-        if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == batch:
-            raise ValueError("params, prompt_token_ids, output_token_ids and generators "
-                             "must have one entry per row")
+        if not len(prompt_token_ids) == len(output_token_ids) == batch:
+            raise ValueError("params, prompt_token_ids and output_token_ids must have one entry per row")
         device = torch.device(device)
         eos = set(eos_token_ids)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
 
         groups = []
-        unseeded = [i for i in sampled if generators[i] is None]
+        unseeded = [i for i in sampled if params[i].seed is None]
         if unseeded:
             groups.append(_build_group(unseeded, params, None, vocab_size, device))
         for i in sampled:
-            if generators[i] is not None:
-                groups.append(_build_group([i], params, generators[i], vocab_size, device))
+            if params[i].seed is not None:
+                u = seeded_uniform(params[i].seed, len(output_token_ids[i]))
+                groups.append(_build_group([i], params, torch.tensor([u], device=device), vocab_size, device))
 
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         repetition_index = repetition_penalty = None
@@ -197,7 +216,7 @@ class SamplingMetadata:
 
 
 def _build_group(rows: list[int], params: list[SamplingParams],
-                 generator: torch.Generator | None, vocab_size: int,
+                 uniform: torch.Tensor | None, vocab_size: int,
                  device: torch.device) -> _SampleGroup:
     ps = [params[i] for i in rows]
     temps = [p.temperature for p in ps]
@@ -212,7 +231,7 @@ def _build_group(rows: list[int], params: list[SamplingParams],
 
     return _SampleGroup(
         rows=t(rows, torch.long),
-        generator=generator,
+        uniform=uniform,
         temperature=None if all(x == 1.0 for x in temps) else t(temps, torch.float32)[:, None],
         top_k=t(top_k, torch.long),
         top_p=t(top_p, torch.float32),
@@ -255,7 +274,8 @@ def _inverse_cdf_(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     pos = torch.searchsorted(cdf, u[:, None] * total, right=True)
     # Rounding can put u * total on the final plateau; never land on a zero-weight tail.
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(pos, last).squeeze(1)
+    # A NaN total sorts past the end: stay in range (the caller reports such a row as failed).
+    return torch.minimum(pos, last).clamp_(max=weights.shape[-1] - 1).squeeze(1)
 
 
 def _sample_truncated(s: torch.Tensor, m: torch.Tensor, floor: torch.Tensor | None,
@@ -347,6 +367,32 @@ class SamplerOutput:
     # Only when some row set params.logprobs; rows that did not get [] and rank 0.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     ranks: list[int] | None = None
+    # Rows that could not be sampled -> why (a key of ROW_ERRORS); their token ids mean nothing.
+    errors: dict[int, str] | None = None
+
+    @classmethod
+    def concat(cls, parts: list[SamplerOutput]) -> SamplerOutput:
+        """The outputs of several batches as one, rows in order."""
+        out = cls([], [], None, None, None)
+        with_top = any(p.top_logprobs is not None for p in parts)
+        for p in parts:
+            offset = len(out.token_ids)
+            if p.errors:
+                out.errors = {**(out.errors or {}), **{offset + row: e for row, e in p.errors.items()}}
+            if with_top:
+                out.top_logprobs = (out.top_logprobs or []) + (p.top_logprobs or [[] for _ in p.token_ids])
+                out.ranks = (out.ranks or []) + (p.ranks or [0] * len(p.token_ids))
+            out.token_ids += p.token_ids
+            out.logprobs += p.logprobs
+        return out
+
+
+# Why a row could not be sampled: the cause (a metric label) -> what the request is told.
+ROW_ERRORS = {
+    "non_finite_logits": "the model's logits for this sequence are not finite (NaN or inf)",
+    "no_token_allowed": "no token can be picked: penalties, logit_bias, allowed_token_ids and min_tokens "
+                        "rule out every one",
+}
 
 
 class Sampler:
@@ -379,15 +425,25 @@ class Sampler:
             return SamplerOutput([], [], None, None)
         raw = logits if logits.dtype == torch.float32 else logits.float()
 
+        # max propagates NaN: a row whose maximum is not finite holds a NaN or +inf
+        # (from the model), or is all -inf; it cannot be sampled, nor its logprobs computed.
+        raw_max, argmax = raw.max(-1)
+        errors = _unusable_rows(raw_max, "non_finite_logits")
+        if errors:
+            raw = raw.clone()
+            raw[list(errors)] = 0.0
+            raw_max[list(errors)] = 0.0
         if meta.all_greedy and not meta.needs_adjustment:
-            best, tokens = raw.max(-1)
-            return self._output(raw, tokens, meta, raw_max=best)
+            return self._output(raw, argmax, meta, raw_max, errors)
 
         x = raw
         if meta.needs_adjustment:
             x = self._buffer("work", *raw.shape, like=raw)
             x.copy_(raw)
             apply_penalties_(x, meta)
+            for row, cause in _unusable_rows(x.amax(-1), "no_token_allowed").items():
+                errors.setdefault(row, cause)
+                x[row] = 0.0
         tokens = torch.empty(meta.batch_size, dtype=torch.long, device=raw.device)
         g = meta.greedy_rows
         if g.numel() == meta.batch_size:
@@ -397,7 +453,7 @@ class Sampler:
             tokens[g] = torch.index_select(x, 0, g, out=rows).max(-1).indices
         for group in meta.groups:
             tokens[group.rows] = self._sample_group(x, group, owned=x is not raw)
-        return self._output(raw, tokens, meta)
+        return self._output(raw, tokens, meta, raw_max, errors)
 
     def _sample_group(self, x: torch.Tensor, group: _SampleGroup, owned: bool) -> torch.Tensor:
         n = group.rows.numel()
@@ -408,21 +464,19 @@ class Sampler:
             torch.index_select(x, 0, group.rows, out=w)
         if group.temperature is not None:
             w.div_(group.temperature)
-        generator = group.generator if group.generator is not None else self.generator
-        u = torch.rand(n, generator=generator, device=w.device)
+        u = group.uniform if group.uniform is not None else torch.rand(n, generator=self.generator,
+                                                                        device=w.device)
         return _sample_logits(w, group, u)
 
     def _output(self, raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata,
-                raw_max: torch.Tensor | None = None) -> SamplerOutput:
+                raw_max: torch.Tensor, errors: dict[int, str]) -> SamplerOutput:
         # Raw log-normalizer without a fresh [B, V] allocation: the scratch
         # buffers are free again once the tokens are chosen.
-        if raw_max is None:
-            raw_max = raw.amax(-1)
         shifted = self._buffer("work", *raw.shape, like=raw)
         torch.sub(raw, raw_max[:, None], out=shifted)
         lse = raw_max + shifted.exp_().sum(-1).log()
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
-        out = SamplerOutput(token_ids=tokens.tolist(), logprobs=(chosen - lse).tolist())
+        out = SamplerOutput(token_ids=tokens.tolist(), logprobs=(chosen - lse).tolist(), errors=errors or None)
         if meta.logprob_rows:
             self._add_top_logprobs(out, raw, chosen, lse, meta)
         return out
@@ -445,3 +499,11 @@ class Sampler:
             k = meta.logprob_ks[j]
             if k > 0:
                 out.top_logprobs[row] = list(zip(top_ids[j][:k], top_lp[j][:k]))
+
+
+def _unusable_rows(row_max: torch.Tensor, cause: str) -> dict[int, str]:
+    """Rows whose maximum is NaN or infinite, each with ``cause``; empty in the common case."""
+    bad = ~torch.isfinite(row_max)
+    if not bool(bad.any()):
+        return {}
+    return {row: cause for row in bad.nonzero().flatten().tolist()}

@@ -181,3 +181,31 @@ def test_shutdown_fails_open_streams(llm_engine):
         llm_engine.abort_request("open")
 
     asyncio.run(main())
+
+
+def test_a_request_that_breaks_its_step_fails_alone(llm_engine, monkeypatch):
+    """The runner raises on any batch holding the culprit: the culprit's stream fails, the
+    requests that shared its steps finish with all their tokens."""
+    real = llm_engine.runner.execute
+
+    def execute(sched, eos):
+        if any(s.request.group_id == "culprit" for s in sched.scheduled):
+            raise RuntimeError("kernel fault")
+        return real(sched, eos)
+
+    monkeypatch.setattr(llm_engine.runner, "execute", execute)
+
+    async def body(engine):
+        async def finish(rid):
+            return [o async for o in engine.generate(rid, f"prompt {rid}", params(12))][-1]
+
+        streams = [asyncio.ensure_future(finish(f"ok{i}")) for i in range(4)]
+        await asyncio.sleep(0)  # the others are in flight first
+        with pytest.raises(EngineStepError, match="kernel fault"):
+            await finish("culprit")
+        return await asyncio.gather(*streams), engine.stats()
+
+    outs, stats = run(llm_engine, body)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 4
+    assert all(o.error is None for o in outs)
+    assert stats["request_failures"]["step_error"] >= 1

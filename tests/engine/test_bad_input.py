@@ -12,7 +12,7 @@ def llm(tiny_llama_dir) -> LLM:
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(temperature=-0.1), ["temperature", "-0.1", ">= 0"]),
+    (dict(temperature=-0.1), ["temperature", "-0.1", "[0, "]),
     (dict(top_p=0.0), ["top_p", "(0, 1]"]),
     (dict(top_p=1.5), ["top_p", "1.5"]),
     (dict(top_k=0), ["top_k", "0"]),
@@ -25,6 +25,34 @@ def llm(tiny_llama_dir) -> LLM:
     (dict(logit_bias={"5": 1.0}), ["logit_bias", "'5'"]),
     (dict(allowed_token_ids=[]), ["allowed_token_ids", "non-empty"]),
     (dict(allowed_token_ids=[1, -2]), ["allowed_token_ids", "-2"]),
+    # Every float finite in float32 (the sampler's precision) and in its range.
+    (dict(temperature=float("nan")), ["temperature", "finite", "nan"]),
+    (dict(temperature=1e39), ["temperature", "1e+39", "3.403e+38"]),
+    (dict(temperature=float("inf"), min_tokens=2), ["temperature", "inf"]),
+    (dict(top_p=float("nan")), ["top_p", "nan"]),
+    (dict(min_p=float("nan")), ["min_p", "nan"]),
+    (dict(repetition_penalty=float("nan")), ["repetition_penalty", "nan"]),
+    (dict(repetition_penalty=1e-45), ["repetition_penalty", "1e-45", "[0.01, 100]"]),
+    (dict(repetition_penalty=1e9), ["repetition_penalty", "1000000000.0"]),
+    (dict(presence_penalty=float("nan")), ["presence_penalty", "nan"]),
+    (dict(frequency_penalty=float("-inf")), ["frequency_penalty", "-inf"]),
+    (dict(logit_bias={5: float("nan")}), ["logit_bias[5]", "nan"]),
+    # Seeds: every sample's seed (seed + i) an int64.
+    (dict(seed=2 ** 64 - 1, n=2), ["seed", "18446744073709551615", "seed + 1", "64 bits"]),
+    (dict(seed=2 ** 63 - 2, best_of=3), ["seed", "seed + 2"]),
+    (dict(seed=-(2 ** 63) - 1), ["seed", "-9223372036854775809"]),
+    # Strict types: no bools or strings where numbers are due.
+    (dict(seed=True), ["seed", "True"]),
+    (dict(n="2"), ["n", "'2'"]),
+    (dict(max_tokens=8.0), ["max_tokens", "8.0"]),
+    (dict(temperature="0.5"), ["temperature", "'0.5'"]),
+    (dict(top_k=True), ["top_k", "True"]),
+    (dict(logprobs=True), ["logprobs", "True"]),
+    (dict(ignore_eos="yes"), ["ignore_eos", "true or false", "'yes'"]),
+    (dict(stop_token_ids=[True]), ["stop_token_ids", "True"]),
+    (dict(min_tokens=5, max_tokens=3), ["min_tokens", "max_tokens (3)", "5"]),
+    # Text that cannot be encoded (a lone surrogate, which JSON can carry).
+    (dict(stop=["ok", "\ud800"]), ["stop", "UTF-8", "surrogate"]),
 ])
 def test_invalid_sampling_params(kwargs, words):
     with pytest.raises(ValueError) as e:
@@ -43,6 +71,8 @@ def _ok(llm):
 
 @pytest.mark.parametrize("prompt, words", [
     ("", ["prompt", "empty"]),
+    ("caf\udce9", ["prompt", "UTF-8", "surrogate"]),
+    ({"prompt_token_ids": [3, True]}, ["True"]),
     ({"prompt_token_ids": []}, ["prompt", "empty"]),
     ({"prompt_token_ids": [1, 2, 99999]}, ["99999", "[0, 320)"]),
     ({"prompt_token_ids": [-1]}, ["-1"]),
@@ -57,6 +87,8 @@ def test_bad_prompts_are_refused_and_harm_nothing(llm, prompt, words):
 
 
 @pytest.mark.parametrize("params, words", [
+    (SamplingParams(stop_token_ids=[1, 320]), ["stop_token_ids", "[320]", "[0, 320)"]),
+    (SamplingParams(top_k=321), ["top_k", "[1, 320]", "321"]),
     (SamplingParams(logit_bias={3: 1.0, 320: 5.0, 4000: 1.0}), ["logit_bias", "[320, 4000]", "[0, 320)"]),
     (SamplingParams(allowed_token_ids=[3, 999]), ["allowed_token_ids", "[999]", "[0, 320)"]),
     (SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2),
@@ -134,4 +166,12 @@ def test_a_failing_request_fails_alone(llm):
     assert finished["bad"].error == "RuntimeError: detokenizer exploded"
     assert len(finished["ok1"].outputs[0].token_ids) == 6 and finished["ok1"].error is None
     assert finished["ok2"].outputs[0].token_ids == finished["ok1"].outputs[0].token_ids
+    _ok(llm)
+
+
+def test_a_huge_n_is_refused_before_anything_is_built(llm):
+    """n = 2**64 once built one sequence id per sample (and the server ran out of memory)."""
+    for params in (SamplingParams(n=2 ** 64), SamplingParams(n=2, best_of=2 ** 40)):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            llm.generate({"prompt_token_ids": [3, 4]}, params, use_tqdm=False)
     _ok(llm)

@@ -1,6 +1,9 @@
 """Tests for the batched sampler: greedy, truncation, seeds, penalties, logprobs."""
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,13 +15,12 @@ EOS = 0
 
 
 def meta_for(params: list[SamplingParams], vocab: int, *, prompts=None, outputs=None,
-             generators=None, eos=(EOS,)) -> SamplingMetadata:
+             eos=(EOS,)) -> SamplingMetadata:
     b = len(params)
     return SamplingMetadata.build(
         params,
         prompts if prompts is not None else [[] for _ in range(b)],
         outputs if outputs is not None else [[] for _ in range(b)],
-        generators if generators is not None else [None] * b,
         list(eos), vocab)
 
 
@@ -66,19 +68,16 @@ def test_seeded_rows_ignore_batch_and_row_index() -> None:
     mine = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
 
     def run(batch: int, row: int, sampler_seed: int) -> list[int]:
-        gen = torch.Generator().manual_seed(1234)
-        other_gen = torch.Generator().manual_seed(99)
         sampler, tokens = Sampler(seed=sampler_seed), []
-        for step_logits in steps_logits:
+        for k, step_logits in enumerate(steps_logits):
             logits = torch.randn(batch, vocab, generator=rng) * 5
             logits[row] = step_logits
             params = [SamplingParams(temperature=0.7, top_k=20) for _ in range(batch)]
-            gens: list[torch.Generator | None] = [None] * batch
             if batch > 1:
-                other = (row + 1) % batch
-                params[other], gens[other] = SamplingParams(temperature=1.0, seed=99), other_gen
-            params[row], gens[row] = mine, gen
-            tokens.append(sampler(logits, meta_for(params, vocab, generators=gens)).token_ids[row])
+                params[(row + 1) % batch] = SamplingParams(temperature=1.0, seed=99)
+            params[row] = mine
+            outputs = [[5] * k for _ in range(batch)]  # the k-th token of every row
+            tokens.append(sampler(logits, meta_for(params, vocab, outputs=outputs)).token_ids[row])
         return tokens
 
     alone = run(1, 0, 0)
@@ -224,11 +223,10 @@ def test_allowed_token_ids_restrict_only_their_own_row() -> None:
               SamplingParams(temperature=0),
               SamplingParams(temperature=1.5, allowed_token_ids=allowed),
               SamplingParams(temperature=1.5, seed=3, allowed_token_ids=[8])]
-    gens = [None, None, None, torch.Generator().manual_seed(3)]
     sampler = Sampler(seed=0)
     seen = set()
     for _ in range(60):
-        out = sampler(logits, meta_for(params, vocab, generators=gens))
+        out = sampler(logits, meta_for(params, vocab))
         assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
         assert out.token_ids[1] == int(logits[1].argmax())  # its neighbours' sets do not reach it
         assert out.token_ids[2] in allowed and out.token_ids[3] == 8
@@ -300,9 +298,64 @@ def sampling_case(draw):
 def test_sampled_tokens_stay_in_the_allowed_set(case) -> None:
     logits_row, params = case
     batch, vocab = 48, logits_row.numel()
-    gens = [torch.Generator().manual_seed(params.seed + i) if params.seed is not None and i % 2
-            else None for i in range(batch)]
-    meta = meta_for([params] * batch, vocab, generators=gens)
+    meta = meta_for([params] * batch, vocab)
     tokens = Sampler(seed=0)(logits_row.expand(batch, vocab), meta).token_ids
     allowed = allowed_mask(logits_row, params)
     assert all(allowed[t] for t in tokens), (tokens, allowed.nonzero().flatten().tolist())
+
+
+# ---- a row that cannot be sampled fails alone -------------------------------------------------
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=4),
+    SamplingParams(temperature=0, logprobs=3),
+])
+def test_non_finite_logits_fail_their_row_only(poison, params) -> None:
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(12)) * 2
+    healthy = SamplingParams(temperature=0, logprobs=2)
+    rows = [healthy, params, healthy, params]
+    alone = Sampler(seed=3)(logits, meta_for(rows, vocab, outputs=[[7]] * 4))
+    poisoned = logits.clone()
+    poisoned[1, 17] = poison
+    out = Sampler(seed=3)(poisoned, meta_for(rows, vocab, outputs=[[7]] * 4))
+    assert out.errors == {1: "non_finite_logits"}
+    for row in (0, 2, 3):  # the rows beside it are sampled as if it were fine
+        assert out.token_ids[row] == alone.token_ids[row]
+        assert out.logprobs[row] == pytest.approx(alone.logprobs[row], abs=1e-6)
+    assert all(math.isfinite(x) for x in out.logprobs)
+    assert 0 <= out.token_ids[1] < vocab
+
+
+def test_a_row_with_nothing_left_to_pick_fails_alone() -> None:
+    vocab = 20
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(13))
+    # Only token 4 is allowed, and min_tokens holds it off as a stop token: nothing is left.
+    trapped = SamplingParams(temperature=0.8, allowed_token_ids=[4], stop_token_ids=[4], min_tokens=3)
+    out = Sampler(seed=0)(logits, meta_for([SamplingParams(temperature=0), trapped, SamplingParams(temperature=0)],
+                                           vocab))
+    assert out.errors == {1: "no_token_allowed"}
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[2] == int(logits[2].argmax())
+
+
+def test_inverse_cdf_stays_in_range_on_nan_weights() -> None:
+    from pagellm.worker.sampler import _inverse_cdf_
+
+    weights = torch.tensor([[0.1, float("nan"), 0.3], [0.0, 0.0, 0.0]])
+    picked = _inverse_cdf_(weights, torch.tensor([0.5, 0.5]))
+    assert picked.tolist()[0] in range(3) and picked.tolist()[1] in range(3)
+
+
+def test_seeded_uniform_is_a_pure_uniform_function_of_seed_and_index() -> None:
+    from pagellm.worker.sampler import seeded_uniform
+
+    assert seeded_uniform(7, 3) == seeded_uniform(7, 3)
+    draws = [seeded_uniform(seed, k) for seed in (-2**63, -1, 0, 1, 2**63 - 1) for k in range(2000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert len(set(draws)) > 0.99 * len(draws)
+    counts = torch.histc(torch.tensor(draws, dtype=torch.float64), bins=10, min=0, max=1)
+    assert chi_square(counts, torch.full((10,), 0.1)) < 27.9  # df=9, p=0.001

@@ -64,7 +64,16 @@ class _EngineCollector(Collector):
         yield family(CounterMetricFamily, "pagellm:prefix_cache_hits",
                      "Prefix cache hits (as the engine counts them).", s.get("prefix_cache_hits", 0))
         yield family(CounterMetricFamily, "pagellm:engine_step_failures",
-                     "Engine steps that raised; their requests failed.", s.get("num_step_failures", 0))
+                     "Engine steps whose batch raised; the requests that caused it failed, the others carried on.",
+                     s.get("num_step_failures", 0))
+        failures = CounterMetricFamily("pagellm:request_failures",
+                                       "Requests that failed while generating, by cause (step_error: raised in "
+                                       "the forward pass or sampling when run alone; non_finite_logits; "
+                                       "no_token_allowed; output_error: detokenizing or formatting).",
+                                       labels=["model_name", "cause"])
+        for cause, count in sorted(s.get("request_failures", {}).items()):
+            failures.add_metric(labels + [cause], count)
+        yield failures
 
 
 class ServerMetrics:

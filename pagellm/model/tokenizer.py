@@ -147,6 +147,12 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    @property
+    def reserved_template_variables(self) -> frozenset[str]:
+        """Template variables the caller's extra keyword arguments may not set: the conversation,
+        the generation prompt switch, tools and documents, and the model's special tokens."""
+        return frozenset({"messages", "add_generation_prompt", "tools", "documents", *self._named})
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

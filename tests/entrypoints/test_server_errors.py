@@ -208,5 +208,6 @@ def test_step_failure_fails_the_request_and_server_keeps_serving(server):
     assert ok.usage.completion_tokens == 2
     text = httpx.get(server.url + "/metrics").text
     assert metric_value(text, "pagellm:engine_step_failures_total") == 2
+    assert metric_value(text, "pagellm:request_failures_total", cause="step_error") == 2
     assert metric_value(text, "pagellm:request_success_total", finished_reason="error") == 2
     server.wait_all_blocks_free()

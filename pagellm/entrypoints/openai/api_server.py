@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai import dashboard
-from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -23,6 +23,7 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
+from pagellm.sampling_params import check_text
 
 logger = logging.getLogger("pagellm.server")
 
@@ -32,13 +33,15 @@ class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
     max_request_body_bytes: int = 4 << 20
+    # n and best_of above this are refused (None: only the engine's max_num_seqs bounds them).
+    max_seqs_per_request: int | None = None
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
     """The app around an engine that is not started yet; the app's lifespan starts and stops it."""
     model_name = config.served_model_names[0]
-    completions = OpenAIServingCompletion(engine, config.served_model_names)
-    chat = OpenAIServingChat(engine, config.served_model_names)
+    completions = OpenAIServingCompletion(engine, config.served_model_names, config.max_seqs_per_request)
+    chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -52,23 +55,16 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+    async def openai_error(_: Request, e: OpenAIError) -> Response:
         return e.response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid_body(_: Request, e: RequestValidationError) -> Response:
         # FastAPI answers 422; OpenAI (and vLLM) answer 400 for a malformed body.
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-        return bad_request(message, param=loc[0] if loc else None).response()
+        return validation_error(list(e.errors()), getattr(e, "body", None)).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
         return OpenAIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)).response()
 
     @app.exception_handler(ClientDisconnected)
@@ -76,7 +72,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+    async def internal_error(_: Request, e: Exception) -> Response:
         logger.exception("internal error")
         return OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}", code="internal_error").response()
 
@@ -115,6 +111,10 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
         if req.messages is not None:
             ids = chat.render(req.messages, req.add_generation_prompt)
         else:
+            try:
+                check_text("prompt", req.prompt)
+            except ValueError as e:
+                raise bad_request(e, param="prompt") from None
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
 
@@ -153,8 +153,10 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
     metrics = ServerMetrics(names[0])
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     metrics.bind(engine.stats)
+    per_request = args.max_seqs_per_request or max(1, args.max_num_seqs // 2)
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
-                          max_request_body_bytes=args.max_request_body_bytes)
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          max_seqs_per_request=min(per_request, args.max_num_seqs))
     return build_app(engine, metrics, config), engine, config
 
 

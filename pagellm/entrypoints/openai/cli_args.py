@@ -29,6 +29,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"and Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help=f"larger request bodies get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    g.add_argument("--max-seqs-per-request", type=int, default=None,
+                   help="the largest n (or best_of) one request may ask for; larger get 400. Admission is "
+                        "first come, first served, so a request that needs every sequence slot would hold "
+                        "up everyone behind it until all running requests finish (default: half of "
+                        "--max-num-seqs)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
     add_engine_args(p)
@@ -51,6 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value < 1:
             print(f"pagellm serve: {arg} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if args.max_seqs_per_request is not None and args.max_seqs_per_request < 1:
+        print(f"pagellm serve: --max-seqs-per-request must be >= 1, got {args.max_seqs_per_request}",
+              file=sys.stderr)
+        return 2
     if args.max_waiting_requests < 0:
         print(f"pagellm serve: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)
         return 2

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import re
 from http import HTTPStatus
+from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 _TYPES = {
     400: "invalid_request_error",
@@ -39,12 +40,14 @@ class OpenAIError(Exception):
         kind = _TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII JSON: a message may quote the client's own text, lone surrogates and all.
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
     def sse(self) -> str:
         """The error as one server-sent event, for a stream whose 200 has already gone out."""
-        return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(self.body())}\n\n"
 
 
 _FIELD = re.compile(r"^([a-z_]+)[ \[]")
@@ -66,3 +69,79 @@ _KNOWN_FIELDS = {
     "top_logprobs", "prompt", "prompt_token_ids", "messages", "max_completion_tokens", "logit_bias",
     "allowed_token_ids",
 }
+
+
+# What a field that takes one of several shapes expects, in words (pydantic lists one error per shape).
+_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string, a list of content parts or null",
+}
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the member of a union an error is about ('str', 'list[int]', 'ContentPart')
+    in the error's location; our field names are lower-case identifiers."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES or part[:1].isupper())
+
+
+def _json(value: Any, limit: int = 80) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _path(loc: list) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _lookup(body: Any, loc: list) -> Any:
+    for part in loc:
+        try:
+            body = body[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+def validation_error(errors: list[dict], body: Any) -> OpenAIError:
+    """A 400 for a body that failed pydantic's checks, naming the field, the value and what it must be.
+
+    pydantic reports one error per member of a union; those are folded into one sentence.
+    """
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return bad_request(f"The request body is not valid JSON: {reason}{where}.")
+    if not loc:
+        got = first.get("input")
+        if first.get("type") == "missing":
+            return bad_request("The request body is empty; send a JSON object (Content-Type: application/json).")
+        if isinstance(got, (bytes, bytearray)):
+            return bad_request("The request body must be JSON, sent with Content-Type: application/json.")
+        return bad_request(f"The request body must be a JSON object, got {_json(got)}.")
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag is not None:  # every error under this union is about the one value
+        root = loc[:tag]
+        covered = [e for e in errors if [x for x in e.get("loc", ()) if x != "body"][:tag] == root]
+        shape = _SHAPES.get(str(root[-1])) if root else None
+        tags = sorted({str([x for x in e["loc"] if x != "body"][tag]) for e in covered})
+        message = f"{_path(root)} must be {shape or ' or '.join(tags)}, got {_json(_lookup(body, root))}"
+    else:
+        covered = [first]
+        message = (f"{_path(loc)} is required" if first.get("type") == "missing"
+                   else f"{_path(loc)}: {first.get('msg', 'invalid value')}, got {_json(first.get('input'))}")
+    others = len(errors) - len(covered)
+    if others > 0:
+        message += f" (and {others} more error{'s' if others > 1 else ''})"
+    return bad_request(message, param=str(loc[0]))

@@ -2,7 +2,9 @@
 OpenAI, plus vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...).
 
 Unknown fields are accepted and ignored, as vLLM does, so newer clients keep working.
-Range checks live in `SamplingParams`, which names the field it rejects.
+Types are strict, as OpenAI's own API is: no string or boolean where a number is due
+("2", true), no NaN or Infinity; an int is accepted where a float is due. Range checks live
+in `SamplingParams`, which names the field it rejects.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ MAX_LOGPROBS = 20
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):

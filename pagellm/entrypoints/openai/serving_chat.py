@@ -12,6 +12,7 @@ from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessa
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import check_text
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -21,8 +22,12 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
-        ids = self.render(req.messages, req.add_generation_prompt, tools=req.tools,
-                          **(req.chat_template_kwargs or {}))
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(self.tokenizer.reserved_template_variables & kwargs.keys())
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
+                              f"from the request's own fields", param="chat_template_kwargs")
+        ids = self.render(req.messages, req.add_generation_prompt, tools=req.tools, **kwargs)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
         params = self.sampling_params(req, max_tokens=max_tokens,
@@ -41,6 +46,10 @@ class OpenAIServingChat(OpenAIServing):
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       **kwargs)
+        except ValueError as e:
+            raise bad_request(e, param="messages") from None
+        try:  # the template may have pasted in a lone surrogate from any field
+            check_text("messages", text)
         except ValueError as e:
             raise bad_request(e, param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -12,12 +12,13 @@ from pagellm.entrypoints.openai.protocol import CompletionRequest
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import check_text
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
-        self.check_common(req)
+        self.check_common(req, best_of=req.best_of)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if req.echo and req.logprobs is not None:
@@ -53,6 +54,10 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for item in items:
             if isinstance(item, str):
+                try:
+                    check_text("prompt", item)
+                except ValueError as e:
+                    raise bad_request(e, param="prompt") from None
                 out.append((item, self.tokenizer.encode(item) if item else []))
             else:
                 out.append((None, list(item)))

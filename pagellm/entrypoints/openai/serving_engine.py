@@ -74,8 +74,10 @@ def token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
 class OpenAIServing:
     """Base of the endpoint handlers: one engine, the names it is served under."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 max_seqs_per_request: int | None = None) -> None:
         self.engine = engine
+        self.max_seqs_per_request = max_seqs_per_request
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = engine.tokenizer
@@ -90,9 +92,15 @@ class OpenAIServing:
                                    f"{', '.join(repr(n) for n in self.served_model_names)}.",
                               param="model", code="model_not_found")
 
-    def check_common(self, req: SamplingFields) -> None:
+    def check_common(self, req: SamplingFields, best_of: int | None = None) -> None:
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options can only be set when stream is true", param="stream_options")
+        cap = self.max_seqs_per_request
+        for name, value in (("n", req.n), ("best_of", best_of)):
+            if cap is not None and isinstance(value, int) and value > cap:
+                raise bad_request(f"{name} must be <= {cap} on this server (--max-seqs-per-request: one request "
+                                  f"may hold at most that many of the engine's sequence slots, so that the others "
+                                  f"keep being admitted), got {value}", param=name)
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, n: int, what: str) -> int:
         """Check the prompt (plus max_tokens, when given) fits the context; default max_tokens.

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    from pagellm.bench import memory, serve, sharing, throughput
+    from pagellm.bench import fuzz, memory, serve, sharing, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: memory, throughput, serve, sharing (results in benchmarks/results/)")
+    bench = sub.add_parser("bench", help="benchmarks: memory, throughput, serve, sharing, fuzz "
+                                         "(results in benchmarks/results/)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for module in (memory, throughput, serve, sharing):
+    for module in (memory, throughput, serve, sharing, fuzz):
         module.add_parser(bench_sub)

@@ -450,11 +450,15 @@ class LLMEngine:
         req.cumulative_logprob += sampled.logprobs[row]
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(token, sampled, row))
-        stop = seq.detokenizer.update([token])
-        if stop is not None and not req.is_finished:
+        if seq.detokenizer.update([token]) is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = stop
         seq.text += seq.detokenizer.get_delta(finished=req.is_finished)
+        # A stop string that cut the text is why the sequence stopped: also when it was found on the
+        # token that reached max_tokens, or only in the tail released at the finish (a partial
+        # character decoded as U+FFFD).
+        stop = seq.detokenizer.stop_str
+        if stop is not None and req.stop_reason != stop:
+            req.finish(RequestStatus.FINISHED_STOPPED, stop_reason=stop)
 
     def _logprob_entry(self, token: int, sampled, row: int) -> dict[int, Logprob]:
         entry = {}

@@ -102,3 +102,22 @@ def test_repetition_penalty_changes_greedy_output(llm):
     assert toks != plain[0].outputs[0].token_ids
     # A strong penalty makes repeats rarer than without it.
     assert len(set(toks)) >= len(set(plain[0].outputs[0].token_ids))
+
+
+def test_stop_string_found_on_the_last_allowed_token_is_the_finish_reason(llm):
+    """The token that reaches max_tokens also completes a stop string: the text is cut there, so
+    the finish reason is "stop" (it was "length", with the text cut all the same)."""
+    free = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    for k in range(2, 13):
+        text = tok.decode(free.token_ids[:k])
+        last = text[-1:]
+        if last and last != "\ufffd" and last not in text[:-1] and tok.decode(free.token_ids[:k - 1]) == text[:-1]:
+            break
+    else:
+        pytest.skip("no token of this output ends with a character new to the text")
+    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop=[last]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:-1]
+    assert out.finish_reason == "stop" and out.stop_reason == last

@@ -61,12 +61,33 @@ def test_continuous_batching_mixes_prefill_and_decode():
     random.seed(0)
     sched = make(max_tokens_budget=20)
     reqs = [add(sched, f"r{i}", random.randint(3, 30), 10) for i in range(6)]
-    first = sched.schedule()
-    # A 20-token budget: the first prompt is chunked or several are packed, never exceeded.
-    assert first.num_batched_tokens <= 20
-    sched.update_after_step(first, {s.request.request_id: 5 for s in first.scheduled if s.samples})
-    run(sched)
+    mixed = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 20
+        kinds = {"decode" if s.start >= s.request.num_prompt_tokens else "prefill" for s in out.scheduled}
+        mixed += kinds == {"decode", "prefill"}
+        sched.update_after_step(out, {s.request.request_id: fake_next_token(s.request)
+                                      for s in out.scheduled if s.samples})
+    # Later prompts were prefilled in the same steps as the earlier requests' decodes.
+    assert mixed >= 3
     assert all(len(r.output_token_ids) == 10 for r in reqs)
+
+
+def test_preemption_takes_the_most_recently_admitted():
+    """README's rule: when blocks run out, the request admitted last is preempted (it has done
+    the least work), and it goes back to the front of the queue."""
+    sched = make(num_blocks=6, block_size=4, max_num_seqs=8, max_tokens_budget=64)
+    reqs = [add(sched, f"r{i}", 8, 20) for i in range(3)]  # 2 full blocks each: all 6 blocks taken
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1", "r2"]
+    sched.update_after_step(out, {s.request.request_id: 5 for s in out.scheduled})
+    # Each now has 9 tokens; the 9th needs a third block, and none is free.
+    out = sched.schedule()
+    assert [r.request_id for r in out.preempted] == ["r2"]
+    assert sched.waiting[0] is reqs[2] and reqs[2].num_computed_tokens == 0
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1"]  # in r2's two freed blocks
+    assert reqs[0].num_preemptions == reqs[1].num_preemptions == 0
 
 
 def test_preemption_recomputes_and_preserves_outputs():
@@ -108,17 +129,37 @@ def test_admission_waits_for_blocks_and_is_fcfs():
 
 
 def test_abort_at_any_point_frees_everything():
+    """Abort two requests after every possible number of steps (waiting, mid-prefill in chunks of
+    5 tokens, decoding, finished): their blocks are back at once, the others' outputs are
+    unchanged."""
     random.seed(2)
-    for abort_after in range(0, 12):
-        sched = make(num_blocks=20, block_size=2, max_tokens_budget=16)
-        reqs = [add(sched, f"r{i}", random.randint(2, 12), 6) for i in range(4)]
+    prompts = {f"r{i}": [random.randint(1, 90) for _ in range(n)] for i, n in enumerate([17, 12, 9, 14])}
+    expected = reference_outputs(prompts, 6)
+    phases = set()
+    for abort_after in range(0, 16):
+        sched = make(num_blocks=40, block_size=2, max_tokens_budget=5)
+        reqs = {rid: Request(rid, list(p), SamplingParams(max_tokens=6)) for rid, p in prompts.items()}
+        for r in reqs.values():
+            sched.add_request(r)
         for _ in range(abort_after):
             out = sched.schedule()
-            sched.update_after_step(out, {s.request.request_id: 3 for s in out.scheduled if s.samples})
-        sched.finish_request("r1", RequestStatus.FINISHED_ABORTED)
-        sched.finish_request("r3", RequestStatus.FINISHED_ABORTED)
+            sched.update_after_step(out, {s.request.request_id: fake_next_token(s.request)
+                                          for s in out.scheduled if s.samples})
+        for rid in ("r1", "r3"):
+            r = reqs[rid]
+            phases.add("finished" if r.is_finished else "waiting" if r.status == RequestStatus.WAITING
+                       else "prefill" if r.num_computed_tokens < r.num_prompt_tokens else "decode")
+            held = len(sched.kv.block_tables.get(rid, []))
+            free = sched.kv.pool.num_free_blocks
+            sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            assert sched.kv.pool.num_free_blocks == free + held  # back at once (none are shared here)
+            assert rid not in sched.kv.block_tables
+            if not r.status == RequestStatus.FINISHED_LENGTH:
+                assert r.status == RequestStatus.FINISHED_ABORTED
         run(sched)
-        assert reqs[1].status == RequestStatus.FINISHED_ABORTED or reqs[1].status.finished
+        for rid in ("r0", "r2"):
+            assert reqs[rid].output_token_ids == expected[rid]
+    assert phases >= {"waiting", "prefill", "decode", "finished"}
 
 
 def test_max_num_seqs_caps_the_batch():

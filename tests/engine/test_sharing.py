@@ -3,10 +3,14 @@ best_of, and preemption of shared sequences."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
+import torch
+import transformers
 
 from pagellm import LLM, SamplingParams
+from tests.conftest import LOGPROB_ATOL, hf_greedy_logprobs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -36,20 +40,34 @@ def uncached(tiny_llama_dir) -> LLM:
     return LLM(tiny_llama_dir, block_size=4, num_kv_blocks=400, enable_prefix_caching=False)
 
 
-def test_prefix_caching_does_not_change_greedy_output(cached, uncached):
+def test_prefix_caching_matches_transformers(cached, uncached, tiny_llama_dir):
+    """Prompts that start with a cached prefix give transformers' tokens and logprobs: on the
+    first round (each caches what the one before computed), on the second (all cached), and
+    as the second of two requests that share the prefix."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prefix = _ids(1, 37)
-    prompts = [{"prompt_token_ids": prefix + _ids(10 + i, 3 + 5 * i)} for i in range(4)] + [{"prompt_token_ids": prefix}]
-    want = _tokens(uncached.generate(prompts, GREEDY, use_tqdm=False))
-    # Twice: the second round finds everything cached.
-    assert _tokens(cached.generate(prompts, GREEDY, use_tqdm=False)) == want
-    assert _tokens(cached.generate(prompts, GREEDY, use_tqdm=False)) == want
-    # Alone, and as the second of two requests that share the prefix.
-    alone = uncached.generate(prompts[2], GREEDY, use_tqdm=False)
-    cached.generate(prompts[0], GREEDY, use_tqdm=False)
-    second = cached.generate(prompts[2], GREEDY, use_tqdm=False)
-    assert _tokens(second) == _tokens(alone)
+    prompts = [prefix + _ids(10 + i, 3 + 5 * i) for i in range(4)] + [prefix]
+    want = [hf_greedy_logprobs(hf, p, GREEDY.max_tokens) for p in prompts]
+    params = replace(GREEDY, logprobs=0)
+
+    def check(outs, expected) -> None:
+        for out, (tokens, logprobs) in zip(outs, expected):
+            c = out.outputs[0]
+            assert c.token_ids == tokens
+            assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(logprobs,
+                                                                                               abs=LOGPROB_ATOL)
+
+    items = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(2):  # the second round finds every full block cached
+        outs = cached.generate(items, params, use_tqdm=False)
+        check(outs, want)
+    assert min(o.num_cached_tokens for o in outs) >= 36
+    cached.generate(items[0], params, use_tqdm=False)
+    second = cached.generate(items[2], params, use_tqdm=False)
+    check(second, want[2:3])
     assert second[0].num_cached_tokens >= 36
     _all_free(cached)
+    check(uncached.generate(items, params, use_tqdm=False), want)
     assert uncached.stats()["prefix_cache_hits"] == 0
 
 

@@ -1,0 +1,127 @@
+"""The exactness and sharing tests must be able to fail: each known mutant (a deliberately
+broken engine) is applied to a copy of the source, and the tests named for it must fail there.
+
+A mutant is a one-place edit that reproduces a real class of bug: positions restarting
+at every prefill chunk, RoPE clamped, a bias not loaded, copy-on-write skipped, a prefix
+cache hit one block off, the wrong preemption victim. If a mutant survives, the tests
+named for it cannot see that bug any more.
+
+`python tests/test_mutants.py` prints the table (mutant -> tests that failed); the suite
+runs it as one slow test.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str          # file in the repository
+    old: str           # must occur exactly once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail with the mutant in place
+
+
+MUTANTS = [
+    Mutant("positions restart at 0 for every prefill chunk after the first",
+           "pagellm/worker/model_runner.py",
+           "positions.extend(range(start, end))",
+           "positions.extend(range(end - start) if 0 < start < req.num_prompt_tokens else range(start, end))",
+           ("tests/engine/test_hf_equivalence.py::test_chunked_prefill",
+            "tests/engine/test_sharing.py::test_prefix_caching_matches_transformers")),
+    Mutant("RoPE clamped at position 8",
+           "pagellm/model/rope.py",
+           "return self.cos[positions].to(dtype), self.sin[positions].to(dtype)",
+           "positions = positions.clamp(max=8)\n        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)",
+           ("tests/engine/test_hf_equivalence.py::test_batched_matches_transformers",)),
+    Mutant("k_proj bias not loaded (left zero)",
+           "pagellm/model/llama.py",
+           "            if self.tp is not None:\n                tensor = shard_weight(",
+           "            if name.endswith('k_proj.bias'):\n                tensor = torch.zeros_like(tensor)\n"
+           "            if self.tp is not None:\n                tensor = shard_weight(",
+           ("tests/engine/test_hf_equivalence.py::test_batched_matches_transformers[qwen2]",)),
+    Mutant("copy-on-write copies skipped",
+           "pagellm/worker/model_runner.py",
+           "        if block_copies:\n            self.copy_blocks(block_copies)",
+           "        if False:\n            self.copy_blocks(block_copies)",
+           ("tests/engine/test_sharing.py::test_parallel_samples_equal_their_solo_runs",)),
+    Mutant("a prefix cache hit claims one block more than it found",
+           "pagellm/core/kv_cache_manager.py",
+           "return blocks, min(len(blocks) * self.block_size, request.num_tokens - 1)",
+           "return blocks, min((len(blocks) + bool(blocks)) * self.block_size, request.num_tokens - 1)",
+           ("tests/engine/test_sharing.py::test_prefix_caching_matches_transformers",)),
+    Mutant("the oldest running request is preempted instead of the newest",
+           "pagellm/core/scheduler.py",
+           "victim = self.running.pop()",
+           "victim = self.running.pop(0)",
+           ("tests/core/test_scheduler.py::test_preemption_takes_the_most_recently_admitted",)),
+]
+
+# Imported first by every Python started in the copy: the package installed in editable mode
+# is found through a meta-path finder that would win over the copy on sys.path.
+_SITECUSTOMIZE = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+"""
+
+
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for rel in files:
+        if rel.startswith(("pagellm/", "tests/")) or rel in ("pyproject.toml",):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / rel).is_file():
+                shutil.copy2(ROOT / rel, dst / rel)
+
+
+def run_mutant(m: Mutant, workdir: Path) -> dict[str, bool]:
+    """Apply `m` in a fresh copy and run its tests; returns test id -> failed."""
+    copy = workdir / m.name.replace(" ", "_")[:40]
+    _copy_tree(copy)
+    target = copy / m.path
+    text = target.read_text()
+    assert text.count(m.old) == 1, f"mutant {m.name!r}: the code it edits has changed ({m.path})"
+    target.write_text(text.replace(m.old, m.new))
+    site = copy / "_mutant_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    # The torch path instead of the compiled CPU kernels: a copy at a new path would rebuild them
+    # (30 s a mutant), and every mutant here edits Python code that both paths run through.
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{copy}", "PYTHONDONTWRITEBYTECODE": "1",
+           "PAGELLM_CPU_KERNELS": "0"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *m.tests],
+                       cwd=copy, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode not in (0, 1):  # 2+: the tests could not even run (a bad mutant or test id)
+        raise RuntimeError(f"{m.name}: pytest exited {r.returncode}:\n{r.stdout[-3000:]}{r.stderr[-2000:]}")
+    failures = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("FAILED ")]
+    # A test counts as failed when it, or any of its parametrized cases, failed.
+    return {t: any(f == t or f.startswith(t + "[") for f in failures) for t in m.tests}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_mutant_is_caught(mutant, tmp_path):
+    failed = run_mutant(mutant, tmp_path)
+    survived = [t for t, f in failed.items() if not f]
+    assert not survived, f"mutant {mutant.name!r} passes {survived}"
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as d:
+        print("| mutant | tests that fail |\n| --- | --- |")
+        for m in MUTANTS:
+            result = run_mutant(m, Path(d))
+            caught = ", ".join(f"`{t.split('::')[1]}`" for t, f in result.items() if f) or "**none: survives**"
+            print(f"| {m.name} | {caught} |")

@@ -74,15 +74,21 @@ def test_beams_share_blocks_by_reference(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=300)
     eng = llm.engine
     eng.add_beam_request("b", {"prompt_token_ids": _ids(9, 21)}, BeamSearchParams(4, 12, ignore_eos=True))
-    peak_shared = 0
+    peak_shared, best_saving = 0, 0.0
     while eng.has_unfinished_requests():
         eng.step()
         ref = eng.kv.pool.ref_cnt
         peak_shared = max(peak_shared, sum(1 for c in ref if c > 1))
         tables = list(eng.kv.block_tables.values())
-        # 4 beams of up to 33 tokens would need 4 * 9 blocks unshared; sharing keeps far fewer in use.
-        assert llm.stats()["used_blocks"] <= sum(len(t) for t in tables)
+        held = [b for t in tables for b in t]
+        # In use: exactly the distinct blocks the beams' tables hold, each counted once however
+        # many beams hold it (reference counts match); unshared, every beam would hold its own.
+        assert llm.stats()["used_blocks"] == len(set(held))
+        assert all(ref[b] == held.count(b) for b in set(held))
+        if len(tables) == 4:
+            best_saving = max(best_saving, 1 - len(set(held)) / len(held))
     assert peak_shared >= 5  # the 5 full prompt blocks are shared by every beam
+    assert best_saving >= 0.5  # at some step, 4 beams held at most half the blocks they would alone
     assert llm.stats()["used_blocks"] == 0
 
 

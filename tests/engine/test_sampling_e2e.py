@@ -33,6 +33,16 @@ def test_max_and_min_tokens(llm):
     out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [7, 7]
     assert all(o.outputs[0].finish_reason == "length" for o in out)
+    # min_tokens holds off a stop token (and EOS) until that many tokens exist.
+    free = out[0].outputs[0].token_ids
+    stop = free[1]
+    early = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True,
+                                                    stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    assert early.token_ids == free[:2] and early.finish_reason == "stop"
+    held = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=5,
+                                                   stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 5 and stop not in held.token_ids[:5]
+    assert held.finish_reason == "length" or (held.token_ids[-1] == stop and stop not in held.token_ids[:-1])
 
 
 def test_stop_token_ids(llm):

@@ -1,14 +1,12 @@
 """The OpenAI-compatible server driven by the official `openai` client, against the bundled SmolLM2."""
 from __future__ import annotations
 
+import fastapi  # noqa: F401  (required test dependencies: missing, these tests must fail, not skip)
+import httpx
+import openai  # noqa: F401
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("openai")
-
-import httpx  # noqa: E402
-
-from server_utils import MODEL_NAME, metric_value  # noqa: E402
+from server_utils import MODEL_NAME, metric_value
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 COUNT = "Count from one to ten: 1, 2, 3,"
@@ -116,9 +114,15 @@ def test_completion_n(client):
 
 
 def test_completion_best_of(client):
-    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, n=1, best_of=3,
-                                  temperature=1.0, seed=3)
+    """best_of=3 with seed 3 samples what seeds 3, 4 and 5 sample alone, and returns the one
+    with the highest cumulative logprob."""
+    kw = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=1.0)
+    r = client.completions.create(n=1, best_of=3, seed=3, **kw)
     assert len(r.choices) == 1
+    solos = [client.completions.create(seed=3 + i, logprobs=0, **kw).choices[0] for i in range(3)]
+    scores = [sum(c.logprobs.token_logprobs) for c in solos]
+    assert len({c.text for c in solos}) > 1, "three seeds should sample different texts"
+    assert r.choices[0].text == solos[scores.index(max(scores))].text
 
 
 def test_chat_n_stream(client):
@@ -223,11 +227,26 @@ def test_seed_reproducible(client):
 
 
 def test_sampling_extras(client):
-    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0.7,
-                                  top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5, seed=5,
-                                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
-                                              "ignore_eos": True, "min_tokens": 2})
-    assert r.usage.completion_tokens == 6
+    """Each of vLLM's extra sampling fields reaches the sampler: each changes what comes back in
+    a way that can be predicted."""
+    def chat(temperature: float, seed: int | None = None, **extra):
+        return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=30,
+                                              temperature=temperature, seed=seed, extra_body=extra)
+
+    greedy = chat(temperature=0)
+    assert greedy.choices[0].finish_reason == "stop" and greedy.usage.completion_tokens < 20
+    # top_k=1 and min_p=1 keep only the most likely token: greedy text at any temperature.
+    hot = [chat(temperature=3.0, seed=s) for s in (1, 2)]
+    assert any(h.choices[0].message.content != greedy.choices[0].message.content for h in hot)
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        assert chat(temperature=3.0, seed=1, **extra).choices[0].message.content == greedy.choices[0].message.content
+    # ignore_eos runs to max_tokens; min_tokens holds EOS off that long.
+    assert chat(temperature=0, ignore_eos=True).usage.completion_tokens == 30
+    held = chat(temperature=0, min_tokens=25)
+    assert held.usage.completion_tokens >= 25
+    # A repetition penalty of 100 makes every token already in the conversation unlikely.
+    penalized = chat(temperature=0, repetition_penalty=100.0)
+    assert penalized.choices[0].message.content != greedy.choices[0].message.content
 
 
 def test_logit_bias_and_allowed_token_ids(server, client):
@@ -256,6 +275,38 @@ def test_tokenize_detokenize(server):
     assert chat["count"] > r["count"]
 
 
+def test_metrics_count_exactly(server, client):
+    """One request of known size moves each counter by exactly its share (the tests in this module
+    run one at a time, so nothing else moves them meanwhile)."""
+    labels = {"model_name": MODEL_NAME}
+    names = ["pagellm:prompt_tokens_total", "pagellm:generation_tokens_total",
+             "pagellm:time_to_first_token_seconds_count", "pagellm:inter_token_latency_seconds_count",
+             "pagellm:e2e_request_latency_seconds_count"]
+
+    def read() -> dict:
+        text = httpx.get(server.url + "/metrics").text
+        values = {n: metric_value(text, n, **labels) or 0.0 for n in names}
+        values["length"] = metric_value(text, "pagellm:request_success_total", finished_reason="length",
+                                        **labels) or 0.0
+        return values
+
+    before = read()
+    prompt = httpx.post(server.url + "/tokenize", json={"prompt": COUNT}).json()["count"]
+    r = client.completions.create(model=MODEL_NAME, prompt=COUNT, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens == 5
+    after = read()
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta == {"pagellm:prompt_tokens_total": prompt, "pagellm:generation_tokens_total": 5,
+                     "pagellm:time_to_first_token_seconds_count": 1,
+                     "pagellm:inter_token_latency_seconds_count": 4,  # between 5 tokens, one step each
+                     "pagellm:e2e_request_latency_seconds_count": 1, "length": 1}
+    stats = httpx.get(server.url + "/dashboard/state").json()["stats"]
+    text = httpx.get(server.url + "/metrics").text
+    assert metric_value(text, "pagellm:kv_cache_total_blocks", **labels) == stats["total_blocks"]
+    assert metric_value(text, "pagellm:kv_cache_free_blocks", **labels) == stats["free_blocks"]
+
+
 def test_metrics(server, client):
     client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, temperature=0)
     text = httpx.get(server.url + "/metrics").text
@@ -271,3 +322,33 @@ def test_metrics(server, client):
     assert metric_value(text, "pagellm:request_success_total", finished_reason="length", **labels) >= 1
     assert metric_value(text, "pagellm:e2e_request_latency_seconds_count", **labels) >= 1
     assert "_created" not in text
+
+
+def test_dashboard_state_is_the_block_map(server, client):
+    """GET /dashboard/state while an n=3 request runs: every block's reference count is the number
+    of sequences whose table holds it, the three sequences are one group and share their prompt
+    blocks, cached flags mark only free blocks, and the counts agree with each other."""
+    stream = client.completions.create(model=MODEL_NAME, prompt=COUNT * 4, max_tokens=200, n=3, temperature=1.0,
+                                       seed=5, stream=True, extra_body={"ignore_eos": True})
+    try:
+        for _ in stream:
+            state = server.state()
+            if len(state["tables"]) == 3:
+                break
+        else:
+            raise AssertionError("the three sequences never ran together")
+    finally:
+        stream.close()
+    tables, ref = state["tables"], state["ref_cnt"]
+    held = [b for t in tables.values() for b in t]
+    assert ref == [held.count(b) for b in range(state["num_blocks"])]
+    assert len(set(state["groups"][rid] for rid in tables)) == 1
+    prompt_blocks = httpx.post(server.url + "/tokenize", json={"prompt": COUNT * 4}).json()["count"] // 16
+    first = next(iter(tables.values()))
+    assert all(t[:prompt_blocks] == first[:prompt_blocks] for t in tables.values())
+    assert all(not c or r == 0 for c, r in zip(state["cached"], ref))
+    s = state["stats"]
+    assert s["used_blocks"] == len(set(held)) and s["free_blocks"] == s["total_blocks"] - s["used_blocks"]
+    assert s["shared_blocks"] == sum(1 for r in ref if r > 1) >= prompt_blocks
+    assert s["num_running"] == 3
+    server.wait_all_blocks_free()

@@ -10,13 +10,13 @@ import threading
 import time
 from pathlib import Path
 
+import os
+
+import fastapi  # noqa: F401  (the server extra is a test dependency: missing, this module must fail)
+import httpx
 import pytest
 
-pytest.importorskip("fastapi")
-
-import httpx  # noqa: E402
-
-from server_utils import MODEL_NAME  # noqa: E402
+from server_utils import MODEL_NAME
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 # 52 tokens: three full blocks of 16 that the n sequences of one request share.
@@ -28,6 +28,9 @@ SHARED_PROMPT = ("The old lighthouse keeper climbed the spiral stairs every even
 def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
+        # CI installs it (.ci/run): there a missing browser is a failure, not a reason to skip.
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed, and CI must run the dashboard tests")
         pytest.skip("chromium is not installed (apt-get install chromium)")
     return path
 

@@ -9,15 +9,13 @@ import asyncio
 import json
 from pathlib import Path
 
+import fastapi  # noqa: F401  (required test dependencies: missing, these tests must fail, not skip)
+import httpx
+import openai
 import pytest
 
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
-
-import httpx  # noqa: E402
-
-from pagellm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES  # noqa: E402
-from server_utils import RemoteServer, metric_value  # noqa: E402
+from pagellm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server_utils import RemoteServer, metric_value
 
 KEY = "test-key-0123456789"
 NAME = "tiny-llama"

@@ -18,13 +18,15 @@ class BlockPool:
     """Hands out physical blocks, takes them back, and remembers what full blocks hold.
 
     Invariants, kept by every method:
-    - a block is on the free list exactly when its ref_cnt is 0;
+    - a block is free (on one of the two free lists) exactly when its ref_cnt is 0;
     - `num_free_blocks + num_used_blocks == num_blocks`;
     - `cached[h] == b` exactly when `block_hash[b] == h` for indexed blocks; a block
       keeps its hash (and stays findable) after it is freed, until it is evicted;
-    - the free list runs least recently freed first, so eviction is LRU, and a cached
-      block that some request still references is never evicted (it is not free).
-    The free list is an OrderedDict: a cache hit on a free block removes it from the
+    - a free block is on `_free_cached` exactly when it holds a hash, else on `_free_plain`;
+    - allocation takes plain free blocks first, and evicts a cached one only when no
+      plain one is left, least recently freed first (LRU); a cached block that some
+      request still references is never evicted (it is not free).
+    The free lists are OrderedDicts: a cache hit on a free block removes it from the
     middle in O(1).
     """
 
@@ -35,49 +37,51 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Free blocks that hold nothing reusable, and free blocks that hold a cached prefix
+        # (least recently freed first): the first are handed out before any of the second.
+        self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free_plain) + len(self._free_cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a reusable cached prefix."""
-        return sum(1 for b in self._free if self.block_hash[b] is not None)
+        return len(self._free_cached)
 
     def is_free(self, block_id: int) -> bool:
-        return block_id in self._free
+        return block_id in self._free_plain or block_id in self._free_cached
 
     def free_block_ids(self) -> list[int]:
-        """The free list in eviction order (first = next to be reused)."""
-        return list(self._free)
+        """The free blocks in the order they will be reused (first = next)."""
+        return [*self._free_plain, *self._free_cached]
 
     def allocate(self, n: int = 1) -> list[int]:
-        """Take n blocks off the free list, oldest first, each with ref_cnt 1.
-
-        A block that still held a cached prefix is evicted from the hash index.
-        """
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
+        """Take n free blocks, each with ref_cnt 1: blocks holding nothing reusable first
+        (oldest first), then cached ones, least recently used first, evicting their prefix."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            free = self._free_plain if self._free_plain else self._free_cached
+            block_id, _ = free.popitem(last=False)
             self._evict(block_id)
             self.ref_cnt[block_id] = 1
             out.append(block_id)
         return out
 
     def incref(self, block_ids: Iterable[int]) -> None:
-        """Take one more reference to each block, reviving it from the free list if needed."""
+        """Take one more reference to each block, reviving it from the free lists if needed."""
         for b in block_ids:
             if self.ref_cnt[b] == 0:
-                del self._free[b]
+                self._free_list(b).pop(b)
             self.ref_cnt[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -91,7 +95,7 @@ class BlockPool:
             assert cnt >= 0, f"double free of block {b}"
             self.ref_cnt[b] = cnt
             if cnt == 0:
-                self._free[b] = None
+                self._free_list(b)[b] = None
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
@@ -101,8 +105,14 @@ class BlockPool:
         content, the first one stays the indexed copy."""
         if self.block_hash[block_id] is not None or block_hash in self.cached:
             return
+        if self.ref_cnt[block_id] == 0:  # a free block now holds a reusable prefix
+            del self._free_plain[block_id]
+            self._free_cached[block_id] = None
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
+
+    def _free_list(self, block_id: int) -> OrderedDict[int, None]:
+        return self._free_plain if self.block_hash[block_id] is None else self._free_cached
 
     def _evict(self, block_id: int) -> None:
         h = self.block_hash[block_id]
@@ -113,5 +123,7 @@ class BlockPool:
 
     def reset_cache(self) -> None:
         """Forget every cached prefix held by free blocks."""
-        for b in self._free:
-            self._evict(b)
+        while self._free_cached:
+            block_id, _ = self._free_cached.popitem(last=False)
+            self._evict(block_id)
+            self._free_plain[block_id] = None

@@ -31,6 +31,29 @@ def test_free_order_puts_tail_first():
     assert pool.allocate(1) == [blocks[-1]]
 
 
+def test_cached_blocks_are_reused_last_and_least_recently_used_first():
+    """README's promise: a freed block that holds a cached prefix is overwritten only when no
+    free block without one is left, and the least recently freed of them goes first."""
+    pool = BlockPool(6)
+    blocks = pool.allocate(6)
+    for i, b in enumerate(blocks[:3]):
+        pool.cache(b, f"h{i}".encode())
+    pool.free([blocks[1], blocks[0], blocks[2]])  # cached, freed in this order
+    pool.free(blocks[3:])                         # plain
+    assert pool.num_cached_free_blocks == 3
+    assert pool.allocate(3) == blocks[3:]         # every plain block before any cached one
+    assert pool.lookup(b"h0") == blocks[0]
+    assert pool.allocate(1) == [blocks[1]]        # then LRU among the cached ones
+    assert pool.lookup(b"h1") is None and pool.lookup(b"h0") == blocks[0] and pool.num_evictions == 1
+    pool.incref([blocks[0]])                      # a hit revives a cached free block
+    assert not pool.is_free(blocks[0]) and pool.free_block_ids() == [blocks[2]]
+    pool.free([blocks[0]])
+    assert pool.free_block_ids() == [blocks[2], blocks[0]]
+    pool.reset_cache()
+    assert pool.num_cached_free_blocks == 0 and pool.lookup(b"h2") is None
+    assert pool.num_free_blocks == 2 and pool.num_used_blocks == 4
+
+
 def test_double_free_is_caught():
     pool = BlockPool(2)
     (b,) = pool.allocate(1)

@@ -219,3 +219,22 @@ def test_select_backend():
         assert isinstance(select_backend(DEVICE), TritonAttentionBackend)
     with pytest.raises(ValueError, match="attention backend"):
         select_backend(torch.device("cpu"), "flash")
+
+
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 80), ((2, 1), 96), ((32, 1), 16), ((24, 2), 16)])
+def test_odd_head_dims_and_wide_gqa_groups(heads, head_dim):
+    """Head dims that are not powers of two (80: Phi-2, 96: Phi-3) and GQA groups wider than 16
+    query heads a KV head, for decode (with splits) and prefill."""
+    block_size = 16
+    b = make_batch([(0, 1), (13, 1), (40, 1)], heads, head_dim, block_size, torch.float32, seed=head_dim,
+                   store_new=True)
+    scale = head_dim ** -0.5
+    out = paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, torch.tensor(b.seq_lens, device=DEVICE),
+                       scale, num_splits=2)
+    torch.testing.assert_close(out.double(), b.expected(scale), **TOL[torch.float32])
+    cfg = KernelConfig(block_n=16, block_m=16) if DEVICE.type == "cpu" else None
+    shapes = [(0, 9), (5, 7)]
+    b = make_batch(shapes, heads, head_dim, block_size, torch.float32, seed=head_dim + 1, store_new=True)
+    tiles = prefill_tiles([0, 1], [n for _, n in shapes], b.seq_lens, cfg.block_m if cfg else 64, DEVICE)
+    out = paged_prefill(b.q, b.k_cache, b.v_cache, b.block_tables, tiles, scale, config=cfg)
+    torch.testing.assert_close(out.double(), b.expected(scale), **TOL[torch.float32])

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, BeamSearchParams, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.distributed.driver import TensorParallelError
 from pagellm.entrypoints.cli import build_parser, engine_kwargs
@@ -39,7 +39,9 @@ def _run(llm: LLM) -> tuple[list, dict]:
     outs += llm.generate(_prompts(0), greedy, use_tqdm=False)
     outs += llm.generate(_prompts(1)[:2], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8,
                                                            ignore_eos=True, logprobs=2), use_tqdm=False)
-    return outs, llm.stats()
+    beams = llm.beam_search([{"prompt_token_ids": PREFIX[:11]}, {"prompt_token_ids": PREFIX[5:]}],
+                            BeamSearchParams(3, 10, ignore_eos=True))
+    return outs, llm.stats(), beams
 
 
 def _assert_same(ref: list, got: list) -> None:
@@ -84,14 +86,18 @@ def odd_vocab_llama_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_two_ranks_match_one_through_preemption_prefix_caching_and_forks(model, request):
     path = request.getfixturevalue(model)
-    ref, ref_stats = _run(LLM(path, **ENGINE))
+    ref, ref_stats, ref_beams = _run(LLM(path, **ENGINE))
     with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
-        got, stats = _run(llm)
+        got, stats, beams = _run(llm)
         pids = llm.engine.runner.worker_pids
     assert ref_stats["num_preemptions"] > 0 and ref_stats["prefix_cache_hits"] > 0
     for key in ("num_preemptions", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens"):
         assert stats[key] == ref_stats[key]
     _assert_same(ref, got)
+    for a, b in zip(ref_beams, beams, strict=True):  # beam search: the same beams, in the same order
+        assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+        assert [s.cumulative_logprob for s in a.sequences] == pytest.approx(
+            [s.cumulative_logprob for s in b.sequences], abs=1e-4)
     assert len(pids) == 1 and all(_wait_gone(p) for p in pids)
 
 

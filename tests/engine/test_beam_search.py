@@ -92,6 +92,19 @@ def test_beams_share_blocks_by_reference(tiny_llama_dir):
     assert llm.stats()["used_blocks"] == 0
 
 
+def test_beam_search_under_preemption_matches_transformers(tiny_llama_dir):
+    """Four beam searches of width 3 in a pool that cannot hold them all: beams are preempted and
+    recomputed, and each best beam is still transformers' best beam."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = [_ids(40 + i, 9 + 4 * i) for i in range(4)]
+    llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=40)
+    results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(3, 14, ignore_eos=True))
+    assert llm.stats()["num_preemptions"] > 0
+    for p, res in zip(prompts, results):
+        assert res.sequences[0].token_ids == hf_beam(hf, p, 3, 14, 1.0, None)
+    assert llm.stats()["used_blocks"] == 0
+
+
 def test_beam_search_bad_params():
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(0, 5)

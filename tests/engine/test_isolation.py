@@ -132,3 +132,35 @@ def test_non_finite_logits_fail_their_request_and_leave_no_trace(llm, clean):
                                    for i in range(5)])
     for rid, toks in clean.items():
         assert tokens(again[rid]) == toks, rid
+
+
+def test_abort_in_the_middle_of_a_chunked_prefill(tiny_llama_dir):
+    """A long prompt prefilled 8 tokens a step is aborted half way: its blocks are back at once,
+    and the request beside it gives transformers' tokens."""
+    import transformers
+
+    from tests.conftest import hf_greedy
+
+    llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    eng = llm.engine
+    long, short = list(range(3, 63)), [70, 71, 72, 73, 74]
+    eng.add_request("long", {"prompt_token_ids": long}, SamplingParams(max_tokens=4))
+    eng.add_request("short", {"prompt_token_ids": short}, SamplingParams(temperature=0, max_tokens=6,
+                                                                         ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    req = eng.scheduler.requests["long"]
+    assert 0 < req.num_computed_tokens < len(long)  # really mid-prefill
+    held = len(eng.kv.block_table("long"))
+    free = llm.stats()["free_blocks"]
+    eng.abort_request("long")
+    assert llm.stats()["free_blocks"] == free + held
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            done[out.request_id] = out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    assert done["short"].outputs[0].token_ids == hf_greedy(hf, short, 6)
+    assert "long" not in done
+    s = llm.stats()
+    assert s["free_blocks"] == s["total_blocks"]

@@ -107,6 +107,31 @@ def test_paged_decode_against_float64_on_long_contexts_and_nan():
     assert torch.isnan(out[1, 0]).all() and not torch.isnan(out[1, 1:]).any() and not torch.isnan(out[0]).any()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32, 64])
+def test_paged_decode_against_float64_at_every_block_size_and_head_dim(block_size, head_dim, cache_dtype):
+    """An independent oracle (float64 softmax attention over the cache's own values) for the
+    block sizes and head dims the vectorized paths special-case, float32 and bfloat16 caches,
+    GQA groups of 1 and 4, contexts that end inside, at and past block boundaries."""
+    torch.manual_seed(block_size * 1000 + head_dim)
+    lens = torch.tensor([1, block_size, block_size + 1, 300, 777])
+    nb = int(lens.max()) // block_size + 2
+    b = len(lens)
+    for h, kvh in ((4, 4), (8, 2)):
+        k_cache = (torch.randn(nb * 2, block_size, kvh, head_dim) * 2).to(cache_dtype)
+        v_cache = torch.randn(nb * 2, block_size, kvh, head_dim).to(cache_dtype)
+        tables = torch.stack([torch.randperm(nb * 2)[:nb] for _ in range(b)])
+        q = torch.randn(b, h, head_dim)
+        out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+        for i in range(b):
+            n = int(lens[i])
+            k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(h // kvh, dim=1)
+            v = v_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(h // kvh, dim=1)
+            p = (torch.einsum("hd,khd->hk", q[i].double(), k) * head_dim ** -0.5).softmax(-1)
+            torch.testing.assert_close(out[i].double(), torch.einsum("hk,khd->hd", p, v), rtol=0, atol=5e-6)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_reads_a_bfloat16_cache_as_float32(q_dtype):
     # The same float32 arithmetic over the widened values: a bfloat16 cache only halves the bytes.

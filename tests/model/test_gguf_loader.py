@@ -340,3 +340,66 @@ def test_load_model_source_refusals(tmp_path):
         load_model_source(str(tmp_path / "missing.gguf"))
     with pytest.raises(ValueError, match="config.json"):
         load_model_source(str(tmp_path))
+
+
+def test_k_quant_super_blocks_computed_by_hand():
+    """One Q4_K and one Q6_K super-block whose values are worked out by hand from ggml's layout,
+    checked against the reference in ggml_k_quants.py (which the next test holds the loader to)."""
+    from ggml_k_quants import Q4_K_BYTES, Q6_K_BYTES, dequantize_q4_k_block, dequantize_q6_k_block
+
+    # Q4_K: d = 0.5, dmin = 0.25. Sub-block 0: scale 3, min 2; sub-block 1: scale 5, min 1 (bytes 0-3
+    # and 4-7 hold sub-blocks 0-3's scales and mins; 8-11 the low bits of 4-7's, their top bits
+    # in the top 2 bits of bytes 0-7). Sub-block 4: scale 1 + (2 << 4) = 33, min 0 + (1 << 4) = 16.
+    b = np.zeros(Q4_K_BYTES, dtype=np.uint8)
+    b[0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    b[2:4] = np.array([0.25], dtype=np.float16).view(np.uint8)
+    scales = b[4:16]
+    scales[0], scales[4] = 3, 2          # sub-block 0
+    scales[1], scales[5] = 5, 1          # sub-block 1
+    scales[8] = 1 | (0 << 4)             # sub-block 4: low 4 bits of scale, low 4 bits of min
+    scales[0] |= 2 << 6                  # sub-block 4's scale, high 2 bits
+    scales[4] |= 1 << 6                  # sub-block 4's min, high 2 bits
+    qs = b[16:]
+    qs[0] = 7 | (9 << 4)                 # value 0 (sub-block 0, low nibble) and value 32 (sub-block 1)
+    qs[64] = 15                          # value 128: sub-block 4, low nibble of the third 32 bytes
+    y = dequantize_q4_k_block(b)
+    assert y[0] == 0.5 * 3 * 7 - 0.25 * 2      # 10.0
+    assert y[32] == 0.5 * 5 * 9 - 0.25 * 1     # 22.25
+    assert y[1] == -0.5 and y[33] == -0.25     # quant 0: minus the min
+    assert y[128] == 0.5 * 33 * 15 - 0.25 * 16  # 243.5
+    # Q6_K: d = 0.25 at the end. Value 0: low 4 bits 5 (ql[0] & 0xF), high 2 bits 2 (qh[0] & 3),
+    # so q = 5 + 32 - 32 = 5, scale sc[0] = -3. Value 96: ql[32] >> 4 = 1, (qh[0] >> 6) & 3 = 3,
+    # q = 1 + 48 - 32 = 17, scale sc[6] = 4.
+    b = np.zeros(Q6_K_BYTES, dtype=np.uint8)
+    b[0] = 5
+    b[32] = 1 << 4
+    b[128] = 2 | (3 << 6)
+    sc = b[192:208].view(np.int8)
+    sc[0], sc[6] = -3, 4
+    b[208:210] = np.array([0.25], dtype=np.float16).view(np.uint8)
+    y = dequantize_q6_k_block(b)
+    assert y[0] == 0.25 * -3 * 5 and y[96] == 0.25 * 4 * 17
+    assert y[1] == 0.25 * -3 * -32            # every quant 0 is -32 after the offset
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quants_load_as_ggml_dequantizes_them(tmp_path, llama_sd, qtype):
+    """The loader's K-quant weights equal ggml's own dequantization, written independently of the
+    `gguf` package the loader calls (up to float32 rounding of the same products)."""
+    from ggml_k_quants import (Q4_K_BYTES, Q6_K_BYTES, dequantize_q4_k_block, dequantize_q6_k_block,
+                               dequantize_rows)
+
+    block_bytes, fn = (Q4_K_BYTES, dequantize_q4_k_block) if qtype == Q.Q4_K else (Q6_K_BYTES, dequantize_q6_k_block)
+    rng = np.random.default_rng(2)
+    stored = {k: encode_as(v, qtype, rng) for k, v in stored_layout(llama_sd).items()}
+    path = tmp_path / f"{qtype.name}-ref.gguf"
+    write_gguf(path, stored)
+    loaded = dict(iter_gguf_weights(str(path)))
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        data, raw = stored[gguf_name(name)]
+        assert raw == qtype
+        expected = dequantize_rows(data, block_bytes, fn)
+        got = loaded[name].numpy()
+        if ".k_proj." in name:
+            got = rope_permute(got, KV_HEADS)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0, err_msg=name)

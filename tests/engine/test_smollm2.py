@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from pagellm import LLM, BeamSearchParams, SamplingParams
-from tests.conftest import hf_greedy
+from pagellm.bench.report import COMMON_WORDS
+from tests.conftest import hf_greedy_logprobs
 from tests.engine.test_beam_search import hf_beam
 
 N_NEW = 20
@@ -17,7 +18,12 @@ TEXTS = [
     "def fibonacci(n):\n    ",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
     "Hi",
+    # A long prompt: many blocks, several prefill chunks below, and a prefix the second round finds cached.
+    "Here is a list of words to remember: " + ", ".join(COMMON_WORDS) + ". The first word was",
 ]
+# A real model's logits are larger than the tiny models'; its logprobs agree with transformers'
+# to this (measured: at most 2.4e-5, batched, chunked, preempted and cached alike).
+LOGPROB_ATOL = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +39,32 @@ def hf(smollm2_gguf):
 
 
 @pytest.mark.slow
-def test_greedy_matches_transformers_gguf(llm, hf):
+def test_greedy_matches_transformers_gguf(llm, hf, smollm2_gguf):
+    """Tokens and logprobs as transformers gives them: batched; then in prefill chunks of 32
+    tokens, in a pool too small for all at once (preemption), twice (the second round from the
+    prefix cache)."""
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
-    expected = [hf_greedy(hf, p, N_NEW) for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert outs[0].outputs[0].text == tok.decode(expected[0])
+    assert len(prompts[-1]) > 200
+    expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
+    items = [{"prompt_token_ids": p} for p in prompts]
+
+    def check(outs) -> None:
+        for out, (tokens, logprobs) in zip(outs, expected):
+            c = out.outputs[0]
+            assert c.token_ids == tokens
+            assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(logprobs,
+                                                                                               abs=LOGPROB_ATOL)
+
+    outs = llm.generate(items, params, use_tqdm=False)
+    check(outs)
+    assert outs[0].outputs[0].text == tok.decode(expected[0][0])
+    tight = LLM(smollm2_gguf, max_model_len=1024, num_kv_blocks=24, max_num_batched_tokens=32)
+    for _ in range(2):
+        check(tight.generate(items, params, use_tqdm=False))
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] >= 192
 
 
 def test_chat_knows_paris(llm):

@@ -20,8 +20,11 @@ NAME = "tiny-llama"
 def server(tiny_llama_dir):
     # A small pool (preemptions happen) and room for n > 1 (at most 8 sequences a request); the
     # launcher makes any batch holding a prompt with INJECT_FAULT raise in the model runner.
+    # Prompts are prefilled 32 tokens a step, so long ones take several steps.
     s = RemoteServer(["--model", tiny_llama_dir, "--served-model-name", NAME, "--num-kv-blocks", "96",
-                      "--max-num-seqs", "16"], launcher=str(Path(__file__).with_name("fault_server.py")))
+                      "--max-num-seqs", "16", "--max-num-batched-tokens", "32"],
+                     launcher=str(Path(__file__).with_name("fault_server.py")),
+                     env={"PAGELLM_TEST_STEP_DELAY": "0.01"})
     yield s
     s.close()
 
@@ -142,3 +145,20 @@ def test_a_request_that_breaks_its_batch_fails_alone(server):
     text = httpx.get(server.url + "/metrics").text
     assert metric_value(text, "pagellm:request_failures_total", cause="step_error") == before + 1
     server.wait_all_blocks_free()
+
+
+def test_client_leaving_in_the_middle_of_a_chunked_prefill(server):
+    """A 400-token prompt takes 13 steps to prefill; the client hangs up while it is half done:
+    the request is aborted there and its blocks are back in the pool."""
+    body = {"model": NAME, "prompt": "a" * 400, "max_tokens": 50, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", CMPL, json=body) as r:
+            assert r.status_code == 200
+            for _ in range(200):
+                tables = server.state()["tables"]
+                if tables:
+                    break
+            (table,) = tables.values()
+            assert 0 < len(table) < 400 // 16, table  # it holds blocks, but not yet the whole prompt's
+    state = server.wait_all_blocks_free()
+    assert state["stats"]["num_running"] == 0

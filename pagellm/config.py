@@ -1,60 +1,151 @@
-"""Engine options, validated where they are built."""
+"""Engine options, each declared once: its type, default, help and check.
+
+`LLM(...)`'s keyword arguments, the flags of `pagellm generate / chat / serve`
+(`--block-size`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...) and the
+validation all come from the fields of `EngineConfig`: a new option is one field here.
+Names follow vLLM's.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import inspect
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
 # request as before paging (the baselines of `pagellm bench`; see pagellm.core.contiguous).
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
 
+def bytes_or_fraction(text: str) -> float | int:
+    """`2G`, `512M`, `1048576` (bytes) or `0.5` (a fraction of free memory), as the CLI reads them."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    value = float(t)
+    return value if value <= 1 else int(value)
+
+
+def option(default: Any, help: str, *, check: Callable[[Any], bool] | None = None, limit: str = "",
+           choices: tuple[str, ...] | None = None, parse: Callable[[str], Any] | None = None,
+           alias: str | None = None) -> Any:
+    """One engine option: `check(value)` must hold (`limit` says what it asks, for the error);
+    `choices` lists the allowed strings; `parse` reads the CLI text; `alias` is a short flag."""
+    return field(default=default, metadata={"help": help, "check": check, "limit": limit, "choices": choices,
+                                            "parse": parse, "alias": alias})
+
+
 @dataclass
 class EngineConfig:
-    """Everything the engine needs besides the model files; names follow vLLM."""
+    """Everything the engine needs besides the model files."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
+    model: str | None = option(None, "GGUF file or Hugging Face model directory (default: the bundled "
+                                     "SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", "weights, activations and KV cache (auto: float32 on the CPU, bfloat16 on a GPU)",
+                        choices=DTYPES)
+    device: str = option("auto", "where the model runs: auto, cpu or cuda[:N]",
+                         check=lambda v: v in ("auto", "cpu") or v.startswith("cuda"),
+                         limit="'auto', 'cpu' or 'cuda[:N]'")
+    block_size: int = option(16, "tokens per KV block", check=lambda v: 1 <= v <= 1024,
+                             limit="an integer in [1, 1024]")
+    num_kv_blocks: int | None = option(None, "KV blocks in the pool (default: from --kv-cache-memory)",
+                                       check=lambda v: v >= 1, limit="an integer >= 1")
     # Bytes (an int > 1) or a fraction of the memory free at start-up (a float in (0, 1]).
-    kv_cache_memory: float | int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    load_format: str = "auto"
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    kv_policy: str = "paged"
-    # Run decode steps eagerly on a GPU instead of replaying captured CUDA graphs.
-    enforce_eager: bool = False
-    # Ranks that split each layer's heads and features (torch.distributed; see README "Tensor parallelism").
-    tensor_parallel_size: int = 1
+    kv_cache_memory: float | int | None = option(
+        None, "KV cache budget: bytes (e.g. 2G, 512M) or a fraction of free memory (e.g. 0.5); default: 1 GiB "
+              "on the CPU, or half the free memory if less",
+        check=lambda v: (isinstance(v, float) and 0 < v <= 1) or (isinstance(v, int) and v > 1),
+        limit="a byte count (int > 1) or a fraction of free memory in (0, 1]", parse=bytes_or_fraction)
+    max_num_seqs: int = option(256, "sequences in one step at most", check=lambda v: v >= 1,
+                               limit="an integer >= 1")
+    max_num_batched_tokens: int = option(2048, "tokens computed in one step at most (longer prompts are "
+                                               "prefilled in chunks)", check=lambda v: v >= 1,
+                                         limit="an integer >= 1")
+    max_model_len: int | None = option(None, "context length (default: the model's)", check=lambda v: v >= 2,
+                                       limit="an integer >= 2")
+    load_format: str = option("auto", "how to read --model", choices=LOAD_FORMATS)
+    seed: int = option(0, "seed of unseeded sampling and of random (dummy) weights")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of earlier prompts' shared prefixes")
+    kv_policy: str = option("paged", "paged KV blocks, or a contiguous region reserved per request (the "
+                                     "pre-paging baselines, for comparison)", choices=KV_POLICIES)
+    enforce_eager: bool = option(False, "on a GPU, do not capture CUDA graphs for decode")
+    tensor_parallel_size: int = option(1, "split the model over this many ranks (processes; gloo on the CPU, "
+                                          "NCCL on GPUs)", check=lambda v: v >= 1, limit="an integer >= 1",
+                                       alias="-tp")
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, value: object, limit: str) -> None:
+        hints = typing.get_type_hints(EngineConfig)
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            allowed = _types(hints[f.name])
+            if value is None and type(None) in allowed:
+                continue
+            ok = type(value) in allowed  # exact: a bool is not an int, an int is not a float here
+            if ok and meta["choices"] is not None:
+                ok = value in meta["choices"]
+            if ok and meta["check"] is not None:
+                ok = meta["check"](value)
             if not ok:
-                raise ValueError(f"{name} must be {limit}, got {value!r}")
+                limit = meta["limit"] or (f"one of {meta['choices']}" if meta["choices"] else
+                                          "true or false" if allowed == (bool,) else
+                                          " or ".join(t.__name__ for t in allowed))
+                raise ValueError(f"{f.name} must be {limit}, got {value!r}")
 
-        need(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
-        need(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device,
-             "'auto', 'cpu' or 'cuda[:N]'")
-        need(self.kv_policy in KV_POLICIES, "kv_policy", self.kv_policy, f"one of {KV_POLICIES}")
-        need(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, f"one of {_LOAD_FORMATS}")
-        need(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024, "block_size", self.block_size,
-             "an integer in [1, 1024]")
-        need(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
-             "num_kv_blocks", self.num_kv_blocks, "an integer >= 1")
-        mem = self.kv_cache_memory
-        need(mem is None or (isinstance(mem, float) and 0 < mem <= 1) or (isinstance(mem, int) and mem > 1),
-             "kv_cache_memory", mem, "a byte count (int > 1) or a fraction of free memory in (0, 1]")
-        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs,
-             "an integer >= 1")
-        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
-             "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
-        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
-             self.tensor_parallel_size, "an integer >= 1")
-        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
-             "max_model_len", self.max_model_len, "an integer >= 2")
+
+def _types(hint: Any) -> tuple[type, ...]:
+    """`int | None` -> (int, NoneType); `str` -> (str,)."""
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def engine_options() -> list:
+    """The option fields, in declaration order."""
+    return list(fields(EngineConfig))
+
+
+def make_config(**options: Any) -> EngineConfig:
+    """`EngineConfig(**options)`, with an error that lists the options when one is unknown."""
+    known = {f.name for f in engine_options()}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                        f"the options are {', '.join(sorted(known))}")
+    return EngineConfig(**options)
+
+
+def signature_with_options(fn: Callable) -> inspect.Signature:
+    """`fn(..., **options)`'s signature with every engine option as a keyword-only parameter in
+    place of `**options`, so that help() and inspect show the real keywords."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = typing.get_type_hints(EngineConfig)
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+               for f in engine_options() if f.name not in {p.name for p in params}]
+    return sig.replace(parameters=params)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per option: `--block-size`, `--kv-cache-memory`, booleans as `--x / --no-x`."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in engine_options():
+        meta = f.metadata
+        names = ["--" + f.name.replace("_", "-")] + ([meta["alias"]] if meta["alias"] else [])
+        default = None if f.default is MISSING else f.default
+        help_text = meta["help"] + ("" if default is None else f" (default: {default})")
+        allowed = [t for t in _types(hints[f.name]) if t is not type(None)]
+        if allowed == [bool]:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=meta["help"])
+        else:
+            group.add_argument(*names, dest=f.name, type=meta["parse"] or allowed[0], default=default,
+                               choices=meta["choices"], help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options among parsed CLI arguments."""
+    return {f.name: getattr(args, f.name) for f in engine_options()}

@@ -5,32 +5,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from pagellm.config import KV_POLICIES
+from pagellm.config import EngineConfig, add_engine_args, engine_kwargs
 from pagellm.sampling_params import SamplingParams
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=_bytes_or_fraction, default=None,
-                   help="KV cache budget: bytes (e.g. 2G, 512M) or a fraction of free memory (e.g. 0.5)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn off automatic prefix caching (on by default)")
-    g.add_argument("--kv-policy", default="paged", choices=KV_POLICIES,
-                   help="paged KV blocks (the default), or a contiguous region reserved per request "
-                        "(the pre-paging baselines, for comparison)")
-    g.add_argument("--enforce-eager", action="store_true", help="on a GPU, do not capture CUDA graphs for decode")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many ranks (processes; gloo on the CPU, NCCL on GPUs)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -44,24 +20,6 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
     g.add_argument("--ignore-eos", action="store_true")
-
-
-def _bytes_or_fraction(text: str) -> float | int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    value = float(t)
-    return value if value <= 1 else int(value)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy,
-                enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -89,7 +47,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagellm.engine.llm_engine import LLMEngine
-    from pagellm.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     params = sampling_params(args)

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
 
 from pagellm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagellm.config import EngineConfig
+from pagellm.config import make_config, signature_with_options
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -16,18 +16,10 @@ Conversation = list[dict]
 class LLM:
     """Loads a model once and runs batches of prompts through the paged engine."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: float | int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 load_format: str = "auto", seed: int = 0, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, tensor_parallel_size: int = 1, kv_policy: str = "paged") -> None:
-        config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
-                              num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, load_format=load_format, seed=seed,
-                              enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                              tensor_parallel_size=tensor_parallel_size, kv_policy=kv_policy)
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """`model` and any engine option (`pagellm.config.EngineConfig`: dtype, block_size,
+        num_kv_blocks, kv_cache_memory, max_num_seqs, ...), as keywords."""
+        config = make_config(model=model, **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -126,6 +118,9 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+LLM.__init__.__signature__ = signature_with_options(LLM.__init__)
 
 
 def _as_list(prompts) -> list:

@@ -20,7 +20,6 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
 from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # With no budget given, the CPU path takes this much for KV, or half the free memory if less.
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -34,10 +33,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """A name of config.DTYPES as a torch dtype (the names are torch's own)."""
     if dtype == "auto":
-        # fp32 on the CPU: bf16 matrix products are slower there, and fp32 matches the reference.
+        # fp32 on the CPU: it matches the reference to the token; bf16 there is the opt-in fast mode.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    return getattr(torch, dtype)
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -18,7 +18,8 @@ import torch
 from pagellm import LLM, BeamSearchParams, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.distributed.driver import TensorParallelError
-from pagellm.entrypoints.cli import build_parser, engine_kwargs
+from pagellm.config import engine_kwargs
+from pagellm.entrypoints.cli import build_parser
 from pagellm.model.synthetic import write_dummy_model_dir
 from tests.conftest import _save
 

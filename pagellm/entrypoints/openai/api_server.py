@@ -143,9 +143,8 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
 
 
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, ServerConfig]:
-    from pagellm.config import EngineConfig
+    from pagellm.config import EngineConfig, engine_kwargs
     from pagellm.engine.llm_engine import LLMEngine
-    from pagellm.entrypoints.cli import engine_kwargs
     from pagellm.entrypoints.openai.cli_args import default_model_name
 
     llm_engine = LLMEngine(EngineConfig(**engine_kwargs(args)))

@@ -10,7 +10,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from pagellm.entrypoints.cli import add_engine_args
+    from pagellm.config import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API "

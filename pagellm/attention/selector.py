@@ -1,10 +1,10 @@
 """Which attention backend a model runner gets on a device."""
 from __future__ import annotations
 
-import os
 
 import torch
 
+from pagellm import envs
 from pagellm.attention.backend import AttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
 
@@ -17,10 +17,6 @@ def triton_available() -> bool:
     except Exception:  # ImportError, or a broken install that fails while loading its driver
         return False
     return True
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
@@ -37,7 +33,7 @@ def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend
     if not triton_available():
         raise ValueError("attention backend 'triton' was asked for but the triton package does not import "
                          "(pip install 'pagellm[gpu]')")
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not envs.triton_interpreting():
         raise ValueError(f"attention backend 'triton' needs a CUDA device, got {device} "
                          "(or set TRITON_INTERPRET=1 before importing triton, for tests)")
     from pagellm.attention.triton_backend import TritonAttentionBackend

@@ -21,7 +21,7 @@ import math
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pagellm.bench import report

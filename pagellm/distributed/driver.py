@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed import process_group
 from pagellm.errors import EngineFatalError
@@ -49,7 +50,7 @@ class WorkerGroup:
     @classmethod
     def start(cls, size: int, device_type: str) -> WorkerGroup:
         """Spawn ranks 1..size-1 on this machine, or, under torchrun, join the ranks it started."""
-        env = process_group.torchrun_env()
+        env = envs.torchrun_env()
         if env is not None and env["world_size"] > 1:
             if env["rank"] != 0:
                 raise RuntimeError(f"this process is rank {env['rank']} of a torchrun group; only rank 0 runs "

@@ -13,28 +13,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagellm import envs
 from pagellm.distributed.channel import Channel
 from pagellm.distributed.group import TensorParallelGroup
 
-# A collective of the forward pass that waits this long for a peer fails (env: PAGELLM_TP_TIMEOUT, seconds).
-DEFAULT_TIMEOUT_S = 300
 _CTRL_TIMEOUT = timedelta(days=365)
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("PAGELLM_TP_TIMEOUT", DEFAULT_TIMEOUT_S)))
-
-
-def torchrun_env() -> dict[str, int] | None:
-    """rank, world_size, local_rank and local_world_size when torchrun (or anything setting
-    its variables) started this process; None otherwise."""
-    if not all(v in os.environ for v in _TORCHRUN_VARS):
-        return None
-    world = int(os.environ["WORLD_SIZE"])
-    return {"rank": int(os.environ["RANK"]), "world_size": world,
-            "local_rank": int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", world))}
+    """How long a collective of the forward pass waits for a peer before it fails."""
+    return timedelta(seconds=envs.tp_timeout_s())
 
 
 def threads_per_rank(ranks_on_this_machine: int) -> int:

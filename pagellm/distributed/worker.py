@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagellm import envs
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.distributed import process_group
 from pagellm.distributed.channel import Channel
@@ -182,7 +183,7 @@ def spawn_main(rank: int, size: int, host: str, port: int, device_type: str, par
 
 def run_from_env(device_type: str | None = None, model_path: str | None = None) -> None:
     """Entry point of a worker rank torchrun started (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    env = process_group.torchrun_env()
+    env = envs.torchrun_env()
     if env is None:
         raise RuntimeError("not started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT must be set")
     if env["rank"] == 0:

@@ -12,11 +12,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from pagellm.distributed import process_group
+from pagellm import envs
 
 
 def is_torchrun_worker() -> bool:
-    env = process_group.torchrun_env()
+    env = envs.torchrun_env()
     return env is not None and env["world_size"] > 1 and env["rank"] != 0
 
 

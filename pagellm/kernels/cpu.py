@@ -12,11 +12,12 @@ to float rounding (bit-identical for float32 RoPE).
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from pagellm import envs
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -25,7 +26,7 @@ _SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 
 @lru_cache(maxsize=1)
 def _load():
-    if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
+    if not envs.cpu_kernels_enabled():
         return None
     try:
         from torch.utils.cpp_extension import load

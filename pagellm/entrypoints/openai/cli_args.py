@@ -5,6 +5,8 @@ import argparse
 import os
 import re
 
+from pagellm import envs
+
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 
@@ -18,7 +20,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
+    g.add_argument("--api-key", default=envs.api_key(),
                    help="require `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize "
                         "(default: $PAGELLM_API_KEY, else no key)")
     g.add_argument("--served-model-name", nargs="+", default=None,

@@ -1,0 +1,55 @@
+"""Every environment variable pagellm reads, in one place.
+
+Each is read when asked for (not at import), so a test or a parent process can set it
+for the process it starts.
+
+| variable | default | what it does |
+| --- | --- | --- |
+| PAGELLM_CPU_KERNELS | 1 | 0 runs the torch code instead of the compiled CPU kernels |
+| PAGELLM_TP_TIMEOUT | 300 | seconds a tensor-parallel collective waits for a peer before it fails |
+| PAGELLM_API_KEY | unset | `pagellm serve`'s default `--api-key` |
+| PAGELLM_CHECK_INVARIANTS | 0 | 1 checks the KV manager's integrity after every engine step (slow; for tests) |
+| TRITON_INTERPRET | 0 | Triton's own switch: 1 runs Triton kernels interpreted, on CPU tensors |
+| RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE | unset | set by torchrun |
+"""
+from __future__ import annotations
+
+import os
+
+DEFAULT_TP_TIMEOUT_S = 300.0
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default) not in ("", "0")
+
+
+def cpu_kernels_enabled() -> bool:
+    return _flag("PAGELLM_CPU_KERNELS", "1")
+
+
+def tp_timeout_s() -> float:
+    return float(os.environ.get("PAGELLM_TP_TIMEOUT", DEFAULT_TP_TIMEOUT_S))
+
+
+def api_key() -> str | None:
+    return os.environ.get("PAGELLM_API_KEY")
+
+
+def check_invariants() -> bool:
+    return _flag("PAGELLM_CHECK_INVARIANTS", "0")
+
+
+def triton_interpreting() -> bool:
+    return _flag("TRITON_INTERPRET", "0")
+
+
+def torchrun_env() -> dict[str, int] | None:
+    """rank, world_size, local_rank and local_world_size when torchrun (or anything setting
+    its variables) started this process; None otherwise."""
+    if not all(v in os.environ for v in _TORCHRUN_VARS):
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return {"rank": int(os.environ["RANK"]), "world_size": world,
+            "local_rank": int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", world))}

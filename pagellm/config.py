@@ -17,7 +17,7 @@ from typing import Any, Callable
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
-# request as before paging (the baselines of `pagellm bench`; see pagellm.core.contiguous).
+# request as before paging (the baselines of `pagellm bench`; see pagellm.core.kv.contiguous).
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
 

@@ -10,6 +10,7 @@ std 0.3, which makes attention sharp; `assert_sees_context` checks it when a fix
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import random
 from pathlib import Path
 
@@ -29,6 +30,10 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if "gpu" not in item.keywords]
         config.hook.pytest_deselected(items=gpu)
 
+
+# Every engine the tests start, here or in a server process, checks its KV manager's bookkeeping
+# after every step.
+os.environ.setdefault("PAGELLM_CHECK_INVARIANTS", "1")
 
 # Weights this large make attention sharp, so outputs depend on positions and context.
 INIT_STD = 0.3

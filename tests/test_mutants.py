@@ -57,7 +57,7 @@ MUTANTS = [
            "        if False:\n            self.copy_blocks(block_copies)",
            ("tests/engine/test_sharing.py::test_parallel_samples_equal_their_solo_runs",)),
     Mutant("a prefix cache hit claims one block more than it found",
-           "pagellm/core/kv_cache_manager.py",
+           "pagellm/core/kv/paged.py",
            "return blocks, min(len(blocks) * self.block_size, request.num_tokens - 1)",
            "return blocks, min((len(blocks) + bool(blocks)) * self.block_size, request.num_tokens - 1)",
            ("tests/engine/test_sharing.py::test_prefix_caching_matches_transformers",)),

@@ -3,7 +3,7 @@ token states, how many requests it batches, and what request rate it sustains.
 
 A request stream is replayed through the real Scheduler and the real KV managers (the
 paged KVCacheManager at several block sizes, and the contiguous-reservation allocators
-of pagellm.core.contiguous) under one fixed budget of token slots. The model's forward
+of pagellm.core.kv.contiguous) under one fixed budget of token slots. The model's forward
 pass is a stub that returns a token at once; time is simulated with a cost model, so a
 run takes seconds and needs no torch.
 
@@ -31,8 +31,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 from pagellm.bench import report
-from pagellm.core.contiguous import ContiguousKVManager, make_kv_manager
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv import ContiguousKVManager, KVCacheManager, make_kv_manager
 from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
@@ -204,7 +203,7 @@ def simulate(policy: str, block_size: int, lengths: list[tuple[int, int]], arriv
         for req in sched.update_after_step(out, sampled):
             if req.is_finished:
                 finished[req.request_id] = t
-    assert kv.pool.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
     T = acc["time"] or 1.0
     delays = [admitted[str(i)] - arrivals[i] for i in range(n)]
     norm = [(finished[str(i)] - arrivals[i]) / lengths[i][1] for i in range(n)]

@@ -55,12 +55,12 @@ def measure_saving(llm, mode: str, width: int, lengths: list[tuple[int, int]], s
     while eng.has_unfinished_requests():
         eng.step()
         tables = eng.kv.block_tables.values()
-        u = eng.kv.pool.num_used_blocks
+        u = eng.kv.num_used_blocks
         used += u
         unshared += sum(len(t) for t in tables)
         peak_used = max(peak_used, u)
         steps += 1
-    assert eng.kv.pool.num_used_blocks == 0, "blocks leaked"
+    assert eng.kv.num_used_blocks == 0, "blocks leaked"
     return {"steps": steps, "mean_used_blocks": used / steps, "mean_unshared_blocks": unshared / steps,
             "peak_used_blocks": peak_used, "saving_pct": 100.0 * (1 - used / unshared)}
 

@@ -111,6 +111,19 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an invariant of the class docstring is broken."""
+        plain, cached = set(self._free_plain), set(self._free_cached)
+        assert not plain & cached, f"blocks on both free lists: {sorted(plain & cached)[:5]}"
+        free = plain | cached
+        zero = {b for b, c in enumerate(self.ref_cnt) if c == 0}
+        assert free == zero, f"free lists and zero ref counts differ: {sorted(free ^ zero)[:5]}"
+        assert all(c >= 0 for c in self.ref_cnt), "a negative ref count"
+        assert all(self.block_hash[b] is not None for b in cached), "a block on the cached list holds no hash"
+        assert all(self.block_hash[b] is None for b in plain), "a block on the plain list holds a hash"
+        indexed = {b: h for b, h in enumerate(self.block_hash) if h is not None}
+        assert {h: b for b, h in indexed.items()} == self.cached, "the hash index and the blocks' hashes differ"
+
     def _free_list(self, block_id: int) -> OrderedDict[int, None]:
         return self._free_plain if self.block_hash[block_id] is None else self._free_cached
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv import KVManager
 from pagellm.core.request import Request, RequestStatus
 
 
@@ -50,7 +50,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from pagellm import envs
 from pagellm.beam_search import Beam, BeamSearchParams, BeamState
 from pagellm.config import EngineConfig
-from pagellm.core.contiguous import make_kv_manager
+from pagellm.core.kv import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -116,6 +117,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
         self.num_generation_tokens = 0
+        self._check_invariants = envs.check_invariants()  # PAGELLM_CHECK_INVARIANTS=1: after every step
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
         self.request_failures: Counter[str] = Counter()  # failed requests, by cause
         self._groups: dict[str, _Group | _BeamGroup] = {}
@@ -273,6 +275,12 @@ class LLMEngine:
         ran clean. A row whose logits cannot be sampled fails its own request. Only an
         `EngineFatalError` (the engine cannot step at all) propagates.
         """
+        outputs = self._step()
+        if self._check_invariants:
+            self.kv.check_integrity()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -524,31 +532,24 @@ class LLMEngine:
 
     def kv_snapshot(self) -> dict:
         """Who holds which physical block right now: the data behind a block map."""
-        pool = self.kv.pool
-        return {
-            "block_size": self.kv.block_size,
-            "num_blocks": pool.num_blocks,
-            "ref_cnt": list(pool.ref_cnt),
-            # A free block that still holds a reusable cached prefix.
-            "cached": [c == 0 and h is not None for c, h in zip(pool.ref_cnt, pool.block_hash)],
-            "tables": {rid: list(t) for rid, t in self.kv.block_tables.items()},
-            # Sequence id -> the user request it belongs to (n > 1 forks several).
-            "sequence_groups": {rid: self.scheduler.requests[rid].group_id
-                                for rid in self.kv.block_tables if rid in self.scheduler.requests},
-        }
+        snapshot = self.kv.snapshot()
+        # Sequence id -> the user request it belongs to (n > 1 forks several).
+        snapshot["sequence_groups"] = {rid: self.scheduler.requests[rid].group_id
+                                       for rid in snapshot["tables"] if rid in self.scheduler.requests}
+        return snapshot
 
     def stats(self) -> dict:
-        pool = self.kv.pool
+        kv = self.kv
         return {
-            "total_blocks": pool.num_blocks,
-            "free_blocks": pool.num_free_blocks,
-            "used_blocks": pool.num_used_blocks,
+            "total_blocks": kv.num_blocks,
+            "free_blocks": kv.num_free_blocks,
+            "used_blocks": kv.num_used_blocks,
             "block_size": self.kv.block_size,
             "kv_cache_usage": self.kv.usage(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
-            "cached_blocks": pool.num_cached_free_blocks,
+            "cached_blocks": kv.num_cached_free_blocks,
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagellm.core.block_pool import BlockPool, NoFreeBlocksError
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.paged import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -107,6 +107,7 @@ def test_block_tables_keep_invariants(num_blocks, block_size, ops):
 
 
 def _check(kv: KVCacheManager) -> None:
+    kv.check_integrity()
     owned = [b for t in kv.block_tables.values() for b in t]
     assert len(owned) == len(set(owned)), "a block is in two tables"
     for b in range(kv.num_blocks):

@@ -6,8 +6,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagellm.core.contiguous import ContiguousKVManager, ExtentPool, make_kv_manager, next_pow2
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv import KVCacheManager, make_kv_manager
+from pagellm.core.kv.contiguous import ContiguousKVManager, ExtentPool, next_pow2
 from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
@@ -59,6 +59,7 @@ def test_extent_pool_is_first_fit_disjoint_and_coalesced(num_blocks, ops):
         assert pool.free_extents == extents(bitmap)
         assert pool.num_free_blocks == bitmap.count(False)
         assert pool.ref_cnt == [int(b) for b in bitmap]
+        pool.check_integrity()
     for start, n in live:
         pool.free(start, n)
     assert pool.free_extents == [(0, num_blocks)]
@@ -179,3 +180,28 @@ def test_fork_copies_into_a_region_of_its_own():
     kv.free(parent)
     kv.free(child)
     assert kv.pool.free_extents == [(0, 32)]
+
+
+def test_check_integrity_sees_broken_bookkeeping():
+    """Each manager's check catches a corruption of the kind it guards against."""
+    from pagellm.core.kv import make_kv_manager
+
+    paged = make_kv_manager("paged", 16, 4, 64)
+    a, b = _req("a", 10, 4), _req("b", 10, 4)
+    assert paged.allocate_slots(a, 10) and paged.allocate_slots(b, 10)
+    paged.check_integrity()
+    paged.pool.ref_cnt[paged.block_table("a")[0]] += 1  # a reference no table holds
+    with pytest.raises(AssertionError, match="ref counts differ"):
+        paged.check_integrity()
+    paged.pool.ref_cnt[paged.block_table("a")[0]] -= 1
+    paged.pool.cache(paged.block_table("a")[0], b"h")
+    paged.pool.cached[b"other"] = paged.block_table("b")[0]  # an index entry the block does not hold
+    with pytest.raises(AssertionError, match="hash index"):
+        paged.check_integrity()
+
+    contiguous = make_kv_manager("contiguous-max", 64, 4, 64)
+    assert contiguous.allocate_slots(a, 10) and contiguous.allocate_slots(b, 10)
+    contiguous.check_integrity()
+    contiguous._regions["b"][0] -= 1  # b's region now overlaps a's
+    with pytest.raises(AssertionError, match="overlap"):
+        contiguous.check_integrity()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.paged import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams

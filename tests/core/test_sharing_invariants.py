@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.paged import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -36,6 +36,7 @@ class Shadow:
 
 
 def _check(kv: KVCacheManager, reqs: dict[str, Request], shadow: Shadow) -> None:
+    kv.check_integrity()
     pool, bs = kv.pool, kv.block_size
     counts = [0] * kv.num_blocks
     for t in kv.block_tables.values():

@@ -51,7 +51,7 @@ def assert_matches(got, expected) -> None:
 
 def test_batched_matches_transformers(tiny):
     path, prompts, expected = tiny
-    llm = LLM(path)
+    llm = LLM(path, num_kv_blocks=256)
     assert_matches(_gen(llm, prompts), expected)
     assert_matches(_gen(llm, prompts, one_at_a_time=True), expected)
     assert llm.stats()["used_blocks"] == 0
@@ -60,13 +60,15 @@ def test_batched_matches_transformers(tiny):
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_block_sizes(tiny, block_size):
     path, prompts, expected = tiny
-    assert_matches(_gen(LLM(path, block_size=block_size), prompts), expected)
+    # Pools sized to the work (4,096 token slots): the default 1 GiB would be millions of blocks
+    # of one token, and the tests check every block's bookkeeping after every step.
+    assert_matches(_gen(LLM(path, block_size=block_size, num_kv_blocks=4096 // block_size), prompts), expected)
 
 
 def test_chunked_prefill(tiny):
     path, prompts, expected = tiny
     # A 16-token budget splits the 40- and 100-token prompts over many steps.
-    llm = LLM(path, max_num_batched_tokens=16, block_size=4)
+    llm = LLM(path, max_num_batched_tokens=16, block_size=4, num_kv_blocks=1024)
     assert_matches(_gen(llm, prompts), expected)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.core.contiguous import ContiguousKVManager
+from pagellm.core.kv.contiguous import ContiguousKVManager
 
 
 def test_contiguous_policies_give_the_paged_tokens_with_fewer_requests_at_once(tiny_llama_dir):

@@ -29,8 +29,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Sequence
 
-from pagellm.config import KV_POLICIES as POLICIES
-from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.kv.interface import KVManager
 from pagellm.core.request import Request
 
 
@@ -39,8 +38,7 @@ class ExtentPool:
 
     Invariants: free extents are sorted, pairwise disjoint, never adjacent (freeing merges
     neighbours) and never overlap an allocated run; `num_free_blocks + num_used_blocks ==
-    num_blocks`. `ref_cnt` mirrors the paged pool's (1 for an allocated block, 0 for a
-    free one) so the engine's stats and block map read either pool alike.
+    num_blocks`.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -67,13 +65,14 @@ class ExtentPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self._num_free
 
-    # The paged pool's prefix-cache view, for the engine's stats and block map: a contiguous
-    # layout shares nothing, so no block ever holds a reusable prefix.
-    num_cached_free_blocks = 0
-
-    @property
-    def block_hash(self) -> list[None]:
-        return [None] * self.num_blocks
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an invariant of the class docstring is broken."""
+        ends = [s + n for s, n in zip(self._starts, self._lens)]
+        assert all(n > 0 for n in self._lens), "an empty free extent"
+        assert all(e < s for e, s in zip(ends, self._starts[1:])), \
+            f"free extents unsorted, overlapping or adjacent: {self.free_extents}"
+        assert not self._starts or (self._starts[0] >= 0 and ends[-1] <= self.num_blocks), "an extent out of range"
+        assert sum(self._lens) == self._num_free, f"{self._num_free} free counted, {sum(self._lens)} in extents"
 
     @property
     def free_extents(self) -> list[tuple[int, int]]:
@@ -147,8 +146,8 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-class ContiguousKVManager:
-    """Per-request contiguous reservations with the scheduler-facing interface of KVCacheManager.
+class ContiguousKVManager(KVManager):
+    """Per-request contiguous reservations, behind the same interface as the paged manager.
 
     `allocate_slots` reserves the whole region when a request is first scheduled (all or
     nothing, like the paged manager) and afterwards only checks that the step fits in it.
@@ -181,12 +180,31 @@ class ContiguousKVManager:
         return self.pool.num_blocks
 
     @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
     def block_tables(self) -> dict[str, list[int]]:
         """Every request's whole reserved region, as block ids (what a block map draws)."""
         return {rid: list(range(s, s + n)) for rid, (s, n, _) in self._regions.items()}
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+    def ref_counts(self) -> list[int]:
+        """1 for a block in a reserved region, 0 for a free one: nothing is shared."""
+        return self.pool.ref_cnt
+
+    def check_integrity(self) -> None:
+        """The free extents' invariants; reserved regions are disjoint, inside the pool, never
+        overlap a free extent, and with the free blocks account for every block."""
+        self.pool.check_integrity()
+        regions = sorted((s, n) for s, n, _ in self._regions.values())
+        for (s, n), (s2, _) in zip(regions, regions[1:]):
+            assert s + n <= s2, f"reserved regions overlap: {(s, n)} and the one at {s2}"
+        for rid, (s, n, used) in self._regions.items():
+            assert 0 < used <= n or used == 0, f"{rid} uses {used} of {n} reserved blocks"
+            assert not any(self.pool.is_free(b) for b in (s, s + n - 1)), f"{rid}'s region overlaps free space"
+        reserved = sum(n for _, n in regions)
+        assert reserved + self.pool.num_free_blocks == self.num_blocks, \
+            f"{reserved} reserved + {self.pool.num_free_blocks} free != {self.num_blocks} blocks"
 
     def known_final_len(self, request: Request) -> int:
         """prompt + max_tokens, capped at max_model_len; max_model_len with no max_tokens."""
@@ -269,18 +287,3 @@ class ContiguousKVManager:
         if region is not None:
             self.pool.free(region[0], region[1])
 
-    def usage(self) -> float:
-        return self.pool.num_used_blocks / self.pool.num_blocks
-
-
-def make_kv_manager(policy: str, num_blocks: int, block_size: int, max_model_len: int,
-                    final_len: Callable[[Request], int] | None = None,
-                    **paged_kwargs) -> KVCacheManager | ContiguousKVManager:
-    """The KV manager for an allocation policy: one of POLICIES. `paged_kwargs` (e.g.
-    enable_prefix_caching) go to KVCacheManager; `final_len` to the contiguous ones."""
-    if policy == "paged":
-        return KVCacheManager(num_blocks, block_size, **paged_kwargs)
-    if policy.startswith("contiguous-") and policy in POLICIES:
-        return ContiguousKVManager(num_blocks, block_size, max_model_len, policy.removeprefix("contiguous-"),
-                                   final_len=final_len)
-    raise ValueError(f"kv_policy must be one of {POLICIES}, got {policy!r}")

@@ -15,11 +15,8 @@ from array import array
 from typing import Sequence
 
 from pagellm.core.block_pool import BlockPool
+from pagellm.core.kv.interface import KVManager, cdiv
 from pagellm.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
@@ -34,14 +31,16 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = N
     return h.digest()
 
 
-class KVCacheManager:
+class KVCacheManager(KVManager):
+    """PagedAttention's manager: block tables over one pool, blocks shared by reference."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[int]] = {}
         # (src, dst) block copies that must happen before the next forward pass.
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # prompt tokens looked up in the cache
@@ -51,11 +50,42 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free_blocks
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        return self._tables
 
     def block_table(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
+        return self._tables.get(request_id, [])
+
+    def ref_counts(self) -> list[int]:
+        return list(self.pool.ref_cnt)
+
+    def cached_flags(self) -> list[bool]:
+        return [c == 0 and h is not None for c, h in zip(self.pool.ref_cnt, self.pool.block_hash)]
+
+    def check_integrity(self) -> None:
+        """Reference counts equal the references in block tables; no table holds a block twice;
+        copies queued for the runner write into blocks some table holds; and the pool's own
+        invariants (free lists, hash index) hold."""
+        self.pool.check_integrity()
+        held = [0] * self.num_blocks
+        for rid, table in self._tables.items():
+            assert len(set(table)) == len(table), f"{rid}'s table holds a block twice: {table}"
+            for b in table:
+                held[b] += 1
+        wrong = [(b, c, h) for b, (c, h) in enumerate(zip(self.pool.ref_cnt, held)) if c != h]
+        assert not wrong, f"ref counts differ from the tables' references (block, ref_cnt, held): {wrong[:5]}"
+        owned = {b for t in self._tables.values() for b in t}
+        assert all(dst in owned for _, dst in self.pending_copies), f"a copy into an unowned block: " \
+            f"{self.pending_copies}"
 
     # ---- prefix caching -------------------------------------------------------------------
     def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -96,7 +126,7 @@ class KVCacheManager:
         """Index the request's blocks that its computed tokens have filled."""
         if not self.enable_prefix_caching:
             return
-        table = self.block_tables.get(request.request_id)
+        table = self._tables.get(request.request_id)
         if not table:
             return
         full = min(request.num_computed_tokens // self.block_size, len(table))
@@ -118,7 +148,7 @@ class KVCacheManager:
         (copy-on-write); the copy is queued in `pending_copies`.
         """
         bs = self.block_size
-        table = self.block_tables.get(request.request_id, [])
+        table = self._tables.get(request.request_id, [])
         if computed_blocks:
             assert not table, "a cached prefix is only taken at admission"
             table = list(computed_blocks)
@@ -140,22 +170,22 @@ class KVCacheManager:
             table[i] = new
         if grow:
             table.extend(self.pool.allocate(grow))
-        self.block_tables[request.request_id] = table
+        self._tables[request.request_id] = table
         return True
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's blocks by reference: nothing is copied until one
         of them writes into a shared block."""
-        table = list(self.block_tables.get(parent.request_id, []))
+        table = list(self._tables.get(parent.request_id, []))
         self.pool.incref(table)
-        self.block_tables[child.request_id] = table
+        self._tables[child.request_id] = table
         child.block_hashes = list(parent.block_hashes)
         child.num_hashed_blocks = parent.num_hashed_blocks
 
     def free(self, request: Request) -> None:
         """Drop the request's reference to each of its blocks, tail first. Blocks that
         reach zero keep their cached contents until evicted."""
-        table = self.block_tables.pop(request.request_id, None)
+        table = self._tables.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table))
 

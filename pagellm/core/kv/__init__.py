@@ -1,0 +1,29 @@
+"""KV managers: which physical blocks hold each request's tokens.
+
+`interface.KVManager` is what the scheduler, the engine and the block map use; `paged`
+is PagedAttention's manager, `contiguous` the one-region-a-request baselines it is
+measured against. `make_kv_manager` picks one by policy name.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from pagellm.config import KV_POLICIES
+from pagellm.core.kv.contiguous import ContiguousKVManager
+from pagellm.core.kv.interface import KVManager
+from pagellm.core.kv.paged import KVCacheManager
+from pagellm.core.request import Request
+
+__all__ = ["KVManager", "KVCacheManager", "ContiguousKVManager", "make_kv_manager", "KV_POLICIES"]
+
+
+def make_kv_manager(policy: str, num_blocks: int, block_size: int, max_model_len: int,
+                    final_len: Callable[[Request], int] | None = None, **paged_kwargs) -> KVManager:
+    """The KV manager for an allocation policy, one of KV_POLICIES. `paged_kwargs` (e.g.
+    enable_prefix_caching) go to the paged manager; `final_len` to the contiguous ones."""
+    if policy == "paged":
+        return KVCacheManager(num_blocks, block_size, **paged_kwargs)
+    if policy.startswith("contiguous-") and policy in KV_POLICIES:
+        return ContiguousKVManager(num_blocks, block_size, max_model_len, policy.removeprefix("contiguous-"),
+                                   final_len=final_len)
+    raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {policy!r}")

@@ -1,0 +1,105 @@
+"""What the scheduler, the engine and the block map ask of a KV manager.
+
+A KV manager decides which physical KV blocks hold each request's tokens. The paged
+manager (PagedAttention: blocks anywhere, shared by reference, copy-on-write, prefix
+caching) and the contiguous baselines (one reserved region a request) both implement
+this; a later layout or tier (sliding windows, a second tier) is one more implementation.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+from pagellm.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVManager(ABC):
+    block_size: int
+    # Prefix-cache accounting: prompt tokens looked up, and of those, found cached.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable cached prefix."""
+        return 0
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ---- tables --------------------------------------------------------------------------------
+    @abstractmethod
+    def block_table(self, request_id: str) -> list[int]:
+        """The physical blocks that hold the request's computed and scheduled tokens, in order."""
+
+    @property
+    @abstractmethod
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's blocks (what it holds, which may be more than `block_table`)."""
+
+    # ---- the scheduler's calls -------------------------------------------------------------------
+    @abstractmethod
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks that start the request's tokens, and how many tokens they let it skip."""
+
+    @abstractmethod
+    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None: ...
+
+    @abstractmethod
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Room for the request's next `num_new_tokens`; all or nothing (False changes nothing)."""
+
+    @abstractmethod
+    def cache_full_blocks(self, request: Request) -> None:
+        """Make the blocks its computed tokens filled findable by later requests (if this layout can)."""
+
+    @abstractmethod
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's KV as it is now."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release everything the request holds."""
+
+    @abstractmethod
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies the runner must make before the next forward pass."""
+
+    # ---- inspection ------------------------------------------------------------------------------
+    @abstractmethod
+    def ref_counts(self) -> list[int]:
+        """Per physical block, how many sequences hold it."""
+
+    def cached_flags(self) -> list[bool]:
+        """Per physical block: free, but holding a reusable cached prefix."""
+        return [False] * self.num_blocks
+
+    def snapshot(self) -> dict:
+        """Who holds which physical block right now: the data behind a block map."""
+        return {"block_size": self.block_size, "num_blocks": self.num_blocks, "ref_cnt": self.ref_counts(),
+                "cached": self.cached_flags(), "tables": {rid: list(t) for rid, t in self.block_tables.items()}}
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError, saying what is wrong, if any bookkeeping invariant is broken.
+        O(blocks + table entries): for tests and PAGELLM_CHECK_INVARIANTS=1, not for every step."""

@@ -8,7 +8,9 @@ once, here, and each step's inputs are broadcast before rank 0 runs its own shar
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import tempfile
 import time
 import weakref
 from typing import Any, Callable
@@ -20,14 +22,20 @@ import torch.multiprocessing as mp
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed import process_group
-from pagellm.errors import EngineFatalError
 from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack_step, spawn_main, warm_up_kernels
+from pagellm.errors import EngineFatalError
 from pagellm.model.loader import ModelSource
 from pagellm.model.parallel import check_tensor_parallel
 from pagellm.worker.model_runner import ModelRunner, rank_memory
 
 logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
+# Parent to spawned ranks: a file where a rank that cannot start writes why (see WorkerGroup.start).
+_SPAWN_FAULT_FILE = "PAGELLM_TP_SPAWN_FAULT_FILE"
+MAIN_GUARD_FAULT = (
+    "a spawned tensor-parallel rank ran the script that creates the engine again: ranks start with "
+    "multiprocessing's 'spawn', which imports the main script anew in each of them. Create the engine "
+    "under `if __name__ == \"__main__\":` in that script (or run it with `python -m`, or under torchrun)")
 
 
 class TensorParallelError(EngineFatalError):
@@ -44,12 +52,21 @@ class WorkerGroup:
         self.tp = None
         self.channel = None
         self.error: str | None = None
+        self.fault_file: str | None = None
         self._saved_threads = saved_threads
         self._closed = False
 
     @classmethod
     def start(cls, size: int, device_type: str) -> WorkerGroup:
         """Spawn ranks 1..size-1 on this machine, or, under torchrun, join the ranks it started."""
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # We are a rank being spawned, re-running the user's script while it bootstraps:
+            # tell the parent why this rank is about to die, and stop here.
+            fault_file = os.environ.get(_SPAWN_FAULT_FILE)
+            if fault_file:
+                with open(fault_file, "w") as f:
+                    f.write(MAIN_GUARD_FAULT)
+            raise RuntimeError(MAIN_GUARD_FAULT)
         env = envs.torchrun_env()
         if env is not None and env["world_size"] > 1:
             if env["rank"] != 0:
@@ -78,9 +95,15 @@ class WorkerGroup:
                              args=(r, size, "127.0.0.1", store.port, device_type, os.getpid(), threads))
                  for r in range(1, size)]
         group = cls(device, procs, _set_threads(threads))
+        fd, group.fault_file = tempfile.mkstemp(prefix="pagellm-tp-start-")
+        os.close(fd)
         try:
-            for p in procs:
-                p.start()
+            os.environ[_SPAWN_FAULT_FILE] = group.fault_file  # inherited by the ranks spawned here
+            try:
+                for p in procs:
+                    p.start()
+            finally:
+                del os.environ[_SPAWN_FAULT_FILE]
             group._wait_ready(store)
             group.tp, group.channel = process_group.join(0, size, device, store)
         except BaseException:
@@ -92,7 +115,10 @@ class WorkerGroup:
         keys = [READY_KEY.format(rank=r) for r in range(1, len(self.procs) + 1)]
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not store.check(keys):
-            self._raise_if_dead("while starting")
+            if self._dead():
+                with open(self.fault_file) as f:
+                    why = f.read()
+                self._raise_if_dead(f"while starting: {why}" if why else "while starting")
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel workers did not start within {_START_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
@@ -161,6 +187,8 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
+        if self.fault_file is not None:
+            os.unlink(self.fault_file)
         graceful = self.error is None and self.channel is not None
         if self.error is None:
             self.error = "this tensor-parallel engine was shut down"

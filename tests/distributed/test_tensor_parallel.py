@@ -210,3 +210,20 @@ def test_tensor_parallel_size_flag():
     args = build_parser().parse_args(["generate", "--tensor-parallel-size", "2"])
     assert engine_kwargs(args)["tensor_parallel_size"] == 2
     assert engine_kwargs(build_parser().parse_args(["serve"]))["tensor_parallel_size"] == 1
+
+
+def test_a_script_without_the_main_guard_is_told_the_fix(tiny_llama_dir, tmp_path):
+    """spawn re-imports the main script in each rank; a script that creates the engine at top
+    level makes the rank try to start ranks of its own and die. The error says so, and how to fix it."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent(f"""
+        from pagellm import LLM
+        llm = LLM({tiny_llama_dir!r}, tensor_parallel_size=2, num_kv_blocks=16)
+        print("started")
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert r.returncode != 0 and "started" not in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagellm.distributed.driver.TensorParallelError"), r.stderr[-3000:]
+    assert "while starting" in last and 'if __name__ == "__main__":' in last

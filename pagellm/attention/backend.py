@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.timing import PhaseTimer
+
 
 @dataclass
 class AttentionMetadata:
@@ -47,6 +49,8 @@ class AttentionBackend(ABC):
     # True when a decode-only forward reads tensors and shapes alone (no Python lists of
     # lengths, no host synchronisation), so it can be captured in a CUDA graph.
     supports_cuda_graphs: bool = False
+    # Where the attention phase is timed, when a benchmark attaches a timer (pagellm.timing).
+    timer: PhaseTimer | None = None
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pagellm.bench import report
+from pagellm.timing import PhaseTimer
 
 DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-contiguous-max", "pagellm-contiguous-oracle", "pagellm-paged-bf16",
                    "hf-static-8", "hf-static-32", "hf-static-64", "hf-generate-batch", "llama-cpp"]
@@ -104,53 +105,6 @@ def make_workload(tok, cfg: ThroughputConfig) -> list[Work]:
 
 
 # ---- pagellm ------------------------------------------------------------------------------------
-class PhaseTimer:
-    """Wall time per engine phase, measured by wrapping the engine's own methods in place."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._saved: dict[tuple[int, str], object] = {}
-
-    def wrap(self, obj, attr: str, name: str) -> None:
-        inner = getattr(obj, attr)
-        # An instance attribute (a callable object such as the sampler) is put back on unwrap;
-        # a method is simply un-shadowed.
-        if attr in vars(obj):
-            self._saved[(id(obj), attr)] = vars(obj)[attr]
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-                self.calls[name] = self.calls.get(name, 0) + 1
-
-        setattr(obj, attr, timed)
-
-    def unwrap(self, obj, attr: str) -> None:
-        key = (id(obj), attr)
-        if key in self._saved:
-            setattr(obj, attr, self._saved.pop(key))
-        else:
-            vars(obj).pop(attr, None)
-
-
-def _instrument(engine) -> tuple[PhaseTimer, list]:
-    timer = PhaseTimer()
-    runner = engine.runner
-    targets = [(engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
-               (runner, "execute", "execute"), (runner, "_prepare", "prepare_inputs"),
-               (runner.model, "forward", "model_forward"), (runner.backend, "forward", "attention"),
-               (runner.model, "compute_logits", "logits"), (runner, "sampler", "sampler")]
-    # Phases the engine does not have (it is evolving) are left out rather than failing the run.
-    targets = [t for t in targets if hasattr(t[0], t[1])]
-    for obj, attr, name in targets:
-        timer.wrap(obj, attr, name)
-    return timer, targets
-
-
 def _phase_breakdown(timer: PhaseTimer) -> dict:
     s = timer.seconds
     step = s.get("step", 0.0)
@@ -203,7 +157,8 @@ def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: b
     llm.generate([{"prompt_token_ids": work[0].prompt[:16]}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)
     engine = llm.engine
-    timer, targets = _instrument(engine)
+    timer = PhaseTimer()
+    engine.attach_timer(timer)
     batch_sizes: list[int] = []
     outputs: dict[int, list[int]] = {}
     prof = cProfile.Profile() if profile else None
@@ -236,8 +191,7 @@ def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: b
             tprof.__exit__(None, None, None)
             prof.disable()
         bar.close()
-        for obj, attr, _ in targets:
-            timer.unwrap(obj, attr)
+        engine.attach_timer(None)
     wall = time.perf_counter() - t0
     gen = sum(len(v) for v in outputs.values())
     result = {

@@ -27,6 +27,7 @@ from pagellm.model.loader import load_model_source
 from pagellm.model.tokenizer import Tokenizer
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams, check_text
+from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.model_runner import ModelRunner, StepResult, resolve_device, resolve_dtype
 from pagellm.worker.sampler import ROW_ERRORS
 
@@ -118,6 +119,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
         self.num_generation_tokens = 0
         self._check_invariants = envs.check_invariants()  # PAGELLM_CHECK_INVARIANTS=1: after every step
+        self.timer: PhaseTimer | None = None  # see attach_timer
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
         self.request_failures: Counter[str] = Counter()  # failed requests, by cause
         self._groups: dict[str, _Group | _BeamGroup] = {}
@@ -275,13 +277,20 @@ class LLMEngine:
         ran clean. A row whose logits cannot be sampled fails its own request. Only an
         `EngineFatalError` (the engine cannot step at all) propagates.
         """
-        outputs = self._step()
+        with phase(self.timer, "step"):
+            outputs = self._step()
         if self._check_invariants:
             self.kv.check_integrity()
         return outputs
 
+    def attach_timer(self, timer: PhaseTimer | None) -> None:
+        """Time each phase of every step into `timer` (pagellm.timing); None detaches it."""
+        self.timer = timer
+        self.runner.attach_timer(timer)
+
     def _step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        with phase(self.timer, "schedule"):
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         try:

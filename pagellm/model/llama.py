@@ -18,6 +18,7 @@ from pagellm.kernels import cpu
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.parallel import ShardShapes, column_linear, embedding, gather_logits, row_linear, shard_weight
 from pagellm.model.rope import RotaryEmbedding, rotate_qk
+from pagellm.timing import phase
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +63,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = rotate_qk(q, k, *rope)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        with phase(self.backend.timer, "attention"):
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

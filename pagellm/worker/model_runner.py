@@ -17,6 +17,7 @@ from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
 from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, device=device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.timer: PhaseTimer | None = None  # see attach_timer
 
     # ---- weights -------------------------------------------------------------------
     def load_weights(self, weights) -> None:
@@ -146,12 +148,22 @@ class ModelRunner:
                                                max_num_seqs=max_num_seqs, device=self.device)
             self.cuda_graphs.capture()
 
+    def attach_timer(self, timer: PhaseTimer | None) -> None:
+        """Report the runner's phases, and the attention backend's, to `timer` (None: stop)."""
+        self.timer = timer
+        self.backend.timer = timer
+
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
+        with phase(self.timer, "execute"):
+            return self._execute(sched, eos_token_ids)
+
+    def _execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
         # Decodes first, so the backend can batch them in one product.
         items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, sample_rows = self._prepare(items)
+        with phase(self.timer, "prepare_inputs"):
+            input_ids, positions, meta, sample_rows = self._prepare(items)
         # Only the last position of each sampling sequence needs logits; forked siblings
         # sample from the same row as their parent.
         rows, reqs = [], []
@@ -170,7 +182,8 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        return StepResult([r.request_id for r in reqs], self.sampler(logits, sampling))
+        with phase(self.timer, "sampler"):
+            return StepResult([r.request_id for r in reqs], self.sampler(logits, sampling))
 
     @torch.inference_mode()
     def run_step(self, block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -183,10 +196,12 @@ class ModelRunner:
         if block_copies:
             self.copy_blocks(block_copies)
         # A captured graph replays decode-only steps; anything else runs eagerly.
-        hidden = (self.cuda_graphs or self.model)(input_ids, positions, self.kv_caches, meta)
+        with phase(self.timer, "model_forward"):
+            hidden = (self.cuda_graphs or self.model)(input_ids, positions, self.kv_caches, meta)
         if not rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        with phase(self.timer, "logits"):
+            return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     def memory_report(self) -> list[dict]:
         """Bytes of weights and KV cache this process holds (one entry per tensor-parallel rank)."""

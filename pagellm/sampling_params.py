@@ -14,6 +14,15 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
+# The fields the OpenAI endpoints take under the same name and meaning (OpenAI's own and vLLM's
+# extras): the server's request models and its conversion to SamplingParams are built from this
+# list, so a new sampling field is one field below and one name here. (n, best_of, max_tokens,
+# logprobs and logit_bias have shapes of their own in the API and are mapped by hand.)
+OPENAI_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                 "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids")
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, and when to stop; named as in vLLM."""

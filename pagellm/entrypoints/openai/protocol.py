@@ -8,9 +8,13 @@ in `SamplingParams`, which names the field it rejects.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams
 
 # OpenAI allows 5 for completions and 20 for chat; vLLM's default cap is 20 for both.
 MAX_LOGPROBS = 20
@@ -25,30 +29,25 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(OpenAIModel):
-    """The sampling fields both endpoints share."""
-
+class _RequestFields(OpenAIModel):
     model: str | None = None
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
-    allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+
+def _sampling_fields() -> dict[str, Any]:
+    """SamplingParams' OPENAI_FIELDS as request fields: the same type (null allowed, meaning the
+    default) and the same default."""
+    hints = typing.get_type_hints(SamplingParams)
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    return {name: (hints[name] | None, defaults[name]) for name in OPENAI_FIELDS}
+
+
+# The fields both endpoints share: the sampling ones declared once, in SamplingParams.
+SamplingFields = create_model("SamplingFields", __base__=_RequestFields, **_sampling_fields())
 
 
 PromptField = Union[str, list[int], list[str], list[list[int]]]

@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -18,7 +18,7 @@ from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagellm.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
 from pagellm.outputs import Logprob, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams
 
 T = TypeVar("T")
 # Retry-After for a full queue: a step takes well under a second, a request a few seconds.
@@ -127,20 +127,11 @@ class OpenAIServing:
     @staticmethod
     def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         best_of: int | None = None) -> SamplingParams:
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
+        # A field sent as null means its default, as in OpenAI's API.
+        shared = {name: getattr(req, name) for name in OPENAI_FIELDS if getattr(req, name) is not None}
         try:
-            return SamplingParams(
-                n=req.n, best_of=best_of, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
-                top_k=given(req.top_k, -1), min_p=given(req.min_p, 0.0),
-                repetition_penalty=given(req.repetition_penalty, 1.0),
-                presence_penalty=given(req.presence_penalty, 0.0),
-                frequency_penalty=given(req.frequency_penalty, 0.0), seed=req.seed, max_tokens=max_tokens,
-                min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-                logit_bias=token_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids)
+            return SamplingParams(n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
+                                  logit_bias=token_bias(req.logit_bias), **shared)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
 

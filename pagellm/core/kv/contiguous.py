@@ -92,14 +92,7 @@ class ExtentPool:
         assert n >= 1
         for i, length in enumerate(self._lens):
             if length >= n:
-                start = self._starts[i]
-                if length == n:
-                    del self._starts[i], self._lens[i]
-                else:
-                    self._starts[i] += n
-                    self._lens[i] -= n
-                self._take(start, n)
-                return start
+                return self._cut(i, n)
         return None
 
     def extend(self, start: int, length: int, extra: int) -> bool:
@@ -108,12 +101,7 @@ class ExtentPool:
         i = bisect.bisect_left(self._starts, end)
         if i == len(self._starts) or self._starts[i] != end or self._lens[i] < extra:
             return False
-        if self._lens[i] == extra:
-            del self._starts[i], self._lens[i]
-        else:
-            self._starts[i] += extra
-            self._lens[i] -= extra
-        self._take(end, extra)
+        self._cut(i, extra)
         return True
 
     def free(self, start: int, n: int) -> None:
@@ -138,8 +126,16 @@ class ExtentPool:
             self._starts.insert(i, start)
             self._lens.insert(i, n)
 
-    def _take(self, start: int, n: int) -> None:
+    def _cut(self, i: int, n: int) -> int:
+        """Take the first n blocks of free extent i; returns where they start."""
+        start = self._starts[i]
+        if self._lens[i] == n:
+            del self._starts[i], self._lens[i]
+        else:
+            self._starts[i] += n
+            self._lens[i] -= n
         self._num_free -= n
+        return start
 
 
 def next_pow2(n: int) -> int:
@@ -174,14 +170,6 @@ class ContiguousKVManager(KVManager):
         # (src, dst) block copies for the runner, as the paged manager queues them.
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = self.prefix_hits = 0  # no prefix cache: always zero
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
 
     @property
     def block_tables(self) -> dict[str, list[int]]:
@@ -244,10 +232,6 @@ class ContiguousKVManager(KVManager):
 
     def cache_full_blocks(self, request: Request) -> None:
         pass
-
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` a region of its own and copy the parent's computed blocks into

@@ -8,7 +8,7 @@ this; a later layout or tier (sliding windows, a second tier) is one more implem
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Any, Sequence
 
 from pagellm.core.request import Request
 
@@ -19,18 +19,22 @@ def cdiv(a: int, b: int) -> int:
 
 class KVManager(ABC):
     block_size: int
+    # The physical blocks: anything with num_blocks and num_free_blocks.
+    pool: Any
+    # (src, dst) block copies that must happen before the next forward pass.
+    pending_copies: list[tuple[int, int]]
     # Prefix-cache accounting: prompt tokens looked up, and of those, found cached.
     prefix_queries: int = 0
     prefix_hits: int = 0
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
-    @abstractmethod
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     @property
-    @abstractmethod
-    def num_free_blocks(self) -> int: ...
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
@@ -81,9 +85,10 @@ class KVManager(ABC):
     def free(self, request: Request) -> None:
         """Release everything the request holds."""
 
-    @abstractmethod
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies the runner must make before the next forward pass."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     # ---- inspection ------------------------------------------------------------------------------
     @abstractmethod

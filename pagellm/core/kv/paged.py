@@ -47,14 +47,6 @@ class KVCacheManager(KVManager):
         self.prefix_hits = 0  # of those, tokens found cached
 
     @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free_blocks
 
@@ -188,10 +180,3 @@ class KVCacheManager(KVManager):
         table = self._tables.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table))
-
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
-
-    def usage(self) -> float:
-        return self.pool.num_used_blocks / self.pool.num_blocks

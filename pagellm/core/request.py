@@ -100,6 +100,15 @@ class Request:
             cumulative_logprob=self.cumulative_logprob,
         )
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the concatenation."""
+        prompt, output, p = self.prompt_token_ids, self.output_token_ids, len(self.prompt_token_ids)
+        if start >= p:
+            return output[start - p:end - p]
+        if end <= p:
+            return prompt[start:end]
+        return prompt[start:] + output[:end - p]
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:

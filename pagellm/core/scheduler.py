@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from pagellm.core.kv import KVManager
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.step_plan import PlannedSeq, SampleSpec, StepPlan
 
 
 @dataclass
@@ -47,6 +48,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def plan(self) -> StepPlan:
+        """What the model runner needs of this decision, as data (read from the requests now)."""
+        seqs = []
+        for s in self.scheduled:
+            req = s.request
+            samplers = [SampleSpec(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
+                        for r in (req, *s.forks)] if s.samples else []
+            seqs.append(PlannedSeq(req.request_id, req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
+                                   s.block_table, samplers))
+        return StepPlan(seqs, self.block_copies)
 
 
 class Scheduler:

@@ -22,11 +22,11 @@ import torch.multiprocessing as mp
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed import process_group
-from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack_step, spawn_main, warm_up_kernels
+from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack, spawn_main, warm_up_kernels
 from pagellm.errors import EngineFatalError
 from pagellm.model.loader import ModelSource
 from pagellm.model.parallel import check_tensor_parallel
-from pagellm.worker.model_runner import ModelRunner, rank_memory
+from pagellm.worker.model_runner import ModelRunner, StepInputs, rank_memory
 
 logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
@@ -252,12 +252,12 @@ class DriverModelRunner(ModelRunner):
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         logger.info("pagellm: tensor-parallel steps run eagerly (no CUDA graphs)")
 
-    def run_step(self, block_copies, input_ids, positions, meta, rows):
+    def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
         self.workers.check()
-        args, tensors = pack_step(block_copies, input_ids, positions, meta, rows)
+        values, tensors = pack(inputs)
         try:
-            self.workers.channel.send("step", args, tensors)
-            return super().run_step(block_copies, input_ids, positions, meta, rows)
+            self.workers.channel.send("step", values, tensors)
+            return super().run_step(inputs)
         except Exception as e:  # the ranks are out of step now: the group is done
             raise self.workers.failed(e) from e
 

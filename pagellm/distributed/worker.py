@@ -14,13 +14,14 @@ import sys
 import threading
 import time
 import traceback
+import typing
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pagellm import envs
-from pagellm.attention.backend import AttentionMetadata
 from pagellm.distributed import process_group
 from pagellm.distributed.channel import Channel
 from pagellm.distributed.group import TensorParallelGroup
@@ -42,26 +43,42 @@ class WorkerSpec:
     seed: int
 
 
-def pack_step(block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
-              meta: AttentionMetadata, rows: list[int]) -> tuple[tuple, dict[str, torch.Tensor]]:
-    """`ModelRunner.run_step`'s arguments as (small Python values, tensors) for the channel.
-    Every AttentionMetadata field travels, whatever fields it grows."""
-    tensors = {"input_ids": input_ids, "positions": positions}
-    values = {}
-    for f in dataclasses.fields(meta):
-        if f.init:
-            v = getattr(meta, f.name)
-            if isinstance(v, torch.Tensor):
-                tensors["meta." + f.name] = v
-            else:
-                values[f.name] = v
-    return (block_copies, rows, values), tensors
+def pack(obj: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A dataclass (nested ones included) as (small Python values, tensors) for the channel,
+    keyed by field path ("meta.slot_mapping"): every field travels, whatever fields it grows."""
+    values: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(o: Any, prefix: str) -> None:
+        for f in dataclasses.fields(o):
+            if f.init:
+                v, key = getattr(o, f.name), prefix + f.name
+                if isinstance(v, torch.Tensor):
+                    tensors[key] = v
+                elif dataclasses.is_dataclass(v):
+                    walk(v, key + ".")
+                else:
+                    values[key] = v
+
+    walk(obj, "")
+    return values, tensors
 
 
-def unpack_step(args: tuple, tensors: dict[str, torch.Tensor]) -> tuple:
-    block_copies, rows, values = args
-    meta = AttentionMetadata(**values, **{k[5:]: v for k, v in tensors.items() if k.startswith("meta.")})
-    return block_copies, tensors["input_ids"], tensors["positions"], meta, rows
+def unpack(cls: type, values: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str = "") -> Any:
+    """The inverse of `pack`, for an instance of `cls`."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = prefix + f.name
+        if key in values:
+            kwargs[f.name] = values[key]
+        elif key in tensors:
+            kwargs[f.name] = tensors[key]
+        else:
+            kwargs[f.name] = unpack(hints[f.name], values, tensors, key + ".")
+    return cls(**kwargs)
 
 
 class Worker:
@@ -112,8 +129,10 @@ class Worker:
 
         return rank_memory(self.runner, self.tp.rank)
 
-    def step(self, args: tuple, tensors: dict[str, torch.Tensor]) -> None:
-        self.runner.run_step(*unpack_step(args, tensors))
+    def step(self, values: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        from pagellm.worker.model_runner import StepInputs
+
+        self.runner.run_step(unpack(StepInputs, values, tensors))
 
 
 COMMANDS = ("init", "load_weights", "init_dummy_weights", "num_blocks_for_budget", "allocate_kv_cache",

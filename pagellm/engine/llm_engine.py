@@ -20,7 +20,8 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
-from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagellm.core.scheduler import SchedulerOutput
+from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.errors import EngineFatalError
 from pagellm.model.loader import load_model_source
@@ -307,7 +308,7 @@ class LLMEngine:
         for s in sched.scheduled:
             for child in s.forks:
                 self._track(self._seq_group[child.request_id], child)
-        result, failures = self._execute(sched)
+        result, failures = self._execute(sched.plan())
         sampled, beam_rows = {}, []
         if result.sampled is not None:
             errors = result.sampled.errors or {}
@@ -369,46 +370,42 @@ class LLMEngine:
                 self._drop(group)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[StepResult, dict[str, tuple[Exception, str]]]:
+    def _execute(self, plan: StepPlan) -> tuple[StepResult, dict[str, tuple[Exception, str]]]:
         """Run the step; if it raises, find by bisection the requests that fail on their own.
 
         Returns what the requests that ran clean sampled, and the culprits: user request id ->
         (the error it raised alone, cause). Re-running part of a step is safe: the K/V a
         sequence writes depends only on its own tokens, so a retry writes the same values, and
-        a seeded request's draws depend only on its seed and token index. A part carries only
-        the copy-on-write copies into its own blocks: copying again into a block that another
-        part has written since would erase that part's new token.
+        a seeded request's draws depend only on its seed and token index (StepPlan.subset keeps
+        each part's copy-on-write copies to its own blocks).
         """
         eos = set(self.eos_token_ids)
         try:
-            return self.runner.execute(sched, eos), {}
+            return self.runner.execute(plan, eos), {}
         except EngineFatalError:
             raise
         except Exception as error:
             self.num_step_failures += 1
             logger.warning("a step of %d sequences raised %s: %s; looking for the request that caused it",
-                           len(sched.scheduled), type(error).__name__, error)
+                           len(plan.seqs), type(error).__name__, error)
             first = error
         culprits: dict[str, tuple[Exception, str]] = {}
         clean: list[StepResult] = []
 
-        def bisect(part: list[ScheduledRequest], error: Exception) -> None:
+        def bisect(part: list[PlannedSeq], error: Exception) -> None:
             if len(part) == 1:
-                culprits[part[0].request.group_id] = (error, "step_error")
+                culprits[part[0].user_request_id] = (error, "step_error")
                 return
             mid = len(part) // 2
             for half in (part[:mid], part[mid:]):
-                owned = {block for item in half for block in item.block_table}
-                copies = [(src, dst) for src, dst in sched.block_copies if dst in owned]
                 try:
-                    clean.append(self.runner.execute(
-                        replace(sched, scheduled=half, preempted=[], block_copies=copies), eos))
+                    clean.append(self.runner.execute(plan.subset(half), eos))
                 except EngineFatalError:
                     raise
                 except Exception as e:
                     bisect(half, e)
 
-        bisect(sched.scheduled, first)
+        bisect(plan.seqs, first)
         for gid, (e, _) in culprits.items():
             logger.error("request %s failed on its own and is dropped: %s: %s", gid, type(e).__name__, e)
         return StepResult.concat(clean), culprits

@@ -1,8 +1,8 @@
-"""Turns a scheduling decision into tensors, runs the model once, and samples.
+"""Turns a step plan into tensors, runs the model once, and samples.
 
-Owns the model, the KV cache tensors and the sampler. Receives, per scheduled
-request, the chunk of tokens to compute, its first position and its block table;
-knows nothing of how they were chosen.
+Owns the model, the KV cache tensors and the sampler. Receives the step plan
+(pagellm.core.step_plan: per sequence, the tokens to compute, their first position,
+its block table, who samples from it); knows nothing of how it was chosen.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
 from pagellm.model.llama import LlamaForCausalLM
@@ -49,6 +49,18 @@ def free_memory_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass
+class StepInputs:
+    """A step's tensor work, the same on every tensor-parallel rank (which get it packed field by
+    field: pagellm.distributed.worker.pack)."""
+
+    block_copies: list[tuple[int, int]]  # copy-on-write, before the forward pass
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    rows: list[int]  # the rows of the hidden states that need logits
 
 
 @dataclass
@@ -155,53 +167,49 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
+    def execute(self, plan: StepPlan, eos_token_ids: set[int]) -> StepResult:
         with phase(self.timer, "execute"):
-            return self._execute(sched, eos_token_ids)
+            return self._execute(plan, eos_token_ids)
 
-    def _execute(self, sched: SchedulerOutput, eos_token_ids: set[int]) -> StepResult:
+    def _execute(self, plan: StepPlan, eos_token_ids: set[int]) -> StepResult:
         # Decodes first, so the backend can batch them in one product.
-        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
         with phase(self.timer, "prepare_inputs"):
-            input_ids, positions, meta, sample_rows = self._prepare(items)
+            inputs = self._prepare(seqs, plan.block_copies)
         # Only the last position of each sampling sequence needs logits; forked siblings
         # sample from the same row as their parent.
-        rows, reqs = [], []
-        for row, s in sample_rows:
-            for req in [s.request, *s.forks]:
-                rows.append(row)
-                reqs.append(req)
-        logits = self.run_step(sched.block_copies, input_ids, positions, meta, rows)
+        samplers = [spec for s in seqs for spec in s.samplers]
+        logits = self.run_step(inputs)
         if logits is None:
             return StepResult([], None)
         sampling = SamplingMetadata.build(
-            params=[r.sampling_params for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
+            params=[s.params for s in samplers],
+            prompt_token_ids=[s.prompt_token_ids for s in samplers],
+            output_token_ids=[s.output_token_ids for s in samplers],
             eos_token_ids=eos_token_ids,
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
         with phase(self.timer, "sampler"):
-            return StepResult([r.request_id for r in reqs], self.sampler(logits, sampling))
+            return StepResult([s.request_id for s in samplers], self.sampler(logits, sampling))
 
     @torch.inference_mode()
-    def run_step(self, block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, rows: list[int]) -> torch.Tensor | None:
-        """A step's tensor work: copy-on-write block copies, the forward pass, the logits of `rows`.
+    def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
+        """A step's tensor work: copy-on-write block copies, the forward pass, the logits of the
+        rows that sample.
 
-        Every tensor-parallel rank runs this with the same arguments (pagellm.distributed);
+        Every tensor-parallel rank runs this with the same inputs (pagellm.distributed);
         rank 0 alone gets the logits. None when no row samples.
         """
-        if block_copies:
-            self.copy_blocks(block_copies)
+        if inputs.block_copies:
+            self.copy_blocks(inputs.block_copies)
         # A captured graph replays decode-only steps; anything else runs eagerly.
         with phase(self.timer, "model_forward"):
-            hidden = (self.cuda_graphs or self.model)(input_ids, positions, self.kv_caches, meta)
-        if not rows:
+            hidden = (self.cuda_graphs or self.model)(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.rows:
             return None
         with phase(self.timer, "logits"):
-            return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            return self.model.compute_logits(hidden[torch.tensor(inputs.rows, device=self.device)])
 
     def memory_report(self) -> list[dict]:
         """Bytes of weights and KV cache this process holds (one entry per tensor-parallel rank)."""
@@ -210,27 +218,26 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release what outlives the object (tensor-parallel workers); nothing on one rank."""
 
-    def _prepare(self, items: list[ScheduledRequest]):
+    def _prepare(self, seqs: list[PlannedSeq], block_copies: list[tuple[int, int]]) -> StepInputs:
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        query_lens, seq_lens, tables, rows = [], [], [], []
         num_decodes = 0
-        for s in items:
-            req, start, n = s.request, s.start, s.num_new_tokens
+        for s in seqs:
+            start, n = s.start, len(s.token_ids)
             if n == 1:
                 num_decodes += 1
             end = start + n
-            tokens.extend(_token_slice(req.prompt_token_ids, req.output_token_ids, start, end))
+            tokens.extend(s.token_ids)
             positions.extend(range(start, end))
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(table)
-            if s.samples:
-                sample_rows.append((len(tokens) - 1, s))
+            rows.extend([len(tokens) - 1] * len(s.samplers))
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -243,8 +250,8 @@ class ModelRunner:
             num_decodes=num_decodes,
             block_size=bs,
         )
-        return (torch.tensor(tokens, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
+        return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta, rows)
 
 
 def rank_memory(runner: ModelRunner, rank: int) -> dict:
@@ -261,12 +268,3 @@ def rank_memory(runner: ModelRunner, rank: int) -> dict:
         report["peak_device_bytes"] = torch.cuda.max_memory_allocated(runner.device)
     return report
 
-
-def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
-    """Tokens [start, end) of prompt + output, without building the concatenation."""
-    p = len(prompt)
-    if start >= p:
-        return output[start - p:end - p]
-    if end <= p:
-        return prompt[start:end]
-    return prompt[start:] + output[:end - p]

@@ -188,10 +188,10 @@ def test_a_request_that_breaks_its_step_fails_alone(llm_engine, monkeypatch):
     requests that shared its steps finish with all their tokens."""
     real = llm_engine.runner.execute
 
-    def execute(sched, eos):
-        if any(s.request.group_id == "culprit" for s in sched.scheduled):
+    def execute(plan, eos):
+        if any(s.user_request_id == "culprit" for s in plan.seqs):
             raise RuntimeError("kernel fault")
-        return real(sched, eos)
+        return real(plan, eos)
 
     monkeypatch.setattr(llm_engine.runner, "execute", execute)
 

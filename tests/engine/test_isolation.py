@@ -54,11 +54,11 @@ def poison_runner(monkeypatch, llm: LLM, fails) -> list[int]:
     real = runner.execute
     sizes = []
 
-    def execute(sched, eos):
-        sizes.append(len(sched.scheduled))
-        if fails({s.request.group_id for s in sched.scheduled}):
+    def execute(plan, eos):
+        sizes.append(len(plan.seqs))
+        if fails({s.user_request_id for s in plan.seqs}):
             raise RuntimeError("kernel fault")
-        return real(sched, eos)
+        return real(plan, eos)
 
     monkeypatch.setattr(runner, "execute", execute)
     return sizes
@@ -94,8 +94,8 @@ def test_a_fault_of_the_whole_batch_only_is_worked_around(llm, clean, monkeypatc
 def test_fatal_errors_are_not_bisected(llm, monkeypatch):
     calls = []
 
-    def execute(sched, eos):
-        calls.append(len(sched.scheduled))
+    def execute(plan, eos):
+        calls.append(len(plan.seqs))
         raise EngineFatalError("a rank died")
 
     monkeypatch.setattr(llm.engine.runner, "execute", execute)

@@ -30,12 +30,12 @@ def add_request(self, request_id, prompt, params=None, arrival_time=None):
     return req
 
 
-def execute(self, sched, eos_token_ids):
+def execute(self, plan, eos_token_ids):
     if _delay:
         time.sleep(_delay)
-    if any(s.request.group_id in _poisoned for s in sched.scheduled):
+    if any(s.user_request_id in _poisoned for s in plan.seqs):
         raise RuntimeError("injected fault")
-    return _execute(self, sched, eos_token_ids)
+    return _execute(self, plan, eos_token_ids)
 
 
 LLMEngine.add_request = add_request

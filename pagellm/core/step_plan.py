@@ -1,0 +1,52 @@
+"""The step plan: what the model runner must do this step, as plain data.
+
+The scheduler decides; the plan carries the decision to the runner without any scheduler
+object: each sequence's tokens to compute, their first position, its block table, and who
+samples from its last position. The runner (and, through it, every tensor-parallel rank)
+reads nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """A sequence that samples its next token from a planned sequence's last logits: the
+    sequence itself, or a sibling forked from it this step."""
+
+    request_id: str
+    params: SamplingParams
+    # The sequence's tokens so far, for the penalties; read, never written, by the runner.
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class PlannedSeq:
+    request_id: str
+    token_ids: list[int]   # the tokens this step computes (a prefill chunk, or one decode token)
+    start: int             # the position of token_ids[0]
+    block_table: list[int]
+    samplers: list[SampleSpec] = field(default_factory=list)  # empty while a prefill is unfinished
+
+    @property
+    def user_request_id(self) -> str:
+        """The request this sequence belongs to (n > 1 and beams fork `<id>#<i>`)."""
+        return self.request_id.split("#", 1)[0]
+
+
+@dataclass
+class StepPlan:
+    seqs: list[PlannedSeq]
+    # (src, dst) block copies to make before the forward pass (copy-on-write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def subset(self, seqs: list[PlannedSeq]) -> StepPlan:
+        """A plan for some of the sequences only, with only the copies into their own blocks:
+        copying again into a block another subset has written since would erase its new token."""
+        owned = {b for s in seqs for b in s.block_table}
+        return StepPlan(seqs, [(src, dst) for src, dst in self.block_copies if dst in owned])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -19,65 +19,21 @@ from pagellm.beam_search import Beam, BeamSearchParams, BeamState
 from pagellm.config import EngineConfig
 from pagellm.core.kv import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.scheduler import Scheduler
-from pagellm.core.scheduler import SchedulerOutput
+from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.core.step_plan import PlannedSeq, StepPlan
-from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.groups import BeamGroup, Group, SampleGroup
+from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.errors import EngineFatalError
 from pagellm.model.loader import load_model_source
 from pagellm.model.tokenizer import Tokenizer
-from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagellm.sampling_params import SamplingParams, check_text
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.model_runner import ModelRunner, StepResult, resolve_device, resolve_dtype
 from pagellm.worker.sampler import ROW_ERRORS
 
-PromptType = str | list[int] | dict
 logger = logging.getLogger("pagellm.engine")
-
-
-@dataclass
-class _Seq:
-    """Engine-side state of one sequence that the scheduler need not know."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-
-
-@dataclass
-class _Group:
-    """One user request: its n (or best_of) sequences."""
-
-    request_id: str
-    num_seqs: int
-    params: SamplingParams
-    seqs: dict[int, _Seq]
-
-    def seq_ids(self) -> list[str]:
-        return [self.request_id] + [f"{self.request_id}#{i}" for i in range(1, self.num_seqs)]
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.num_seqs and all(s.request.is_finished for s in self.seqs.values())
-
-
-@dataclass
-class _BeamGroup:
-    """One beam-search request: its live beams (each a sequence in the scheduler) and
-    the candidates they have reported this round."""
-
-    request_id: str
-    state: BeamState
-    requests: dict[str, Request]
-    root: Request
-    pending: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    next_seq: int = 1
-
-    @property
-    def finished(self) -> bool:
-        return self.state.done
 
 
 class LLMEngine:
@@ -87,7 +43,7 @@ class LLMEngine:
         self.model_path = source.path
         self.tokenizer: Tokenizer = source.tokenizer
         self.arch = source.arch
-        self.max_model_len = self._resolve_max_model_len(config.max_model_len, self.arch.max_position_embeddings)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.arch.max_position_embeddings)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
@@ -117,52 +73,32 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
+                                     self.kv, self.eos_token_ids)
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
         self.num_generation_tokens = 0
         self._check_invariants = envs.check_invariants()  # PAGELLM_CHECK_INVARIANTS=1: after every step
         self.timer: PhaseTimer | None = None  # see attach_timer
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
         self.request_failures: Counter[str] = Counter()  # failed requests, by cause
-        self._groups: dict[str, _Group | _BeamGroup] = {}
-        self._seq_group: dict[str, _Group | _BeamGroup] = {}  # every sequence id in use -> its group
-
-    @staticmethod
-    def _resolve_max_model_len(asked: int | None, model_max: int) -> int:
-        if asked is None:
-            return model_max
-        if asked > model_max:
-            raise ValueError(f"max_model_len must be <= the model's context length ({model_max}), got {asked}")
-        return asked
+        self._groups: dict[str, Group] = {}
+        self._seq_group: dict[str, Group] = {}  # every sequence id in use -> its group
 
     # ---- requests ----------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)
-            return prompt, self.tokenizer.encode(prompt) if prompt else []
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Validate, tokenize and queue a request. Raises ValueError, changing nothing, on bad input."""
         params = params or SamplingParams()
         self._check_request_id(request_id)
         num_seqs = params.best_of or params.n
-        self._check_num_seqs(num_seqs)  # before anything is built per sequence
-        group = _Group(request_id, num_seqs, params, {})
+        self.inputs.check_num_seqs(num_seqs)
+        group = SampleGroup(request_id, num_seqs, params, {})
         taken = next((sid for sid in group.seq_ids() if sid in self._seq_group), None)
         if taken is not None:
             raise ValueError(f"request_id {taken!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
-        self._validate(ids, params)
+        text, ids = self.inputs.tokenize(prompt)
+        self.inputs.validate(ids, params)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -174,7 +110,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             pending_forks=num_seqs - 1,
         )
-        self._track(group, req)
+        self.outputs.track(group, req)
         self._groups[request_id] = group
         for sid in group.seq_ids():
             self._seq_group[sid] = group
@@ -182,9 +118,7 @@ class LLMEngine:
         return req
 
     def _check_request_id(self, request_id: str) -> None:
-        if not isinstance(request_id, str) or not request_id or "#" in request_id:
-            raise ValueError(f"request_id must be a non-empty string without '#' (kept for sibling sequences), "
-                             f"got {request_id!r}")
+        self.inputs.check_request_id(request_id)
         if request_id in self._seq_group:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
@@ -193,75 +127,34 @@ class LLMEngine:
         """Queue a beam search. Its beams are sequences like any other; between rounds
         the engine forks the chosen ones and drops the rest."""
         self._check_request_id(request_id)
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = self.inputs.tokenize(prompt)
         w = params.beam_width
         # Each beam reads the top 2W continuations of its last position, greedily "sampled".
         seq_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2 * w)
         # A round waits for every beam, so all W must be able to hold their blocks at once.
-        self._validate(ids, seq_params, num_seqs=w, seqs_at_once=w)
+        self.inputs.validate(ids, seq_params, num_seqs=w, seqs_at_once=w)
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=seq_params,
                       eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time or time.time(),
                       max_model_len=self.max_model_len)
-        group = _BeamGroup(request_id, BeamState(params, self.eos_token_ids, [Beam(request_id, [], np.float32(0))]),
+        group = BeamGroup(request_id, BeamState(params, self.eos_token_ids, [Beam(request_id, [], np.float32(0))]),
                            {request_id: req}, root=req)
         self._groups[request_id] = group
         self._seq_group[request_id] = group
         self.scheduler.add_request(req)
         return req
 
-    def _track(self, group: _Group, req: Request) -> None:
-        params = req.sampling_params
-        group.seqs[req.index] = _Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
-                                     logprobs=[] if params.logprobs is not None else None)
-
-    def _validate(self, ids: list[int], params: SamplingParams, num_seqs: int | None = None,
-                  seqs_at_once: int = 1) -> None:
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.arch.vocab_size
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                             f"which must hold the prompt plus at least one generated token")
-        params.check_vocab(vocab)
-        if params.allowed_token_ids and params.min_tokens:
-            if params.min_tokens_held_off(self.eos_token_ids).issuperset(params.allowed_token_ids):
-                raise ValueError(f"allowed_token_ids {params.allowed_token_ids} are all stop or end-of-sequence "
-                                 f"tokens, which min_tokens ({params.min_tokens}) holds off: nothing could be picked")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
-        self._check_num_seqs(num_seqs or params.best_of or params.n)
-        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        need = self.kv.blocks_for(longest) * seqs_at_once
-        if need > self.kv.num_blocks:
-            raise ValueError(
-                f"the request needs up to {need} KV blocks ({seqs_at_once} x {longest} tokens at block_size "
-                f"{self.kv.block_size}) "
-                f"but the whole KV pool has {self.kv.num_blocks}; lower max_tokens or enlarge the pool")
-
-    def _check_num_seqs(self, num_seqs: int) -> None:
-        if num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"n, best_of and beam_width must be <= max_num_seqs ({self.config.max_num_seqs}), "
-                             f"got {num_seqs}")
-
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks return to the pool at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self._groups.get(rid)
             if group is not None:
-                for sid in self._seq_ids(group):
+                for sid in group.seq_ids():
                     self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
                 self._drop(group)
 
-    @staticmethod
-    def _seq_ids(group: _Group | _BeamGroup) -> list[str]:
-        return list(group.requests) if isinstance(group, _BeamGroup) else group.seq_ids()
-
-    def _drop(self, group: _Group | _BeamGroup) -> None:
+    def _drop(self, group: Group) -> None:
         del self._groups[group.request_id]
-        for sid in self._seq_ids(group):
+        for sid in group.seq_ids():
             self._seq_group.pop(sid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -307,7 +200,7 @@ class LLMEngine:
     def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         for s in sched.scheduled:
             for child in s.forks:
-                self._track(self._seq_group[child.request_id], child)
+                self.outputs.track(self._seq_group[child.request_id], child)
         result, failures = self._execute(sched.plan())
         sampled, beam_rows = {}, []
         if result.sampled is not None:
@@ -316,7 +209,7 @@ class LLMEngine:
                 group = self._seq_group[rid]
                 if i in errors:
                     failures.setdefault(group.request_id, (RuntimeError(ROW_ERRORS[errors[i]]), errors[i]))
-                elif isinstance(group, _BeamGroup):
+                elif isinstance(group, BeamGroup):
                     beam_rows.append((rid, i))
                 else:
                     sampled[rid] = token
@@ -332,7 +225,7 @@ class LLMEngine:
         updated = self.scheduler.update_after_step(sched, sampled)
         self.num_generation_tokens += len(sampled)
         rows = {rid: i for i, rid in enumerate(result.request_ids)}
-        touched: dict[str, _Group | _BeamGroup] = {}
+        touched: dict[str, Group] = {}
         failed: dict[str, Exception] = {}
         for rid, row in beam_rows:
             group = self._seq_group[rid]
@@ -352,7 +245,10 @@ class LLMEngine:
             if group is None or group.request_id in failed:
                 continue
             try:
-                self._update_seq(group.seqs[req.index], result.sampled, rows[req.request_id])
+                seq = group.seqs[req.index]
+                if self.outputs.append(seq, result.sampled, rows[req.request_id]) and not req.is_finished:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                self.outputs.release_text(seq)
             except Exception as e:  # one request's failure must not take down the others
                 failed[group.request_id] = e
             touched[group.request_id] = group
@@ -360,7 +256,7 @@ class LLMEngine:
             try:
                 if group.request_id in failed:
                     raise failed[group.request_id]
-                out = self._output(group)
+                out = self.outputs.output(group)
             except Exception as e:
                 outputs.append(self._fail(group, e, "output_error"))
                 continue
@@ -410,17 +306,13 @@ class LLMEngine:
             logger.error("request %s failed on its own and is dropped: %s: %s", gid, type(e).__name__, e)
         return StepResult.concat(clean), culprits
 
-    def _fail(self, group: _Group | _BeamGroup, error: Exception, cause: str) -> RequestOutput:
+    def _fail(self, group: Group, error: Exception, cause: str) -> RequestOutput:
         """Abort a request that failed (counted under `cause`); its blocks go back at once."""
-        first = group.root if isinstance(group, _BeamGroup) else group.seqs[0].request
         self.request_failures[cause] += 1
         self.abort_request(group.request_id)
-        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, [], True,
-                             RequestMetrics(first.arrival_time, first.first_token_time, time.time(),
-                                            first.num_preemptions),
-                             error=f"{type(error).__name__}: {error}")
+        return self.outputs.failure(group, error)
 
-    def _advance_beams(self, group: _BeamGroup) -> None:
+    def _advance_beams(self, group: BeamGroup) -> None:
         """Every live beam has reported: choose the next beams, then fork the ones chosen
         more than once (sharing blocks) and drop the ones not chosen (releasing them)."""
         state = group.state
@@ -457,74 +349,6 @@ class LLMEngine:
         for req, token in appends:
             req.append_token(token)
         state.live = live
-
-    def _update_seq(self, seq: _Seq, sampled, row: int) -> None:
-        req = seq.request
-        token = req.output_token_ids[-1]
-        req.cumulative_logprob += sampled.logprobs[row]
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token, sampled, row))
-        if seq.detokenizer.update([token]) is not None and not req.is_finished:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-        seq.text += seq.detokenizer.get_delta(finished=req.is_finished)
-        # A stop string that cut the text is why the sequence stopped: also when it was found on the
-        # token that reached max_tokens, or only in the tail released at the finish (a partial
-        # character decoded as U+FFFD).
-        stop = seq.detokenizer.stop_str
-        if stop is not None and req.stop_reason != stop:
-            req.finish(RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-
-    def _logprob_entry(self, token: int, sampled, row: int) -> dict[int, Logprob]:
-        entry = {}
-        for tid, lp in (sampled.top_logprobs[row] if sampled.top_logprobs else []):
-            entry[tid] = Logprob(lp, None, self.tokenizer.decode([tid], skip_special_tokens=False))
-        for rank, tid in enumerate(entry, start=1):
-            entry[tid].rank = rank
-        if token not in entry:
-            rank = sampled.ranks[row] if sampled.ranks else None
-            entry[token] = Logprob(sampled.logprobs[row], rank, self.tokenizer.decode([token], skip_special_tokens=False))
-        return entry
-
-    def _beam_output(self, group: _BeamGroup) -> RequestOutput:
-        results = group.state.results(self.tokenizer.decode)
-        completions = [
-            CompletionOutput(index=i, text=seq.text, token_ids=seq.token_ids,
-                             cumulative_logprob=seq.cumulative_logprob, logprobs=None,
-                             finish_reason="stop" if seq.token_ids and seq.token_ids[-1] in self.eos_token_ids
-                             and not group.state.params.ignore_eos else "length")
-            for i, seq in enumerate(results.sequences)
-        ]
-        first = group.root
-        now = time.time()
-        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, True,
-                             RequestMetrics(first.arrival_time, first.first_token_time, now, first.num_preemptions))
-
-    def _output(self, group: _Group | _BeamGroup) -> RequestOutput | None:
-        if isinstance(group, _BeamGroup):
-            return self._beam_output(group)
-        seqs = [group.seqs[i] for i in sorted(group.seqs)]
-        if group.num_seqs > group.params.n:
-            # best_of: only the final answer, the n most likely sequences.
-            if not group.finished:
-                return None
-            seqs = sorted(seqs, key=lambda s: -s.request.cumulative_logprob)[:group.params.n]
-        completions = [
-            CompletionOutput(
-                index=i, text=s.text, token_ids=list(s.request.output_token_ids),
-                cumulative_logprob=s.request.cumulative_logprob, logprobs=s.logprobs,
-                finish_reason=s.request.status.value if s.request.is_finished else None,
-                stop_reason=s.request.stop_reason,
-            )
-            for i, s in enumerate(seqs)
-        ]
-        first = group.seqs[0].request
-        times = [s.request.first_token_time for s in group.seqs.values() if s.request.first_token_time]
-        finished_times = [s.request.finished_time for s in group.seqs.values() if s.request.finished_time]
-        metrics = RequestMetrics(first.arrival_time, min(times) if times else None,
-                                 max(finished_times) if group.finished else None,
-                                 sum(s.request.num_preemptions for s in group.seqs.values()))
-        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
-                             metrics, num_cached_tokens=first.num_cached_tokens)
 
     def memory_report(self) -> list[dict]:
         """Per rank (one entry without tensor parallelism): bytes of weights and of KV cache it

@@ -1,0 +1,110 @@
+"""From what a step sampled to what the caller sees: logprobs in vLLM's shape, incremental
+text (stop strings included), and the RequestOutput of each request."""
+from __future__ import annotations
+
+import time
+
+from pagellm.core.request import Request, RequestStatus
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.groups import BeamGroup, Group, SampleGroup, SeqText
+from pagellm.model.tokenizer import Tokenizer
+from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.worker.sampler import SamplerOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def track(self, group: SampleGroup, req: Request) -> None:
+        """Start following a sequence of `group` (the first, or a fork)."""
+        params = req.sampling_params
+        group.seqs[req.index] = SeqText(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+                                        logprobs=[] if params.logprobs is not None else None)
+
+    def append(self, seq: SeqText, sampled: SamplerOutput, row: int) -> bool:
+        """Take in the token the sequence just received (row `row` of the step's sample);
+        True when a stop string now ends its text, so that it must stop."""
+        req = seq.request
+        token = req.output_token_ids[-1]
+        req.cumulative_logprob += sampled.logprobs[row]
+        if seq.logprobs is not None:
+            seq.logprobs.append(self.logprob_entry(token, sampled, row))
+        return seq.detokenizer.update([token]) is not None
+
+    def release_text(self, seq: SeqText) -> None:
+        """Move the text that can be shown now into `seq.text` (all of it once the sequence finished)."""
+        req = seq.request
+        seq.text += seq.detokenizer.get_delta(finished=req.is_finished)
+        # A stop string that cut the text is why the sequence stopped: also when it was found on the
+        # token that reached max_tokens, or only in the tail released at the finish (a partial
+        # character decoded as U+FFFD).
+        stop = seq.detokenizer.stop_str
+        if stop is not None and req.stop_reason != stop:
+            req.finish(RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+
+    def logprob_entry(self, token: int, sampled: SamplerOutput, row: int) -> dict[int, Logprob]:
+        entry = {}
+        for tid, lp in (sampled.top_logprobs[row] if sampled.top_logprobs else []):
+            entry[tid] = Logprob(lp, None, self._piece(tid))
+        for rank, tid in enumerate(entry, start=1):
+            entry[tid].rank = rank
+        if token not in entry:
+            rank = sampled.ranks[row] if sampled.ranks else None
+            entry[token] = Logprob(sampled.logprobs[row], rank, self._piece(token))
+        return entry
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    # ---- RequestOutputs ----------------------------------------------------------------------
+    def output(self, group: Group) -> RequestOutput | None:
+        """The request's output now; None for best_of before it finishes (only the best n are shown)."""
+        if isinstance(group, BeamGroup):
+            return self._beam_output(group)
+        seqs = [group.seqs[i] for i in sorted(group.seqs)]
+        if group.num_seqs > group.params.n:
+            if not group.finished:
+                return None
+            seqs = sorted(seqs, key=lambda s: -s.request.cumulative_logprob)[:group.params.n]
+        completions = [
+            CompletionOutput(
+                index=i, text=s.text, token_ids=list(s.request.output_token_ids),
+                cumulative_logprob=s.request.cumulative_logprob, logprobs=s.logprobs,
+                finish_reason=s.request.status.value if s.request.is_finished else None,
+                stop_reason=s.request.stop_reason,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        first = group.first
+        times = [s.request.first_token_time for s in group.seqs.values() if s.request.first_token_time]
+        finished_times = [s.request.finished_time for s in group.seqs.values() if s.request.finished_time]
+        metrics = RequestMetrics(first.arrival_time, min(times) if times else None,
+                                 max(finished_times) if group.finished else None,
+                                 sum(s.request.num_preemptions for s in group.seqs.values()))
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
+                             metrics, num_cached_tokens=first.num_cached_tokens)
+
+    def _beam_output(self, group: BeamGroup) -> RequestOutput:
+        results = group.state.results(self.tokenizer.decode)
+        completions = [
+            CompletionOutput(index=i, text=seq.text, token_ids=seq.token_ids,
+                             cumulative_logprob=seq.cumulative_logprob, logprobs=None,
+                             finish_reason="stop" if seq.token_ids and seq.token_ids[-1] in self.eos_token_ids
+                             and not group.state.params.ignore_eos else "length")
+            for i, seq in enumerate(results.sequences)
+        ]
+        first = group.root
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, True,
+                             RequestMetrics(first.arrival_time, first.first_token_time, time.time(),
+                                            first.num_preemptions))
+
+    @staticmethod
+    def failure(group: Group, error: Exception) -> RequestOutput:
+        """The final output of a request that failed: no completions, and why."""
+        first = group.first
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, [], True,
+                             RequestMetrics(first.arrival_time, first.first_token_time, time.time(),
+                                            first.num_preemptions),
+                             error=f"{type(error).__name__}: {error}")

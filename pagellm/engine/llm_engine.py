@@ -213,12 +213,12 @@ class LLMEngine:
                     beam_rows.append((rid, i))
                 else:
                     sampled[rid] = token
-        outputs = [self._fail(self._groups[gid], error, cause) for gid, (error, cause) in failures.items()
-                   if gid in self._groups]
-        if failures:
+        if failures:  # set the failed requests' sequences aside before _fail forgets them
             sched = replace(sched, scheduled=[s for s in sched.scheduled if s.request.group_id not in failures])
             sampled = {rid: t for rid, t in sampled.items() if self._seq_group[rid].request_id not in failures}
             beam_rows = [(rid, i) for rid, i in beam_rows if self._seq_group[rid].request_id not in failures]
+        outputs = [self._fail(self._groups[gid], error, cause) for gid, (error, cause) in failures.items()
+                   if gid in self._groups]
         for s in sched.scheduled:
             self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                                                    - s.start)

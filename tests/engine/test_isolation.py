@@ -164,3 +164,24 @@ def test_abort_in_the_middle_of_a_chunked_prefill(tiny_llama_dir):
     assert "long" not in done
     s = llm.stats()
     assert s["free_blocks"] == s["total_blocks"]
+
+
+def test_a_row_that_cannot_be_sampled_fails_its_whole_request_and_only_it(llm, clean, monkeypatch):
+    """The sampler gives up on one sequence of an n=2 request (its sibling sampled fine): the whole
+    request fails, the sibling's token is not applied, and every other request is untouched."""
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def execute(plan, eos):
+        result = real(plan, eos)
+        if "r2#1" in result.request_ids:
+            result.sampled.errors = {**(result.sampled.errors or {}), result.request_ids.index("r2#1"):
+                                     "non_finite_logits"}
+        return result
+
+    monkeypatch.setattr(runner, "execute", execute)
+    done = run(llm, requests())
+    assert "not finite" in done["r2"].error
+    for rid, toks in clean.items():
+        if rid != "r2":
+            assert done[rid].error is None and tokens(done[rid]) == toks, rid

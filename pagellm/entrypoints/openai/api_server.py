@@ -15,7 +15,7 @@ from starlette.responses import Response
 import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai import dashboard
-from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_request_text, validation_error
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -23,7 +23,6 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
-from pagellm.sampling_params import check_text
 
 logger = logging.getLogger("pagellm.server")
 
@@ -111,10 +110,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
         if req.messages is not None:
             ids = chat.render(req.messages, req.add_generation_prompt)
         else:
-            try:
-                check_text("prompt", req.prompt)
-            except ValueError as e:
-                raise bad_request(e, param="prompt") from None
+            check_request_text("prompt", req.prompt)
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from starlette.responses import Response
 
+from pagellm.sampling_params import check_text
+
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -61,6 +63,14 @@ def bad_request(error: ValueError | str, param: str | None = None, code: str | N
         if m and m.group(1) in _KNOWN_FIELDS:
             param = m.group(1)
     return OpenAIError(400, message, param=param, code=code)
+
+
+def check_request_text(name: str, text: str) -> None:
+    """`text` must encode to UTF-8 (no lone surrogate, which JSON can carry): else a 400 naming `name`."""
+    try:
+        check_text(name, text)
+    except ValueError as e:
+        raise bad_request(e, param=name) from None
 
 
 _KNOWN_FIELDS = {

@@ -7,12 +7,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_engine import RequestStream
-from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import check_text
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -48,10 +47,7 @@ class OpenAIServingChat(OpenAIServing):
                                                       **kwargs)
         except ValueError as e:
             raise bad_request(e, param="messages") from None
-        try:  # the template may have pasted in a lone surrogate from any field
-            check_text("messages", text)
-        except ValueError as e:
-            raise bad_request(e, param="messages") from None
+        check_request_text("messages", text)  # the template may have pasted in a lone surrogate from any field
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod

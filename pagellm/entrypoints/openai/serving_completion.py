@@ -7,12 +7,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_engine import RequestStream
-from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import CompletionRequest
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import check_text
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -54,10 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for item in items:
             if isinstance(item, str):
-                try:
-                    check_text("prompt", item)
-                except ValueError as e:
-                    raise bad_request(e, param="prompt") from None
+                check_request_text("prompt", item)
                 out.append((item, self.tokenizer.encode(item) if item else []))
             else:
                 out.append((None, list(item)))

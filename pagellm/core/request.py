@@ -60,6 +60,9 @@ class Request:
     group_id: str = ""
     index: int = 0
     pending_forks: int = 0
+    # Beam search: the step reports this sequence's candidates and its caller (not the
+    # engine core) chooses and appends its next token.
+    caller_appends: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -97,7 +100,7 @@ class Request:
             output_token_ids=list(self.output_token_ids), num_computed_tokens=self.num_computed_tokens,
             status=self.status, max_model_len=self.max_model_len, cache_salt=self.cache_salt,
             num_cached_tokens=self.num_cached_tokens, group_id=self.group_id, index=index,
-            cumulative_logprob=self.cumulative_logprob,
+            cumulative_logprob=self.cumulative_logprob, caller_appends=self.caller_appends,
         )
 
     def token_slice(self, start: int, end: int) -> list[int]:

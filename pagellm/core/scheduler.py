@@ -57,7 +57,7 @@ class SchedulerOutput:
             samplers = [SampleSpec(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
                         for r in (req, *s.forks)] if s.samples else []
             seqs.append(PlannedSeq(req.request_id, req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
-                                   s.block_table, samplers))
+                                   s.block_table, samplers, req.group_id))
         return StepPlan(seqs, self.block_copies)
 
 

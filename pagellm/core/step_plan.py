@@ -32,11 +32,12 @@ class PlannedSeq:
     start: int             # the position of token_ids[0]
     block_table: list[int]
     samplers: list[SampleSpec] = field(default_factory=list)  # empty while a prefill is unfinished
+    # The user's request this sequence belongs to (n > 1 and beams fork sequences `<id>#<i>`).
+    user_request_id: str = ""
 
-    @property
-    def user_request_id(self) -> str:
-        """The request this sequence belongs to (n > 1 and beams fork `<id>#<i>`)."""
-        return self.request_id.split("#", 1)[0]
+    def __post_init__(self) -> None:
+        if not self.user_request_id:
+            object.__setattr__(self, "user_request_id", self.request_id)
 
 
 @dataclass

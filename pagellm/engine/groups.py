@@ -1,5 +1,5 @@
-"""What the engine tracks per user request beyond what the scheduler knows: the sequences of
-a request with n (or best_of) samples, or the beams of a beam search."""
+"""What the engine tracks per user request beyond what the engine core knows: its
+sequences (n or best_of samples, or the live beams of a beam search) and their text."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,48 +22,36 @@ class SeqText:
 
 
 @dataclass
-class SampleGroup:
-    """One user request: its n (or best_of) sequences, `<id>`, `<id>#1`, ..."""
+class BeamRound:
+    """A beam search's live beams and the candidates they have reported this round."""
 
-    request_id: str
-    num_seqs: int
-    params: SamplingParams
-    seqs: dict[int, SeqText]
-
-    def seq_ids(self) -> list[str]:
-        return [self.request_id] + [f"{self.request_id}#{i}" for i in range(1, self.num_seqs)]
-
-    @property
-    def first(self) -> Request:
-        return self.seqs[0].request
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.num_seqs and all(s.request.is_finished for s in self.seqs.values())
+    state: BeamState
+    pending: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 @dataclass
-class BeamGroup:
-    """One beam-search request: its live beams (each a sequence in the scheduler) and
-    the candidates they have reported this round."""
+class SequenceGroup:
+    """One user request. Its sequences are `<id>`, `<id>#1`, ...: the n (or best_of)
+    samples, whose text `texts` follows by index; or, with `beams`, the live beams, which
+    are forked and dropped between rounds and whose text is decoded once at the end."""
 
     request_id: str
-    state: BeamState
-    requests: dict[str, Request]
-    root: Request
-    pending: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    next_seq: int = 1
+    root: Request              # the first sequence: the prompt, arrival time, cached tokens
+    params: SamplingParams
+    num_seqs: int              # samples (n or best_of); 1 for a beam search (its beams fork)
+    texts: dict[int, SeqText] = field(default_factory=dict)
+    beams: BeamRound | None = None
+    live: dict[str, Request] = field(default_factory=dict)  # a beam search's live beams
+    next_seq: int = 1          # the suffix of the next sequence forked
 
     def seq_ids(self) -> list[str]:
-        return list(self.requests)
-
-    @property
-    def first(self) -> Request:
-        return self.root
+        """Every sequence id the request holds or will hold (forks pending included)."""
+        if self.beams is not None:
+            return list(self.live)
+        return [self.request_id] + [f"{self.request_id}#{i}" for i in range(1, self.num_seqs)]
 
     @property
     def finished(self) -> bool:
-        return self.state.done
-
-
-Group = SampleGroup | BeamGroup
+        if self.beams is not None:
+            return self.beams.state.done
+        return len(self.texts) == self.num_seqs and all(s.request.is_finished for s in self.texts.values())

@@ -6,7 +6,7 @@ import time
 
 from pagellm.core.request import Request, RequestStatus
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.groups import BeamGroup, Group, SampleGroup, SeqText
+from pagellm.engine.groups import SeqText, SequenceGroup
 from pagellm.model.tokenizer import Tokenizer
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.worker.sampler import SamplerOutput
@@ -17,10 +17,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
 
-    def track(self, group: SampleGroup, req: Request) -> None:
-        """Start following a sequence of `group` (the first, or a fork)."""
+    def track(self, group: SequenceGroup, req: Request) -> None:
+        """Start following the text of a sampled sequence of `group` (the first, or a fork)."""
         params = req.sampling_params
-        group.seqs[req.index] = SeqText(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+        group.texts[req.index] = SeqText(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
                                         logprobs=[] if params.logprobs is not None else None)
 
     def append(self, seq: SeqText, sampled: SamplerOutput, row: int) -> bool:
@@ -59,11 +59,11 @@ class OutputProcessor:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     # ---- RequestOutputs ----------------------------------------------------------------------
-    def output(self, group: Group) -> RequestOutput | None:
+    def output(self, group: SequenceGroup) -> RequestOutput | None:
         """The request's output now; None for best_of before it finishes (only the best n are shown)."""
-        if isinstance(group, BeamGroup):
+        if group.beams is not None:
             return self._beam_output(group)
-        seqs = [group.seqs[i] for i in sorted(group.seqs)]
+        seqs = [group.texts[i] for i in sorted(group.texts)]
         if group.num_seqs > group.params.n:
             if not group.finished:
                 return None
@@ -77,22 +77,23 @@ class OutputProcessor:
             )
             for i, s in enumerate(seqs)
         ]
-        first = group.first
-        times = [s.request.first_token_time for s in group.seqs.values() if s.request.first_token_time]
-        finished_times = [s.request.finished_time for s in group.seqs.values() if s.request.finished_time]
+        first = group.root
+        times = [s.request.first_token_time for s in group.texts.values() if s.request.first_token_time]
+        finished_times = [s.request.finished_time for s in group.texts.values() if s.request.finished_time]
         metrics = RequestMetrics(first.arrival_time, min(times) if times else None,
                                  max(finished_times) if group.finished else None,
-                                 sum(s.request.num_preemptions for s in group.seqs.values()))
+                                 sum(s.request.num_preemptions for s in group.texts.values()))
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
                              metrics, num_cached_tokens=first.num_cached_tokens)
 
-    def _beam_output(self, group: BeamGroup) -> RequestOutput:
-        results = group.state.results(self.tokenizer.decode)
+    def _beam_output(self, group: SequenceGroup) -> RequestOutput:
+        state = group.beams.state
+        results = state.results(self.tokenizer.decode)
         completions = [
             CompletionOutput(index=i, text=seq.text, token_ids=seq.token_ids,
                              cumulative_logprob=seq.cumulative_logprob, logprobs=None,
                              finish_reason="stop" if seq.token_ids and seq.token_ids[-1] in self.eos_token_ids
-                             and not group.state.params.ignore_eos else "length")
+                             and not state.params.ignore_eos else "length")
             for i, seq in enumerate(results.sequences)
         ]
         first = group.root
@@ -101,9 +102,9 @@ class OutputProcessor:
                                             first.num_preemptions))
 
     @staticmethod
-    def failure(group: Group, error: Exception) -> RequestOutput:
+    def failure(group: SequenceGroup, error: Exception) -> RequestOutput:
         """The final output of a request that failed: no completions, and why."""
-        first = group.first
+        first = group.root
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, [], True,
                              RequestMetrics(first.arrival_time, first.first_token_time, time.time(),
                                             first.num_preemptions),

@@ -157,7 +157,7 @@ def test_a_failing_request_fails_alone(llm):
     def broken(token_ids):
         raise RuntimeError("detokenizer exploded")
 
-    eng._groups["bad"].seqs[0].detokenizer.update = broken
+    eng._groups["bad"].texts[0].detokenizer.update = broken
     finished = {}
     while eng.has_unfinished_requests():
         for out in eng.step():

@@ -1,0 +1,184 @@
+"""The engine core: schedule -> execute -> update, and nothing else.
+
+It knows sequences (`Request`), not what users asked for: parallel samples, beams,
+text and logprob formatting live outside it (`LLMEngine`, `engine/beams.py`,
+`OutputProcessor`) and drive it through the public methods below.
+
+A sequence can only fail its own request: a step whose batch raises is retried on halves
+of the batch until the requests that fail alone are found (`_execute`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from pagellm.core.kv import KVManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.scheduler import Scheduler, SchedulerOutput
+from pagellm.core.step_plan import PlannedSeq, StepPlan
+from pagellm.errors import EngineFatalError
+from pagellm.timing import PhaseTimer, phase
+from pagellm.worker.model_runner import StepResult
+from pagellm.worker.sampler import ROW_ERRORS, SamplerOutput
+
+logger = logging.getLogger("pagellm.engine")
+
+Failure = tuple[Exception, str]  # (the error, its cause as counted in stats()["request_failures"])
+
+
+@dataclass
+class CoreStep:
+    """What one step did. Sequences of a failed request are already aborted and appear
+    nowhere but in `failures`."""
+
+    sampled: SamplerOutput | None = None
+    rows: dict[str, int] = field(default_factory=dict)       # sequence id -> its row in `sampled`
+    updated: list[Request] = field(default_factory=list)     # received a token (stop rules applied)
+    held: list[str] = field(default_factory=list)            # sampled, but the caller picks the token
+    forked: list[Request] = field(default_factory=list)      # sequences forked this step (n > 1)
+    failures: dict[str, Failure] = field(default_factory=dict)  # request (group) id -> why it failed
+
+
+class EngineCore:
+    def __init__(self, runner, kv: KVManager, scheduler: Scheduler, eos_token_ids: frozenset[int]) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.timer: PhaseTimer | None = None
+        self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
+        self.num_generation_tokens = 0
+        self.num_step_failures = 0  # steps whose batch raised (and was bisected)
+
+    # ---- sequences: what the layers above may do between steps ----------------------------
+    def add(self, seq: Request) -> None:
+        self.scheduler.add_request(seq)
+
+    def finish(self, seq_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish a sequence wherever it is; its blocks return to the pool at once."""
+        self.scheduler.finish_request(seq_id, status)
+
+    def fork(self, parent_id: str, child_id: str, index: int) -> Request:
+        """A new sequence continuing `parent_id` from where it is, sharing its blocks."""
+        parent = self.scheduler.requests[parent_id]
+        return self.scheduler.fork_request(parent, child_id, index, parent.sampling_params)
+
+    def append_token(self, seq_id: str, token: int) -> None:
+        """Give a held sequence (see `Request.caller_appends`) the token its caller chose."""
+        self.scheduler.requests[seq_id].append_token(token)
+        self.num_generation_tokens += 1
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> CoreStep:
+        with phase(self.timer, "schedule"):
+            sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return CoreStep()
+        try:
+            return self._run(sched)
+        except EngineFatalError:
+            raise
+        except Exception as e:  # a bug after the model ran: these sequences' state is unknown
+            logger.exception("engine step failed outside the model; failing its %d sequences", len(sched.scheduled))
+            self.num_step_failures += 1
+            groups = sorted({s.request.group_id for s in sched.scheduled})
+            return CoreStep(failures=self._abort_groups({gid: (e, "step_error") for gid in groups}))
+
+    def _run(self, sched: SchedulerOutput) -> CoreStep:
+        forked = [child for s in sched.scheduled for child in s.forks]
+        result, failures = self._execute(sched.plan())
+        sampled: dict[str, int] = {}
+        held, rows = [], {}
+        if result.sampled is not None:
+            errors = result.sampled.errors or {}
+            for i, (rid, token) in enumerate(zip(result.request_ids, result.sampled.token_ids)):
+                seq = self.scheduler.requests[rid]
+                if i in errors:
+                    failures.setdefault(seq.group_id, (RuntimeError(ROW_ERRORS[errors[i]]), errors[i]))
+                    continue
+                rows[rid] = i
+                if seq.caller_appends:
+                    held.append(rid)
+                else:
+                    sampled[rid] = token
+        if failures:  # set the failed requests' sequences aside, then abort them
+            sched = replace(sched, scheduled=[s for s in sched.scheduled if s.request.group_id not in failures])
+            forked = [r for r in forked if r.group_id not in failures]
+            keep = {rid for rid in rows if self.scheduler.requests[rid].group_id not in failures}
+            sampled = {rid: t for rid, t in sampled.items() if rid in keep}
+            held = [rid for rid in held if rid in keep]
+            rows = {rid: i for rid, i in rows.items() if rid in keep}
+            self._abort_groups(failures)
+        for s in sched.scheduled:
+            self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
+                                                   - s.start)
+        updated = self.scheduler.update_after_step(sched, sampled)
+        self.num_generation_tokens += len(sampled)
+        return CoreStep(result.sampled, rows, updated, held, forked, failures)
+
+    def _abort_groups(self, failures: dict[str, Failure]) -> dict[str, Failure]:
+        for seq in [r for r in self.scheduler.requests.values() if r.group_id in failures]:
+            self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_ABORTED)
+        return failures
+
+    def _execute(self, plan: StepPlan) -> tuple[StepResult, dict[str, Failure]]:
+        """Run the step; if it raises, find by bisection the requests that fail on their own.
+
+        Returns what the sequences that ran clean sampled, and the culprits: request (group)
+        id -> (the error it raised alone, cause). Re-running part of a step is safe: the K/V
+        a sequence writes depends only on its own tokens, so a retry writes the same values,
+        and a seeded request's draws depend only on its seed and token index (StepPlan.subset
+        keeps each part's copy-on-write copies to its own blocks).
+        """
+        eos = set(self.eos_token_ids)
+        try:
+            return self.runner.execute(plan, eos), {}
+        except EngineFatalError:
+            raise
+        except Exception as error:
+            self.num_step_failures += 1
+            logger.warning("a step of %d sequences raised %s: %s; looking for the request that caused it",
+                           len(plan.seqs), type(error).__name__, error)
+            first = error
+        culprits: dict[str, Failure] = {}
+        clean: list[StepResult] = []
+
+        def bisect(part: list[PlannedSeq], error: Exception) -> None:
+            if len(part) == 1:
+                culprits[part[0].user_request_id] = (error, "step_error")
+                return
+            mid = len(part) // 2
+            for half in (part[:mid], part[mid:]):
+                try:
+                    clean.append(self.runner.execute(plan.subset(half), eos))
+                except EngineFatalError:
+                    raise
+                except Exception as e:
+                    bisect(half, e)
+
+        bisect(plan.seqs, first)
+        for gid, (e, _) in culprits.items():
+            logger.error("request %s failed on its own and is dropped: %s: %s", gid, type(e).__name__, e)
+        return StepResult.concat(clean), culprits
+
+    def stats(self) -> dict:
+        kv = self.kv
+        return {
+            "total_blocks": kv.num_blocks,
+            "free_blocks": kv.num_free_blocks,
+            "used_blocks": kv.num_used_blocks,
+            "block_size": kv.block_size,
+            "kv_cache_usage": kv.usage(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "cached_blocks": kv.num_cached_free_blocks,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "generation_tokens": self.num_generation_tokens,
+            "num_step_failures": self.num_step_failures,
+        }

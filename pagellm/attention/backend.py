@@ -43,6 +43,23 @@ class AttentionMetadata:
         return self.num_decodes
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A layer's attention beyond scaled dot products, as in Hugging Face.
+
+    `sliding_window` W: a query at position i sees keys at positions j with i - W < j <= i.
+    `softcap` c: each scaled score s becomes c * tanh(s / c) (Gemma 2)."""
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Causal attention over the whole context, nothing else."""
+        return self.sliding_window is None and not self.softcap
+
+
 class AttentionBackend(ABC):
     """Paged attention: store the step's K/V through the slot mapping, then attend."""
 
@@ -66,5 +83,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        options: AttentionOptions | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D].
+
+        `options` (its scale equals `scale`): a sliding window or a soft-cap; `sinks`: [H]
+        logits, one per head, that join each softmax's denominator and attend to nothing
+        (gpt-oss)."""

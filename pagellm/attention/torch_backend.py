@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.kernels import cpu
 
 
@@ -33,27 +33,33 @@ class TorchAttentionBackend(AttentionBackend):
     def _use_compiled(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return self.compiled_decode is not False and cpu.decode_usable(q, k_cache)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                options: AttentionOptions | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
+        if options is not None and options.plain:
+            options = None
         if nd:
-            if self._use_compiled(q, k_cache):
+            if self._use_compiled(q, k_cache) and sinks is None:
+                window = options.sliding_window if options else None
+                softcap = options.softcap if options else None
                 out[:nd] = cpu.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                             meta.seq_lens_tensor[:nd], scale)
+                                             meta.seq_lens_tensor[:nd], scale, window, softcap)
             else:
-                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, options, sinks)
         start = nd
         for i in range(nd, meta.num_seqs):
             ql, ctx = meta.query_lens[i], meta.seq_lens[i]
             end = start + ql
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
-                                           meta.block_tables[i], ctx, scale)
+                                           meta.block_tables[i], ctx, scale, options, sinks)
             start = end
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query token per sequence, all sequences in one batched product."""
         nd = meta.num_decodes
         bs = meta.block_size
@@ -68,14 +74,39 @@ class TorchAttentionBackend(AttentionBackend):
         # The G query heads that share a KV head ride in the "query length" dimension,
         # so each K/V block is read once per KV head rather than once per query head.
         qg = q.view(nd, kvh, h // kvh, d)
-        mask = torch.arange(nb * bs, device=q.device)[None, :] < meta.seq_lens_tensor[:nd, None]
+        kpos = torch.arange(nb * bs, device=q.device)[None, :]
+        lens = meta.seq_lens_tensor[:nd, None]
+        mask = kpos < lens
+        if options is not None and options.sliding_window is not None:
+            mask &= kpos >= lens - options.sliding_window
+        if (options is not None and options.softcap) or sinks is not None:
+            # [B, KVH, G, 1, D] against [B, KVH, 1, L, D]: every query head of a group reads its KV head.
+            o = attend(qg.unsqueeze(3), keys.unsqueeze(2), vals.unsqueeze(2), mask[:, None, None, None, :], scale,
+                       options.softcap if options else None,
+                       None if sinks is None else sinks.view(1, kvh, h // kvh, 1, 1))
+            return o.reshape(nd, h, d)
         o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask[:, None, None, :], scale=scale)
         return o.reshape(nd, h, d)
 
     @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, block_table, ctx: int, scale: float) -> torch.Tensor:
+    def _prefill(q, k, v, k_cache, v_cache, block_table, ctx: int, scale: float,
+                 options: AttentionOptions | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         ql = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
+        if options is not None or sinks is not None:
+            keys = k if ctx == ql else gather_kv(k_cache, block_table, ctx)
+            vals = v if ctx == ql else gather_kv(v_cache, block_table, ctx)
+            h, kvh = q.shape[1], keys.shape[1]
+            qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if options is not None and options.sliding_window is not None:
+                mask &= kpos > qpos - options.sliding_window
+            # [KVH, G, ql, D] against [KVH, 1, ctx, D].
+            o = attend(q.transpose(0, 1).reshape(kvh, h // kvh, ql, -1), keys.transpose(0, 1).unsqueeze(1),
+                       vals.transpose(0, 1).unsqueeze(1), mask, scale, options.softcap if options else None,
+                       None if sinks is None else sinks.view(kvh, h // kvh, 1, 1))
+            return o.reshape(h, ql, -1).transpose(0, 1)
         if ctx == ql:
             # A fresh prompt: its K/V are all in this step, no need to read the cache.
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -88,3 +119,19 @@ class TorchAttentionBackend(AttentionBackend):
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention written out, for what scaled_dot_product_attention cannot do: scores
+    soft-capped (c * tanh(s / c)) before the mask, and sink logits in each denominator.
+    Shapes broadcast: q [..., Lq, D], k and v [..., L, D], mask [..., Lq, L], sinks [..., 1, 1]."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(s.softmax(-1), v)
+    s = torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+    p = (s - s.amax(-1, keepdim=True)).softmax(-1)[..., :-1]
+    return torch.matmul(p, v)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_kernels import (
     KernelConfig,
     default_prefill_config,
@@ -36,7 +37,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._tiles: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if (options is not None and not options.plain) or sinks is not None:
+            # Sliding windows, soft-caps and sinks are not in the Triton kernels yet: the torch
+            # reference serves those layers (exact, slower, and never inside a CUDA graph).
+            return _REFERENCE.forward(q, k, v, k_cache, v_cache, meta, scale, options, sinks)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -57,5 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._tiles_for = meta
         return self._tiles
 
+
+_REFERENCE = TorchAttentionBackend(compiled_decode=False)
 
 __all__ = ["TritonAttentionBackend"]

@@ -6,19 +6,30 @@ import random
 import pytest
 import torch
 
-from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.backend import AttentionMetadata, AttentionOptions
 from pagellm.attention.torch_backend import TorchAttentionBackend
 
 
-def naive(q, k, v, scale):
-    """q: [ql, H, D] for the last ql positions of a context whose K/V are k, v: [ctx, KVH, D]."""
+def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
+    """q: [ql, H, D] for the last ql positions of a context whose K/V are k, v: [ctx, KVH, D];
+    a query at position i sees keys j with i - window < j <= i; scores capped as
+    softcap * tanh(s / softcap); sinks: [H] extra logits in each softmax's denominator."""
     ql, h, _ = q.shape
     ctx, kvh, _ = k.shape
     k = k.repeat_interleave(h // kvh, dim=1)
     v = v.repeat_interleave(h // kvh, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     qpos = torch.arange(ctx - ql, ctx)[:, None]
-    scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
+    kpos = torch.arange(ctx)[None, :]
+    hidden = kpos > qpos
+    if window:
+        hidden |= kpos <= qpos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(h, ql, 1)], dim=-1)
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :-1], v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -26,7 +37,8 @@ def naive(q, k, v, scale):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("d", [8, 64])  # 64: the compiled kernel's unrolled path; 8: its generic one
-def test_mixed_batch_matches_naive(block_size, heads, compiled, d):
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
+def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
     rng = random.Random(block_size * 10 + heads[0])
     torch.manual_seed(block_size)
     h, kvh = heads
@@ -62,8 +74,12 @@ def test_mixed_batch_matches_naive(block_size, heads, compiled, d):
         from pagellm.kernels import cpu as cpu_kernels
 
         assert cpu_kernels.available(), "the CPU kernel must build here (gcc and ninja are installed by the set-up)"
-    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)
-    expected = torch.cat([naive(q, k, v, scale) for q, k, v in zip(qs, full_k, full_v)])
+    window = 5 if variant == "window" else None
+    softcap = 0.7 if variant == "softcap" else None
+    sinks = torch.randn(h) if variant == "sinks" else None
+    options = AttentionOptions(scale, window, softcap)
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale, options, sinks)
+    expected = torch.cat([naive(q, k, v, scale, window, softcap, sinks) for q, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # Every new token's K/V landed in its slot.
     for (cached, new), table, k_all in zip(shapes, tables, full_k):

@@ -124,7 +124,7 @@ inline __m512 exp16(__m512 x) {
 // DT > 0 fixes the head size at compile time so the inner loops unroll; DT == 0 reads D.
 template <int DT, typename T>
 void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t BS, const float* q,
-                const T* kp, const T* vp, const int64_t* table, float scale, float* out,
+                const T* kp, const T* vp, const int64_t* table, float scale, float softcap, float* out,
                 float* part_acc, float* part_ml, std::vector<float>& buf) {
   const int64_t D = DT > 0 ? DT : Drt;
   const int64_t G = H / KVH, row = KVH * D;
@@ -172,6 +172,10 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
           }
         }
       }
+    }
+    if (softcap > 0.f) {  // Gemma 2: cap * tanh(score / cap), as the reference computes it
+      for (int64_t hh = 0; hh < H; ++hh)
+        for (int64_t t = 0; t < nt; ++t) s[hh * BS + t] = std::tanh(s[hh * BS + t] / softcap) * softcap;
     }
     for (int64_t hh = 0; hh < H; ++hh) {
       float* sh = s + hh * BS;
@@ -265,7 +269,8 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 // log-sum-exp weights.
 template <typename T>
 torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                                double softcap) {
   q = q.contiguous();
   block_tables = block_tables.to(torch::kLong).contiguous();
   seq_lens = seq_lens.to(torch::kLong).contiguous();
@@ -280,11 +285,13 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+  // A sliding window of W: the query at position len - 1 reads keys len - W .. len - 1 only.
+  auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, sl[b] - window) : int64_t{0}; };
 
   // Runs of whole blocks, sized so that every thread gets several.
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += sl[b];
+  for (int64_t b = 0; b < B; ++b) total += sl[b] - first_key(b);
   const int64_t threads = at::get_num_threads();
   int64_t run = std::max<int64_t>(4 * BS, (total + 8 * threads - 1) / (8 * threads));
   run = (run + BS - 1) / BS * BS;
@@ -292,13 +299,13 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
   std::vector<int64_t> first_part(B, -1);
   int64_t parts = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = sl[b];
-    if (len <= run) {
-      items.push_back({b, 0, len, -1});
+    const int64_t len = sl[b], start = first_key(b);
+    if (len - start <= run) {
+      items.push_back({b, start, len, -1});
       continue;
     }
     first_part[b] = parts;
-    for (int64_t t = 0; t < len; t += run) items.push_back({b, t, std::min(len, t + run), parts++});
+    for (int64_t t = start; t < len; t += run) items.push_back({b, t, std::min(len, t + run), parts++});
   }
   std::vector<float> part_acc(static_cast<size_t>(parts * H * D));
   std::vector<float> part_ml(static_cast<size_t>(parts * H * 2));
@@ -311,18 +318,18 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
       const int64_t* table = bt + w.seq * max_blocks;
       float* o = op + w.seq * H * D;
       if (D == 64)
-        attend_run<64, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, o, part_acc.data(), part_ml.data(), buf);
+        attend_run<64, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, o, part_acc.data(), part_ml.data(), buf);
       else if (D == 128)
-        attend_run<128, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, o, part_acc.data(), part_ml.data(), buf);
+        attend_run<128, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, o, part_acc.data(), part_ml.data(), buf);
       else
-        attend_run<0, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, o, part_acc.data(), part_ml.data(), buf);
+        attend_run<0, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, o, part_acc.data(), part_ml.data(), buf);
     }
   });
 
   // Put split sequences back together: weight each run by exp(its max - the overall max).
   for (int64_t b = 0; b < B; ++b) {
     if (first_part[b] < 0) continue;
-    const int64_t n = (sl[b] + run - 1) / run, p0 = first_part[b];
+    const int64_t n = (sl[b] - first_key(b) + run - 1) / run, p0 = first_part[b];
     for (int64_t hh = 0; hh < H; ++hh) {
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t p = p0; p < p0 + n; ++p) mx = std::max(mx, part_ml[(p * H + hh) * 2]);
@@ -342,16 +349,20 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
   return out;
 }
 
+// window: keys in the last `window` positions only (0: all); softcap: scores capped as
+// softcap * tanh(score / softcap) (0: none).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                           double softcap) {
   check_cpu_dtype(q, "q", torch::kFloat);
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv &&
                   (kv == torch::kFloat || kv == torch::kBFloat16),
               "k_cache and v_cache must both be float32 or both bfloat16 CPU tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-  if (kv == torch::kBFloat16) return paged_decode_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
-  return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  if (kv == torch::kBFloat16)
+    return paged_decode_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
+  return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
 }
 
 // Element types of the element-wise kernels: float, or bfloat16 computed in float and rounded

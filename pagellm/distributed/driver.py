@@ -25,7 +25,7 @@ from pagellm.distributed import process_group
 from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack, spawn_main, warm_up_kernels
 from pagellm.errors import EngineFatalError
 from pagellm.model.loader import ModelSource
-from pagellm.model.parallel import check_tensor_parallel
+from pagellm.models.registry import check_tensor_parallel
 from pagellm.worker.model_runner import ModelRunner, StepInputs, rank_memory
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from pagellm.model.config import ModelArchConfig
+from pagellm.models.registry import family_for_gguf
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 # llama.cpp's converter reorders q/k rows for these (its non-NeoX rope); Qwen2 is stored as in HF.
 _PERMUTED_ARCHS = ("llama", "mistral")
 
@@ -112,7 +112,8 @@ def read_gguf_config(path: str, reader: GGUFReader | None = None) -> ModelArchCo
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
-        architecture=arch,
+        architecture=family_for_gguf(arch, path).name,
+        model_name=path,
     )
 
 
@@ -181,10 +182,7 @@ def _as_int(value: Any, key: str, path: str) -> int:
 
 def _architecture(reader: GGUFReader, path: str) -> str:
     arch = _value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+    family_for_gguf(arch, path)
     return arch
 
 

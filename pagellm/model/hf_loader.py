@@ -15,60 +15,58 @@ import torch
 from safetensors import safe_open
 
 from pagellm.model.config import ModelArchConfig
+from pagellm.models.registry import family_for_hf
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_MODEL_TYPES = {arch: name for name, arch in ARCHITECTURES.items()}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_hf_config(model_dir: str) -> ModelArchConfig:
-    """The architecture described by `model_dir/config.json`, refusing what the engine cannot run."""
+    """The architecture described by `model_dir/config.json`, refusing what no family runs.
+
+    transformers reads the config (its defaults for keys the file leaves out are the
+    reference's); the family then reads its own details from it when the model is built."""
     config_path = os.path.join(model_dir, "config.json")
-    cfg = _read_json(config_path)
-    names = cfg.get("architectures") or []
-    # A config saved from a config object alone lists no architectures; model_type still says which.
-    arch_name = names[0] if names else _MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))
-    if arch_name not in ARCHITECTURES:
-        raise ValueError(
-            f"{config_path}: architecture {arch_name!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})"
-        )
-    arch = ARCHITECTURES[arch_name]
-
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{config_path}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    if cfg.get("mlp_bias"):
-        raise ValueError(f"{config_path}: MLP biases (mlp_bias=true) are not supported")
-    max_positions = int(cfg.get("max_position_embeddings", 4096))
-    _refuse_sliding_window(cfg, arch, max_positions, config_path)
-    rope_theta, rope_scaling = _rope(cfg, config_path)
-
-    heads = int(cfg["num_attention_heads"])
+    raw = _read_json(config_path)
+    family = family_for_hf(raw, config_path)
+    hf = _transformers_config(model_dir, config_path, raw, family.model_types[0])
+    max_positions = int(getattr(hf, "max_position_embeddings", None) or 4096)
+    rope_theta, rope_scaling = _rope(hf.to_dict(), config_path)
+    heads = int(hf.num_attention_heads)
     return ModelArchConfig(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        intermediate_size=int(getattr(hf, "intermediate_size", 0) or 0),
+        num_hidden_layers=int(hf.num_hidden_layers),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=cfg.get("head_dim"),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+        head_dim=getattr(hf, "head_dim", None),
+        rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
-        # All three config classes default to untied when the key is absent.
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases and its config has no key for them.
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg, model_dir),
-        architecture=arch,
+        attention_bias=family.name == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw, model_dir),
+        architecture=family.name,
+        hf_config=hf.to_dict(),
+        model_name=model_dir,
     )
+
+
+def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type: str):
+    from transformers import AutoConfig
+
+    try:
+        if "model_type" in raw:
+            config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        else:  # older hand-written configs name only the architecture; the family says the type
+            config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise ValueError(f"{config_path}: transformers cannot read this config: {exc}") from None
+    return config.get_text_config()
 
 
 def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,31 +97,19 @@ def _read_json(path: str) -> dict:
     return data
 
 
-def _refuse_sliding_window(cfg: dict, arch: str, max_positions: int, config_path: str) -> None:
-    window = cfg.get("sliding_window")
-    # Qwen2 keeps a window size in its config even when it is switched off by use_sliding_window.
-    enabled = cfg.get("use_sliding_window", False) if arch == "qwen2" else True
-    if "sliding_attention" in (cfg.get("layer_types") or []):
-        enabled, window = True, window or 0
-    if enabled and window is not None and window < max_positions:
-        raise ValueError(
-            f"{config_path}: sliding-window attention (sliding_window={window} < "
-            f"max_position_embeddings={max_positions}) is not supported"
-        )
-
-
 def _rope(cfg: dict, config_path: str) -> tuple[float, dict | None]:
     """`(rope_theta, HF-style rope_scaling or None)` from either the v4 or the v5 spelling."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{config_path}: per-layer-type rope parameters are not supported")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # one dict per layer type (Gemma 3): the global layers' here
+    if not isinstance(params, dict):
+        raise ValueError(f"{config_path}: rope parameters should be a JSON object, got {params!r}")
     params = dict(params)
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     if "type" in params:  # v4's older name for rope_type
         params.setdefault("rope_type", params.pop("type"))
+    params.pop("partial_rotary_factor", None)  # the family reads it from the whole config
     if params.get("rope_type", "default") == "default":
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"{config_path}: partial rotary embeddings are not supported")
         return theta, None
     return theta, params
 

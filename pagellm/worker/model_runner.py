@@ -16,7 +16,8 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
-from pagellm.model.llama import LlamaForCausalLM
+from pagellm.layers.attention import Attention
+from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
 from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -90,7 +91,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.cuda_graphs: CUDAGraphRunner | None = None
         with torch.device(device):
-            self.model = LlamaForCausalLM(arch, self.backend, max_model_len, tp).to(dtype)
+            self.model = build_model(arch, self.backend, max_model_len, tp).to(dtype)
         self.model.eval()
         self.sampler = Sampler(seed=seed, device=device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -107,7 +108,7 @@ class ModelRunner:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                if name.endswith("layernorm.weight") or name == "norm.weight":
+                if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(p.dtype))
@@ -116,7 +117,7 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int) -> int:
         a = self.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_hidden_layers * block_size * self.model.shapes.num_kv_heads * a.head_dim * elem
+        return 2 * a.num_hidden_layers * block_size * self.model.num_kv_heads * a.head_dim * elem
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None:
@@ -134,7 +135,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
-        shape = self.backend.kv_cache_shape(num_blocks, block_size, self.model.shapes.num_kv_heads, a.head_dim)
+        shape = self.backend.kv_cache_shape(num_blocks, block_size, self.model.num_kv_heads, a.head_dim)
         # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN is NaN.
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -154,11 +155,15 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Record decode steps for a ladder of batch sizes (CUDA only; after the KV
         cache is allocated, which must never be reallocated afterwards)."""
-        if self.device.type == "cuda" and self.backend.supports_cuda_graphs:
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and self._plain_attention():
             self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, backend=self.backend,
                                                block_size=self.block_size, max_model_len=self.max_model_len,
                                                max_num_seqs=max_num_seqs, device=self.device)
             self.cuda_graphs.capture()
+
+    def _plain_attention(self) -> bool:
+        """No layer needs more than causal attention (no window, soft-cap or sinks)."""
+        return all(m.options.plain and m.sinks is None for m in self.model.modules() if isinstance(m, Attention))
 
     def attach_timer(self, timer: PhaseTimer | None) -> None:
         """Report the runner's phases, and the attention backend's, to `timer` (None: stop)."""
@@ -262,7 +267,7 @@ def rank_memory(runner: ModelRunner, rank: int) -> dict:
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     report = {"rank": rank, "device": str(runner.device), "weight_bytes": weights, "kv_cache_bytes": kv,
-              "num_kv_heads": runner.model.shapes.num_kv_heads,
+              "num_kv_heads": runner.model.num_kv_heads,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if runner.device.type == "cuda":
         report["peak_device_bytes"] = torch.cuda.max_memory_allocated(runner.device)

@@ -227,3 +227,21 @@ def test_a_script_without_the_main_guard_is_told_the_fix(tiny_llama_dir, tmp_pat
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("pagellm.distributed.driver.TensorParallelError"), r.stderr[-3000:]
     assert "while starting" in last and 'if __name__ == "__main__":' in last
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3", "gemma3", "mixtral", "qwen3_moe"])
+def test_families_on_two_ranks_match_one(family, tmp_path_factory):
+    """The sharding each family adds: per-head q/k norms (Qwen3), a norm over all heads whose
+    sum of squares crosses ranks (OLMo 2), checkpoints with q/k/v and gate/up already fused
+    (Phi-3), Gemma's norms, tied head and two rotary tables, experts split by their
+    intermediate dimension (Mixtral, Qwen3-MoE)."""
+    from tests.models.families import build
+
+    path = str(build(family, tmp_path_factory.mktemp(family)))
+    ref, ref_stats, ref_beams = _run(LLM(path, **ENGINE))
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        got, stats, beams = _run(llm)
+    assert stats["num_preemptions"] == ref_stats["num_preemptions"] > 0
+    _assert_same(ref, got)
+    for a, b in zip(ref_beams, beams, strict=True):
+        assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]

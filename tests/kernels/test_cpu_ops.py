@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.kernels import cpu
-from pagellm.model.rope import RotaryEmbedding, apply_rope, rotate_qk
+from pagellm.layers.rotary import RotaryEmbedding, apply_rope, default_inverse_frequencies, rotate_qk
 
 
 def test_kernels_build_here():
@@ -18,7 +18,7 @@ def test_kernels_build_here():
 def test_rope_in_place_is_bit_identical_to_the_reference(head_dim):
     torch.manual_seed(0)
     h, kvh, t = 6, 2, 37
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    rope = RotaryEmbedding(default_inverse_frequencies(head_dim, 10000.0), 4096)
     positions = torch.randint(0, 4096, (t,))
     cos, sin = rope.cos_sin(positions, torch.float32)
     # q and k as the model has them: strided views into one fused qkv product.
@@ -45,7 +45,7 @@ def test_bfloat16_element_wise_kernels_round_once_from_float32():
     bf = torch.bfloat16
     # RoPE: the float32 formula over the widened inputs, rounded once.
     t, h, kvh, d = 11, 6, 2, 64
-    rope = RotaryEmbedding(d, 4096, 10000.0, None)
+    rope = RotaryEmbedding(default_inverse_frequencies(d, 10000.0), 4096)
     cos, sin = rope.cos_sin(torch.randint(0, 4096, (t,)), bf)
     q, k = torch.randn(t, h, d).to(bf), torch.randn(t, kvh, d).to(bf)
     expected_q = apply_rope(q.float(), cos.float(), sin.float()).to(bf)
@@ -57,7 +57,7 @@ def test_bfloat16_element_wise_kernels_round_once_from_float32():
     gate, up = x.float().chunk(2, dim=-1)
     torch.testing.assert_close(cpu.silu_and_mul(x), (F.silu(gate) * up).to(bf), rtol=2 ** -7, atol=1e-6)
     # RMSNorm against the model's own torch path for bfloat16 (float32 statistics, two roundings).
-    from pagellm.model.llama import RMSNorm
+    from pagellm.layers.norm import RMSNorm
 
     norm = RMSNorm(96, 1e-5).to(bf)
     norm.weight.data = (torch.rand(96) + 0.5).to(bf)

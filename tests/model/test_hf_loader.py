@@ -85,13 +85,13 @@ def test_transformers_v4_rope_spelling(tmp_path):
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
-def test_mistral_sliding_window(tmp_path):
+def test_mistral_sliding_window_is_read(tmp_path):
     sliding = MistralConfig(**TINY, sliding_window=512, max_position_embeddings=4096)
     MistralForCausalLM(sliding).config.save_pretrained(tmp_path / "swa")
-    with pytest.raises(ValueError, match="sliding"):
-        read_hf_config(str(tmp_path / "swa"))
+    cfg = read_hf_config(str(tmp_path / "swa"))
+    assert cfg.architecture == "mistral" and cfg.hf_config["sliding_window"] == 512
     MistralConfig(**TINY, sliding_window=None).save_pretrained(tmp_path / "full")
-    assert read_hf_config(str(tmp_path / "full")).architecture == "mistral"
+    assert read_hf_config(str(tmp_path / "full")).hf_config["sliding_window"] is None
 
 
 def test_unsupported_architecture_is_named(tmp_path):

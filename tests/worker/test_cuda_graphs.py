@@ -15,7 +15,7 @@ from pagellm.attention.backend import AttentionMetadata  # noqa: E402
 from pagellm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagellm.model.config import ModelArchConfig  # noqa: E402
-from pagellm.model.llama import LlamaForCausalLM  # noqa: E402
+from pagellm.models.llama import LlamaForCausalLM  # noqa: E402
 from pagellm.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,6 +36,9 @@ def tiny_model(dtype=torch.float32):
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(arch, backend, MAX_LEN).to(dtype).eval()
+    with torch.no_grad():  # parameters are created empty: give them small random values
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
     caches = [(torch.zeros(32, BLOCK, 2, arch.head_dim, dtype=dtype, device=DEVICE),
                torch.zeros(32, BLOCK, 2, arch.head_dim, dtype=dtype, device=DEVICE)) for _ in range(2)]
     return model, backend, caches

@@ -1,0 +1,33 @@
+"""The attention layer: this step's q/k/v for this rank's heads, through the backend that
+reads and writes the paged cache, with the layer's own options (scale, sliding window,
+logit soft-cap)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from pagellm.timing import phase
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
+                 scale: float | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.backend = backend
+        # gpt-oss's learned per-head sink logits; the backends take them, no family here has them yet.
+        self.sinks: torch.Tensor | None = None
+        self.options = AttentionOptions(scale if scale is not None else head_dim ** -0.5, sliding_window, softcap)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H * D], k, v: [T, KVH * D] (or already [T, heads, D]) -> [T, H * D]."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        with phase(self.backend.timer, "attention"):
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.options.scale,
+                                     options=self.options, sinks=self.sinks)
+        return o.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,114 @@
+"""A mixture-of-experts MLP: a router picks each token's top-k experts, and each expert runs
+as one matrix product over all the tokens routed to it (never a loop over tokens).
+
+Expert weights are stacked: `w13` [E, 2I, H] (gate then up), `w2` [E, H, I]. Tensor
+parallelism splits every expert's intermediate dimension, like a dense MLP (column-parallel
+w13, row-parallel w2), and one all-reduce sums the partial outputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.activation import act_and_mul
+from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.parallel import divide, load_whole, rank_and_size
+
+# What a checkpoint tensor of one expert is: its gate (w1), up (w3) or down (w2) projection.
+EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: str,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.act = num_experts, top_k, act
+        self.tp = tp
+        self.rank, size = rank_and_size(tp)
+        self.inter = divide(intermediate_size, size, "moe_intermediate_size")  # this rank's
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        for p, parts in ((self.w13, ("w1", "w3")), (self.w2, ("w2",))):
+            p.weight_loader = self.weight_loader
+            # Filled when every expert's parts arrived, or the whole stack at once (part "all").
+            p.parts_needed = {(e, part) for e in range(num_experts) for part in parts}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: tuple) -> None:
+        """`part`: (expert, "w1" | "w3" | "w2") for one expert's matrix, or ("all", "w13" | "w2")
+        for the stacked tensor of every expert (transformers 5's gate_up_proj / down_proj)."""
+        expert, kind = part
+        n, r = self.inter, self.rank
+        if expert == "all":
+            if kind == "w13":
+                gate, up = loaded.chunk(2, dim=1)
+                load_whole(param.data[:, :n], gate.narrow(1, r * n, n))
+                load_whole(param.data[:, n:], up.narrow(1, r * n, n))
+            else:
+                load_whole(param, loaded.narrow(2, r * n, n))
+            return
+        if kind == "w2":
+            load_whole(param.data[expert], loaded.narrow(1, r * n, n))
+        else:
+            rows = slice(0, n) if kind == "w1" else slice(n, 2 * n)
+            load_whole(param.data[expert, rows], loaded.narrow(0, r * n, n))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; weights, experts: [T, k] (each token's routing weights and experts)."""
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        routed = x[tokens]
+        scale = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        # Experts in index order, each adding into its tokens' rows: the reference's summation order.
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            h = act_and_mul(F.linear(routed[rows], self.w13[e]), self.act)
+            y = F.linear(h, self.w2[e]) * scale[rows, None]
+            out.index_add_(0, tokens[rows], y.to(out.dtype))
+            start += n
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts. `renormalize`: the top-k routing weights are rescaled to sum to 1
+    (Mixtral always; Qwen3-MoE when norm_topk_prob)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: str,
+                 renormalize: bool, tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, act, tp)
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, weights.to(x.dtype), experts)
+
+
+def route_expert_weight(name: str) -> tuple[str, tuple] | None:
+    """A checkpoint name of an expert's matrix -> (the stacked parameter, its part), or None.
+    Both layouts: `...experts.<e>.<w1|w3|w2|gate_proj|up_proj|down_proj>.weight` (one expert
+    per tensor) and `...experts.<gate_up_proj|down_proj>` (all experts stacked)."""
+    head, sep, tail = name.partition(".experts.")
+    if not sep:
+        return None
+    if tail in ("gate_up_proj", "gate_up_proj.weight"):
+        return f"{head}.experts.w13", ("all", "w13")
+    if tail in ("down_proj", "down_proj.weight"):
+        return f"{head}.experts.w2", ("all", "w2")
+    expert, _, rest = tail.partition(".")
+    kind = EXPERT_PARTS.get(rest.removesuffix(".weight"))
+    if not expert.isdigit() or kind is None:
+        return None
+    return f"{head}.experts.{'w2' if kind == 'w2' else 'w13'}", (int(expert), kind)

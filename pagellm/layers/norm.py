@@ -1,0 +1,63 @@
+"""RMSNorm and its variants: Gemma's `x * (1 + w)`, and a norm over a feature dimension
+that tensor parallelism splits (OLMo 2's q/k norms over all heads)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed.group import TensorParallelGroup
+from pagellm.kernels import cpu
+from pagellm.layers.parallel import load_whole, rank_and_size
+
+
+class RMSNorm(nn.Module):
+    """Normalizes the last dimension. `unit_offset`: the weight is stored as w - 1 and
+    applied as (1 + w), in float32 (Gemma)."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight.weight_loader = load_whole
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        if x.dtype == torch.float32:
+            # One fused kernel; bit-identical to the reference's three steps in fp32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and cpu.usable(x):
+            return cpu.rms_norm_bf16(x, self.weight, self.eps)  # the same roundings, one pass
+        # Normalize in fp32 like the reference, whatever the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over `size` features of which this rank holds `size / tp.size` (its heads):
+    the sum of squares is all-reduced, so every rank normalizes by the whole row's RMS."""
+
+    def __init__(self, size: int, eps: float, tp: TensorParallelGroup | None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.rank, tp_size = rank_and_size(tp)
+        self.size = size
+        self.weight = nn.Parameter(torch.ones(size // tp_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.eps = eps
+        self.unit_offset = False
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        load_whole(param, loaded.narrow(0, self.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return RMSNorm.forward(self, x)  # the plain norm: same attributes, same roundings
+        xf = x.float()
+        sq = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        xf = xf * torch.rsqrt(sq / self.size + self.eps)
+        return self.weight * xf.to(x.dtype)

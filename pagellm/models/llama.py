@@ -1,0 +1,116 @@
+"""Llama 2/3 and the families that are Llama with a detail changed: Mistral (a sliding
+window), Qwen2 (q/k/v biases). Its attention, MLP and decoder layer are the parts the
+other dense families reuse."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend
+from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.activation import act_and_mul, check_activation
+from pagellm.layers.attention import Attention
+from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.layers.norm import RMSNorm, ShardedRMSNorm
+from pagellm.layers.parallel import rank_and_size
+from pagellm.layers.rotary import get_rope, rotate_qk
+from pagellm.model.config import ModelArchConfig
+from pagellm.models.base import CausalLM, sliding_window
+
+
+class LlamaAttention(nn.Module):
+    """`qk_norm`: "head" normalizes q and k per head (Qwen3, Gemma 3), "full" over all heads
+    at once (OLMo 2); `rope_name` None: this layer has no rotary embedding (SmolLM3)."""
+
+    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None,
+                 *, qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
+                 norm_eps: float | None = None, scale: float | None = None, softcap: float | None = None,
+                 unit_offset_norm: bool = False) -> None:
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_attention_heads, arch.num_key_value_heads,
+                                          qkv_bias, tp)
+        heads = self.qkv_proj.heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * d, arch.hidden_size, o_bias, tp)
+        eps = arch.rms_norm_eps if norm_eps is None else norm_eps
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(d, eps, unit_offset_norm)
+            self.k_norm = RMSNorm(d, eps, unit_offset_norm)
+        elif qk_norm == "full":
+            if tp is not None and arch.num_key_value_heads < rank_and_size(tp)[1]:
+                raise ValueError(f"tensor_parallel_size={tp.size} does not fit this model: its k norm spans all "
+                                 f"{arch.num_key_value_heads} KV heads, which cannot be replicated")
+            self.q_norm = ShardedRMSNorm(arch.num_attention_heads * d, eps, tp)
+            self.k_norm = ShardedRMSNorm(arch.num_key_value_heads * d, eps, tp)
+        self.attn = Attention(heads.num_heads, heads.num_kv_heads, d, backend, scale=scale,
+                              sliding_window=sliding_window(arch.hf, layer), softcap=softcap)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rotate_qk(q, k, *rope)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, tp: TensorParallelGroup | None,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual blocks; `residual_scale` multiplies each block's output (Granite)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 rope_name: str | None = "default", residual_scale: float = 1.0) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+        self.rope_name = rope_name
+        self.residual_scale = residual_scale
+
+    def forward(self, rope, x, kv_cache, meta):
+        h = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
+        x = x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
+
+
+class LlamaForCausalLM(CausalLM):
+    """With `tp`, this rank's shard of the network; without, all of it."""
+
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, max_positions: int,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__(arch, tp)
+        hf = self.hf
+        act = getattr(hf, "hidden_act", "silu")
+        check_activation(act, arch.model_name)
+        mlp_bias = bool(getattr(hf, "mlp_bias", False))
+        # Llama's attention_bias covers o_proj too; Qwen2 has q/k/v biases only.
+        o_bias = arch.attention_bias and arch.architecture != "qwen2"
+        self.set_ropes({"default": get_rope(hf, arch.head_dim, max_positions, model=arch.model_name)})
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                LlamaAttention(arch, i, backend, tp, qkv_bias=arch.attention_bias, o_bias=o_bias),
+                LlamaMLP(arch.hidden_size, arch.intermediate_size, act, tp, mlp_bias),
+                arch.hidden_size, arch.rms_norm_eps)
+            for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

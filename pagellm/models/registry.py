@@ -1,0 +1,86 @@
+"""The one list of supported model families. Both loaders, the error for an unknown
+architecture and README's table read it."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                             # ModelArchConfig.architecture
+    module: str                           # pagellm.models.<module>
+    cls: str                              # the class in it
+    hf_architectures: tuple[str, ...]     # config.json "architectures"
+    # GGUF general.architecture values whose files load (tested against the HF load).
+    gguf_architectures: tuple[str, ...] = ()
+    # Hugging Face model_type, for a config.json that lists no architectures.
+    model_types: tuple[str, ...] = ()
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "llama", "LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",)),
+    Family("mistral", "llama", "LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), ("mistral",)),
+    Family("qwen2", "llama", "LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    Family("qwen3", "qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",), (), ("qwen3",)),
+    Family("smollm3", "smollm3", "SmolLM3ForCausalLM", ("SmolLM3ForCausalLM",), (), ("smollm3",)),
+    Family("olmo2", "olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",), (), ("olmo2",)),
+    Family("granite", "granite", "GraniteForCausalLM", ("GraniteForCausalLM",), (), ("granite",)),
+    Family("phi3", "phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",), (), ("phi3",)),
+    Family("gemma2", "gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",), (), ("gemma2",)),
+    Family("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), (), ("gemma3_text",)),
+    Family("mixtral", "mixtral", "MixtralForCausalLM", ("MixtralForCausalLM",), (), ("mixtral",)),
+    Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), (), ("qwen3_moe",)),
+)
+
+HF_ARCHITECTURES = {a: f for f in FAMILIES for a in f.hf_architectures}
+GGUF_ARCHITECTURES = {a: f for f in FAMILIES for a in f.gguf_architectures}
+_BY_NAME = {f.name: f for f in FAMILIES}
+_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def family_for_hf(config: dict, where: str) -> Family:
+    """The family of a config.json's contents; ValueError naming what is supported."""
+    names = config.get("architectures") or []
+    # A config saved from a config object alone lists no architectures; model_type still says which.
+    if names:
+        family = HF_ARCHITECTURES.get(names[0])
+    else:
+        family = _BY_MODEL_TYPE.get(config.get("model_type"))
+    if family is None:
+        shown = names[0] if names else config.get("model_type")
+        raise ValueError(f"{where}: architecture {shown!r} is not supported "
+                         f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    return family
+
+
+def family_for_gguf(arch: str | None, where: str) -> Family:
+    family = GGUF_ARCHITECTURES.get(arch)  # type: ignore[arg-type]
+    if family is None:
+        raise ValueError(f"{where}: architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    return family
+
+
+def model_class(name: str) -> type:
+    """The class that builds a model of family `name` (ModelArchConfig.architecture)."""
+    family = _BY_NAME[name]
+    return getattr(importlib.import_module(f"pagellm.models.{family.module}"), family.cls)
+
+
+def build_model(arch, backend, max_positions: int, tp=None):
+    """The model of `arch`'s family (this rank's shard of it under tensor parallelism)."""
+    return model_class(arch.architecture)(arch, backend, max_positions, tp)
+
+
+def check_tensor_parallel(arch, size: int) -> None:
+    """Raise ValueError, before any rank starts, when the model cannot be split `size` ways:
+    the model is built on the meta device (no memory) as rank 0 of `size`, so every layer's
+    own rule for dividing its heads, features or experts runs."""
+    import torch
+
+    from pagellm.attention.torch_backend import TorchAttentionBackend
+    from pagellm.distributed.group import TensorParallelGroup
+
+    with torch.device("meta"):
+        build_model(arch, TorchAttentionBackend(), 1, TensorParallelGroup(0, size))

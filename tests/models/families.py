@@ -1,0 +1,66 @@
+"""Small random models of every family, saved as Hugging Face directories.
+
+Each exercises what makes its family different, at sizes where a bug would show: windows
+shorter than the prompts, soft-caps low enough to bite, norms and biases that are not the
+identity, partial rotary, layers without rotary, several experts per token. Weights are drawn
+with std 0.3 and norms and biases perturbed, so outputs depend on positions and context
+(`assert_sees_context` checks it when a fixture is built)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from tests.conftest import INIT_STD, _save
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+              tie_word_embeddings=False, initializer_range=INIT_STD)
+
+# family -> (config class, model class, config overrides)
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                     logits_scaling=2.0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                "long_factor": [1.2, 1.9, 2.7, 3.5], "original_max_position_embeddings": 64},
+                  pad_token_id=0)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0, tie_word_embeddings=True, pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
+                    pad_token_id=0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True, mlp_only_layers=[1])),
+}
+
+
+def build(family: str, path: Path, seed: int = 0) -> Path:
+    config_cls, model_cls, overrides = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # transformers starts norms at the identity (1, or 0 for Gemma's 1 + w)
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+        if family.startswith("gemma"):
+            # Gemma multiplies embeddings by sqrt(hidden_size) (8 here) and ties its head: at std
+            # 0.3 the token's own embedding would swamp the residual stream and the model would
+            # echo its input. Scaled back, the blocks' outputs (normalized to ~1) carry the context.
+            model.model.embed_tokens.weight.div_(cfg.hidden_size ** 0.5)
+    return _save(model, path)

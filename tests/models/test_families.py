@@ -1,0 +1,88 @@
+"""Every family's greedy tokens equal transformers' token for token, and each token's logprob
+within LOGPROB_ATOL, in fp32: batched, and again with chunked prefill, preemption, prefix
+caching and n > 1 sharing blocks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+from tests.conftest import LOGPROB_ATOL, hf_greedy_logprobs
+from tests.models.families import FAMILIES, build
+
+N_NEW = 20
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path = str(build(request.param, tmp_path_factory.mktemp(request.param)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    prompts = _prompts(3, [1, 6, 19, 37])
+    shared = _prompts(4, [21])[0]  # a prefix two prompts share (prefix caching)
+    prompts += [shared + [5, 6, 7], shared + [8]]
+    expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
+    return request.param, path, prompts, expected
+
+
+# Phi-3's LongRoPE uses its short factors for sequences within the original context (64 here)
+# and its long ones beyond; an engine fixes the choice by its max_model_len, so these tests,
+# whose sequences stay within 64 tokens, serve it with max_model_len=64 (the long factors:
+# test_phi3_long_context).
+ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
+
+
+def _gen(llm: LLM, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return outs
+
+
+def _tokens_and_logprobs(outs):
+    return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in (o.outputs[0] for o in outs)]
+
+
+def assert_matches(got, expected) -> None:
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, lps), (_, want) in zip(got, expected):
+        assert lps == pytest.approx(want, abs=LOGPROB_ATOL)
+
+
+def test_batched_matches_transformers(family):
+    name, path, prompts, expected = family
+    llm = LLM(path, num_kv_blocks=256, **ENGINE_ARGS.get(name, {}))
+    assert_matches(_tokens_and_logprobs(_gen(llm, prompts)), expected)
+    assert llm.stats()["used_blocks"] == 0
+
+
+def test_chunked_preempted_cached_and_shared(family):
+    """Chunks of 8 tokens, a pool too small for every request at once, the shared prefix served
+    from the cache, and n = 2 greedy samples that share their blocks and must both equal the reference."""
+    name, path, prompts, expected = family
+    llm = LLM(path, block_size=4, num_kv_blocks=40, max_num_batched_tokens=8, **ENGINE_ARGS.get(name, {}))
+    got = _gen(llm, prompts, SamplingParams(n=2, temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0))
+    for out, (tokens, _) in zip(got, expected):
+        assert [c.token_ids for c in out.outputs] == [tokens, tokens]
+    assert_matches(_tokens_and_logprobs(got), expected)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_phi3_long_context(tmp_path):
+    """Beyond the original context LongRoPE's long factors apply, from the first token on."""
+    path = str(build("phi3", tmp_path / "phi3"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(5, [70, 90])
+    expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
+    assert_matches(_tokens_and_logprobs(_gen(LLM(path, num_kv_blocks=256, block_size=4), prompts)), expected)

@@ -3,15 +3,16 @@
 Same contract as `TorchAttentionBackend.forward`: store the step's K/V through the slot
 mapping, then attend; decodes (first `num_decodes` rows) go through the split-K decode
 kernel, everything else (fresh prompts, chunks, prompts with a cached prefix) through one
-prefill launch. The decode path touches only tensors and shapes, so a decode-only step can be
-captured in a CUDA graph (`supports_cuda_graphs`).
+prefill launch. A layer's options (sliding window, soft-cap) and sinks go into the same
+kernels. The decode path touches only tensors and shapes (the options are per-layer constants,
+the sinks a tensor), so a decode-only step can be captured in a CUDA graph
+(`supports_cuda_graphs`), whatever the layers' options.
 """
 from __future__ import annotations
 
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
-from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_kernels import (
     KernelConfig,
     default_prefill_config,
@@ -39,20 +40,19 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if (options is not None and not options.plain) or sinks is not None:
-            # Sliding windows, soft-caps and sinks are not in the Triton kernels yet: the torch
-            # reference serves those layers (exact, slower, and never inside a CUDA graph).
-            return _REFERENCE.forward(q, k, v, k_cache, v_cache, meta, scale, options, sinks)
+        window = options.sliding_window if options is not None else None
+        softcap = (options.softcap or None) if options is not None else None
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale,
-                         out=out[:nd], num_splits=self.num_splits, config=self.decode_config)
+                         out=out[:nd], num_splits=self.num_splits, config=self.decode_config,
+                         sliding_window=window, softcap=softcap, sinks=sinks)
         if meta.num_seqs > nd:
             cfg = self.prefill_config or default_prefill_config(q.device, q.shape[-1])
             paged_prefill(q[nd:], k_cache, v_cache, meta.block_tables, self._prefill_tiles(meta, cfg, q.device),
-                          scale, out=out[nd:], config=cfg)
+                          scale, out=out[nd:], config=cfg, sliding_window=window, softcap=softcap, sinks=sinks)
         return out
 
     def _prefill_tiles(self, meta: AttentionMetadata, cfg: KernelConfig, device: torch.device) -> torch.Tensor:
@@ -62,8 +62,5 @@ class TritonAttentionBackend(AttentionBackend):
                                         cfg.block_m, device)
             self._tiles_for = meta
         return self._tiles
-
-
-_REFERENCE = TorchAttentionBackend(compiled_decode=False)
 
 __all__ = ["TritonAttentionBackend"]

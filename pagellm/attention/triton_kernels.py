@@ -17,9 +17,19 @@ Owns three jobs over the paged KV pool:
   paged kernel reads the new tokens straight back from the pool, where `store_kv` has just
   put them (still in L2).
 
+Both attention kernels also take a layer's options, as in Hugging Face: a sliding window W (a
+query at position i sees keys i - W < j <= i), a logit soft-cap c (each scaled score s becomes
+c * tanh(s / c)) and sinks (one logit per query head that joins each softmax's denominator and
+attends to nothing, gpt-oss). Each comes with a constexpr flag (HAS_WINDOW, HAS_SOFTCAP,
+HAS_SINKS), so a plain layer compiles to exactly the plain kernel. With a window, decode and
+prefill skip the tiles wholly before it. In split-K decode the sink joins the softmax once, in
+`_combine_kernel` (or at the end of the decode kernel when there is a single split).
+
 Every cache is [num_blocks, block_size, num_kv_heads, head_dim] (the backend's default
 `kv_cache_shape`) with the last dimension contiguous. Softmax runs in the log2 domain
-(scores pre-multiplied by scale * log2(e)) so the kernels use exp2, and accumulates in fp32.
+(scores pre-multiplied by scale * log2(e)) so the kernels use exp2, and accumulates in fp32; a
+soft-cap applies to the natural-scale score and the capped score then converts to log2 units,
+and sink logits (natural) are multiplied by log2(e) as they are read.
 Block ids and slots are widened to int64 before they multiply a stride: one layer's pool can
 exceed 2**31 elements on a large GPU.
 """
@@ -93,14 +103,35 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_
 
 
 @triton.jit
-def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-    """One online-softmax step (base 2; qk_scale includes log2 e) over a K/V tile, scores
-    where `keep` is false masked out. Returns the new running max, sum and accumulator."""
+def _tanh(x):
+    """tanh through exp2 (no tanh in Triton's core language; this one runs in the interpreter
+    and on any GPU): sign(x) * (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], never overflows."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """One online-softmax step (base 2) over a K/V tile, scores where `keep` is false masked
+    out. Returns the new running max, sum and accumulator.
+
+    Plain: score = q.k * qk_scale, qk_scale = scale * log2(e). With HAS_SOFTCAP the launcher
+    passes qk_scale = scale / c and softcap = c * log2(e): score = softcap * tanh(q.k * qk_scale),
+    that is c * tanh(scale * q.k / c) in log2 units. MAY_BE_EMPTY: some row may have every score
+    of this tile (and of all before it) masked, so its running max is still -inf; exponents are
+    then taken against 0 instead, which keeps them 0 rather than NaN."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        s = _tanh(s) * softcap
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = m_new
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
@@ -109,8 +140,8 @@ def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_splits, block_size,
+    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
+    qk_scale, softcap, sliding_window, num_splits, block_size,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
@@ -119,6 +150,7 @@ def _decode_kernel(
     stride_ls, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -128,8 +160,17 @@ def _decode_kernel(
     # captured with many splits (sized for the longest context) still spreads a short sequence
     # over all of them instead of leaving it on the first. Empty splits (seq_len 0 for padded
     # graph rows, or fewer tiles than splits) run no iteration and report lse = -inf.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    lo = split * tiles_per_split * BLOCK_N
+    if HAS_WINDOW:
+        # The query (position seq_len - 1) sees keys from win_start on: the tiles are laid from
+        # the tile holding win_start, so none wholly before the window is read, and every tile
+        # read still holds a visible key (win_start itself, or positions after it).
+        win_start = tl.maximum(seq_len - sliding_window, 0)
+        first = (win_start // BLOCK_N) * BLOCK_N
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
+        lo = first + split * tiles_per_split * BLOCK_N
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+        lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -152,10 +193,19 @@ def _decode_kernel(
         valid = pos < hi
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
                              stride_cb, stride_cs, kvh * stride_ch)
-        m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PRECISION)
+        keep = valid
+        if HAS_WINDOW:
+            keep = keep & (pos >= win_start)
+        m_i, l_i, acc = _attend_tile(q, k, v, keep[None, :], m_i, l_i, acc, qk_scale, softcap, PRECISION,
+                                     HAS_SOFTCAP, False)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
+    if DIRECT and HAS_SINKS:
+        # One split: the whole softmax is here, so the sink joins its denominator now (with split
+        # K it joins once, in _combine_kernel). An empty row (m_i = -inf) divides 0 by inf: 0.
+        sink = tl.load(sinks_ptr + head, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_safe = l_i + tl.exp2(sink - m_i)
     o = acc / l_safe[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -170,13 +220,14 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, num_splits,
     stride_ps, stride_ph, stride_pk,
     stride_ls, stride_lh,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # One program per (sequence, query head): weight each split's output by exp2(lse - max).
+    # A sink is one more term of the denominator, exp2(sink - max), with no output of its own.
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     k = tl.arange(0, SPLITS_PAD)
@@ -185,10 +236,15 @@ def _combine_kernel(
     d_mask = d < HEAD_DIM
     lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + k, mask=k_mask, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # natural log -> log2
+        top = tl.maximum(top, sink)
     # A sequence with nothing to attend to (a padded graph row) gets zeros, not NaN.
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(lse - top)
     total = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     w = w / tl.where(total > 0, total, 1.0)
     parts = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph + k[:, None] * stride_pk + d[None, :],
                     mask=k_mask[:, None] & d_mask[None, :], other=0.0)
@@ -258,14 +314,48 @@ def default_prefill_config(device: torch.device, head_dim: int) -> KernelConfig:
     return KernelConfig(block_n=32, block_m=64, num_warps=8, num_stages=2)
 
 
+@dataclass(frozen=True)
+class _Options:
+    """A layer's options as kernel arguments: scalars, an optional tensor and the constexpr flags."""
+
+    qk_scale: float
+    softcap: float
+    sliding_window: int
+    sinks: torch.Tensor | None
+    flags: dict
+
+
+def _kernel_options(scale: float, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                    num_heads: int) -> _Options:
+    """Scores become c * tanh(scale * q.k / c) in log2 units as (q.k * qk_scale) -> tanh ->
+    * softcap: so with a cap, qk_scale = scale / c and softcap = c * log2(e) (see _attend_tile)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if sinks is not None:
+        if tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
+        sinks = sinks.contiguous()
+    if softcap:
+        qk_scale, cap = scale / softcap, softcap * _LOG2E
+    else:
+        qk_scale, cap = scale * _LOG2E, 0.0
+    return _Options(qk_scale, cap, sliding_window or 0, sinks,
+                    {"HAS_WINDOW": sliding_window is not None, "HAS_SOFTCAP": bool(softcap),
+                     "HAS_SINKS": sinks is not None})
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, config: KernelConfig | None = None, *,
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [B, H, D]; block_tables: [B, W]; seq_lens: [B] (context length including the token just
     stored; 0 gives a zero output). `num_splits` None picks from the shapes. Writes `out`
-    [B, H, D] (may be a strided view) and returns it. No host synchronisation: capturable.
+    [B, H, D] (may be a strided view) and returns it. No host synchronisation: capturable, with
+    or without options. `sliding_window` (None: the whole context), `softcap` (None or 0: none)
+    and `sinks` ([H] natural-log logits, any float dtype) as in `AttentionOptions`.
     """
     b, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -282,6 +372,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_splits = choose_num_splits(b, kvh, block_tables.shape[1] * block_size, _num_sms(q.device))
     group = h // kvh
     dim_pad = dot_pad(d)
+    opts = _kernel_options(scale, sliding_window, softcap, sinks, h)
+    sinks_arg = out if opts.sinks is None else opts.sinks  # an unused placeholder without sinks
     direct = num_splits == 1
     if direct:
         part_out, part_lse = out, out  # unused placeholders: the kernel writes `out` itself
@@ -293,23 +385,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                         part_lse.stride(0), part_lse.stride(1))
     _decode_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
-        out, part_out, part_lse,
-        scale * _LOG2E, num_splits, block_size,
+        out, part_out, part_lse, sinks_arg,
+        opts.qk_scale, opts.softcap, opts.sliding_window, num_splits, block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *part_strides,
         GROUP=group, GROUP_PAD=group_pad(group), HEAD_DIM=d, DIM_PAD=dim_pad,
-        BLOCK_N=cfg.block_n, DIRECT=direct, PRECISION=_precision(q.dtype),
+        BLOCK_N=cfg.block_n, DIRECT=direct, PRECISION=_precision(q.dtype), **opts.flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _combine_kernel[(b, h)](
-            part_out, part_lse, out, num_splits,
+            part_out, part_lse, out, sinks_arg, num_splits,
             *part_strides,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, DIM_PAD=dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HAS_SINKS=opts.flags["HAS_SINKS"],
             num_warps=4,
         )
     return out
@@ -326,14 +419,15 @@ _TILE_FIELDS = 5
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, out_ptr,
-    qk_scale, block_size,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, out_ptr, sinks_ptr,
+    qk_scale, softcap, sliding_window, block_size,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tiles_ptr + tl.program_id(0) * 5  # _TILE_FIELDS
     head = tl.program_id(1)
@@ -362,16 +456,29 @@ def _prefill_kernel(
     table = block_tables_ptr + row * stride_bt
     # Causal: no row of this tile sees past the tile's last position.
     hi = tl.minimum(seq_len, prefix + m_start + BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:
+        # Nor before the first row's window: start at the tile holding its first visible key.
+        lo = (tl.maximum(prefix + m_start - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
         pos = start + n
         valid = pos < hi
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
                              stride_cb, stride_cs, kvh * stride_ch)
-        # Every row sees position 0 in the first tile, so the running max is finite from then on.
         keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, PRECISION)
+        if HAS_WINDOW:
+            keep = keep & (pos[None, :] > q_pos[:, None] - sliding_window)
+        # Without a window every row sees position 0 in the first tile, so the running max is
+        # finite from then on; with one, a later row may see nothing in the first tiles.
+        m_i, l_i, acc = _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION,
+                                     HAS_SOFTCAP, HAS_WINDOW)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    if HAS_SINKS:
+        # The head's sink joins every row's denominator (a row with nothing seen divides 0 by inf).
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        l_safe = l_i + tl.exp2(sink - m_i)
+    o = acc / l_safe[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
@@ -395,11 +502,13 @@ def prefill_tiles(block_table_rows: list[int], query_lens: list[int], seq_lens: 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   tiles: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                  config: KernelConfig | None = None) -> torch.Tensor:
+                  config: KernelConfig | None = None, *, sliding_window: int | None = None,
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the prefill tokens q [T, H, D] over their paged contexts.
 
     `tiles` comes from `prefill_tiles` with the same `config.block_m`; every query token's K/V
-    must already be in the cache. Writes `out` [T, H, D] and returns it.
+    must already be in the cache. Writes `out` [T, H, D] and returns it. Options as in
+    `paged_decode`.
     """
     _, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -412,15 +521,16 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_tiles == 0:
         return out
     cfg = config or default_prefill_config(q.device, d)
+    opts = _kernel_options(scale, sliding_window, softcap, sinks, h)
     _prefill_kernel[(num_tiles, h)](
-        q, k_cache, v_cache, block_tables, tiles, out,
-        scale * _LOG2E, k_cache.shape[1],
+        q, k_cache, v_cache, block_tables, tiles, out, out if opts.sinks is None else opts.sinks,
+        opts.qk_scale, opts.softcap, opts.sliding_window, k_cache.shape[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=dot_pad(d),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), **opts.flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -162,7 +162,9 @@ class ModelRunner:
             self.cuda_graphs.capture()
 
     def _plain_attention(self) -> bool:
-        """No layer needs more than causal attention (no window, soft-cap or sinks)."""
+        """No layer needs more than causal attention (no window, soft-cap or sinks). The Triton
+        kernels take those options, but capturing them in a graph has not run on a GPU yet, so
+        such models decode eagerly until it has."""
         return all(m.options.plain and m.sinks is None for m in self.model.modules() if isinstance(m, Attention))
 
     def attach_timer(self, timer: PhaseTimer | None) -> None:

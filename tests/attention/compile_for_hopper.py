@@ -30,6 +30,16 @@ def compile_kernel(fn, pointers: dict[str, str], scalars: dict[str, str], conste
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+# The per-layer attention options: none (the plain kernels), and all of them at once.
+OPTIONS = [dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False),
+           dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True)]
+OPTION_SCALARS = {"qk_scale": "fp32", "softcap": "fp32"}
+
+
+def _opts_name(opts: dict) -> str:
+    return "" if not any(opts.values()) else " window softcap sinks"
+
+
 def cases(full: bool):
     for dt in ("bf16", "fp32"):
         prec = "ieee" if dt == "fp32" else "tf32"
@@ -40,20 +50,27 @@ def cases(full: bool):
         shapes = [(4, 128), (1, 64), (2, 8)] if dt == "bf16" else [(2, 16), (4, 32)]
         configs = [(64, 4, 2)] + ([(32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)] if full else [])
         for group, d in shapes:
-            for direct in (True, False):
-                for bn, warps, stages in configs:
-                    part = f"*{dt}" if direct else "*fp32"
-                    yield (f"decode group={group} d={d} direct={direct} tile={bn} warps={warps} stages={stages}", dt), \
-                        K._decode_kernel, {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "seq_lens_ptr": "*i64",
-                                           "out_ptr": f"*{dt}", "part_out_ptr": part, "part_lse_ptr": part, **kv}, \
-                        {"qk_scale": "fp32"}, dict(GROUP=group, GROUP_PAD=K.group_pad(group), HEAD_DIM=d, DIM_PAD=K.dot_pad(d),
-                                                   BLOCK_N=bn, DIRECT=direct, PRECISION=prec), warps, stages
-            yield (f"prefill group={group} d={d}", dt), K._prefill_kernel, \
-                {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "tiles_ptr": "*i32", "out_ptr": f"*{dt}", **kv}, \
-                {"qk_scale": "fp32"}, dict(GROUP=group, HEAD_DIM=d, DIM_PAD=K.dot_pad(d), BLOCK_M=64, BLOCK_N=64, PRECISION=prec), \
-                4, 2
-        yield ("combine", dt), K._combine_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dt}"}, \
-            {}, dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=32), 4, 1
+            for opts in OPTIONS:
+                for direct in (True, False):
+                    for bn, warps, stages in configs:
+                        part = f"*{dt}" if direct else "*fp32"
+                        yield (f"decode group={group} d={d} direct={direct} tile={bn} warps={warps} stages={stages}"
+                               f"{_opts_name(opts)}", dt), \
+                            K._decode_kernel, {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "seq_lens_ptr": "*i64",
+                                               "out_ptr": f"*{dt}", "part_out_ptr": part, "part_lse_ptr": part,
+                                               "sinks_ptr": "*fp32", **kv}, \
+                            OPTION_SCALARS, dict(GROUP=group, GROUP_PAD=K.group_pad(group), HEAD_DIM=d,
+                                                 DIM_PAD=K.dot_pad(d), BLOCK_N=bn, DIRECT=direct, PRECISION=prec,
+                                                 **opts), warps, stages
+                yield (f"prefill group={group} d={d}{_opts_name(opts)}", dt), K._prefill_kernel, \
+                    {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "tiles_ptr": "*i32", "out_ptr": f"*{dt}",
+                     "sinks_ptr": "*fp32", **kv}, \
+                    OPTION_SCALARS, dict(GROUP=group, HEAD_DIM=d, DIM_PAD=K.dot_pad(d), BLOCK_M=64, BLOCK_N=64,
+                                         PRECISION=prec, **opts), 4, 2
+        for sinks in (False, True):
+            yield ("combine" + (" sinks" if sinks else ""), dt), K._combine_kernel, \
+                {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dt}", "sinks_ptr": "*fp32"}, \
+                {}, dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=32, HAS_SINKS=sinks), 4, 1
 
 
 def main() -> int:

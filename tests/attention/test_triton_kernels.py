@@ -13,7 +13,7 @@ import torch
 
 import triton  # noqa: E402,F401  (a test dependency on Linux: missing, these tests must fail)
 
-from pagellm.attention.backend import AttentionMetadata  # noqa: E402
+from pagellm.attention.backend import AttentionMetadata, AttentionOptions  # noqa: E402
 from pagellm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagellm.attention.triton_kernels import (  # noqa: E402
@@ -32,14 +32,26 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [ql, H, D], the last ql positions of a context with K/V k, v: [ctx, KVH, D]; fp64, causal."""
+def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [ql, H, D], the last ql positions of a context with K/V k, v: [ctx, KVH, D]; fp64, causal.
+    A query at position i sees keys j with i - window < j <= i; scores capped as
+    softcap * tanh(s / softcap); sinks: [H] extra logits in each softmax's denominator."""
     ql, h, _ = q.shape
     ctx, kvh, _ = k.shape
     q, k, v = q.double(), k.double().repeat_interleave(h // kvh, 1), v.double().repeat_interleave(h // kvh, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-    scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > qpos, float("-inf"))
+    kpos = torch.arange(ctx, device=q.device)[None, :]
+    hidden = kpos > qpos
+    if window:
+        hidden |= kpos <= qpos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(h, ql, 1)], dim=-1)
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :-1], v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -70,10 +82,10 @@ class Batch:
             seq_lens=sl, seq_lens_tensor=torch.tensor(sl, device=DEVICE),
             num_decodes=sum(n == 1 for _, n in self.shapes), block_size=self.k_cache.shape[1])
 
-    def expected(self, scale: float) -> torch.Tensor:
+    def expected(self, scale: float, **options) -> torch.Tensor:
         outs, start = [], 0
         for (_, n), k, v in zip(self.shapes, self.full_k, self.full_v):
-            outs.append(naive(self.q[start:start + n], k, v, scale))
+            outs.append(naive(self.q[start:start + n], k, v, scale, **options))
             start += n
         return torch.cat(outs)
 
@@ -238,3 +250,99 @@ def test_odd_head_dims_and_wide_gqa_groups(heads, head_dim):
     tiles = prefill_tiles([0, 1], [n for _, n in shapes], b.seq_lens, cfg.block_m if cfg else 64, DEVICE)
     out = paged_prefill(b.q, b.k_cache, b.v_cache, b.block_tables, tiles, scale, config=cfg)
     torch.testing.assert_close(out.double(), b.expected(scale), **TOL[torch.float32])
+
+
+# ---- per-layer options: sliding window, soft-cap, sinks -------------------------------------------
+def layer_options(variant: str, heads: int, window: int) -> dict:
+    """Keyword options of `naive` and the kernels for one variant; sinks seeded, O(1) like the scores."""
+    w = window if variant in ("window", "all") else None
+    cap = 0.7 if variant in ("softcap", "all") else None  # below the scores' spread: the cap bites
+    sinks = (torch.randn(heads, generator=torch.Generator().manual_seed(heads)).to(DEVICE)
+             if variant in ("sinks", "all") else None)
+    return {"window": w, "softcap": cap, "sinks": sinks}
+
+
+def kernel_kwargs(opts: dict) -> dict:
+    return {"sliding_window": opts["window"], "softcap": opts["softcap"], "sinks": opts["sinks"]}
+
+
+def assert_options_matter(got: torch.Tensor, scale: float, b: Batch, opts: dict) -> None:
+    """The case could fail: each option changes the answer (a window shorter than the context)."""
+    for name in ("window", "softcap", "sinks"):
+        if opts[name] is not None:
+            without = b.expected(scale, **{**opts, name: None})
+            assert (got.double() - without).abs().max() > 1e-2, f"{name} changes nothing in this case"
+
+
+# One split: sinks join in the decode kernel; three: in the combine, and the window's tiles are split.
+@pytest.mark.parametrize("variant,window,num_splits", [("window", 6, 3), ("softcap", None, 1), ("sinks", None, 1),
+                                                       ("sinks", None, 3), ("all", 20, 1), ("all", 20, 3)])
+def test_decode_with_options_matches_naive(variant, window, num_splits):
+    """Contexts shorter and longer than the window (6: the tiles before it skipped; 20: its start
+    inside a tile, the split across tiles), and a padded graph row (seq_len 0), which gives zeros."""
+    heads, head_dim, block_size = (8, 2), 16, 4
+    shapes = [(0, 1), (3, 1), (21, 1), (45, 1)]
+    opts = layer_options(variant, heads[0], window)
+    scale = head_dim ** -0.5
+    for dtype in DTYPES:
+        b = make_batch(shapes, heads, head_dim, block_size, dtype, seed=11, store_new=True)
+        q = torch.cat([b.q, torch.randn(1, heads[0], head_dim, device=DEVICE).to(dtype)])
+        tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables[:1])])
+        seq_lens = torch.tensor(b.seq_lens + [0], device=DEVICE)
+        out = paged_decode(q, b.k_cache, b.v_cache, tables, seq_lens, scale, num_splits=num_splits,
+                           **kernel_kwargs(opts))
+        torch.testing.assert_close(out[:-1].double(), b.expected(scale, **opts), **TOL[dtype])
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        assert_options_matter(out[:-1], scale, b, opts)
+
+
+@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 20)])
+def test_prefill_with_options_matches_naive(variant, window):
+    """A fresh prompt, a chunk on earlier chunks, a cached prefix, and a 40-token chunk over three
+    query tiles. Window 5 is shorter than a key tile (16 here), so a tile's later rows see nothing
+    in its first key tiles; 20 spans tiles."""
+    heads, head_dim, block_size = (8, 2), 16, 4
+    shapes = [(0, 13), (9, 7), (2 * block_size, 5), (3, 40)]
+    cfg = KernelConfig(block_n=16, block_m=16) if DEVICE.type == "cpu" else None
+    opts = layer_options(variant, heads[0], window)
+    scale = head_dim ** -0.5
+    for dtype in DTYPES:
+        b = make_batch(shapes, heads, head_dim, block_size, dtype, seed=12, store_new=True)
+        tiles = prefill_tiles(list(range(len(shapes))), [n for _, n in shapes], b.seq_lens,
+                              cfg.block_m if cfg else 64, DEVICE)
+        out = paged_prefill(b.q, b.k_cache, b.v_cache, b.block_tables, tiles, scale, config=cfg,
+                            **kernel_kwargs(opts))
+        torch.testing.assert_close(out.double(), b.expected(scale, **opts), **TOL[dtype])
+        assert_options_matter(out, scale, b, opts)
+
+
+@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 9)])
+def test_backend_with_options_matches_torch_backend_on_mixed_batch(variant, window):
+    """The Triton backend serves window, soft-cap and sink layers itself, as the torch reference
+    does: decodes (split in two), a fresh prompt, a chunk over a cached part and a cached prefix."""
+    shapes = [(12, 1), (0, 1), (33, 1), (0, 11), (9, 7), (4, 3)]
+    heads, head_dim, block_size = (8, 2), 16, 4
+    scale = head_dim ** -0.5
+    opts = layer_options(variant, heads[0], window)
+    options = AttentionOptions(scale, opts["window"], opts["softcap"])
+    outs, caches = {}, {}
+    for name, backend in (("torch", TorchAttentionBackend(compiled_decode=False)),
+                          ("triton", TritonAttentionBackend(num_splits=2))):
+        b = make_batch(shapes, heads, head_dim, block_size, torch.float32, seed=5)
+        outs[name] = backend.forward(b.q, b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta(), scale, options,
+                                     opts["sinks"])
+        caches[name] = (b.k_cache, b.v_cache)
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(outs["triton"].double(), b.expected(scale, **opts), atol=1e-3, rtol=1e-3)
+    assert_options_matter(outs["triton"], scale, b, opts)
+    assert torch.equal(caches["triton"][0], caches["torch"][0])
+    assert torch.equal(caches["triton"][1], caches["torch"][1])
+
+
+def test_option_arguments_are_checked():
+    b = make_batch([(3, 1)], (4, 2), 16, 4, torch.float32, seed=1, store_new=True)
+    seq_lens = torch.tensor(b.seq_lens, device=DEVICE)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, seq_lens, 0.25, sliding_window=0)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, seq_lens, 0.25, sinks=torch.zeros(2, device=DEVICE))

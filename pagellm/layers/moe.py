@@ -32,27 +32,33 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
         for p, parts in ((self.w13, ("w1", "w3")), (self.w2, ("w2",))):
             p.weight_loader = self.weight_loader
-            # Filled when every expert's parts arrived, or the whole stack at once (part "all").
+            # Filled when every expert's parts arrived, one by one or stacked (part ("all", kind)).
             p.parts_needed = {(e, part) for e in range(num_experts) for part in parts}
+            p.expand_part = self.expand_part
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: tuple) -> None:
-        """`part`: (expert, "w1" | "w3" | "w2") for one expert's matrix, or ("all", "w13" | "w2")
-        for the stacked tensor of every expert (transformers 5's gate_up_proj / down_proj)."""
+        """`part`: (expert, "w1" | "w3" | "w2") for one expert's matrix, or ("all", kind) for
+        every expert's at once: "w13" (transformers 5's gate_up_proj), "w1", "w3" or "w2"
+        (GGUF's ffn_{gate,up,down}_exps, transformers 5's down_proj)."""
         expert, kind = part
         n, r = self.inter, self.rank
-        if expert == "all":
-            if kind == "w13":
-                gate, up = loaded.chunk(2, dim=1)
-                load_whole(param.data[:, :n], gate.narrow(1, r * n, n))
-                load_whole(param.data[:, n:], up.narrow(1, r * n, n))
-            else:
-                load_whole(param, loaded.narrow(2, r * n, n))
-            return
-        if kind == "w2":
-            load_whole(param.data[expert], loaded.narrow(1, r * n, n))
+        experts = slice(None) if expert == "all" else expert
+        if kind == "w13":
+            gate, up = loaded.chunk(2, dim=-2)
+            load_whole(param.data[experts, :n], gate.narrow(-2, r * n, n))
+            load_whole(param.data[experts, n:], up.narrow(-2, r * n, n))
+        elif kind == "w2":
+            load_whole(param.data[experts], loaded.narrow(-1, r * n, n))
         else:
             rows = slice(0, n) if kind == "w1" else slice(n, 2 * n)
-            load_whole(param.data[expert, rows], loaded.narrow(0, r * n, n))
+            load_whole(param.data[experts, rows], loaded.narrow(-2, r * n, n))
+
+    def expand_part(self, part: tuple) -> set[tuple]:
+        """The (expert, matrix) pairs a loaded part fills."""
+        expert, kind = part
+        experts = range(self.num_experts) if expert == "all" else (expert,)
+        kinds = ("w1", "w3") if kind == "w13" else (kind,)
+        return {(e, k) for e in experts for k in kinds}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, experts: [T, k] (each token's routing weights and experts)."""
@@ -97,18 +103,17 @@ class SparseMoeBlock(nn.Module):
 
 
 def route_expert_weight(name: str) -> tuple[str, tuple] | None:
-    """A checkpoint name of an expert's matrix -> (the stacked parameter, its part), or None.
-    Both layouts: `...experts.<e>.<w1|w3|w2|gate_proj|up_proj|down_proj>.weight` (one expert
-    per tensor) and `...experts.<gate_up_proj|down_proj>` (all experts stacked)."""
+    """A checkpoint name of experts' matrices -> (the stacked parameter, its part), or None.
+    One expert per tensor: `...experts.<e>.<w1|w3|w2|gate_proj|up_proj|down_proj>.weight`; all
+    experts stacked: `...experts.<gate_up_proj|gate_proj|up_proj|down_proj>[.weight]`."""
     head, sep, tail = name.partition(".experts.")
     if not sep:
         return None
-    if tail in ("gate_up_proj", "gate_up_proj.weight"):
+    tail = tail.removesuffix(".weight")
+    if tail == "gate_up_proj":
         return f"{head}.experts.w13", ("all", "w13")
-    if tail in ("down_proj", "down_proj.weight"):
-        return f"{head}.experts.w2", ("all", "w2")
-    expert, _, rest = tail.partition(".")
-    kind = EXPERT_PARTS.get(rest.removesuffix(".weight"))
-    if not expert.isdigit() or kind is None:
+    expert, _, rest = tail.partition(".") if "." in tail else ("all", "", tail)
+    kind = EXPERT_PARTS.get(rest)
+    if not (expert == "all" or expert.isdigit()) or kind is None:
         return None
-    return f"{head}.experts.{'w2' if kind == 'w2' else 'w13'}", (int(expert), kind)
+    return f"{head}.experts.{'w2' if kind == 'w2' else 'w13'}", (expert if expert == "all" else int(expert), kind)

@@ -54,6 +54,53 @@ class ModelArchConfig:
         return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
+def arch_from_hf(hf, family: str, *, bos_token_id: int | None, eos_token_ids: list[int], model_name: str,
+                 attention_bias: bool = False) -> ModelArchConfig:
+    """The ModelArchConfig of `hf`, a transformers config (read from config.json, or made from
+    a GGUF file's metadata) of a model of `family` (pagellm.models.registry)."""
+    heads = int(hf.num_attention_heads)
+    rope_theta, rope_scaling = rope_from_hf(hf.to_dict(), model_name)
+    return ModelArchConfig(
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        intermediate_size=int(getattr(hf, "intermediate_size", 0) or 0),
+        num_hidden_layers=int(hf.num_hidden_layers),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+        head_dim=getattr(hf, "head_dim", None),
+        rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 4096),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and its config has no key for them.
+        attention_bias=attention_bias or family == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        bos_token_id=bos_token_id,
+        eos_token_ids=eos_token_ids,
+        architecture=family,
+        hf_config=hf.to_dict(),
+        model_name=model_name,
+    )
+
+
+def rope_from_hf(cfg: dict, where: str) -> tuple[float, dict | None]:
+    """`(rope_theta, HF-style rope_scaling or None)` from either transformers spelling (v4
+    `rope_scaling` + `rope_theta`, v5 `rope_parameters`); per layer type, the global layers'."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # one dict per layer type (Gemma 3): the global layers' here
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: rope parameters should be a JSON object, got {params!r}")
+    params = dict(params)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "type" in params:  # v4's older name for rope_type
+        params.setdefault("rope_type", params.pop("type"))
+    params.pop("partial_rotary_factor", None)  # the family reads it from the whole config
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, params
+
+
 def llama_style_config(arch: ModelArchConfig) -> dict[str, Any]:
     """A Hugging Face config for the Llama-family fields alone (GGUF files, synthetic shapes)."""
     model_type = {"qwen2": "qwen2", "mistral": "mistral"}.get(arch.architecture, "llama")

@@ -1,8 +1,12 @@
-"""Reading Llama-family GGUF files: the architecture from metadata, the weights as HF-named float32 tensors.
+"""Reading GGUF files: the architecture from metadata as a Hugging Face config, the weights as
+HF-named float32 tensors.
 
-This module owns the mapping from llama.cpp's conventions (tensor names, dimension order, the q/k row
-permutation of its rope layout, rope scaling stored as a `rope_freqs` tensor) back to Hugging Face's, so
-everything downstream sees one layout whatever file the model came from.
+This module owns the mapping from llama.cpp's conventions back to Hugging Face's: metadata keys
+to config fields (plus what llama.cpp fixes in code per architecture rather than storing), tensor
+names (read backwards through the converter's own table, `gguf.TensorNameMap`), dimension order,
+the q/k row permutation of its rope layout, Gemma's norms stored as `1 + w`, and Llama 3 rope
+scaling stored as a `rope_freqs` tensor. Everything downstream sees one layout whatever file the
+model came from.
 """
 from __future__ import annotations
 
@@ -12,34 +16,55 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from pagellm.model.config import ModelArchConfig
+from pagellm.model.config import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_gguf
 
-# llama.cpp's converter reorders q/k rows for these (its non-NeoX rope); Qwen2 is stored as in HF.
-_PERMUTED_ARCHS = ("llama", "mistral")
+# llama.cpp's converter reorders q/k rows for these architectures (its non-NeoX rope).
+_PERMUTED_ARCHS = ("llama", "mistral", "smollm3", "granite")
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+# `{arch}.<key>` metadata -> Hugging Face config field, for every architecture.
+_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "embedding_scale": "embedding_multiplier",     # Granite
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
 }
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+_REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+
+# What llama.cpp fixes in its code for an architecture instead of reading it from the file; the
+# Hugging Face defaults differ, so a GGUF model is served as llama.cpp serves it.
+_LLAMA_CPP_FIXED: dict[str, dict[str, Any]] = {
+    "smollm3": {"no_rope_layer_interval": 4},   # every fourth layer without rope
+    "gemma3": {"sliding_window_pattern": 6},    # five local layers, then one global
+    "qwen3moe": {"norm_topk_prob": True},       # top-k routing weights renormalized
 }
-_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Stacked expert tensors -> the HF name of every expert's matrices at once (FusedMoE loads them).
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_TENSOR_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
 # Per-frequency llama3 rope factors; folded into the config by read_gguf_config, not a parameter.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -51,98 +76,147 @@ _ROPE_SCALING_KEYS = {
     "yarn_beta_slow": "beta_slow",
 }
 
-_MISSING = object()
-
 
 def read_gguf_config(path: str, reader: GGUFReader | None = None) -> ModelArchConfig:
-    """The architecture described by a GGUF file's `{arch}.*` and `tokenizer.ggml.*` metadata.
+    """The architecture described by a GGUF file's `{arch}.*` and `tokenizer.ggml.*` metadata,
+    as the Hugging Face config of its family.
 
     `reader`: the file already opened by `open_gguf` (parsing the metadata takes seconds for a
     large vocabulary, so a caller that also reads the weights opens it once).
     """
+    from transformers import AutoConfig
+
     reader = reader or open_gguf(path)
-    arch = _architecture(reader, path)
-
-    def key(name: str, default: Any = _MISSING) -> Any:
-        value = _value(reader, f"{arch}.{name}")
-        if value is None:
-            if default is _MISSING:
-                raise ValueError(f"{path}: required metadata key {arch}.{name} is missing")
-            return default
-        return value
-
-    if key("expert_count", 0):
-        raise ValueError(f"{path}: mixture-of-experts models are not supported")
-    hidden = _as_int(key("embedding_length"), f"{arch}.embedding_length", path)
-    heads = _as_int(key("attention.head_count"), f"{arch}.attention.head_count", path)
-    kv_heads = _as_int(key("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv", path)
-    head_dim = key("attention.key_length", hidden // heads)
-    if key("attention.value_length", head_dim) != head_dim:
-        raise ValueError(f"{path}: key and value head sizes differ, which Llama attention does not support")
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings (rope on part of each head) are not supported")
-    context = key("context_length", 4096)
-    window = key("attention.sliding_window", None)
-    if window is not None and window < context:
-        raise ValueError(
-            f"{path}: sliding-window attention (window {window} < context {context}) is not supported"
-        )
-    theta = key("rope.freq_base", 10000.0)
-
-    tensor_names = {t.name for t in reader.tensors}
+    arch = _value(reader, "general.architecture")
+    family = family_for_gguf(arch, path, experts=bool(_value(reader, f"{arch}.expert_count")))
+    fields = _hf_fields(reader, arch, path)
+    if family.name == "mixtral":
+        fields["num_local_experts"] = fields.pop("num_experts")
+    try:
+        hf = AutoConfig.for_model(family.model_types[0], **fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: its metadata does not make a {family.name} config: {exc}") from None
     eos_ids: list[int] = []
     for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
         token_id = _value(reader, f"tokenizer.ggml.{name}")
         if token_id is not None and token_id not in eos_ids:
             eos_ids.append(int(token_id))
+    tensor_names = {t.name for t in reader.tensors}
+    return arch_from_hf(hf, family.name, bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),
+                        eos_token_ids=eos_ids, model_name=path,
+                        attention_bias="blk.0.attn_q.bias" in tensor_names)
 
-    return ModelArchConfig(
-        vocab_size=_vocab_size(reader, arch, path),
-        hidden_size=hidden,
-        intermediate_size=_as_int(key("feed_forward_length"), f"{arch}.feed_forward_length", path),
-        num_hidden_layers=_as_int(key("block_count"), f"{arch}.block_count", path),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=int(head_dim),
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, arch, int(head_dim), theta, path),
-        max_position_embeddings=int(context),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids,
-        architecture=family_for_gguf(arch, path).name,
-        model_name=path,
-    )
+
+def _hf_fields(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
+    """The Hugging Face config fields the metadata gives (transformers fills in the rest)."""
+    for key in _REQUIRED:
+        if _value(reader, f"{arch}.{key}") is None:
+            raise ValueError(f"{path}: required metadata key {arch}.{key} is missing")
+    fields: dict[str, Any] = {}
+    for key, field in _CONFIG_KEYS.items():
+        value = _value(reader, f"{arch}.{key}")
+        if value is not None:
+            if isinstance(value, list):  # per-layer values (hybrid models) are not served
+                raise ValueError(f"{path}: metadata key {arch}.{key} varies per layer ({value[:4]}...), "
+                                 "which no supported family does")
+            fields[field] = value
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
+        fields[key] = _as_int(fields[key], key, path)
+    fields.setdefault("vocab_size", _vocab_size(reader, arch, path))
+    heads = fields["num_attention_heads"]
+    head_dim = int(fields.get("head_dim") or fields["hidden_size"] // heads)
+    fields["head_dim"] = head_dim
+    if _value(reader, f"{arch}.attention.value_length") not in (None, head_dim):
+        raise ValueError(f"{path}: key and value head sizes differ "
+                         f"({head_dim} vs {_value(reader, f'{arch}.attention.value_length')}), "
+                         "which no supported family does")
+    if _value(reader, f"{arch}.expert_shared_count"):
+        raise ValueError(f"{path}: shared experts ({arch}.expert_shared_count) are not supported")
+    rotary = _value(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and rotary != head_dim:
+        fields["partial_rotary_factor"] = rotary / head_dim
+    theta = _value(reader, f"{arch}.rope.freq_base") or 10000.0
+    rope = {"rope_type": "default", "rope_theta": theta, **(_rope_scaling(reader, arch, head_dim, theta, path) or {})}
+    local_theta = _value(reader, f"{arch}.rope.freq_base_swa")
+    if local_theta is not None:  # Gemma 3: the sliding-window layers rotate with their own base
+        rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    fields["rope_parameters"] = rope
+    pattern = _value(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        fields["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    for field, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                       ("pad_token_id", "padding_token_id")):
+        # The file's tokenizer decides (a family's default, e.g. SmolLM3's pad 128004, may not exist).
+        fields[field] = _value(reader, f"tokenizer.ggml.{key}")
+    fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    fields.update(_LLAMA_CPP_FIXED.get(arch, {}))
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), except in the 27B models
+        # (46 and 62 layers), where it is 1/sqrt(hidden / heads): their query_pre_attn_scalar.
+        big = fields["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[arch]
+        fields["query_pre_attn_scalar"] = fields["hidden_size"] // heads if big else head_dim
+    return fields
 
 
 def iter_gguf_weights(path: str, reader: GGUFReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap.
 
-    The file is opened and checked before this returns, so a bad path fails here, not at first use.
-    `reader`: as for read_gguf_config.
+    The file is opened and checked, and every tensor's name mapped, before this returns, so a bad
+    file or a tensor with no place in the model fails here, not at first use. `reader`: as for
+    read_gguf_config.
     """
     reader = reader or open_gguf(path)
-    arch = _architecture(reader, path)
-    heads = _as_int(_value(reader, f"{arch}.attention.head_count"), f"{arch}.attention.head_count", path)
-    kv_heads = _value(reader, f"{arch}.attention.head_count_kv") or heads
-    return _weights(reader, arch in _PERMUTED_ARCHS, heads, kv_heads, path)
+    cfg = read_gguf_config(path, reader)
+    arch = _value(reader, "general.architecture")
+    names = _hf_names(reader, arch, cfg, path)
+    return _weights(reader, names, arch, cfg, path)
 
 
-def _weights(
-    reader: GGUFReader, permuted: bool, heads: int, kv_heads: int, path: str
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(reader: GGUFReader, names: dict[str, str], arch: str, cfg: ModelArchConfig,
+             path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = arch in _PERMUTED_ARCHS
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name, path)
+        name = names.get(tensor.name)
         if name is None:
             continue
         weight = _to_torch(tensor, path)
         if permuted and ".q_proj." in name:
-            weight = _unpermute(weight, heads, name, path)
+            weight = _unpermute(weight, cfg.num_attention_heads, name, path)
         elif permuted and ".k_proj." in name:
-            weight = _unpermute(weight, kv_heads, name, path)
+            weight = _unpermute(weight, cfg.num_key_value_heads, name, path)
+        elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            weight -= 1.0
         yield name, weight
+
+
+def _hf_names(reader: GGUFReader, arch: str, cfg: ModelArchConfig, path: str) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name. The converter maps HF names forward through
+    `gguf.TensorNameMap`, which knows many spellings of each tensor; of those, the one the
+    reference model of this family has (transformers' own module names) is the way back."""
+    import transformers
+
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(cfg.hf)
+    modules = {name.rsplit(".", 1)[0] for name in reference.state_dict()}
+    table = gguf.get_tensor_name_map(_MODEL_ARCHS[arch], cfg.num_hidden_layers)
+    back = {gguf_name: hf_name for hf_name, (_, gguf_name) in table.mapping.items() if hf_name in modules}
+    names: dict[str, str] = {}
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue  # folded into the config
+        base, _, suffix = tensor.name.rpartition(".")
+        expert = _EXPERT_TENSOR_RE.fullmatch(tensor.name)
+        if expert and cfg.hf_config.get("num_experts_per_tok"):
+            names[tensor.name] = f"model.layers.{expert.group(1)}.mlp.experts.{_EXPERT_TENSORS[expert.group(2)]}"
+        elif base in back:
+            names[tensor.name] = f"{back[base]}.{suffix}"
+        else:
+            # Failing beats silently dropping a weight the model would then run without.
+            raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {cfg.architecture} model")
+    return names
+
+
+_MODEL_ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
 def open_gguf(path: str) -> GGUFReader:
@@ -178,12 +252,6 @@ def _as_int(value: Any, key: str, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{path}: metadata key {key} should be one integer, got {value!r}")
     return value
-
-
-def _architecture(reader: GGUFReader, path: str) -> str:
-    arch = _value(reader, "general.architecture")
-    family_for_gguf(arch, path)
-    return arch
 
 
 def _vocab_size(reader: GGUFReader, arch: str, path: str) -> int:
@@ -262,19 +330,6 @@ def _llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: floa
     if not np.allclose(_llama3_rope_factors(head_dim, theta, scaling), factors, rtol=1e-3, atol=0):
         raise unsupported
     return scaling
-
-
-def _hf_name(gguf_name: str, path: str) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    if gguf_name == _ROPE_FREQS:
-        return None
-    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
-    # Failing beats silently dropping a weight the model would then run without.
-    raise ValueError(f"{path}: tensor {gguf_name!r} has no place in a Llama-family model")
 
 
 def _to_torch(tensor: Any, path: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Reading a Hugging Face model directory: config.json (+ generation_config.json) and safetensors weights.
 
-This module owns turning transformers' config spellings (v4 `rope_scaling`/`rope_theta`, v5
-`rope_parameters`) into a ModelArchConfig, and the rule that pickled weights are never opened.
+transformers reads config.json (so its defaults are the reference's); this module finds the
+family, the stop tokens and the weight files, and owns the rule that pickled weights are never opened.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagellm.model.config import ModelArchConfig
+from pagellm.model.config import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_hf
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -30,30 +30,8 @@ def read_hf_config(model_dir: str) -> ModelArchConfig:
     raw = _read_json(config_path)
     family = family_for_hf(raw, config_path)
     hf = _transformers_config(model_dir, config_path, raw, family.model_types[0])
-    max_positions = int(getattr(hf, "max_position_embeddings", None) or 4096)
-    rope_theta, rope_scaling = _rope(hf.to_dict(), config_path)
-    heads = int(hf.num_attention_heads)
-    return ModelArchConfig(
-        vocab_size=int(hf.vocab_size),
-        hidden_size=int(hf.hidden_size),
-        intermediate_size=int(getattr(hf, "intermediate_size", 0) or 0),
-        num_hidden_layers=int(hf.num_hidden_layers),
-        num_attention_heads=heads,
-        num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-        head_dim=getattr(hf, "head_dim", None),
-        rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and its config has no key for them.
-        attention_bias=family.name == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw, model_dir),
-        architecture=family.name,
-        hf_config=hf.to_dict(),
-        model_name=model_dir,
-    )
+    return arch_from_hf(hf, family.name, bos_token_id=raw.get("bos_token_id"),
+                        eos_token_ids=_eos_ids(raw, model_dir), model_name=model_dir)
 
 
 def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type: str):
@@ -95,23 +73,6 @@ def _read_json(path: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path} should hold a JSON object")
     return data
-
-
-def _rope(cfg: dict, config_path: str) -> tuple[float, dict | None]:
-    """`(rope_theta, HF-style rope_scaling or None)` from either the v4 or the v5 spelling."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-        params = params["full_attention"]  # one dict per layer type (Gemma 3): the global layers' here
-    if not isinstance(params, dict):
-        raise ValueError(f"{config_path}: rope parameters should be a JSON object, got {params!r}")
-    params = dict(params)
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if "type" in params:  # v4's older name for rope_type
-        params.setdefault("rope_type", params.pop("type"))
-    params.pop("partial_rotary_factor", None)  # the family reads it from the whole config
-    if params.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, params
 
 
 def _eos_ids(cfg: dict, model_dir: str) -> list[int]:

@@ -137,9 +137,11 @@ class CausalLM(nn.Module):
         """Whether a parameter got every part it is made of (or was stored whole)."""
         if None in parts:
             return True
-        needed = getattr(self.get_parameter(name), "parts_needed", None)
+        param = self.get_parameter(name)
+        needed = getattr(param, "parts_needed", None)
         if needed is None:
             needed = {part for _, frag, part in self.stacked_params if frag in name}
-        if any(p[0] == "all" for p in parts if isinstance(p, tuple)):  # a stacked tensor of every expert
-            return True
+        expand = getattr(param, "expand_part", None)  # a part that fills several (stacked experts)
+        if expand is not None:
+            parts = set().union(*(expand(p) for p in parts))
         return needed <= parts

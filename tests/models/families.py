@@ -20,6 +20,8 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
 
 # family -> (config class, model class, config overrides)
 FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               dict(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
@@ -47,10 +49,11 @@ FAMILIES = {
 }
 
 
-def build(family: str, path: Path, seed: int = 0) -> Path:
+def build(family: str, path: Path, seed: int = 0, **changes) -> Path:
+    """Family `family`'s test model saved in `path`; `changes`: config fields to set besides."""
     config_cls, model_cls, overrides = FAMILIES[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **overrides, **changes})
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

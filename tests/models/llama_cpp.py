@@ -1,0 +1,54 @@
+"""llama.cpp's own converter (`convert_hf_to_gguf.py`), the writer of the GGUF files people
+bring, taken from the llama.cpp sources vendored in llama-cpp-python's source distribution.
+
+The sources are fetched from PyPI once (`pip download`, about 75 MB) and only the converter,
+its `conversion/` package and its `gguf-py` are kept, under PAGELLM_TEST_CACHE (default
+~/.cache/pagellm-tests). The converter runs with its own vendored gguf-py, so writer and
+reader versions are both pinned: llama-cpp-python==LLAMA_CPP_PYTHON here, gguf in pyproject.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"
+_KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def converter_dir() -> Path:
+    """A directory holding convert_hf_to_gguf.py, fetched and unpacked on first use."""
+    cache = Path(os.environ.get("PAGELLM_TEST_CACHE", Path.home() / ".cache" / "pagellm-tests"))
+    target = cache / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], check=True)
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        unpacked = Path(tmp) / "llama.cpp"
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = []
+            for m in tar.getmembers():
+                rel = m.name.removeprefix(prefix)
+                if m.name.startswith(prefix) and rel.startswith(_KEEP) and (m.isfile() or m.isdir()):
+                    m.name = rel
+                    members.append(m)
+            tar.extractall(unpacked, members=members, filter="data")
+        os.replace(unpacked, target)  # atomic: a concurrent or interrupted run never sees half a copy
+    return target
+
+
+def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """Convert a Hugging Face directory to GGUF exactly as a user would with llama.cpp."""
+    script = converter_dir() / "convert_hf_to_gguf.py"
+    result = subprocess.run([sys.executable, str(script), str(model_dir), "--outfile", str(out),
+                             "--outtype", outtype], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}:\n{result.stderr[-3000:]}")
+    return out

@@ -1,0 +1,80 @@
+"""GGUF files made by llama.cpp's own converter load as the Hugging Face model they came from:
+for every family llama.cpp converts, the engine serving the GGUF gives transformers' greedy
+tokens (on the HF directory) token for token, and logprobs within LOGPROB_ATOL, in fp32.
+
+The converter needs a tokenizer it recognises by its hash, so the test models carry the bundled
+SmolLM2 tokenizer (and its 49152-token vocabulary). Where llama.cpp represents less than the HF
+config can say, the test models stay within what it represents (GGUF_CHANGES), since the GGUF
+model is then the model llama.cpp serves."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+from pagellm.model.bundled import default_model_path
+from pagellm.model.gguf_loader import read_gguf_config
+from pagellm.models.registry import FAMILIES as REGISTRY
+from tests.conftest import LOGPROB_ATOL, hf_greedy_logprobs
+from tests.models.families import build
+from tests.models.llama_cpp import convert
+
+pytestmark = pytest.mark.slow
+
+# Qwen2: transformers 5 reads a qwen2 directory's tokenizer with Qwen2's own pre-tokenizer, whose
+# hash the converter does not know with SmolLM2's vocabulary; its GGUF layout is checked on files
+# written in the converter's layout in tests/model/test_gguf_loader.py.
+GGUF_FAMILIES = sorted(f.name for f in REGISTRY if f.gguf_architectures and f.name != "qwen2")
+VOCAB = 49152
+GGUF_CHANGES = {
+    # No sliding window in llama.cpp's Mistral or Qwen3 (real Mistral 7B v0.3 and Qwen3 have none).
+    "mistral": dict(sliding_window=None),
+    "qwen3": dict(use_sliding_window=False),
+    # llama.cpp fixes SmolLM3's rope-less layers at every fourth and Gemma 3's pattern at five local
+    # layers then a global one: enough layers that both kinds are present.
+    "smollm3": dict(no_rope_layer_interval=4, num_hidden_layers=4),
+    "gemma3": dict(sliding_window_pattern=6, num_hidden_layers=6),
+    # llama.cpp's Qwen3-MoE has experts in every layer and always renormalizes.
+    "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True),
+}
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(tmp_path_factory):
+    """The bundled model's tokenizer as tokenizer.json (transformers reads it out of the GGUF)."""
+    path = default_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_converted_gguf_matches_transformers(family, smollm2_tokenizer, tmp_path):
+    model_dir = build(family, tmp_path / family, vocab_size=VOCAB, **GGUF_CHANGES.get(family, {}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_tokenizer / name, model_dir / name)
+    gguf_path = convert(model_dir, tmp_path / f"{family}.gguf")
+
+    cfg = read_gguf_config(str(gguf_path))
+    assert cfg.architecture == ("llama" if family == "mistral" else family)  # the converter writes Mistral as Llama
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 17, 30)]
+    expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
+
+    llm = LLM(str(gguf_path), num_kv_blocks=64, block_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        assert [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)] == pytest.approx(logprobs,
+                                                                                              abs=LOGPROB_ATOL)

@@ -86,3 +86,19 @@ def test_phi3_long_context(tmp_path):
     prompts = _prompts(5, [70, 90])
     expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
     assert_matches(_tokens_and_logprobs(_gen(LLM(path, num_kv_blocks=256, block_size=4), prompts)), expected)
+
+
+def test_generate_command_serves_the_family(family, capsys):
+    """`pagellm generate --model <dir>` as a user runs it, printing what the Python API gives."""
+    from pagellm.entrypoints.cli import main
+
+    name, path, _, _ = family
+    extra = [f"--max-model-len={v}" for v in ENGINE_ARGS.get(name, {}).values()]
+    argv = ["generate", "--model", path, "--prompt", "hello world", "--max-tokens", "8", "--temperature", "0",
+            "--ignore-eos", "--num-kv-blocks", "64", *extra]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(path, num_kv_blocks=64, **ENGINE_ARGS.get(name, {}))
+    text = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    assert printed == f"{text}\n"  # the prompt's header line goes to stderr

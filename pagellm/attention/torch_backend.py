@@ -41,11 +41,11 @@ class TorchAttentionBackend(AttentionBackend):
         if options is not None and options.plain:
             options = None
         if nd:
-            if self._use_compiled(q, k_cache) and sinks is None:
+            if self._use_compiled(q, k_cache):
                 window = options.sliding_window if options else None
                 softcap = options.softcap if options else None
                 out[:nd] = cpu.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                             meta.seq_lens_tensor[:nd], scale, window, softcap)
+                                             meta.seq_lens_tensor[:nd], scale, window, softcap, sinks)
             else:
                 out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, options, sinks)
         start = nd

@@ -54,14 +54,15 @@ def decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D] on the CPU; a float32 or bfloat16 cache. Returns [B, H, D] in q's dtype.
 
     The arithmetic is float32 either way: a bfloat16 cache is widened as it is read. With a
-    sliding window W only the last W keys are read; `softcap` caps each score (Gemma 2).
+    sliding window W only the last W keys are read; `softcap` caps each score (Gemma 2);
+    `sinks` [H] join each head's softmax denominator (gpt-oss).
     """
     out = _load().paged_decode(q.float(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
-                               softcap or 0.0)
+                               softcap or 0.0, sinks)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -124,8 +124,8 @@ inline __m512 exp16(__m512 x) {
 // DT > 0 fixes the head size at compile time so the inner loops unroll; DT == 0 reads D.
 template <int DT, typename T>
 void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t BS, const float* q,
-                const T* kp, const T* vp, const int64_t* table, float scale, float softcap, float* out,
-                float* part_acc, float* part_ml, std::vector<float>& buf) {
+                const T* kp, const T* vp, const int64_t* table, float scale, float softcap, const float* sinks,
+                float* out, float* part_acc, float* part_ml, std::vector<float>& buf) {
   const int64_t D = DT > 0 ? DT : Drt;
   const int64_t G = H / KVH, row = KVH * D;
   buf.assign(static_cast<size_t>(H * D + 2 * H + H * BS), 0.f);
@@ -234,7 +234,13 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
   }
   if (w.part < 0) {
     for (int64_t hh = 0; hh < H; ++hh) {
-      const float inv = 1.f / l[hh];
+      float scale_acc = 1.f, denom = l[hh];
+      if (sinks != nullptr) {  // gpt-oss: the sink's logit joins the denominator, attending to nothing
+        const float mx = std::max(m[hh], sinks[hh]);
+        scale_acc = std::exp(m[hh] - mx);
+        denom = l[hh] * scale_acc + std::exp(sinks[hh] - mx);
+      }
+      const float inv = scale_acc / denom;
       for (int64_t i = 0; i < D; ++i) out[hh * D + i] = acc[hh * D + i] * inv;
     }
   } else {
@@ -270,7 +276,7 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 template <typename T>
 torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                                double softcap) {
+                                double softcap, const float* sinks) {
   q = q.contiguous();
   block_tables = block_tables.to(torch::kLong).contiguous();
   seq_lens = seq_lens.to(torch::kLong).contiguous();
@@ -318,11 +324,14 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
       const int64_t* table = bt + w.seq * max_blocks;
       float* o = op + w.seq * H * D;
       if (D == 64)
-        attend_run<64, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, o, part_acc.data(), part_ml.data(), buf);
+        attend_run<64, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
+                            part_ml.data(), buf);
       else if (D == 128)
-        attend_run<128, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, o, part_acc.data(), part_ml.data(), buf);
+        attend_run<128, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
+                            part_ml.data(), buf);
       else
-        attend_run<0, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, o, part_acc.data(), part_ml.data(), buf);
+        attend_run<0, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
+                            part_ml.data(), buf);
     }
   });
 
@@ -331,9 +340,9 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
     if (first_part[b] < 0) continue;
     const int64_t n = (sl[b] - first_key(b) + run - 1) / run, p0 = first_part[b];
     for (int64_t hh = 0; hh < H; ++hh) {
-      float mx = -std::numeric_limits<float>::infinity();
+      float mx = sinks != nullptr ? sinks[hh] : -std::numeric_limits<float>::infinity();
       for (int64_t p = p0; p < p0 + n; ++p) mx = std::max(mx, part_ml[(p * H + hh) * 2]);
-      float denom = 0.f;
+      float denom = sinks != nullptr ? std::exp(sinks[hh] - mx) : 0.f;  // the sink joins once, here
       float* o = op + (b * H + hh) * D;
       std::fill(o, o + D, 0.f);
       for (int64_t p = p0; p < p0 + n; ++p) {
@@ -350,19 +359,27 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
 }
 
 // window: keys in the last `window` positions only (0: all); softcap: scores capped as
-// softcap * tanh(score / softcap) (0: none).
+// softcap * tanh(score / softcap) (0: none); sinks: None, or [H] float32 logits, one per query
+// head, that join each softmax's denominator and attend to nothing (gpt-oss).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                           double softcap) {
+                           double softcap, c10::optional<torch::Tensor> sinks) {
   check_cpu_dtype(q, "q", torch::kFloat);
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv &&
                   (kv == torch::kFloat || kv == torch::kBFloat16),
               "k_cache and v_cache must both be float32 or both bfloat16 CPU tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  torch::Tensor sink_values;
+  if (sinks.has_value()) {
+    sink_values = sinks->to(torch::kFloat).contiguous();
+    TORCH_CHECK(sink_values.device().is_cpu() && sink_values.dim() == 1 && sink_values.size(0) == q.size(1),
+                "sinks must be a [num_heads] CPU tensor");
+  }
+  const float* sp = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   if (kv == torch::kBFloat16)
-    return paged_decode_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
-  return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap);
+    return paged_decode_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sp);
+  return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sp);
 }
 
 // Element types of the element-wise kernels: float, or bfloat16 computed in float and rounded

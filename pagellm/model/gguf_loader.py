@@ -26,7 +26,7 @@ from pagellm.model.config import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_gguf
 
 # llama.cpp's converter reorders q/k rows for these architectures (its non-NeoX rope).
-_PERMUTED_ARCHS = ("llama", "mistral", "smollm3", "granite")
+_PERMUTED_ARCHS = ("llama", "smollm3", "granite")
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
 _NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 

@@ -23,7 +23,8 @@ class Family:
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "llama", "LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",)),
-    Family("mistral", "llama", "LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), ("mistral",)),
+    # llama.cpp writes Mistral as "llama" (without its window): such files load as the llama family.
+    Family("mistral", "llama", "LlamaForCausalLM", ("MistralForCausalLM",), (), ("mistral",)),
     Family("qwen2", "llama", "LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", "qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("smollm3", "smollm3", "SmolLM3ForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),

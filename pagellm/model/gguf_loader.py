@@ -67,6 +67,8 @@ _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_
 _EXPERT_TENSOR_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
 # Per-frequency llama3 rope factors; folded into the config by read_gguf_config, not a parameter.
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factor lists, folded into the config likewise.
+_LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
 # llama.cpp's names for rope scaling keys that Hugging Face spells differently.
 _ROPE_SCALING_KEYS = {
@@ -115,6 +117,8 @@ def _hf_fields(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for key, field in _CONFIG_KEYS.items():
         value = _value(reader, f"{arch}.{key}")
+        if key == "attention.sliding_window" and value == 0:
+            value = None  # what the converter writes for "no window" (Phi-3)
         if value is not None:
             if isinstance(value, list):  # per-layer values (hybrid models) are not served
                 raise ValueError(f"{path}: metadata key {arch}.{key} varies per layer ({value[:4]}...), "
@@ -136,7 +140,10 @@ def _hf_fields(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
     if rotary is not None and rotary != head_dim:
         fields["partial_rotary_factor"] = rotary / head_dim
     theta = _value(reader, f"{arch}.rope.freq_base") or 10000.0
-    rope = {"rope_type": "default", "rope_theta": theta, **(_rope_scaling(reader, arch, head_dim, theta, path) or {})}
+    scaling = _rope_scaling(reader, arch, head_dim, theta, path) or {}
+    rope = {"rope_type": "default", "rope_theta": theta, **scaling}
+    if "original_max_position_embeddings" in scaling:  # Phi-3's config also keeps it at the top level
+        fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
     local_theta = _value(reader, f"{arch}.rope.freq_base_swa")
     if local_theta is not None:  # Gemma 3: the sliding-window layers rotate with their own base
         rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
@@ -202,7 +209,7 @@ def _hf_names(reader: GGUFReader, arch: str, cfg: ModelArchConfig, path: str) ->
     back = {gguf_name: hf_name for hf_name, (_, gguf_name) in table.mapping.items() if hf_name in modules}
     names: dict[str, str] = {}
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == _ROPE_FREQS or tensor.name in _LONGROPE_FACTORS:
             continue  # folded into the config
         base, _, suffix = tensor.name.rpartition(".")
         expert = _EXPERT_TENSOR_RE.fullmatch(tensor.name)
@@ -272,6 +279,16 @@ def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, theta: float, pa
     raw = {key[len(prefix):]: _value(reader, key) for key in reader.fields if key.startswith(prefix)}
     kind = raw.pop("type", None)
     raw.pop("finetuned", None)
+    factors = {t.name: t for t in reader.tensors if t.name in _LONGROPE_FACTORS}
+    if factors:  # Phi-3's LongRoPE: its two factor lists are stored as tensors
+        scaling = {"rope_type": "longrope"}
+        scaling.update({_ROPE_SCALING_KEYS.get(k, k): v for k, v in raw.items()})
+        for name, key in _LONGROPE_FACTORS.items():
+            if name not in factors:
+                raise ValueError(f"{path}: has {', '.join(factors)} but not {name} (LongRoPE needs both)")
+            values = dequantize(factors[name].data, factors[name].tensor_type).reshape(-1)
+            scaling[key] = [float(v) for v in values]
+        return scaling
     if kind not in (None, "none"):
         scaling = {"rope_type": kind}
         scaling.update({_ROPE_SCALING_KEYS.get(k, k): v for k, v in raw.items()})

@@ -30,10 +30,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("smollm3", "smollm3", "SmolLM3ForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     Family("olmo2", "olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
     Family("granite", "granite", "GraniteForCausalLM", ("GraniteForCausalLM",), ("granite",), ("granite",)),
-    # llama.cpp's converter needs a SentencePiece tokenizer.model for Phi-3 and Gemma 2, which no
-    # test here can make, so their GGUF files are not claimed.
-    Family("phi3", "phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",), (), ("phi3",)),
-    Family("gemma2", "gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",), (), ("gemma2",)),
+    Family("phi3", "phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
+    Family("gemma2", "gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3_text",)),
     Family("mixtral", "mixtral", "MixtralForCausalLM", ("MixtralForCausalLM",), ("llama",), ("mixtral",), moe=True),
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3moe",),

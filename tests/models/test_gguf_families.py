@@ -2,12 +2,15 @@
 for every family llama.cpp converts, the engine serving the GGUF gives transformers' greedy
 tokens (on the HF directory) token for token, and logprobs within LOGPROB_ATOL, in fp32.
 
-The converter needs a tokenizer it recognises by its hash, so the test models carry the bundled
-SmolLM2 tokenizer (and its 49152-token vocabulary). Where llama.cpp represents less than the HF
+The converter needs a tokenizer it knows: a byte-level BPE one it recognises by its hash (the
+test models carry the bundled SmolLM2 tokenizer and its 49152-token vocabulary), or, for the
+families whose converter reads only SentencePiece (Phi-3, Gemma 2), a `tokenizer.model` trained
+here with the sentencepiece package. Where llama.cpp represents less than the HF
 config can say, the test models stay within what it represents (GGUF_CHANGES), since the GGUF
 model is then the model llama.cpp serves."""
 from __future__ import annotations
 
+import io
 import os
 import random
 import shutil
@@ -44,6 +47,10 @@ GGUF_CHANGES = {
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True),
 }
 N_NEW = 12
+SENTENCEPIECE = ("gemma2", "phi3")
+# Phi-3's LongRoPE: short factors within the original context (64), as the HF reference has
+# them for these sequences (see test_families.ENGINE_ARGS).
+ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 
 
 @pytest.fixture(scope="module")
@@ -56,22 +63,48 @@ def smollm2_tokenizer(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_model() -> bytes:
+    """A small SentencePiece BPE model (300 pieces, byte fallback), trained on made-up text."""
+    import sentencepiece
+
+    rng = random.Random(0)
+    words = "the cat sat on a mat and then ran far away to eat one big red apple at home".split()
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=300,
+                                             model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2,
+                                             pad_id=-1, minloglevel=2)
+    return model.getvalue()
+
+
+def converted(family: str, tmp_path, smollm2_tokenizer, sentencepiece_model) -> tuple:
+    """(the HF directory, its GGUF conversion, the vocabulary size) of family's test model."""
+    if family in SENTENCEPIECE:
+        model_dir, vocab = build(family, tmp_path / family, **GGUF_CHANGES.get(family, {})), 320
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (model_dir / name).unlink()
+        (model_dir / "tokenizer.model").write_bytes(sentencepiece_model)
+    else:
+        model_dir, vocab = build(family, tmp_path / family, vocab_size=VOCAB, **GGUF_CHANGES.get(family, {})), VOCAB
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(smollm2_tokenizer / name, model_dir / name)
+    return model_dir, convert(model_dir, tmp_path / f"{family}.gguf"), vocab
+
+
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
-def test_converted_gguf_matches_transformers(family, smollm2_tokenizer, tmp_path):
-    model_dir = build(family, tmp_path / family, vocab_size=VOCAB, **GGUF_CHANGES.get(family, {}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_tokenizer / name, model_dir / name)
-    gguf_path = convert(model_dir, tmp_path / f"{family}.gguf")
+def test_converted_gguf_matches_transformers(family, smollm2_tokenizer, sentencepiece_model, tmp_path):
+    model_dir, gguf_path, vocab = converted(family, tmp_path, smollm2_tokenizer, sentencepiece_model)
 
     cfg = read_gguf_config(str(gguf_path))
     assert cfg.architecture == ("llama" if family == "mistral" else family)  # the converter writes Mistral as Llama
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                            attn_implementation="eager").eval()
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 17, 30)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17, 30)]
     expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
 
-    llm = LLM(str(gguf_path), num_kv_blocks=64, block_size=8)
+    llm = LLM(str(gguf_path), num_kv_blocks=64, block_size=8, **ENGINE_ARGS.get(family, {}))
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, (tokens, logprobs) in zip(outs, expected):

@@ -8,13 +8,10 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.distributed.group import TensorParallelGroup
-from pagellm.layers.activation import check_activation
 from pagellm.layers.embedding import LogitsHead
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import get_rope
 from pagellm.model.config import ModelArchConfig
-from pagellm.models.base import CausalLM
-from pagellm.models.llama import LlamaAttention, LlamaMLP
+from pagellm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -35,31 +32,23 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma2ForCausalLM(CausalLM):
-    qk_norm: str | None = None  # Gemma 3 normalizes q and k per head
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    act_field = "hidden_activation"
+    unit_offset_norms = True
 
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, max_positions: int,
                  tp: TensorParallelGroup | None = None) -> None:
-        super().__init__(arch, tp)
-        hf = self.hf
-        act = hf.hidden_activation
-        check_activation(act, arch.model_name)
+        super().__init__(arch, backend, max_positions, tp)
         self.embedding_scale = arch.hidden_size ** 0.5
-        self.logits = LogitsHead(arch.vocab_size, tp, softcap=hf.final_logit_softcapping)
-        types = list(hf.layer_types)
-        self.set_ropes(self.make_ropes(arch, max_positions, types))
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(
-                LlamaAttention(arch, i, backend, tp, qkv_bias=arch.attention_bias, o_bias=arch.attention_bias,
-                               qk_norm=self.qk_norm, unit_offset_norm=True,
-                               scale=float(hf.query_pre_attn_scalar) ** -0.5, softcap=hf.attn_logit_softcapping),
-                LlamaMLP(arch.hidden_size, arch.intermediate_size, act, tp),
-                arch.hidden_size, arch.rms_norm_eps, self.rope_for(types[i]))
-            for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, unit_offset=True)
+        self.logits = LogitsHead(arch.vocab_size, tp, softcap=self.hf.final_logit_softcapping)
 
-    def make_ropes(self, arch: ModelArchConfig, max_positions: int, types: list[str]) -> dict:
-        return {"default": get_rope(self.hf, arch.head_dim, max_positions, model=arch.model_name)}
+    def make_attention(self, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
+        arch, hf = self.cfg, self.hf
+        return LlamaAttention(arch, layer, backend, tp, qkv_bias=arch.attention_bias, o_bias=arch.attention_bias,
+                              qk_norm=self.qk_norm, unit_offset_norm=True,
+                              scale=float(hf.query_pre_attn_scalar) ** -0.5,
+                              softcap=getattr(hf, "attn_logit_softcapping", None))
 
-    def rope_for(self, layer_type: str) -> str:
-        return "default"
+    def make_layer(self, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
+        return GemmaDecoderLayer(self.make_attention(layer, backend, tp), self.make_mlp(layer, tp),
+                                 self.cfg.hidden_size, self.cfg.rms_norm_eps, self.rope_for(layer))

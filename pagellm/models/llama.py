@@ -13,7 +13,7 @@ from pagellm.layers.attention import Attention
 from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagellm.layers.norm import RMSNorm, ShardedRMSNorm
 from pagellm.layers.parallel import rank_and_size
-from pagellm.layers.rotary import get_rope, rotate_qk
+from pagellm.layers.rotary import RotaryEmbedding, get_rope, rotate_qk
 from pagellm.model.config import ModelArchConfig
 from pagellm.models.base import CausalLM, sliding_window
 
@@ -95,22 +95,44 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """With `tp`, this rank's shard of the network; without, all of it."""
+    """With `tp`, this rank's shard of the network; without, all of it.
+
+    The families that are Llama with a part changed subclass this and override what differs:
+    a class attribute (`qk_norm`, `act_field`, `unit_offset_norms`) or one of the hooks
+    `make_ropes`, `rope_for`, `make_attention`, `make_mlp`, `make_layer`."""
+
+    qk_norm: str | None = None          # "head" (Qwen3, Gemma 3) or "full" (OLMo 2): see LlamaAttention
+    act_field = "hidden_act"            # the config field naming the MLP's activation
+    unit_offset_norms = False           # RMSNorm weights applied as 1 + w (Gemma)
 
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, max_positions: int,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__(arch, tp)
-        hf = self.hf
-        act = getattr(hf, "hidden_act", "silu")
-        check_activation(act, arch.model_name)
-        mlp_bias = bool(getattr(hf, "mlp_bias", False))
-        # Llama's attention_bias covers o_proj too; Qwen2 has q/k/v biases only.
+        self.act = getattr(self.hf, self.act_field, None) or "silu"
+        check_activation(self.act, arch.model_name)
+        self.set_ropes(self.make_ropes(max_positions))
+        self.layers = nn.ModuleList(self.make_layer(i, backend, tp) for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, unit_offset=self.unit_offset_norms)
+
+    def make_ropes(self, max_positions: int) -> dict[str, RotaryEmbedding]:
+        """The rotary tables, by name (one, "default", unless layers rotate differently)."""
+        return {"default": get_rope(self.hf, self.cfg.head_dim, max_positions, model=self.cfg.model_name)}
+
+    def rope_for(self, layer: int) -> str | None:
+        """The rotary table layer `layer` uses; None: it does not rotate."""
+        return "default"
+
+    def make_attention(self, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
+        arch = self.cfg
+        # attention_bias covers o_proj too, except in Qwen2 (q/k/v biases only).
         o_bias = arch.attention_bias and arch.architecture != "qwen2"
-        self.set_ropes({"default": get_rope(hf, arch.head_dim, max_positions, model=arch.model_name)})
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                LlamaAttention(arch, i, backend, tp, qkv_bias=arch.attention_bias, o_bias=o_bias),
-                LlamaMLP(arch.hidden_size, arch.intermediate_size, act, tp, mlp_bias),
-                arch.hidden_size, arch.rms_norm_eps)
-            for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        return LlamaAttention(arch, layer, backend, tp, qkv_bias=arch.attention_bias, o_bias=o_bias,
+                              qk_norm=self.qk_norm, unit_offset_norm=self.unit_offset_norms)
+
+    def make_mlp(self, layer: int, tp: TensorParallelGroup | None) -> nn.Module:
+        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.act, tp,
+                        bool(getattr(self.hf, "mlp_bias", False)))
+
+    def make_layer(self, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
+        return LlamaDecoderLayer(self.make_attention(layer, backend, tp), self.make_mlp(layer, tp),
+                                 self.cfg.hidden_size, self.cfg.rms_norm_eps, self.rope_for(layer))

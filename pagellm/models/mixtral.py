@@ -4,32 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagellm.attention.backend import AttentionBackend
 from pagellm.distributed.group import TensorParallelGroup
-from pagellm.layers.activation import check_activation
 from pagellm.layers.moe import SparseMoeBlock, route_expert_weight
-from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import get_rope
-from pagellm.model.config import ModelArchConfig
-from pagellm.models.base import CausalLM
-from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer
+from pagellm.models.llama import LlamaForCausalLM
 
 
-class MixtralForCausalLM(CausalLM):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 tp: TensorParallelGroup | None = None) -> None:
-        super().__init__(arch, tp)
+class MixtralForCausalLM(LlamaForCausalLM):
+    def make_mlp(self, layer: int, tp: TensorParallelGroup | None) -> nn.Module:
         hf = self.hf
-        check_activation(hf.hidden_act, arch.model_name)
-        self.set_ropes({"default": get_rope(hf, arch.head_dim, max_positions, model=arch.model_name)})
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                LlamaAttention(arch, i, backend, tp),
-                SparseMoeBlock(hf.num_local_experts, hf.num_experts_per_tok, arch.hidden_size,
-                               arch.intermediate_size, hf.hidden_act, renormalize=True, tp=tp),
-                arch.hidden_size, arch.rms_norm_eps)
-            for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        return SparseMoeBlock(hf.num_local_experts, hf.num_experts_per_tok, self.cfg.hidden_size,
+                              self.cfg.intermediate_size, self.act, renormalize=True, tp=tp)
 
     def checkpoint_name(self, name: str) -> str | None:
         name = super().checkpoint_name(name)

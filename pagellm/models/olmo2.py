@@ -6,37 +6,28 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.distributed.group import TensorParallelGroup
-from pagellm.layers.activation import check_activation
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import get_rope
-from pagellm.model.config import ModelArchConfig
-from pagellm.models.base import CausalLM
-from pagellm.models.llama import LlamaAttention, LlamaMLP
+from pagellm.models.llama import LlamaForCausalLM
 
 
 class Olmo2DecoderLayer(nn.Module):
     rope_name = "default"
 
-    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend,
-                 tp: TensorParallelGroup | None) -> None:
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
-        eps = arch.rms_norm_eps
-        self.self_attn = LlamaAttention(arch, layer, backend, tp, qkv_bias=arch.attention_bias,
-                                        o_bias=arch.attention_bias, qk_norm="full")
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps)
-        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, arch.hf.hidden_act, tp)
-        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, rope, x, kv_cache, meta):
         x = x + self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class Olmo2ForCausalLM(CausalLM):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 tp: TensorParallelGroup | None = None) -> None:
-        super().__init__(arch, tp)
-        check_activation(self.hf.hidden_act, arch.model_name)
-        self.set_ropes({"default": get_rope(self.hf, arch.head_dim, max_positions, model=arch.model_name)})
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(arch, i, backend, tp) for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    qk_norm = "full"
+
+    def make_layer(self, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
+        return Olmo2DecoderLayer(self.make_attention(layer, backend, tp), self.make_mlp(layer, tp),
+                                 self.cfg.hidden_size, self.cfg.rms_norm_eps)

@@ -132,3 +132,18 @@ def hf_greedy_logprobs(model, prompt: list[int], n: int) -> tuple[list[int], lis
 # order of floating-point sums differs; measured: at most 1.0e-5 on the tiny models); a position
 # bug moves them by 1e-3 and more.
 LOGPROB_ATOL = 1e-4
+
+
+def tokens_and_logprobs(outs) -> list[tuple[list[int], list[float]]]:
+    """Each request's first sample: its tokens and the logprob of each (needs logprobs=0)."""
+    return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in (o.outputs[0] for o in outs)]
+
+
+def assert_matches(got, expected) -> None:
+    """The same greedy tokens as transformers, and each token's logprob within LOGPROB_ATOL."""
+    import pytest
+
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, lps), (_, want) in zip(got, expected):
+        assert lps == pytest.approx(want, abs=LOGPROB_ATOL)

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
-from tests.conftest import LOGPROB_ATOL, hf_greedy_logprobs
+from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
 
 N_NEW = 24
 
@@ -38,15 +38,7 @@ def _gen(llm: LLM, prompts, one_at_a_time=False) -> list[tuple[list[int], list[f
         outs = [llm.generate(i, GREEDY, use_tqdm=False)[0] for i in items]
     else:
         outs = llm.generate(items, GREEDY, use_tqdm=False)
-    return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for c in (o.outputs[0] for o in outs)]
-
-
-def assert_matches(got, expected) -> None:
-    """The same greedy tokens as transformers, and each token's logprob within LOGPROB_ATOL."""
-    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
-    for (_, lps), (_, want) in zip(got, expected):
-        assert lps == pytest.approx(want, abs=LOGPROB_ATOL)
+    return tokens_and_logprobs(outs)
 
 
 def test_batched_matches_transformers(tiny):

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
-from tests.conftest import LOGPROB_ATOL, hf_greedy_logprobs
+from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
 from tests.models.families import FAMILIES, build
 
 N_NEW = 20
@@ -47,21 +47,10 @@ def _gen(llm: LLM, prompts, params=GREEDY):
     return outs
 
 
-def _tokens_and_logprobs(outs):
-    return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for c in (o.outputs[0] for o in outs)]
-
-
-def assert_matches(got, expected) -> None:
-    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
-    for (_, lps), (_, want) in zip(got, expected):
-        assert lps == pytest.approx(want, abs=LOGPROB_ATOL)
-
-
 def test_batched_matches_transformers(family):
     name, path, prompts, expected = family
     llm = LLM(path, num_kv_blocks=256, **ENGINE_ARGS.get(name, {}))
-    assert_matches(_tokens_and_logprobs(_gen(llm, prompts)), expected)
+    assert_matches(tokens_and_logprobs(_gen(llm, prompts)), expected)
     assert llm.stats()["used_blocks"] == 0
 
 
@@ -73,7 +62,7 @@ def test_chunked_preempted_cached_and_shared(family):
     got = _gen(llm, prompts, SamplingParams(n=2, temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0))
     for out, (tokens, _) in zip(got, expected):
         assert [c.token_ids for c in out.outputs] == [tokens, tokens]
-    assert_matches(_tokens_and_logprobs(got), expected)
+    assert_matches(tokens_and_logprobs(got), expected)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["free_blocks"] == stats["total_blocks"]
@@ -85,7 +74,7 @@ def test_phi3_long_context(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(5, [70, 90])
     expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
-    assert_matches(_tokens_and_logprobs(_gen(LLM(path, num_kv_blocks=256, block_size=4), prompts)), expected)
+    assert_matches(tokens_and_logprobs(_gen(LLM(path, num_kv_blocks=256, block_size=4), prompts)), expected)
 
 
 def test_generate_command_serves_the_family(family, capsys):

@@ -23,7 +23,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.model.bundled import default_model_path
 from pagellm.model.gguf_loader import read_gguf_config
 from pagellm.models.registry import FAMILIES as REGISTRY
-from tests.conftest import LOGPROB_ATOL, hf_greedy_logprobs
+from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
 from tests.models.families import build
 from tests.models.llama_cpp import convert
 
@@ -107,8 +107,4 @@ def test_converted_gguf_matches_transformers(family, smollm2_tokenizer, sentence
     llm = LLM(str(gguf_path), num_kv_blocks=64, block_size=8, **ENGINE_ARGS.get(family, {}))
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, (tokens, logprobs) in zip(outs, expected):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        assert [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)] == pytest.approx(logprobs,
-                                                                                              abs=LOGPROB_ATOL)
+    assert_matches(tokens_and_logprobs(outs), expected)

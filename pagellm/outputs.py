@@ -50,3 +50,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when processing this request failed: it was aborted, the others carry on.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing precedes
+    # it), then each prompt token's logprob and its top alternatives, as in vLLM.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

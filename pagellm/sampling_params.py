@@ -44,6 +44,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # Per prompt token (from the second on): its logprob given the tokens before it, its rank
+    # and this many top alternatives (0: the token's own only); as vLLM's prompt_logprobs.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before picking; OpenAI's range, [-100, 100]:
     # -100 all but bans a token, +100 all but forces it.
@@ -97,6 +100,8 @@ class SamplingParams:
                  limit=f"an integer in [0, max_tokens ({self.max_tokens})]" if self.max_tokens is not None else None)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _need(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         for s in self.stop:

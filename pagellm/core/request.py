@@ -63,6 +63,16 @@ class Request:
     # Beam search: the step reports this sequence's candidates and its caller (not the
     # engine core) chooses and appends its next token.
     caller_appends: bool = False
+    # Prompt logprobs (when sampling_params.prompt_logprobs is set): entry i is prompt token
+    # i + 1's, computed as the prefill passes position i; kept across preemption.
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prefill must still compute (and not take from the prefix cache) positions
+        whose prompt logprobs are asked for."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -56,8 +56,18 @@ class SchedulerOutput:
             req = s.request
             samplers = [SampleSpec(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
                         for r in (req, *s.forks)] if s.samples else []
-            seqs.append(PlannedSeq(req.request_id, req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
-                                   s.block_table, samplers, req.group_id))
+            end = s.start + s.num_new_tokens
+            seq = PlannedSeq(req.request_id, req.token_slice(s.start, end), s.start, s.block_table, samplers,
+                             req.group_id)
+            if req.prompt_logprobs_pending:
+                # Positions first .. last - 1 predict prompt tokens first + 1 .. last (the last
+                # prompt position predicts the first output token: not a prompt logprob).
+                first = max(s.start, len(req.prompt_logprobs))
+                last = min(end, req.num_prompt_tokens - 1)
+                if first < last:
+                    seq = replace(seq, prompt_logprobs=req.sampling_params.prompt_logprobs, prompt_logprob_start=first,
+                                  prompt_targets=req.prompt_token_ids[first + 1:last + 1])
+            seqs.append(seq)
         return StepPlan(seqs, self.block_copies)
 
 
@@ -121,7 +131,8 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
         """Start a waiting request from its longest cached prefix, if its blocks can be had."""
-        blocks, num_cached = self.kv.get_computed_blocks(req)
+        # Prompt logprobs need every prompt position to pass through the model.
+        blocks, num_cached = ([], 0) if req.prompt_logprobs_pending else self.kv.get_computed_blocks(req)
         n = min(req.num_tokens - num_cached, budget)
         req.num_computed_tokens = num_cached
         if not self.kv.allocate_slots(req, n, blocks):

@@ -34,6 +34,12 @@ class PlannedSeq:
     samplers: list[SampleSpec] = field(default_factory=list)  # empty while a prefill is unfinished
     # The user's request this sequence belongs to (n > 1 and beams fork sequences `<id>#<i>`).
     user_request_id: str = ""
+    # Prompt logprobs: positions prompt_logprob_start .. + len(prompt_targets) - 1 of this step
+    # give the logprob of prompt_targets (the prompt tokens after them), with the top
+    # `prompt_logprobs` alternatives. None: none asked for, or all computed already.
+    prompt_logprobs: int | None = None
+    prompt_logprob_start: int = 0
+    prompt_targets: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.user_request_id:

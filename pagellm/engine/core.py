@@ -112,6 +112,14 @@ class EngineCore:
             held = [rid for rid in held if rid in keep]
             rows = {rid: i for rid, i in rows.items() if rid in keep}
             self._abort_groups(failures)
+        for rid, scored in result.prompt_logprobs.items():
+            seq = self.scheduler.requests.get(rid)
+            if seq is None or seq.group_id in failures:
+                continue
+            # A recomputation after preemption scores positions already kept: take only new ones.
+            skip = len(seq.prompt_logprobs) - scored.start
+            if skip >= 0:
+                seq.prompt_logprobs.extend(list(zip(scored.token_ids, scored.logprobs, scored.ranks, scored.top))[skip:])
         for s in sched.scheduled:
             self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                                                    - s.start)

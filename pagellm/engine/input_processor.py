@@ -67,8 +67,10 @@ class InputProcessor:
             if params.min_tokens_held_off(self.eos_token_ids).issuperset(params.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids {params.allowed_token_ids} are all stop or end-of-sequence "
                                  f"tokens, which min_tokens ({params.min_tokens}) holds off: nothing could be picked")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be <= the vocabulary size ({vocab}), got {value}")
         self.check_num_seqs(num_seqs or params.best_of or params.n)
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         need = self.kv.blocks_for(longest) * seqs_at_once

@@ -84,7 +84,19 @@ class OutputProcessor:
                                  max(finished_times) if group.finished else None,
                                  sum(s.request.num_preemptions for s in group.texts.values()))
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
-                             metrics, num_cached_tokens=first.num_cached_tokens)
+                             metrics, num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=self.prompt_logprobs(first))
+
+    def prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs in vLLM's shape, once all are computed."""
+        if req.sampling_params.prompt_logprobs is None or req.prompt_logprobs_pending:
+            return None
+        out: list[dict[int, Logprob] | None] = [None]
+        for token, logprob, rank, top in req.prompt_logprobs:
+            entry = {tid: Logprob(lp, r, self._piece(tid)) for r, (tid, lp) in enumerate(top, start=1)}
+            entry.setdefault(token, Logprob(logprob, rank, self._piece(token)))
+            out.append(entry)
+        return out
 
     def _beam_output(self, group: SequenceGroup) -> RequestOutput:
         state = group.beams.state

@@ -7,7 +7,7 @@ its block table, who samples from it); knows nothing of how it was chosen.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,23 +61,39 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    rows: list[int]  # the rows of the hidden states that need logits
+    rows: list[int]  # the rows of the hidden states that need logits: the sampling rows, then prompt rows
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt logprobs one step computed for a sequence: entry i scores prompt token
+    `token_ids[i]` (at position start + i + 1) given the tokens before it."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]                        # 1: the most likely token
+    top: list[list[tuple[int, float]]]      # the top-k (token, logprob) pairs, best first
 
 
 @dataclass
 class StepResult:
-    """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]`."""
+    """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]`; and the prompt
+    logprobs it computed, by sequence id."""
 
     request_ids: list[str]
     sampled: SamplerOutput | None
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     @classmethod
     def concat(cls, parts: list[StepResult]) -> StepResult:
         """The results of disjoint parts of one step, as if it had run whole."""
+        prompt = {rid: p for part in parts for rid, p in part.prompt_logprobs.items()}
         parts = [p for p in parts if p.sampled is not None]
         if not parts:
-            return cls([], None)
-        return cls([rid for p in parts for rid in p.request_ids], SamplerOutput.concat([p.sampled for p in parts]))
+            return cls([], None, prompt)
+        return cls([rid for p in parts for rid in p.request_ids], SamplerOutput.concat([p.sampled for p in parts]),
+                   prompt)
 
 
 class ModelRunner:
@@ -189,6 +205,10 @@ class ModelRunner:
         logits = self.run_step(inputs)
         if logits is None:
             return StepResult([], None)
+        prompt = _prompt_logprobs([s for s in seqs if s.prompt_targets], logits[len(samplers):])
+        if not samplers:
+            return StepResult([], None, prompt)
+        logits = logits[:len(samplers)]
         sampling = SamplingMetadata.build(
             params=[s.params for s in samplers],
             prompt_token_ids=[s.prompt_token_ids for s in samplers],
@@ -198,7 +218,7 @@ class ModelRunner:
             device=self.device,
         )
         with phase(self.timer, "sampler"):
-            return StepResult([s.request_id for s in samplers], self.sampler(logits, sampling))
+            return StepResult([s.request_id for s in samplers], self.sampler(logits, sampling), prompt)
 
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -230,7 +250,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens, seq_lens, tables, rows = [], [], [], []
+        query_lens, seq_lens, tables, rows, prompt_rows = [], [], [], [], []
         num_decodes = 0
         for s in seqs:
             start, n = s.start, len(s.token_ids)
@@ -245,6 +265,9 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(table)
             rows.extend([len(tokens) - 1] * len(s.samplers))
+            if s.prompt_targets:
+                first = len(tokens) - n + s.prompt_logprob_start - start
+                prompt_rows.extend(range(first, first + len(s.prompt_targets)))
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -258,7 +281,27 @@ class ModelRunner:
             block_size=bs,
         )
         return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), meta, rows)
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows)
+
+
+def _prompt_logprobs(seqs: list[PlannedSeq], logits: torch.Tensor) -> dict[str, PromptLogprobs]:
+    """Score each sequence's prompt targets against its rows of `logits` (in `seqs` order)."""
+    out: dict[str, PromptLogprobs] = {}
+    row = 0
+    for s in seqs:
+        n = len(s.prompt_targets)
+        logprobs = torch.log_softmax(logits[row:row + n].float(), dim=-1)
+        row += n
+        targets = torch.tensor(s.prompt_targets, device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
+        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        if s.prompt_logprobs:
+            values, ids = logprobs.topk(s.prompt_logprobs, dim=-1)
+            top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        out[s.request_id] = PromptLogprobs(s.prompt_logprob_start, list(s.prompt_targets), chosen.tolist(),
+                                           ranks.tolist(), top)
+    return out
 
 
 def rank_memory(runner: ModelRunner, rank: int) -> dict:

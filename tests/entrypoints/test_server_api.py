@@ -352,3 +352,54 @@ def test_dashboard_state_is_the_block_map(server, client):
     assert s["shared_blocks"] == sum(1 for r in ref if r > 1) >= prompt_blocks
     assert s["num_running"] == 3
     server.wait_all_blocks_free()
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(client):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0. The prompt's last token
+    scored in prefill has the logprob the same model gives it when it generates it."""
+    asked = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=1,
+                                      temperature=0, logprobs=1)
+    answer = asked.choices[0].logprobs.tokens[0]
+    generated_lp = asked.choices[0].logprobs.token_logprobs[0]
+    prompt = "The capital of France is" + answer
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                  temperature=0)
+    choice = r.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == prompt and lp.tokens[-1] == answer
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.token_logprobs[-1] == pytest.approx(generated_lp, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # With tokens generated too, the echoed logprobs are the prompt's, then the completion's.
+    more = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, echo=True, logprobs=0,
+                                     temperature=0)
+    assert more.choices[0].logprobs.token_logprobs[:len(lp.tokens)] == pytest.approx(lp.token_logprobs)
+    assert len(more.choices[0].logprobs.tokens) == len(lp.tokens) + 2
+
+
+def test_prompt_logprobs_field(server):
+    body = {"model": MODEL_NAME, "prompt": "one two three", "max_tokens": 1, "prompt_logprobs": 2}
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    echoed = httpx.post(server.url + "/v1/completions", timeout=60,
+                        json={**body, "prompt_logprobs": None, "echo": True, "logprobs": 0, "max_tokens": 0}).json()
+    scored = choice["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(echoed["choices"][0]["logprobs"]["tokens"])
+    for entry, want in zip(scored[1:], echoed["choices"][0]["logprobs"]["token_logprobs"][1:]):
+        assert 2 <= len(entry) <= 3 and all(k.isdigit() for k in entry)
+        assert want in [v["logprob"] for v in entry.values()]
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a", "stream": True, "prompt_logprobs": 1}, "stream"),
+    ("/v1/completions", {"prompt": "a", "stream": True, "echo": True, "logprobs": 1}, "stream"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "prompt_logprobs": 0}, "stream"),
+])
+def test_prompt_logprobs_refusals_name_the_field(server, path, body, param):
+    r = httpx.post(server.url + path, json={"model": MODEL_NAME, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

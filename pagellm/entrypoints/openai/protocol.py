@@ -58,8 +58,9 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: with echo, score the prompt and generate nothing (lm-eval)
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: choices[i].prompt_logprobs
 
 
 class ContentPart(OpenAIModel):
@@ -80,6 +81,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: the response's prompt_logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

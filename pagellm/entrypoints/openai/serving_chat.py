@@ -21,6 +21,10 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.stream and req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs are not available when streaming; send stream: false",
+                              param="stream")
         kwargs = req.chat_template_kwargs or {}
         reserved = sorted(self.tokenizer.reserved_template_variables & kwargs.keys())
         if reserved:
@@ -30,7 +34,8 @@ class OpenAIServingChat(OpenAIServing):
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
         params = self.sampling_params(req, max_tokens=max_tokens,
-                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                      prompt_logprobs=req.prompt_logprobs)
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [(None, ids)], [params])
         if req.stream:
@@ -76,8 +81,11 @@ class OpenAIServingChat(OpenAIServing):
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         cached = getattr(final, "num_cached_tokens", 0) or 0
-        return {"id": request_id, "object": "chat.completion", "created": self.now(), "model": self.model_name,
+        body = {"id": request_id, "object": "chat.completion", "created": self.now(), "model": self.model_name,
                 "choices": choices, "usage": self.usage(len(final.prompt_token_ids), completion_tokens, cached)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_json(final.prompt_logprobs)
+        return body
 
     async def events(self, req: ChatCompletionRequest, request_id: str,
                      stream: RequestStream) -> AsyncIterator[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -20,16 +21,26 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_common(req, best_of=req.best_of)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)",
-                              param="echo")
         self.check_logprobs(req.logprobs, "logprobs")
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be >= 1, got 0 (0 is allowed only with echo, to score the prompt)",
+                              param="max_tokens")
+        if req.stream and (req.prompt_logprobs is not None or req.echo and (req.logprobs is not None
+                                                                            or req.max_tokens == 0)):
+            raise bad_request("prompt logprobs (prompt_logprobs, or echo with logprobs or with max_tokens 0) are "
+                              "not available when streaming; send stream: false", param="stream")
         if req.stream and req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n when streaming", param="best_of")
         prompts = self.parse_prompts(req.prompt)
-        params = [self.sampling_params(req, max_tokens=self.resolve_max_tokens(len(ids), req.max_tokens, req.n,
+        # Echoed logprobs cover the prompt too: its tokens' logprobs are computed during prefill.
+        scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+        # max_tokens 0 runs one token (the engine always samples one) that the response leaves out.
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        params = [self.sampling_params(req, max_tokens=self.resolve_max_tokens(len(ids), max_tokens, req.n,
                                                                                "prompt"),
-                                       logprobs=req.logprobs, best_of=req.best_of)
+                                       logprobs=req.logprobs, best_of=req.best_of,
+                                       prompt_logprobs=max(scored) if scored else None)
                   for _, ids in prompts]
         request_id = random_id("cmpl")
         streams = await self.add_requests(request_id, prompts, params)
@@ -62,12 +73,15 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     def choice(self, req: CompletionRequest, index: int, c: CompletionOutput, text: str,
-               token_ids: list[int], logprobs, offset: int) -> dict:
+               token_ids: list[int], logprobs, offset: int, prompt_logprobs: list | None = None) -> dict:
         lp = None
         if req.logprobs is not None and logprobs is not None:
             lp = self.completion_logprobs(token_ids, logprobs, req.logprobs, offset)
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        out = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason}
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs_json(prompt_logprobs)
+        return out
 
     def response(self, req: CompletionRequest, request_id: str, finals: list[RequestOutput],
                  texts: list[str]) -> dict:
@@ -76,10 +90,16 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens += len(out.prompt_token_ids)
             cached += getattr(out, "num_cached_tokens", 0) or 0
             for c in sorted(out.outputs, key=lambda c: c.index):
-                completion_tokens += len(c.token_ids)
-                prefix = texts[i] if req.echo else ""
-                choices.append(self.choice(req, i * req.n + c.index, c, prefix + c.text, c.token_ids, c.logprobs,
-                                           0))
+                text, ids, lps = c.text, c.token_ids, c.logprobs
+                if req.max_tokens == 0:  # the prompt scored, nothing generated
+                    text, ids, lps = "", [], [] if lps is not None else None
+                    c = replace(c, finish_reason="length", stop_reason=None)
+                completion_tokens += len(ids)
+                if req.echo:
+                    text = texts[i] + text
+                    if lps is not None:  # the prompt's tokens and logprobs first, as in OpenAI's legacy API
+                        ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+                choices.append(self.choice(req, i * req.n + c.index, c, text, ids, lps, 0, out.prompt_logprobs))
         return {"id": request_id, "object": "text_completion", "created": self.now(), "model": self.model_name,
                 "choices": choices, "usage": self.usage(prompt_tokens, completion_tokens, cached)}
 

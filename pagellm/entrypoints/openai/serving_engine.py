@@ -126,12 +126,12 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        best_of: int | None = None) -> SamplingParams:
+                        best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         # A field sent as null means its default, as in OpenAI's API.
         shared = {name: getattr(req, name) for name in OPENAI_FIELDS if getattr(req, name) is not None}
         try:
             return SamplingParams(n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
-                                  logit_bias=token_bias(req.logit_bias), **shared)
+                                  prompt_logprobs=prompt_logprobs, logit_bias=token_bias(req.logit_bias), **shared)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
 
@@ -194,6 +194,14 @@ class OpenAIServing:
         """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, logprobs):
+            if entry is None:  # an echoed prompt's first token: nothing precedes it, no logprob
+                text = self.token_text(tid, None)
+                tokens.append(text)
+                token_lps.append(None)
+                tops.append(None)
+                offsets.append(text_offset)
+                text_offset += len(text)
+                continue
             lp = entry.get(tid)
             text = self.token_text(tid, lp)
             tokens.append(text)
@@ -222,6 +230,17 @@ class OpenAIServing:
             content.append({**item(tid, lp, lp.logprob if lp else None),
                             "top_logprobs": [item(t, other, other.logprob) for t, other in top]})
         return {"content": content}
+
+    @staticmethod
+    def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
+        """RequestOutput.prompt_logprobs as vLLM's server shows them: per prompt token, None or
+        {token id (a string): {logprob, rank, decoded_token}}."""
+        if prompt_logprobs is None:
+            return None
+        return [None if entry is None else
+                {str(tid): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                 for tid, lp in entry.items()}
+                for entry in prompt_logprobs]
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

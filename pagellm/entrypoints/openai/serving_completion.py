@@ -111,6 +111,9 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and req.stream_options.continuous_usage_stats
         sent_text: dict[tuple[int, int], int] = {}
         sent_tokens: dict[tuple[int, int], int] = {}
+        # Where the next token's text starts: the text of the tokens sent so far, which runs ahead
+        # of the text sent while a possible stop string is held back.
+        next_offset: dict[tuple[int, int], int] = {}
         prompt_tokens: dict[int, int] = {}
         cached: dict[int, int] = {}
 
@@ -130,12 +133,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     continue
                 sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
                 prefix = texts[i] if req.echo and first else ""
-                offset = done_text + (len(texts[i]) if req.echo else 0)
+                offset = next_offset.get(key, len(texts[i]) if req.echo else 0)
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
+                choice = self.choice(req, i * req.n + c.index, c, prefix + delta, new_ids, lps, offset)
+                if choice["logprobs"] and choice["logprobs"]["tokens"]:
+                    next_offset[key] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
                 chunk = {"id": request_id, "object": "text_completion", "created": created,
-                         "model": self.model_name,
-                         "choices": [self.choice(req, i * req.n + c.index, c, prefix + delta, new_ids, lps,
-                                                 offset)]}
+                         "model": self.model_name, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = usage()
                 yield sse(chunk)

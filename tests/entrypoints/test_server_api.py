@@ -403,3 +403,28 @@ def test_prompt_logprobs_field(server):
 def test_prompt_logprobs_refusals_name_the_field(server, path, body, param):
     r = httpx.post(server.url + path, json={"model": MODEL_NAME, **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_tokenize_token_strs_and_detokenize_round_trip(server):
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "return_token_strs": True}).json()
+    strs = rendered["token_strs"]
+    assert len(strs) == rendered["count"] == len(rendered["tokens"]) and "<|im_start|>" in strs
+    text = httpx.post(server.url + "/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+    assert text.startswith("<|im_start|>")  # special tokens are kept
+    again = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert again["tokens"] == rendered["tokens"] and again["token_strs"] is None
+
+
+def test_streamed_text_offsets_survive_held_back_text(client):
+    """A stop string's possible start is held back from the text; the offsets of the tokens after
+    it must still count the held text (as the unstreamed answer's do)."""
+    kw = dict(model=MODEL_NAME, prompt=COUNT, max_tokens=12, temperature=0, logprobs=0, stop=["5, 7"])
+    whole = client.completions.create(**kw).choices[0]
+    assert "5, 6" in whole.text  # the stop string's start appeared and was released
+    offsets, tokens = [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            offsets += chunk.choices[0].logprobs.text_offset
+            tokens += chunk.choices[0].logprobs.tokens
+    assert tokens == whole.logprobs.tokens
+    assert offsets == whole.logprobs.text_offset

@@ -112,7 +112,8 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
         else:
             check_request_text("prompt", req.prompt)
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+        strs = [engine.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
@@ -121,7 +122,8 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        # Special tokens stay (as vLLM's /detokenize): the ids of a rendered chat template round-trip.
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -92,6 +92,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # the tokens' own strings (the vocabulary's spelling), as vLLM
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -209,3 +209,25 @@ def test_step_failure_fails_the_request_and_server_keeps_serving(server):
     assert metric_value(text, "pagellm:request_failures_total", cause="step_error") == 2
     assert metric_value(text, "pagellm:request_success_total", finished_reason="error") == 2
     server.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("path, fields, param, words", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured outputs"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "structured outputs"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "tool calling"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
+    ("/v1/completions", {"temprature": 0.5}, "temprature", "not a parameter"),
+])
+def test_no_field_is_silently_ignored(server, path, fields, param, words):
+    body = {"model": NAME, "max_tokens": 2, **fields,
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    error = assert_error(post(server, path, body), 400, param=param)
+    assert words in error["message"] and param in error["message"]
+
+
+def test_fields_accepted_without_effect(server):
+    from pagellm.entrypoints.openai.protocol import ACCEPTED_WITHOUT_EFFECT
+
+    body = completion(user="u-1", store=False, metadata={"k": "v"}, service_tier="auto")
+    assert set(body) - {"model", "prompt", "max_tokens"} == set(ACCEPTED_WITHOUT_EFFECT)
+    assert post(server, "/v1/completions", body).status_code == 200

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API, as pydantic models; field names and defaults follow
 OpenAI, plus vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...).
 
-Unknown fields are accepted and ignored, as vLLM does, so newer clients keep working.
-Types are strict, as OpenAI's own API is: no string or boolean where a number is due
+No field is silently ignored: a request field that is neither declared here nor listed in
+ACCEPTED_WITHOUT_EFFECT (with the reason it has no effect) is a 400 that names it. Types are strict, as OpenAI's own API is: no string or boolean where a number is due
 ("2", true), no NaN or Infinity; an int is accepted where a float is due. Range checks live
 in `SamplingParams`, which names the field it rejects.
 """
@@ -18,6 +18,24 @@ from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams
 
 # OpenAI allows 5 for completions and 20 for chat; vLLM's default cap is 20 for both.
 MAX_LOGPROBS = 20
+
+# OpenAI request fields pagellm takes and does nothing with, and why (README lists them).
+ACCEPTED_WITHOUT_EFFECT = {
+    "user": "an end-user id for OpenAI's abuse monitoring; pagellm keeps no per-user records",
+    "store": "OpenAI keeps completions for its dashboard when true; pagellm stores nothing",
+    "metadata": "tags for completions OpenAI stores (see store)",
+    "service_tier": "OpenAI's processing tiers; pagellm has one",
+}
+
+# Fields clients send that pagellm does not implement yet, and what to say about them.
+NOT_YET = {
+    **dict.fromkeys(("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "guided_decoding_backend", "json_schema"),
+                    "structured outputs are not supported yet"),
+    **dict.fromkeys(("tool_choice", "parallel_tool_calls", "functions", "function_call"),
+                    "tool calling is not supported yet (tools are only shown to the chat template)"),
+    "use_beam_search": "beam search is not available over HTTP yet (it is in the Python API: LLM.beam_search)",
+}
 
 
 class OpenAIModel(BaseModel):
@@ -35,7 +53,12 @@ class _RequestFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
+
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        """(field, why) for every field sent that this server would otherwise ignore."""
+        sent = (self.model_extra or {}).keys() - ACCEPTED_WITHOUT_EFFECT.keys()
+        return [(name, NOT_YET.get(name, "it is not a parameter this server knows")) for name in sorted(sent)]
 
 
 def _sampling_fields() -> dict[str, Any]:

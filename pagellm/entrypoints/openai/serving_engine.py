@@ -93,6 +93,8 @@ class OpenAIServing:
                               param="model", code="model_not_found")
 
     def check_common(self, req: SamplingFields, best_of: int | None = None) -> None:
+        for name, why in req.unsupported_fields():  # never silently ignored
+            raise bad_request(f"{name} is not supported: {why}", param=name)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options can only be set when stream is true", param="stream_options")
         cap = self.max_seqs_per_request

@@ -154,11 +154,30 @@ class Tokenizer:
         return frozenset({"messages", "add_generation_prompt", "tools", "documents", *self._named})
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        **kwargs: Any
     ) -> str:
-        """Render `messages` with the model's chat template, in a sandbox."""
+        """Render `messages` with the model's chat template, in a sandbox. `continue_final_message`:
+        the text ends inside the last message (its end-of-turn cut off), so a reply continues it,
+        as transformers does."""
         if self._chat_template is None:
             raise ValueError("this model has no chat template; use a completion prompt instead")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be set: one "
+                                 "continues the last message, the other starts a new one")
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip():
+                raise ValueError("continue_final_message needs a last message with text content")
+            text = self.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+            where = text.rfind(final.strip())
+            if where < 0:
+                raise ValueError("continue_final_message: the chat template does not show the last message's "
+                                 "text as it is")
+            # Keep the message's own trailing spaces when the template kept them.
+            kept = final.lstrip()
+            end = where + (len(kept) if text[where:where + len(kept)] == kept else len(final.strip()))
+            return text[:end]
         # Keys set to None are dropped, as transformers does: templates test for presence, not for None.
         messages = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         context = {

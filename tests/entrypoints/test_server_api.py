@@ -428,3 +428,43 @@ def test_streamed_text_offsets_survive_held_back_text(client):
             tokens += chunk.choices[0].logprobs.tokens
     assert tokens == whole.logprobs.tokens
     assert offsets == whole.logprobs.text_offset
+
+
+def test_return_token_ids_and_truncate_prompt_tokens(server):
+    body = {"model": MODEL_NAME, "prompt": COUNT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": COUNT}).json()["tokens"]
+    choice = full["choices"][0]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 4
+    assert httpx.post(server.url + "/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    cut = httpx.post(server.url + "/v1/completions", timeout=60,
+                     json={**body, "truncate_prompt_tokens": 5, "echo": True}).json()
+    assert cut["choices"][0]["prompt_token_ids"] == ids[-5:] and cut["usage"]["prompt_tokens"] == 5
+    tail = httpx.post(server.url + "/detokenize", json={"tokens": ids[-5:]}).json()["prompt"]
+    assert cut["choices"][0]["text"].startswith(tail)
+    bad = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 0}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 3, "return_token_ids": True}).json()
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_chat_continue_final_message_and_echo(client, server):
+    start = "The capital of France is"
+    messages = CHAT + [{"role": "assistant", "content": start}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                   "echo": True})
+    assert r.choices[0].message.content.startswith(start + " Paris")
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": messages, "continue_final_message": True,
+                                                          "add_generation_prompt": False}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": rendered}).json()["prompt"]
+    assert text.endswith(start)  # the assistant's turn is left open
+    streamed = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0,
+                                              stream=True, extra_body={"continue_final_message": True,
+                                                                       "add_generation_prompt": False, "echo": True})
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == r.choices[0].message.content
+    both = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL_NAME, "messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"

@@ -201,3 +201,17 @@ def test_missing_and_corrupt_sources(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="junk.gguf"):
         Tokenizer.from_gguf(str(tmp_path / "junk.gguf"))
+
+
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "  spaced out  "])
+def test_continue_final_message_matches_transformers(bundled, final):
+    ours, theirs = bundled
+    messages = [*MESSAGES, {"role": "assistant", "content": final}]
+    got = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert got == theirs.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert got.endswith(final)  # the template keeps the spacing, so the text is kept as it is
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="text content"):
+        ours.apply_chat_template([*MESSAGES, {"role": "assistant", "content": ""}], add_generation_prompt=False,
+                                 continue_final_message=True)

@@ -108,7 +108,8 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat.render(req.messages, req.add_generation_prompt)
+            ids = chat.render(req.messages, req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message)
         else:
             check_request_text("prompt", req.prompt)
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []

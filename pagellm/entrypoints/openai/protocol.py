@@ -84,6 +84,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16  # 0: with echo, score the prompt and generate nothing (lm-eval)
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: choices[i].prompt_logprobs
+    return_token_ids: bool = False      # vLLM's extra: prompt_token_ids and token_ids in each choice
+    truncate_prompt_tokens: int | None = None  # vLLM's extra: keep only the prompt's last k tokens
 
 
 class ContentPart(OpenAIModel):
@@ -106,6 +108,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: the response's prompt_logprobs
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last message (vLLM's extra)
+    echo: bool = False  # the last message's text, when it is the assistant's, starts the reply's
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -115,6 +121,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False  # the tokens' own strings (the vocabulary's spelling), as vLLM
 
 

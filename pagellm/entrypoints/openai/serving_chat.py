@@ -30,7 +30,12 @@ class OpenAIServingChat(OpenAIServing):
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
                               f"from the request's own fields", param="chat_template_kwargs")
-        ids = self.render(req.messages, req.add_generation_prompt, tools=req.tools, **kwargs)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false: one continues the last "
+                              "message, the other starts a new one", param="continue_final_message")
+        ids = self.render(req.messages, req.add_generation_prompt, tools=req.tools,
+                          continue_final_message=req.continue_final_message, **kwargs)
+        ids = self.truncate(ids, req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
         params = self.sampling_params(req, max_tokens=max_tokens,
@@ -73,18 +78,33 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return self.chat_logprobs(token_ids, logprobs, req.top_logprobs or 0)
 
+    @staticmethod
+    def echoed(req: ChatCompletionRequest) -> str:
+        """With echo, the text the reply starts with: the last message's, when it is the assistant's
+        (the role being generated), as vLLM does."""
+        last = req.messages[-1]
+        if not req.echo or last.role != "assistant":
+            return ""
+        return OpenAIServingChat.message_dict(last).get("content") or ""
+
     def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput) -> dict:
         choices = []
+        echo = self.echoed(req)
         for c in sorted(final.outputs, key=lambda c: c.index):
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choice = {"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
+                      "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         cached = getattr(final, "num_cached_tokens", 0) or 0
         body = {"id": request_id, "object": "chat.completion", "created": self.now(), "model": self.model_name,
                 "choices": choices, "usage": self.usage(len(final.prompt_token_ids), completion_tokens, cached)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs_json(final.prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(final.prompt_token_ids)
         return body
 
     async def events(self, req: ChatCompletionRequest, request_id: str,
@@ -100,19 +120,23 @@ class OpenAIServingChat(OpenAIServing):
         def usage() -> dict:
             return self.usage(prompt_tokens, sum(sent_tokens.values()), cached)
 
-        def chunk(index: int, delta: dict, c: CompletionOutput | None = None, logprobs=None) -> str:
+        def chunk(index: int, delta: dict, c: CompletionOutput | None = None, logprobs=None,
+                  token_ids: list[int] | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason if c else None, "stop_reason": c.stop_reason if c else None}
+            if token_ids is not None:
+                choice["token_ids"] = token_ids
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": c.finish_reason if c else None,
-                                 "stop_reason": c.stop_reason if c else None}]}
+                    "model": self.model_name, "choices": [choice]}
             if continuous:
                 body["usage"] = usage()
             return sse(body)
 
-        # The role comes first, one chunk per choice, before any token (as OpenAI and vLLM do).
+        # The role comes first, one chunk per choice, before any token (as OpenAI and vLLM do);
+        # with echo, it carries the echoed text.
+        echo = self.echoed(req)
         for i in range(req.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": echo})
         async for _, out in merge_streams([stream]):
             prompt_tokens = len(out.prompt_token_ids)
             cached = getattr(out, "num_cached_tokens", 0) or 0
@@ -124,7 +148,8 @@ class OpenAIServingChat(OpenAIServing):
                     continue
                 sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
-                yield chunk(c.index, {"content": delta}, c, self.logprobs(req, new_ids, lps))
+                yield chunk(c.index, {"content": delta}, c, self.logprobs(req, new_ids, lps),
+                            list(new_ids) if req.return_token_ids else None)
         if include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                        "model": self.model_name, "choices": [], "usage": usage()})

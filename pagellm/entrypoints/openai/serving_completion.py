@@ -33,6 +33,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream and req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n when streaming", param="best_of")
         prompts = self.parse_prompts(req.prompt)
+        if req.truncate_prompt_tokens is not None:  # a cut prompt's text is re-decoded (for echo)
+            prompts = [(text, cut) if len(cut := self.truncate(ids, req.truncate_prompt_tokens)) == len(ids)
+                       else (None, cut) for text, ids in prompts]
         # Echoed logprobs cover the prompt too: its tokens' logprobs are computed during prefill.
         scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
         # max_tokens 0 runs one token (the engine always samples one) that the response leaves out.
@@ -81,6 +84,8 @@ class OpenAIServingCompletion(OpenAIServing):
                "stop_reason": c.stop_reason}
         if req.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs_json(prompt_logprobs)
+        if req.return_token_ids:
+            out["token_ids"] = list(token_ids)
         return out
 
     def response(self, req: CompletionRequest, request_id: str, finals: list[RequestOutput],
@@ -99,7 +104,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = texts[i] + text
                     if lps is not None:  # the prompt's tokens and logprobs first, as in OpenAI's legacy API
                         ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
-                choices.append(self.choice(req, i * req.n + c.index, c, text, ids, lps, 0, out.prompt_logprobs))
+                choice = self.choice(req, i * req.n + c.index, c, text, ids, lps, 0, out.prompt_logprobs)
+                if req.return_token_ids:  # the generated ids alone (echoed logprobs may list the prompt's too)
+                    choice["token_ids"] = [] if req.max_tokens == 0 else list(c.token_ids)
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": self.now(), "model": self.model_name,
                 "choices": choices, "usage": self.usage(prompt_tokens, completion_tokens, cached)}
 
@@ -136,6 +145,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 offset = next_offset.get(key, len(texts[i]) if req.echo else 0)
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
                 choice = self.choice(req, i * req.n + c.index, c, prefix + delta, new_ids, lps, offset)
+                if req.return_token_ids and first:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 if choice["logprobs"] and choice["logprobs"]["tokens"]:
                     next_offset[key] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
                 chunk = {"id": request_id, "object": "text_completion", "created": created,

@@ -138,6 +138,16 @@ class OpenAIServing:
             raise bad_request(str(e)) from None
 
     @staticmethod
+    def truncate(ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: only the prompt's last `keep` tokens (None: all)."""
+        if keep is None:
+            return ids
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise bad_request(f"truncate_prompt_tokens must be an integer >= 1, got {keep!r}",
+                              param="truncate_prompt_tokens")
+        return ids[-keep:]
+
+    @staticmethod
     def check_logprobs(value: int | None, name: str) -> None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)

@@ -468,3 +468,15 @@ def test_chat_continue_final_message_and_echo(client, server):
     both = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                       json={"model": MODEL_NAME, "messages": messages, "continue_final_message": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_streams_send_no_empty_chunks(client):
+    """Text held back for a possible stop string makes no chunk of its own: every chunk before the
+    last carries text."""
+    kw = dict(model=MODEL_NAME, prompt=COUNT, max_tokens=12, temperature=0, stop=["5, 7"])
+    chunks = [ch for ch in client.completions.create(**kw, stream=True) if ch.choices]
+    assert all(ch.choices[0].text for ch in chunks[:-1]), [ch.choices[0].text for ch in chunks]
+    assert "".join(ch.choices[0].text for ch in chunks) == client.completions.create(**kw).choices[0].text
+    chat = [ch for ch in client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0,
+                                                        stop=["Paris is"], stream=True) if ch.choices]
+    assert all(ch.choices[0].delta.content for ch in chat[1:-1])  # after the role chunk, before the end

@@ -144,7 +144,9 @@ class OpenAIServingChat(OpenAIServing):
                 done_text, done_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
                 delta = c.text[done_text:]
                 new_ids = c.token_ids[done_tokens:]
-                if not delta and not new_ids and c.finish_reason is None:
+                # A chunk only when it carries text, tokens the client asked to see, or the end.
+                shows_tokens = new_ids and (req.logprobs or req.return_token_ids)
+                if not delta and not shows_tokens and c.finish_reason is None:
                     continue
                 sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None

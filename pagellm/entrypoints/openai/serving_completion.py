@@ -138,7 +138,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 done_text, done_tokens = sent_text.get(key, 0), sent_tokens.get(key, 0)
                 delta = c.text[done_text:]
                 new_ids = c.token_ids[done_tokens:]
-                if not delta and not new_ids and c.finish_reason is None:
+                # A chunk only when it carries text, tokens the client asked to see, or the end:
+                # tokens whose text is held back (a possible stop string) wait for the next one.
+                shows_tokens = new_ids and (req.logprobs is not None or req.return_token_ids)
+                if not delta and not shows_tokens and c.finish_reason is None and not (req.echo and first):
                     continue
                 sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
                 prefix = texts[i] if req.echo and first else ""

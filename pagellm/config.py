@@ -23,12 +23,20 @@ KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"
 
 def bytes_or_fraction(text: str) -> float | int:
     """`2G`, `512M`, `1048576` (bytes) or `0.5` (a fraction of free memory), as the CLI reads them."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    value = float(t)
-    return value if value <= 1 else int(value)
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")  # 2G, 2GB, 2GiB
+    forms = "a byte count (e.g. 512M, 4G, 1073741824) or a fraction of free memory in (0, 1] (e.g. 0.5)"
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        value = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither {forms}") from None
+    if value <= 1:
+        return value
+    if not value.is_integer():  # 2.5 is no fraction and no whole number of bytes
+        raise argparse.ArgumentTypeError(f"{text!r} is neither {forms}")
+    return int(value)
 
 
 def option(default: Any, help: str, *, check: Callable[[Any], bool] | None = None, limit: str = "",

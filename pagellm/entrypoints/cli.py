@@ -78,7 +78,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagellm import __version__
+
     parser = argparse.ArgumentParser(prog="pagellm", description="LLM serving engine built on PagedAttention")
+    parser.add_argument("--version", action="version", version=f"pagellm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts (from --prompt or standard input) and print them")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")

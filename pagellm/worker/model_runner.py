@@ -150,7 +150,15 @@ class ModelRunner:
         return n
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the pool, after checking the machine has the memory (the kernel's OOM killer
+        would end the process without a word)."""
         a = self.arch
+        need, free = num_blocks * self.bytes_per_block(block_size), free_memory_bytes(self.device)
+        if need > free:
+            gib = 1 << 30
+            raise ValueError(f"the KV cache needs {need / gib:.2f} GiB ({num_blocks} blocks of "
+                             f"{self.bytes_per_block(block_size)} bytes) but {self.device} has {free / gib:.2f} GiB "
+                             f"available; lower kv_cache_memory (e.g. 0.5 of free memory) or num_kv_blocks")
         shape = self.backend.kv_cache_shape(num_blocks, block_size, self.model.num_kv_heads, a.head_dim)
         # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN is NaN.
         self.kv_caches = [

@@ -17,9 +17,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API "
                                           "(/v1/completions, /v1/chat/completions, /metrics, /dashboard).")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     g.add_argument("--api-key", default=envs.api_key(),
                    help="require `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize "
                         "(default: $PAGELLM_API_KEY, else no key)")
@@ -51,13 +53,44 @@ def default_model_name(model_path: str) -> str:
     return name or "model"
 
 
+def address_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (in use, not this machine's, no permission), or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return str(e)
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        try:
+            s.bind(address)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import sys
 
-    for arg, value in (("--port", args.port), ("--max-request-body-bytes", args.max_request_body_bytes)):
-        if value < 1:
-            print(f"pagellm serve: {arg} must be >= 1, got {value}", file=sys.stderr)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            print(f"pagellm serve: the model is given twice ({args.model_tag!r} and --model {args.model!r})",
+                  file=sys.stderr)
             return 2
+        args.model = args.model_tag
+    if not 1 <= args.port <= 65535:
+        print(f"pagellm serve: --port must be in [1, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    if args.max_request_body_bytes < 1:
+        print(f"pagellm serve: --max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}",
+              file=sys.stderr)
+        return 2
+    problem = address_problem(args.host, args.port)  # before the model loads, not after
+    if problem:
+        print(f"pagellm serve: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
+        return 2
     if args.max_seqs_per_request is not None and args.max_seqs_per_request < 1:
         print(f"pagellm serve: --max-seqs-per-request must be >= 1, got {args.max_seqs_per_request}",
               file=sys.stderr)

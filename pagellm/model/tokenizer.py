@@ -76,14 +76,16 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, model_dir: str) -> Tokenizer:
-        """The tokenizer of a Hugging Face model directory (tokenizer.json + tokenizer_config.json).
+        """The tokenizer of a Hugging Face model directory: tokenizer.json + tokenizer_config.json,
+        or a SentencePiece tokenizer.model alone (many Llama 2 and Mistral releases), which
+        transformers' own converter turns into the same fast pipeline (sentencepiece, protobuf).
 
         transformers 5 rebuilds the pipeline of model-specific classes instead of using tokenizer.json
         as written (LlamaTokenizer swaps in its own Metaspace pre-tokenizer, for instance), so to get
         the same ids the backend is taken from AutoTokenizer, strictly offline and without remote code.
         """
-        if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")):
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json (or SentencePiece tokenizer.model)")
         from transformers import AutoTokenizer
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

@@ -215,3 +215,27 @@ def test_continue_final_message_matches_transformers(bundled, final):
     with pytest.raises(ValueError, match="text content"):
         ours.apply_chat_template([*MESSAGES, {"role": "assistant", "content": ""}], add_generation_prompt=False,
                                  continue_final_message=True)
+
+
+def test_hf_dir_with_only_a_sentencepiece_model(tmp_path):
+    """Many Llama 2 and Mistral folders ship tokenizer.model and no tokenizer.json: transformers'
+    converter builds the fast pipeline, with the same ids as AutoTokenizer."""
+    import io
+    import random
+
+    import sentencepiece
+
+    rng = random.Random(0)
+    words = "the cat sat on a mat and then ran far away to eat one big red apple at home".split()
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)),
+        model_writer=model, vocab_size=300, model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2,
+        pad_id=-1, minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    ours, theirs = Tokenizer.from_hf_dir(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert_same_as_transformers(ours, theirs)
+    ids = ours.encode("the big cat ran home, naïvely")  # byte fallback for what it never saw
+    assert ours.decode(ids) == "the big cat ran home, naïvely" and ids == theirs.encode("the big cat ran home, naïvely")

@@ -21,6 +21,8 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
 # family -> (config class, model class, config overrides)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    # Llama-family checkpoints with biases on q/k/v/o and on the MLP (attention_bias, mlp_bias).
+    "llama_biases": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",

@@ -11,6 +11,7 @@ to float rounding (bit-identical for float32 RoPE).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from functools import lru_cache
 from pathlib import Path
@@ -24,15 +25,32 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 
 
+def build_name() -> str:
+    """The extension's name, keyed by its source: two checkouts (or versions) on one machine each
+    keep their own build instead of rebuilding each other's."""
+    return f"pagellm_cpu_ops_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]}"
+
+
 @lru_cache(maxsize=1)
 def _load():
     if not envs.cpu_kernels_enabled():
         return None
     try:
-        from torch.utils.cpp_extension import load
+        import os
+        import time
 
-        return load(name="pagellm_cpu_ops", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        name = build_name()
+        built = os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+        if not built:  # say why the first start takes a while
+            logger.warning("pagellm: building the CPU kernels (once per version of their source; about 30 s)")
+        start = time.monotonic()
+        module = load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], verbose=False)
+        if not built:
+            logger.warning("pagellm: CPU kernels built in %.0f s", time.monotonic() - start)
+        return module
     except Exception as e:  # no compiler, no ninja, a broken toolchain: fall back, loudly once
         logger.warning("pagellm: CPU kernels unavailable (%s); using the torch path", e)
         return None

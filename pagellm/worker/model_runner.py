@@ -15,8 +15,9 @@ from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.distributed.group import TensorParallelGroup
-from pagellm.model.config import ModelArchConfig
+from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
+from pagellm.model.config import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
@@ -109,6 +110,8 @@ class ModelRunner:
         with torch.device(device):
             self.model = build_model(arch, self.backend, max_model_len, tp).to(dtype)
         self.model.eval()
+        if device.type == "cpu":
+            cpu_kernels.available()  # built (once) at start-up, not on the first request
         self.sampler = Sampler(seed=seed, device=device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0

@@ -165,3 +165,13 @@ def test_bad_inputs_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
         cpu.paged_decode(torch.randn(1, 4, 8), kc, kc.bfloat16(), torch.zeros(1, 1, dtype=torch.long),
                          torch.ones(1, dtype=torch.long), 1.0)
+
+
+def test_build_is_keyed_by_its_source(tmp_path, monkeypatch):
+    """Two checkouts with different kernel sources keep separate builds (a shared name made them
+    rebuild each other's on every start)."""
+    ours = cpu.build_name()
+    other = tmp_path / "cpu_ops.cpp"
+    other.write_text(cpu._SOURCE.read_text() + "\n// another version\n")
+    monkeypatch.setattr(cpu, "_SOURCE", other)
+    assert cpu.build_name() != ours and cpu.build_name().startswith("pagellm_cpu_ops_")

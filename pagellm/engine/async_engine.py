@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.engine.stats_logger import StatsLogger, log_added, log_finished, request_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -102,7 +103,7 @@ class AsyncLLMEngine:
     """`LLMEngine` for asyncio: `add_request` / `generate` give each request its own stream."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, stats_interval: float = 5.0) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {max_waiting_requests}")
         self.engine = engine
@@ -120,6 +121,7 @@ class AsyncLLMEngine:
         # Engine-thread side: the requests the engine holds.
         self._live: set[str] = set()
         self._stats: dict = engine.stats()
+        self._stats_logger = StatsLogger(stats_interval)
         # Steps whose step() raised (the engine's own count covers the failures it isolated).
         self.num_unisolated_failures = 0
 
@@ -270,6 +272,7 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._stats = self.engine.stats()
+                self._stats_logger.maybe_log(self._stats)
         except BaseException as e:  # a bug outside step(): nothing can be trusted any more
             logger.exception("the engine thread died")
             self._dead = e
@@ -296,12 +299,15 @@ class AsyncLLMEngine:
                 self._to_loop(self._resolve, fut, None, e)
             else:
                 self._live.add(rid)
+                ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+                log_added(rid, len(ids) if ids is not None else None, params.max_tokens, params.n)
                 self._to_loop(self._resolve, fut, None, None)
         elif kind == "abort":
             rid = cmd[1]
             if rid in self._live:
                 self._live.discard(rid)
                 self.engine.abort_request(rid)
+                request_logger.info("request %s aborted", rid)
                 if self._observer is not None:
                     self._observer.on_abort(rid, time.time())
         elif kind == "call":
@@ -337,9 +343,11 @@ class AsyncLLMEngine:
                 if self._observer is not None:
                     self._observer.on_error(o.request_id, time.time())
                 self._to_loop(self._fail, [o.request_id], EngineStepError(f"error while generating: {o.error}"))
+        now = time.time()
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
+                log_finished(out, now)
         if self._observer is not None:
             try:
                 self._observer.on_outputs(outputs, time.time())

@@ -45,34 +45,65 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = """commands: /help this list, /reset forget the conversation, /exit quit (or Ctrl-D)
+Ctrl-C while a reply streams stops that reply; at the prompt it quits"""
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagellm.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     params = sampling_params(args)
     tok = engine.tokenizer
-    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = list(system)
     interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        print("pagellm chat: /help for commands", file=sys.stderr)
     turn = 0
     while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() in ("/exit", "/quit"):
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            line = ""
+        if not line:  # end of input, or Ctrl-C / Ctrl-D at the prompt
+            if interactive:
+                print()
             return 0
-        if not line.strip():
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/help":
+            print(CHAT_HELP)
             continue
-        history.append({"role": "user", "content": line.strip()})
+        if text == "/reset":
+            history = list(system)
+            print("(conversation forgotten)")
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
         prompt = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True), add_special_tokens=False)
         rid = f"chat-{turn}"
         turn += 1
-        engine.add_request(rid, prompt, params)
+        try:
+            engine.add_request(rid, prompt, params)
+        except ValueError as e:  # this message cannot be answered (too long, say): the chat goes on
+            print(f"pagellm: {e}", file=sys.stderr)
+            history.pop()
+            continue
         reply = ""
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                print(text[len(reply):], end="", flush=True)
-                reply = text
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    text = out.outputs[0].text
+                    print(text[len(reply):], end="", flush=True)
+                    reply = text
+        except KeyboardInterrupt:  # stop this reply, keep the conversation (with what was said)
+            engine.abort_request(rid)
+            print(" [stopped]", end="")
         print(flush=True)
         history.append({"role": "assistant", "content": reply})
 

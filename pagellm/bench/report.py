@@ -29,9 +29,14 @@ COMMON_WORDS = (
 
 def output_paths(name: str, out: str | None) -> tuple[Path, Path]:
     """(json, png) paths: `--out` as given (with or without an extension), else
-    benchmarks/results/<name>-<date>."""
+    benchmarks/results/<name>-<date>, or <name>-<date>-2, -3, ... when that is taken: a rerun
+    never overwrites a result (only an explicit --out may)."""
     if out is None:
-        stem = RESULTS_DIR / f"{name}-{_dt.date.today().isoformat()}"
+        base = RESULTS_DIR / f"{name}-{_dt.date.today().isoformat()}"
+        stem, k = base, 1
+        while stem.with_suffix(".json").exists() or stem.with_suffix(".png").exists():
+            k += 1
+            stem = base.with_name(f"{base.name}-{k}")
     else:
         stem = Path(out)
         if stem.suffix in (".json", ".png"):

@@ -235,12 +235,13 @@ def warm_up(url: str, model: str, timeout_s: float) -> None:
         raise RuntimeError(f"the warm-up request to {url} failed: {rec.error}")
 
 
-def bench_target(url: str, cfg: ServeConfig, show_progress: bool) -> dict:
+def bench_target(url: str, cfg: ServeConfig, show_progress: bool, label: str | None = None) -> dict:
+    """`label` names the target in the progress bar (its policy, for a launched server)."""
     model = get_model(url)
     warm_up(url, model, cfg.timeout_s)
     work = make_requests(cfg)
     rows = []
-    for rate in report.progress(cfg.rates, desc=f"bench serve {url}", enable=show_progress, unit="rate"):
+    for rate in report.progress(cfg.rates, desc=f"bench serve {label or url}", enable=show_progress, unit="rate"):
         records = asyncio.run(run_rate(url, model, work, rate, cfg.seed, cfg.timeout_s))
         rows.append(summarize(records, rate))
     return {"url": url, "model": model, "rates": rows}
@@ -252,13 +253,13 @@ def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: lis
     skipped: dict = {}
     for label, url in urls:
         check_loopback(url)
-        targets[label] = bench_target(url.rstrip("/"), cfg, show_progress)
+        targets[label] = bench_target(url.rstrip("/"), cfg, show_progress, label)
     for policy in policies:
         log_path = os.path.join(out_dir, f"serve-{policy}.log")
         proc, url = launch(policy, engine_args, log_path)
         try:
             wait_ready(url, proc, ready_timeout_s)
-            targets[policy] = {**bench_target(url, cfg, show_progress), "launched": True,
+            targets[policy] = {**bench_target(url, cfg, show_progress, policy), "launched": True,
                                "engine_args": engine_args}
         except (RuntimeError, TimeoutError) as e:
             skipped[policy] = f"{e} (log: {log_path})"

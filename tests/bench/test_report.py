@@ -1,0 +1,20 @@
+"""Result files: a rerun on the same day never overwrites a committed result."""
+from __future__ import annotations
+
+import datetime
+
+from pagellm.bench import report
+
+
+def test_default_paths_never_overwrite(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
+    today = datetime.date.today().isoformat()
+    first, _ = report.output_paths("serve", None)
+    assert first == tmp_path / f"serve-{today}.json"
+    first.write_text("{}")
+    second, png = report.output_paths("serve", None)
+    assert second == tmp_path / f"serve-{today}-2.json" and png == tmp_path / f"serve-{today}-2.png"
+    png.write_bytes(b"")  # a plot alone also claims its name
+    assert report.output_paths("serve", None)[0] == tmp_path / f"serve-{today}-3.json"
+    # An explicit --out is taken as given, even over an existing file.
+    assert report.output_paths("serve", str(first))[0] == first

@@ -5,6 +5,8 @@ engine core (schedule -> execute -> update) and output processing (text, logprob
 """
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections import Counter
 
@@ -29,11 +31,16 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 
+logger = logging.getLogger("pagellm.engine")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        started = time.monotonic()
         source = load_model_source(config.model, config.load_format)
+        logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,
+                    _disk_size(source.path))
         self.model_path = source.path
         self.tokenizer: Tokenizer = source.tokenizer
         self.arch = source.arch
@@ -51,7 +58,7 @@ class LLMEngine:
             if source.weights is None:
                 self.runner.init_dummy_weights(config.seed)
             else:
-                self.runner.load_weights(source.weights())
+                self.runner.load_weights(_with_progress(source.weights(), source.path))
             num_blocks = config.num_kv_blocks or self.runner.num_blocks_for_budget(
                 config.block_size, config.kv_cache_memory)
             self.runner.allocate_kv_cache(num_blocks, config.block_size)
@@ -68,6 +75,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.core = EngineCore(self.runner, self.kv, self.scheduler, self.eos_token_ids)
+        logger.info("ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d", time.monotonic() - started,
+                    num_blocks, config.block_size, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                      self.kv, self.eos_token_ids)
@@ -249,3 +258,20 @@ class LLMEngine:
     def stats(self) -> dict:
         return {**self.core.stats(), "request_failures": dict(self.request_failures),
                 "max_model_len": self.max_model_len}
+
+
+def _disk_size(path: str) -> str:
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)]
+    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.0f} MiB"
+
+
+def _with_progress(weights, path: str):
+    """The weights, with a progress bar on a terminal (a large model takes a while to read)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return weights
+    from tqdm.auto import tqdm
+
+    return tqdm(weights, desc=f"loading {os.path.basename(path)}", unit=" tensors", leave=False)

@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("generate", "chat"):  # say what loads, and when it is ready (serve sets its own)
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="pagellm: %(message)s")
     try:
         if getattr(args, "tensor_parallel_size", 1) > 1:
             from pagellm.distributed.worker_main import is_torchrun_worker, run_worker

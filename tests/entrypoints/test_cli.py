@@ -18,6 +18,9 @@ def test_generate_prompts_from_stdin():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout and "Berlin" in proc.stdout
+    # What loads and when it is ready go to stderr, not into the output.
+    assert "pagellm: loading " in proc.stderr and "SmolLM2-135M-Instruct.Q4_1.gguf (gguf, llama family" in proc.stderr
+    assert "pagellm: ready in " in proc.stderr and "pagellm:" not in proc.stdout
 
 
 def test_bad_option_is_a_clear_error(tiny_llama_dir):

@@ -52,3 +52,15 @@ def test_a_bad_flag_value_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--dtype", "int3"])
     assert "--dtype" in capsys.readouterr().err
+
+
+def test_every_flag_has_help():
+    """`--help` explains every flag (and says the default where there is one)."""
+    import argparse
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("generate", "chat", "serve"):
+        for action in commands[name]._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"pagellm {name} {action.option_strings[0]} has no help"

@@ -11,15 +11,20 @@ from pagellm.sampling_params import SamplingParams
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"tokens to generate at most per reply (default: {max_tokens})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default, reproducible)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens whose "
+                                                            "probabilities reach this (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (default: -1, off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the likeliest (default: 0.0, off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already seen (default: 1.0, off)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of the sampling, for reproducible non-greedy output (default: none)")
+    g.add_argument("--stop", action="append", default=None, help="a string that ends the reply; repeat for several")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

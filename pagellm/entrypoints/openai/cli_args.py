@@ -38,7 +38,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "first come, first served, so a request that needs every sequence slot would hold "
                         "up everyone behind it until all running requests finish (default: half of "
                         "--max-num-seqs)")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's logging (default: info: each request, and throughput every 5 s)")
     g.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)

@@ -165,15 +165,16 @@ def _hf_fields(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
     return fields
 
 
-def iter_gguf_weights(path: str, reader: GGUFReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str, reader: GGUFReader | None = None,
+                      cfg: ModelArchConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap.
 
     The file is opened and checked, and every tensor's name mapped, before this returns, so a bad
-    file or a tensor with no place in the model fails here, not at first use. `reader`: as for
-    read_gguf_config.
+    file or a tensor with no place in the model fails here, not at first use. `reader`, `cfg`: the
+    file already opened by `open_gguf` and its read_gguf_config, when the caller has them.
     """
     reader = reader or open_gguf(path)
-    cfg = read_gguf_config(path, reader)
+    cfg = cfg or read_gguf_config(path, reader)
     arch = _value(reader, "general.architecture")
     names = _hf_names(reader, arch, cfg, path)
     return _weights(reader, names, arch, cfg, path)

@@ -58,7 +58,7 @@ def load_model_source(model: str | None, load_format: str = "auto") -> ModelSour
     if fmt == "gguf":
         reader = open_gguf(path)  # parsed once for the config and the weights
         arch, tokenizer = read_gguf_config(path, reader), Tokenizer.from_gguf(path)
-        weights = partial(iter_gguf_weights, path, reader)
+        weights = partial(iter_gguf_weights, path, reader, arch)
     else:
         arch, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
         weights = partial(iter_hf_weights, path)

@@ -84,8 +84,6 @@ class OpenAIServingCompletion(OpenAIServing):
                "stop_reason": c.stop_reason}
         if req.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs_json(prompt_logprobs)
-        if req.return_token_ids:
-            out["token_ids"] = list(token_ids)
         return out
 
     def response(self, req: CompletionRequest, request_id: str, finals: list[RequestOutput],
@@ -100,13 +98,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     text, ids, lps = "", [], [] if lps is not None else None
                     c = replace(c, finish_reason="length", stop_reason=None)
                 completion_tokens += len(ids)
+                generated = ids
                 if req.echo:
                     text = texts[i] + text
                     if lps is not None:  # the prompt's tokens and logprobs first, as in OpenAI's legacy API
                         ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
                 choice = self.choice(req, i * req.n + c.index, c, text, ids, lps, 0, out.prompt_logprobs)
-                if req.return_token_ids:  # the generated ids alone (echoed logprobs may list the prompt's too)
-                    choice["token_ids"] = [] if req.max_tokens == 0 else list(c.token_ids)
+                if req.return_token_ids:
+                    choice["token_ids"] = list(generated)
                     choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": self.now(), "model": self.model_name,
@@ -148,8 +147,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 offset = next_offset.get(key, len(texts[i]) if req.echo else 0)
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
                 choice = self.choice(req, i * req.n + c.index, c, prefix + delta, new_ids, lps, offset)
-                if req.return_token_ids and first:
-                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                if req.return_token_ids:
+                    choice["token_ids"] = list(new_ids)
+                    if first:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 if choice["logprobs"] and choice["logprobs"]["tokens"]:
                     next_offset[key] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
                 chunk = {"id": request_id, "object": "text_completion", "created": created,

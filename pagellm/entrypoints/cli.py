@@ -103,9 +103,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    text = out.outputs[0].text
-                    print(text[len(reply):], end="", flush=True)
-                    reply = text
+                    so_far = out.outputs[0].text
+                    print(so_far[len(reply):], end="", flush=True)
+                    reply = so_far
         except KeyboardInterrupt:  # stop this reply, keep the conversation (with what was said)
             engine.abort_request(rid)
             print(" [stopped]", end="")

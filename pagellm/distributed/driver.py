@@ -229,7 +229,7 @@ class DriverModelRunner(ModelRunner):
 
         def build() -> None:
             ModelRunner.__init__(self, spec.arch, workers.device, spec.dtype, spec.max_model_len, seed=spec.seed,
-                                 tp=workers.tp)
+                                 tp=workers.tp, weight_format=spec.weight_format)
             warm_up_kernels(workers.device)
 
         workers.call("init", (spec,), build)
@@ -278,7 +278,8 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource, device: tor
     """Check the model splits `config.tensor_parallel_size` ways, start the ranks, build every shard."""
     check_tensor_parallel(source.arch, config.tensor_parallel_size)
     workers = WorkerGroup.start(config.tensor_parallel_size, device.type)
-    spec = WorkerSpec(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed)
+    spec = WorkerSpec(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
+                      config.quantization if device.type == "cpu" else "none", source.weight_format)
     try:
         return DriverModelRunner(workers, spec)
     except BaseException:

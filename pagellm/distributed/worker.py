@@ -41,6 +41,8 @@ class WorkerSpec:
     dtype: torch.dtype
     max_model_len: int
     seed: int
+    quantization: str = "auto"
+    weight_format: str = "dense"
 
 
 def pack(obj: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -101,7 +103,8 @@ class Worker:
                              "(start the workers with the same --device)")
         self.spec = spec
         torch.manual_seed(spec.seed)
-        self.runner = ModelRunner(spec.arch, self.device, spec.dtype, spec.max_model_len, seed=spec.seed, tp=self.tp)
+        self.runner = ModelRunner(spec.arch, self.device, spec.dtype, spec.max_model_len, seed=spec.seed, tp=self.tp,
+                                  weight_format=spec.weight_format)
         warm_up_kernels(self.device)
 
     def load_weights(self) -> None:
@@ -109,7 +112,7 @@ class Worker:
 
         spec = self.spec
         path = self.model_path or spec.model_path
-        source = load_model_source(path, spec.load_format)
+        source = load_model_source(path, spec.load_format, spec.quantization)
         if source.arch != spec.arch:
             raise ValueError(f"the model at {path} on this machine is not rank 0's model "
                              f"({source.arch} != {spec.arch})")

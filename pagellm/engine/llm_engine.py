@@ -38,14 +38,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         started = time.monotonic()
-        source = load_model_source(config.model, config.load_format)
+        device = resolve_device(config.device)
+        # The quantized kernels are CPU code; a GPU gets the file dequantized (Triton kernels: to come).
+        quantization = config.quantization if device.type == "cpu" else "none"
+        source = load_model_source(config.model, config.load_format, quantization)
         logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,
                     _disk_size(source.path))
         self.model_path = source.path
         self.tokenizer: Tokenizer = source.tokenizer
         self.arch = source.arch
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.arch.max_position_embeddings)
-        self.device = resolve_device(config.device)
+        self.device = device
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if config.tensor_parallel_size > 1:
@@ -53,7 +56,8 @@ class LLMEngine:
 
             self.runner = start_tensor_parallel(config, source, self.device, self.dtype, self.max_model_len)
         else:
-            self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed)
+            self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed,
+                                      weight_format=source.weight_format)
         try:
             if source.weights is None:
                 self.runner.init_dummy_weights(config.seed)

@@ -7,7 +7,8 @@ chains of small element-wise ops in torch, each a full pass over memory. The C++
 csrc/cpu_ops.cpp does each in one pass (see its header). It is compiled once
 (torch.utils.cpp_extension, cached under TORCH_EXTENSIONS_DIR); when no compiler is at
 hand, or PAGELLM_CPU_KERNELS=0, the torch code runs instead, with the same results up
-to float rounding (bit-identical for float32 RoPE).
+to float rounding (bit-identical for float32 RoPE). csrc/quant_ops.cpp, the matrix product
+over GGUF-quantized weights, is a second extension built the same way (see layers/quant/).
 """
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ from pagellm import envs
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "cpu_ops.cpp"
+# The GGUF-blocks matmul is a second extension, built only when a quantized model is loaded.
+_QUANT_SOURCE = _CSRC / "quant_ops.cpp"
 
 
-def build_name() -> str:
+def build_name(source: Path | None = None) -> str:
     """The extension's name, keyed by its source: two checkouts (or versions) on one machine each
     keep their own build instead of rebuilding each other's."""
-    return f"pagellm_cpu_ops_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]}"
+    source = source or _SOURCE
+    return f"pagellm_{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}"
 
 
 def _already_built(name: str) -> bool:
@@ -44,26 +49,35 @@ def _already_built(name: str) -> bool:
         return True
 
 
-@lru_cache(maxsize=1)
-def _load():
+@lru_cache(maxsize=None)
+def _build(source: Path, what: str):
     if not envs.cpu_kernels_enabled():
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        name = build_name()
+        name = build_name(source)
         built = _already_built(name)
         if not built:  # say why the first start takes a while
-            logger.warning("pagellm: building the CPU kernels (once per version of their source; about 30 s)")
+            logger.warning("pagellm: building the %s (once per version of their source; about 30 s)", what)
         start = time.monotonic()
-        module = load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                       extra_ldflags=["-fopenmp"], verbose=False)
         if not built:
-            logger.warning("pagellm: CPU kernels built in %.0f s", time.monotonic() - start)
+            logger.warning("pagellm: %s built in %.0f s", what, time.monotonic() - start)
         return module
     except Exception as e:  # no compiler, no ninja, a broken toolchain: fall back, loudly once
-        logger.warning("pagellm: CPU kernels unavailable (%s); using the torch path", e)
+        logger.warning("pagellm: %s unavailable (%s); using the torch path", what, e)
         return None
+
+
+def _load():
+    return _build(_SOURCE, "CPU kernels")
+
+
+def quant_kernels():
+    """The GGUF-blocks kernels (csrc/quant_ops.cpp), or None where they cannot be built."""
+    return _build(_QUANT_SOURCE, "quantized-matmul CPU kernels")
 
 
 def available() -> bool:

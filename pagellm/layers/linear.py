@@ -10,7 +10,8 @@ all-reduce, so a transformer block costs two all-reduces (Megatron).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -21,25 +22,59 @@ from pagellm.layers.parallel import HeadSplit, divide, load_whole, rank_and_size
 
 
 class LinearMethod(ABC):
-    """How a linear layer holds its weight and multiplies by it."""
+    """How a linear layer holds its weight and multiplies by it: create the weight, load it
+    (rows of it, for fused layers), finish it once every part is in, apply it."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         """Register the layer's weight parameter(s) for this rank's [out, in] shard."""
 
+    def load(self, layer: nn.Module, loaded, row_offset: int) -> None:
+        """Put `loaded` (this rank's part of a checkpoint tensor: a dense tensor, or a
+        quantized one such as GGUF blocks) at rows [row_offset, ...) of the weight."""
+        load_whole(layer.weight.data.narrow(0, row_offset, loaded.shape[0]), loaded)
+
+    def finish(self, layer: nn.Module) -> None:
+        """Called once after loading: repack what was loaded into the form `apply` reads."""
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T, without the bias."""
 
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W (the token embedding's lookup)."""
+        return F.embedding(ids, layer.weight)
+
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A dense [out, in] weight in the model's dtype."""
+    """A dense [out, in] weight in the model's dtype (a quantized checkpoint tensor is
+    dequantized as it is loaded)."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight)
+
+
+# The method a layer built without an explicit one gets: the model loader sets it around
+# building a model from a quantized checkpoint, so no family file passes methods around.
+_default_method: Callable[[], LinearMethod] = UnquantizedLinearMethod
+
+
+@contextmanager
+def linear_method_for_new_layers(factory: Callable[[], LinearMethod]) -> Iterator[None]:
+    """Layers built inside this block (linear layers, embeddings) get `factory()`'s method."""
+    global _default_method
+    previous, _default_method = _default_method, factory
+    try:
+        yield
+    finally:
+        _default_method = previous
+
+
+def default_linear_method() -> LinearMethod:
+    return _default_method()
 
 
 class LinearBase(nn.Module):
@@ -49,14 +84,22 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.tp_rank, self.tp_size = rank_and_size(tp)
         self.in_features, self.out_features = in_features, out_features  # this rank's
-        self.method = method or UnquantizedLinearMethod()
+        self.method = method or default_linear_method()
         self.method.create_weights(self, in_features, out_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         for p in self.parameters(recurse=False):
             p.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        load_whole(param, loaded)
+        self.store(param, loaded)
+
+    def store(self, param: nn.Parameter, loaded: torch.Tensor, row_offset: int = 0) -> None:
+        """Put this rank's part of a checkpoint tensor at rows [row_offset, ...): the weight
+        through the linear method (which may keep it quantized), the bias as it is."""
+        if param is self.bias:
+            load_whole(param.data.narrow(0, row_offset, loaded.shape[0]), loaded)
+        else:
+            self.method.load(self, loaded, row_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
@@ -80,8 +123,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, divide(out_features, size, "output features"), bias, tp, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        n = param.shape[0]
-        load_whole(param, loaded.narrow(0, self.tp_rank * n, n))
+        n = self.out_features
+        self.store(param, loaded.narrow(0, self.tp_rank * n, n))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -101,7 +144,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         local = [s // self.tp_size for s in self.output_sizes]
         offset, n = sum(local[:shard_id]), local[shard_id]
-        load_whole(param.data.narrow(0, offset, n), loaded.narrow(0, self.tp_rank * n, n))
+        self.store(param, loaded.narrow(0, self.tp_rank * n, n), offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -131,7 +174,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             dst, src = (offset, self.kv_size), (self.heads.first_kv_head * d, self.kv_size)
-        load_whole(param.data.narrow(0, *dst), loaded.narrow(0, *src))
+        self.store(param, loaded.narrow(0, *src), dst[0])
 
 
 class RowParallelLinear(LinearBase):
@@ -144,11 +187,11 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(in_features, size, "input features"), out_features, bias, tp, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 1:
+        if param is self.bias:
             load_whole(param, loaded)
             return
-        n = param.shape[1]
-        load_whole(param, loaded.narrow(1, self.tp_rank * n, n))
+        n = self.in_features
+        self.store(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)

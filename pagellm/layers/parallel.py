@@ -43,8 +43,11 @@ class HeadSplit:
         return cls(local, 1, rank // (size // num_kv_heads))
 
 
-def load_whole(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """The default weight loader: the checkpoint tensor is the parameter, whole."""
+def load_whole(param: torch.Tensor, loaded) -> None:
+    """The default weight loader: the checkpoint tensor is the parameter, whole. A quantized
+    checkpoint tensor (GGUF blocks) reaching a dense parameter is dequantized here."""
+    if not isinstance(loaded, torch.Tensor):
+        loaded = loaded.dequantize()
     if param.shape != loaded.shape:
         raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded)

@@ -10,6 +10,7 @@ model came from.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -22,8 +23,11 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from pagellm.layers.quant.gguf import NATIVE_TYPES, GGUFBlocks
 from pagellm.model.config import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_gguf
+
+logger = logging.getLogger(__name__)
 
 # llama.cpp's converter reorders q/k rows for these architectures (its non-NeoX rope).
 _PERMUTED_ARCHS = ("llama", "smollm3", "granite")
@@ -165,9 +169,12 @@ def _hf_fields(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
     return fields
 
 
-def iter_gguf_weights(path: str, reader: GGUFReader | None = None,
-                      cfg: ModelArchConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap.
+def iter_gguf_weights(path: str, reader: GGUFReader | None = None, cfg: ModelArchConfig | None = None,
+                      keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap;
+    with `keep_blocks`, a matrix of a type the CPU kernels multiply (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+    Q6_K) comes as its GGUF blocks instead, and one warning names the quantized types that are
+    dequantized all the same.
 
     The file is opened and checked, and every tensor's name mapped, before this returns, so a bad
     file or a tensor with no place in the model fails here, not at first use. `reader`, `cfg`: the
@@ -177,17 +184,38 @@ def iter_gguf_weights(path: str, reader: GGUFReader | None = None,
     cfg = cfg or read_gguf_config(path, reader)
     arch = _value(reader, "general.architecture")
     names = _hf_names(reader, arch, cfg, path)
-    return _weights(reader, names, arch, cfg, path)
+    if keep_blocks:
+        widened = sorted({t.tensor_type.name for t in reader.tensors if names.get(t.name) and not _as_blocks(t)
+                          and t.tensor_type.name not in ("F32", "F16", "BF16", "F64")})
+        if widened:
+            logger.warning("pagellm: %s: %s weights have no quantized kernel here and are dequantized to the "
+                           "model's dtype at load", os.path.basename(path), ", ".join(widened))
+    return _weights(reader, names, arch, cfg, path, keep_blocks)
+
+
+def has_native_blocks(reader: GGUFReader) -> bool:
+    """Whether the file has a matrix that would be served in its blocks."""
+    return any(_as_blocks(t) for t in reader.tensors)
+
+
+def _as_blocks(tensor: Any) -> bool:
+    """Whether a file tensor is served in its blocks: a matrix of a type with a kernel."""
+    return len(tensor.shape) == 2 and int(tensor.tensor_type) in NATIVE_TYPES
 
 
 def _weights(reader: GGUFReader, names: dict[str, str], arch: str, cfg: ModelArchConfig,
-             path: str) -> Iterator[tuple[str, torch.Tensor]]:
+             path: str, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     permuted = arch in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         name = names.get(tensor.name)
         if name is None:
             continue
-        weight = _to_torch(tensor, path)
+        if keep_blocks and _as_blocks(tensor):
+            # A copy out of the read-only mmap: [rows, row_bytes] as the file lays them out.
+            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1))
+            weight = GGUFBlocks(data, int(tensor.tensor_type), int(tensor.shape[0]))
+        else:
+            weight = _to_torch(tensor, path)
         if permuted and ".q_proj." in name:
             weight = _unpermute(weight, cfg.num_attention_heads, name, path)
         elif permuted and ".k_proj." in name:
@@ -365,8 +393,10 @@ def _to_torch(tensor: Any, path: str) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def _unpermute(weight: torch.Tensor, n_head: int, name: str, path: str) -> torch.Tensor:
+def _unpermute(weight: torch.Tensor | GGUFBlocks, n_head: int, name: str, path: str) -> torch.Tensor | GGUFBlocks:
     """Undo convert_hf_to_gguf's `permute`: rows (pair, half) within each head back to (half, pair)."""
+    if isinstance(weight, GGUFBlocks):  # rows are whole runs of blocks: reorder them the same way
+        return weight.with_rows(_unpermute(weight.data, n_head, name, path))
     rows = weight.shape[0]
     if rows % (2 * n_head):
         raise ValueError(f"{path}: {name} has {rows} rows, not a multiple of 2 x {n_head} heads")

@@ -17,7 +17,7 @@ import torch
 from pagellm.config import LOAD_FORMATS
 from pagellm.model.bundled import default_model_path
 from pagellm.model.config import ModelArchConfig
-from pagellm.model.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
+from pagellm.model.gguf_loader import has_native_blocks, iter_gguf_weights, open_gguf, read_gguf_config
 from pagellm.model.hf_loader import iter_hf_weights, read_hf_config
 from pagellm.model.tokenizer import Tokenizer
 
@@ -33,15 +33,19 @@ class ModelSource:
     format: str  # "gguf" | "hf"
     arch: ModelArchConfig
     tokenizer: Tokenizer
+    # "gguf": quantized matrices are yielded as their GGUF blocks (and the model is built to keep
+    # them); "dense": every weight is a tensor, dequantized if the file stores it quantized.
+    weight_format: str
     # Called once by the model loader; a fresh one-tensor-at-a-time iterator. None for load_format="dummy".
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None
 
 
-def load_model_source(model: str | None, load_format: str = "auto") -> ModelSource:
+def load_model_source(model: str | None, load_format: str = "auto", quantization: str = "auto") -> ModelSource:
     """Find and read the model's config and tokenizer; weights are only read when `weights()` is called.
 
     `model` None means the bundled SmolLM2-135M-Instruct GGUF. `load_format` "gguf" and "safetensors"
     insist on that format, "dummy" reads config and tokenizer only (for random-weight runs).
+    `quantization` "auto" keeps a GGUF file's quantized matrices in their blocks; "none" dequantizes.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -58,15 +62,18 @@ def load_model_source(model: str | None, load_format: str = "auto") -> ModelSour
     if fmt == "gguf":
         reader = open_gguf(path)  # parsed once for the config and the weights
         arch, tokenizer = read_gguf_config(path, reader), Tokenizer.from_gguf(path)
-        weights = partial(iter_gguf_weights, path, reader, arch)
+        blocks = quantization == "auto" and has_native_blocks(reader)
+        weight_format = "gguf" if blocks else "dense"
+        weights = partial(iter_gguf_weights, path, reader, arch, keep_blocks=blocks)
     else:
         arch, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
-        weights = partial(iter_hf_weights, path)
+        weights, weight_format = partial(iter_hf_weights, path), "dense"
     return ModelSource(
         path=path,
         format=fmt,
         arch=arch,
         tokenizer=tokenizer,
+        weight_format="dense" if load_format == "dummy" else weight_format,
         weights=None if load_format == "dummy" else weights,
     )
 

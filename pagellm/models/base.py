@@ -15,6 +15,7 @@ from torch import nn
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.layers.embedding import LogitsHead, VocabParallelEmbedding
+from pagellm.layers.linear import LinearMethod
 from pagellm.layers.parallel import HeadSplit, load_whole
 from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.model.config import ModelArchConfig
@@ -86,7 +87,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] float32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.logits(hidden, head.weight)
+        return self.logits(hidden, head)
 
     # ---- weights -----------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:
@@ -125,6 +126,12 @@ class CausalLM(nn.Module):
         missing = [n for n in params if n not in filled or not self._complete(n, filled[n])]
         if missing:
             raise ValueError(f"model file lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        for module_name, module in self.named_modules():
+            if isinstance(getattr(module, "method", None), LinearMethod):
+                try:
+                    module.method.finish(module)  # e.g. pack GGUF parts into segments
+                except ValueError as e:
+                    raise ValueError(f"weights of {module_name}: {e}") from None
 
     def route(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, object]:
         """(the parameter, the part of it) a checkpoint tensor fills; part None: all of it."""

@@ -17,6 +17,7 @@ from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
+from pagellm.layers.quant import linear_methods
 from pagellm.model.config import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
@@ -100,14 +101,15 @@ class StepResult:
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend | None = None, seed: int = 0,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, weight_format: str = "dense") -> None:
+        """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
         self.backend = backend or select_backend(device)
         self.max_model_len = max_model_len
         self.cuda_graphs: CUDAGraphRunner | None = None
-        with torch.device(device):
+        with torch.device(device), linear_methods(weight_format, dtype):
             self.model = build_model(arch, self.backend, max_model_len, tp).to(dtype)
         self.model.eval()
         if device.type == "cpu":

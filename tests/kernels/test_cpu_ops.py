@@ -175,3 +175,4 @@ def test_build_is_keyed_by_its_source(tmp_path, monkeypatch):
     other.write_text(cpu._SOURCE.read_text() + "\n// another version\n")
     monkeypatch.setattr(cpu, "_SOURCE", other)
     assert cpu.build_name() != ours and cpu.build_name().startswith("pagellm_cpu_ops_")
+    assert cpu.build_name(cpu._QUANT_SOURCE).startswith("pagellm_quant_ops_")

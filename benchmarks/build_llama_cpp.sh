@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server, llama-bench and llama-quantize, the peer for the quantized-weights
+# benchmarks, from the sources vendored in llama-cpp-python's source distribution (nothing else is
+# reachable here). The build is cached outside git; CI never runs this.
+#
+#   bash benchmarks/build_llama_cpp.sh            # prints the bin directory when done
+#   LLAMA_CPP_BUILD=/some/dir bash benchmarks/build_llama_cpp.sh
+#
+# About 10-13 minutes on 2 cores the first time. -DGGML_NATIVE=ON builds binaries that crash on
+# this CPU (its AMX path), so the AVX-512 / VNNI / BF16 options are set one by one and AMX is off.
+set -euo pipefail
+VERSION=0.3.36
+ROOT=${LLAMA_CPP_BUILD:-$HOME/.cache/pagellm-llama.cpp-$VERSION}
+BIN=$ROOT/build/bin
+if [[ -x $BIN/llama-server && -x $BIN/llama-bench && -x $BIN/llama-quantize ]]; then
+  echo "$BIN"; exit 0
+fi
+mkdir -p "$ROOT"
+if [[ ! -d $ROOT/src ]]; then
+  PY=${PYTHON:-python3}
+  "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$ROOT/dl" >&2
+  mkdir -p "$ROOT/unpacked"
+  tar -xzf "$ROOT"/dl/llama_cpp_python-$VERSION.tar.gz -C "$ROOT/unpacked"
+  mv "$ROOT/unpacked/llama_cpp_python-$VERSION/vendor/llama.cpp" "$ROOT/src"
+  rm -rf "$ROOT/unpacked" "$ROOT/dl"
+fi
+cmake -S "$ROOT/src" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+cmake --build "$ROOT/build" --target llama-quantize llama-bench llama-server -j "$(nproc)" >&2
+echo "$BIN"

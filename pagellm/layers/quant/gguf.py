@@ -1,0 +1,155 @@
+"""GGUF-quantized weights served in their blocks: a linear method that keeps each weight as the
+file stores it (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and multiplies by it without ever building
+the dense matrix.
+
+A fused layer (q/k/v, gate/up) is filled from several file tensors, which may have different
+types (a Q4_K_M file keeps v in Q6_K and q, k in Q4_K): each run of rows of one type is a
+segment, multiplied on its own, and the segments' outputs are concatenated. Rows of a type
+with no kernel arrive dequantized (the loader warns) and form dense segments.
+
+Products (csrc/quant_ops.cpp): up to FUSED_MAX_ROWS rows of activations (decode steps) run
+the fused kernel, which streams the blocks once and multiplies in float32; larger batches are
+compute-bound, and widen TILE_VALUES of the weight at a time for torch's GEMM (AMX/AVX-512 in
+bfloat16). Without a compiler the tiles are widened by gguf-py instead: slow, same results.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.kernels import cpu
+from pagellm.layers.linear import LinearMethod
+
+# GGML type id -> name, for the types with a kernel.
+NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# (values, bytes) per block.
+_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+# Batches up to this many rows use the fused kernel; measured in benchmarks/quant_matmul.py.
+FUSED_MAX_ROWS = 8
+# Dense values widened at a time for larger batches (4 MiB of float32; the dense matrix never exists).
+TILE_VALUES = 1 << 20
+
+
+class GGUFBlocks:
+    """A 2-D weight as a GGUF file stores it: `data` uint8 [rows, row_bytes], each row a run of
+    blocks of type `qtype` holding `cols` values. Quacks like the tensor slices the layers'
+    loaders take: `shape`, `narrow`, and `to` (a no-op: blocks keep their type)."""
+
+    def __init__(self, data: torch.Tensor, qtype: int, cols: int) -> None:
+        values, nbytes = _BLOCK[qtype]
+        if data.dim() != 2 or cols % values or data.shape[1] != cols // values * nbytes:
+            raise ValueError(f"{NATIVE_TYPES[qtype]} rows of {cols} values take {cols // values * nbytes} bytes, "
+                             f"got {tuple(data.shape)}")
+        self.data, self.qtype, self.cols = data, qtype, cols
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], self.cols))
+
+    @property
+    def type_name(self) -> str:
+        return NATIVE_TYPES[self.qtype]
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks:
+        if dim == 0:
+            return GGUFBlocks(self.data.narrow(0, start, length), self.qtype, self.cols)
+        values, nbytes = _BLOCK[self.qtype]
+        if start % values or length % values:
+            # A row-parallel split must cut rows at block boundaries.
+            raise ValueError(f"cannot split {self.type_name} rows of {self.cols} values at [{start}, {start + length}): "
+                             f"not a multiple of its {values}-value blocks")
+        return GGUFBlocks(self.data.narrow(1, start // values * nbytes, length // values * nbytes).contiguous(),
+                          self.qtype, length)
+
+    def to(self, *args, **kwargs) -> GGUFBlocks:
+        return self
+
+    def with_rows(self, data: torch.Tensor) -> GGUFBlocks:
+        """The same type and width over other rows (reordered, padded)."""
+        return GGUFBlocks(data, self.qtype, self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(self.data, self.qtype, self.cols, torch.arange(self.data.shape[0]), dtype)
+
+
+def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` of a block matrix as dense [len(rows), cols] rows of `dtype`."""
+    kernels = cpu.quant_kernels() if data.device.type == "cpu" else None
+    if kernels is not None and dtype in (torch.float32, torch.bfloat16):
+        return kernels.gguf_dequantize_rows(data, qtype, cols, rows, dtype)
+    from gguf.quants import dequantize
+
+    picked = data[rows.to(data.device)].cpu().numpy()
+    dense = np.asarray(dequantize(picked, qtype), dtype=np.float32).reshape(len(rows), cols)
+    return torch.from_numpy(dense).to(device=data.device, dtype=dtype)
+
+
+def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """x [M, cols] @ W^T for W in blocks: [M, rows], in x's dtype."""
+    kernels = cpu.quant_kernels() if x.device.type == "cpu" else None
+    if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS:
+        return kernels.gguf_matmul(x, data, qtype, cols).to(x.dtype)
+    rows = data.shape[0]
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+    step = max(16, TILE_VALUES // cols)
+    for start in range(0, rows, step):
+        tile = dequantize_rows(data, qtype, cols, torch.arange(start, min(rows, start + step)), x.dtype)
+        out[:, start:start + tile.shape[0]] = F.linear(x, tile)
+    return out
+
+
+class GGUFLinearMethod(LinearMethod):
+    """Weights kept in their GGUF blocks. `dtype`: the model's, for dense segments and for
+    the embedding rows looked up from blocks."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        # A placeholder until loading, when the parts arrive with their types.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.gguf_shape = (out_features, in_features)
+        layer.gguf_parts = []
+
+    def load(self, layer: nn.Module, loaded, row_offset: int) -> None:
+        rows, cols = loaded.shape
+        if cols != layer.gguf_shape[1] or row_offset + rows > layer.gguf_shape[0]:
+            raise ValueError(f"shape {tuple(loaded.shape)} at row {row_offset} does not fit {layer.gguf_shape}")
+        layer.gguf_parts.append((row_offset, loaded))
+
+    def finish(self, layer: nn.Module) -> None:
+        parts = sorted(layer.gguf_parts, key=lambda p: p[0])
+        expected = 0
+        for offset, part in parts:
+            if offset != expected:
+                raise ValueError(f"weight rows [{expected}, {offset}) were never loaded")
+            expected += part.shape[0]
+        if expected != layer.gguf_shape[0]:
+            raise ValueError(f"weight rows [{expected}, {layer.gguf_shape[0]}) were never loaded")
+        segments: list[list] = []  # [qtype or None, [parts]]
+        for _, part in parts:
+            kind = part.qtype if isinstance(part, GGUFBlocks) else None
+            if segments and segments[-1][0] == kind:
+                segments[-1][1].append(part)
+            else:
+                segments.append([kind, [part]])
+        del layer.weight, layer.gguf_parts
+        layer.segment_types = [kind for kind, _ in segments]
+        layer.segments = nn.ParameterList(
+            [nn.Parameter(torch.cat([p.data if kind is not None else p.to(self.dtype) for p in group]),
+                          requires_grad=False) for kind, group in segments])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        cols = layer.gguf_shape[1]
+        outs = [F.linear(x, w) if kind is None else gguf_matmul(x, w, kind, cols)
+                for kind, w in zip(layer.segment_types, layer.segments)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        (kind,), (w,) = layer.segment_types, layer.segments
+        if kind is None:
+            return F.embedding(ids, w)
+        flat = dequantize_rows(w, kind, layer.gguf_shape[1], ids.reshape(-1), self.dtype)
+        return flat.reshape(*ids.shape, layer.gguf_shape[1])

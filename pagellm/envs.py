@@ -9,6 +9,7 @@ for the process it starts.
 | PAGELLM_TP_TIMEOUT | 300 | seconds a tensor-parallel collective waits for a peer before it fails |
 | PAGELLM_API_KEY | unset | `pagellm serve`'s default `--api-key` |
 | PAGELLM_CHECK_INVARIANTS | 0 | 1 checks the KV manager's integrity after every engine step (slow; for tests) |
+| PAGELLM_LLAMA_CPP_BIN | ~/.cache/pagellm-llama.cpp-0.3.36/build/bin | llama.cpp's binaries for the benchmarks (benchmarks/build_llama_cpp.sh) |
 | TRITON_INTERPRET | 0 | Triton's own switch: 1 runs Triton kernels interpreted, on CPU tensors |
 | RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE | unset | set by torchrun |
 """
@@ -38,6 +39,11 @@ def api_key() -> str | None:
 
 def check_invariants() -> bool:
     return _flag("PAGELLM_CHECK_INVARIANTS", "0")
+
+
+def llama_cpp_bin() -> str:
+    default = os.path.join(os.path.expanduser("~"), ".cache", "pagellm-llama.cpp-0.3.36", "build", "bin")
+    return os.environ.get("PAGELLM_LLAMA_CPP_BIN", default)
 
 
 def triton_interpreting() -> bool:

@@ -10,7 +10,14 @@ and how many requests failed.
 Targets: `--url` (repeatable, `LABEL=URL` to name it) for servers already running, or
 `--launch POLICY` (repeatable) to start `pagellm serve` here once per KV policy, one
 after another, on a free loopback port (`pagellm serve --kv-policy POLICY`), and stop it
-afterwards.
+afterwards. `--launch llama-server` starts llama.cpp's own server instead, the peer for
+quantized GGUF serving: the same `--model` file, `--threads` threads, and `--parallel` set to
+`--max-concurrency` (built by benchmarks/build_llama_cpp.sh; PAGELLM_LLAMA_CPP_BIN names
+another build's bin directory).
+
+`--max-concurrency N` keeps at most N requests in flight (the rest wait their turn, as
+vLLM's benchmark does); with `--rates inf` every request is sent at once, so the server runs
+N streams until the work is done.
 
 Only loopback addresses are accepted: this is a load generator.
 """
@@ -31,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
+from pagellm import envs
 from pagellm.bench import report
 
 
@@ -44,6 +52,7 @@ class ServeConfig:
     max_output: int = 128
     seed: int = 0
     timeout_s: float = 600.0
+    max_concurrency: int | None = None
 
 
 @dataclass
@@ -116,10 +125,16 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, rec: 
 
 
 async def run_rate(url: str, model: str, work: list[tuple[str, int]], rate: float, seed: int,
-                   timeout_s: float) -> list[RequestRecord]:
+                   timeout_s: float, max_concurrency: int | None = None) -> list[RequestRecord]:
     import httpx
 
     rng = random.Random(seed + 17)
+    slots = asyncio.Semaphore(max_concurrency or len(work))
+
+    async def one(client, prompt: str, max_tokens: int, rec: RequestRecord) -> None:
+        async with slots:  # waiting for a slot counts in the request's latency, as for a user
+            await _one(client, url, model, prompt, max_tokens, rec)
+
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=len(work) + 4, max_keepalive_connections=len(work) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
@@ -132,7 +147,7 @@ async def run_rate(url: str, model: str, work: list[tuple[str, int]], rate: floa
                 await asyncio.sleep(delay)
             rec = RequestRecord(sent=time.perf_counter())
             records.append(rec)
-            tasks.append(asyncio.create_task(_one(client, url, model, prompt, max_tokens, rec)))
+            tasks.append(asyncio.create_task(one(client, prompt, max_tokens, rec)))
             t_next += rng.expovariate(rate)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s + 60)
     return records
@@ -200,10 +215,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(policy: str, engine_args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+LLAMA_SERVER = "llama-server"
+
+
+def launch(policy: str, engine_args: list[str], log_path: str, llama: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `pagellm serve --kv-policy POLICY ENGINE_ARGS`, or llama.cpp's server for policy
+    "llama-server" with `llama` = {"model", "threads", "parallel", "ctx_per_slot"}."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pagellm", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-access-log", "--kv-policy", policy, *engine_args]
+    if policy == LLAMA_SERVER:
+        binary = os.path.join(envs.llama_cpp_bin(), "llama-server")
+        if not os.access(binary, os.X_OK):
+            raise FileNotFoundError(f"{binary} not found: build it with benchmarks/build_llama_cpp.sh "
+                                    "(or set PAGELLM_LLAMA_CPP_BIN)")
+        cmd = [binary, "-m", llama["model"], "-t", str(llama["threads"]), "--parallel", str(llama["parallel"]),
+               "-c", str(llama["parallel"] * llama["ctx_per_slot"]), "--host", "127.0.0.1", "--port", str(port),
+               "--cont-batching", "--no-webui"]
+    else:
+        cmd = [sys.executable, "-m", "pagellm", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--disable-access-log", "--kv-policy", policy, *engine_args]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
@@ -242,13 +271,14 @@ def bench_target(url: str, cfg: ServeConfig, show_progress: bool, label: str | N
     work = make_requests(cfg)
     rows = []
     for rate in report.progress(cfg.rates, desc=f"bench serve {label or url}", enable=show_progress, unit="rate"):
-        records = asyncio.run(run_rate(url, model, work, rate, cfg.seed, cfg.timeout_s))
+        records = asyncio.run(run_rate(url, model, work, rate, cfg.seed, cfg.timeout_s, cfg.max_concurrency))
         rows.append(summarize(records, rate))
     return {"url": url, "model": model, "rates": rows}
 
 
 def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: list[str], engine_args: list[str],
-                    out_dir: str, show_progress: bool = True, ready_timeout_s: float = 600.0) -> dict:
+                    out_dir: str, show_progress: bool = True, ready_timeout_s: float = 600.0,
+                    llama: dict | None = None) -> dict:
     targets: dict = {}
     skipped: dict = {}
     for label, url in urls:
@@ -256,11 +286,11 @@ def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: lis
         targets[label] = bench_target(url.rstrip("/"), cfg, show_progress, label)
     for policy in policies:
         log_path = os.path.join(out_dir, f"serve-{policy}.log")
-        proc, url = launch(policy, engine_args, log_path)
+        proc, url = launch(policy, engine_args, log_path, llama)
         try:
             wait_ready(url, proc, ready_timeout_s)
             targets[policy] = {**bench_target(url, cfg, show_progress, policy), "launched": True,
-                               "engine_args": engine_args}
+                               "engine_args": proc.args[1:] if policy == LLAMA_SERVER else engine_args}
         except (RuntimeError, TimeoutError) as e:
             skipped[policy] = f"{e} (log: {log_path})"
         finally:
@@ -309,9 +339,16 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", action="append", default=[], help="a running server, as URL or LABEL=URL; repeatable")
     p.add_argument("--launch", action="append", default=[], metavar="POLICY",
-                   help="start `pagellm serve` with this KV policy (paged, contiguous-max, ...); repeatable")
+                   help="start `pagellm serve` with this KV policy (paged, contiguous-max, ...), or llama.cpp's "
+                        "server (llama-server); repeatable")
     p.add_argument("--engine-args", default="--kv-cache-memory 256M --max-model-len 1024",
                    help="engine flags for --launch (a quoted string)")
+    p.add_argument("--model", default=None,
+                   help="the model every launched server serves (default: the bundled SmolLM2 GGUF)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="llama-server's threads (default: torch's, i.e. what pagellm uses)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (default: no limit); llama-server gets as many slots")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates (req/s)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
     p.add_argument("--workload", choices=["alpaca", "sharegpt"], default="alpaca")
@@ -329,16 +366,33 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("give --url URL (a running server) or --launch POLICY (start one here)")
     if any(r <= 0 for r in args.rates) or args.num_requests < 1:
         raise ValueError("--rates must be > 0 and --num-requests >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     urls = []
     for u in args.url:
         label, _, rest = u.partition("=")
         urls.append((label, rest) if rest and "://" not in label else (u, u))
     cfg = ServeConfig(rates=sorted(args.rates), num_requests=args.num_requests, workload=args.workload,
-                      max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed, timeout_s=args.timeout)
+                      max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed, timeout_s=args.timeout,
+                      max_concurrency=args.max_concurrency)
+    engine_args = args.engine_args.split()
+    if args.model:
+        engine_args = [args.model, *engine_args]
+    llama = None
+    if LLAMA_SERVER in args.launch:
+        import torch
+
+        from pagellm.model.bundled import default_model_path
+
+        model = args.model or default_model_path()
+        if not model.endswith(".gguf"):
+            raise ValueError(f"llama-server serves GGUF files; --model {model} is not one")
+        llama = {"model": model, "threads": args.threads or torch.get_num_threads(),
+                 "parallel": args.max_concurrency or 16, "ctx_per_slot": args.max_prompt + args.max_output + 64}
     json_path, png_path = report.output_paths("serve", args.out)
     results = {**report.metadata("serve", extra_versions=("httpx",)),
-               **run_serve_bench(cfg, urls, list(dict.fromkeys(args.launch)), args.engine_args.split(),
-                                 tempfile.gettempdir(), show_progress=not args.no_progress)}
+               **run_serve_bench(cfg, urls, list(dict.fromkeys(args.launch)), engine_args,
+                                 tempfile.gettempdir(), show_progress=not args.no_progress, llama=llama)}
     print_tables(results)
     report.write_json(json_path, results)
     plot(results, png_path)

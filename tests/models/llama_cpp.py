@@ -52,3 +52,33 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}:\n{result.stderr[-3000:]}")
     return out
+
+
+def requantize(src: Path, out: Path, type_of) -> Path:
+    """Rewrite a GGUF file with each matrix re-quantized by gguf-py's own quantizer:
+    `type_of(tensor name)` gives its GGMLQuantizationType (or None to keep it); metadata is copied."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(out, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        qtype = type_of(t.name) if len(t.shape) == 2 else None
+        shape = [int(d) for d in reversed(t.shape.tolist())]  # rows, then values per row
+        if qtype is None:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            continue
+        dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        writer.add_tensor(t.name, quantize(dense, qtype), raw_dtype=GGMLQuantizationType(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -135,6 +135,100 @@ void dequant_q6_k(const uint8_t* b, float* y) {
   }
 }
 
+#if defined(__AVX512F__)
+// The same dequantizations, 16 values a vector: a block is unpacked with a few shifts and masks
+// on 128-bit lanes and widened once, instead of value by value. (x >> s) & mask on 16-bit lanes
+// is per-byte exact here: every mask keeps bits below 8 - s.
+inline __m512 widen_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i shr(__m128i v, int s) { return _mm_srli_epi16(v, s); }
+inline __m128i and8(__m128i v, int m) { return _mm_and_si128(v, _mm_set1_epi8(static_cast<char>(m))); }
+
+void dequant_q4_0_avx(const uint8_t* b, float* y) {
+  const __m512 d = _mm512_set1_ps(half_at(b)), eight = _mm512_set1_ps(8.f);
+  const __m128i q = load16(b + 2);
+  _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_sub_ps(widen_u8(and8(q, 0x0F)), eight), d));
+  _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_sub_ps(widen_u8(and8(shr(q, 4), 0x0F)), eight), d));
+}
+
+void dequant_q4_1_avx(const uint8_t* b, float* y) {
+  const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(half_at(b + 2));
+  const __m128i q = load16(b + 4);
+  _mm512_storeu_ps(y, _mm512_fmadd_ps(widen_u8(and8(q, 0x0F)), d, m));
+  _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(widen_u8(and8(shr(q, 4), 0x0F)), d, m));
+}
+
+void dequant_q8_0_avx(const uint8_t* b, float* y) {
+  const __m512 d = _mm512_set1_ps(half_at(b));
+  _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 2))), d));
+  _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 18))), d));
+}
+
+void dequant_q4_k_avx(const uint8_t* b, float* y) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+    uint8_t sc, m;
+    scale_min_k4(2 * j, scales, &sc, &m);
+    const __m512 d1 = _mm512_set1_ps(d * sc), m1 = _mm512_set1_ps(dmin * m);
+    scale_min_k4(2 * j + 1, scales, &sc, &m);
+    const __m512 d2 = _mm512_set1_ps(d * sc), m2 = _mm512_set1_ps(dmin * m);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i v = load16(q + 16 * h);
+      _mm512_storeu_ps(y + 16 * h, _mm512_fmsub_ps(d1, widen_u8(and8(v, 0x0F)), m1));
+      _mm512_storeu_ps(y + 32 + 16 * h, _mm512_fmsub_ps(d2, widen_u8(and8(shr(v, 4), 0x0F)), m2));
+    }
+  }
+}
+
+void dequant_q5_k_avx(const uint8_t* b, float* y) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* ql = b + 48;
+  for (int j = 0; j < 4; ++j, ql += 32, y += 64) {
+    uint8_t sc, m;
+    scale_min_k4(2 * j, scales, &sc, &m);
+    const __m512 d1 = _mm512_set1_ps(d * sc), m1 = _mm512_set1_ps(dmin * m);
+    scale_min_k4(2 * j + 1, scales, &sc, &m);
+    const __m512 d2 = _mm512_set1_ps(d * sc), m2 = _mm512_set1_ps(dmin * m);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i v = load16(ql + 16 * h), hb = load16(qh + 16 * h);
+      const __m128i lo = _mm_or_si128(and8(v, 0x0F), _mm_slli_epi16(and8(shr(hb, 2 * j), 1), 4));
+      const __m128i hi = _mm_or_si128(and8(shr(v, 4), 0x0F), _mm_slli_epi16(and8(shr(hb, 2 * j + 1), 1), 4));
+      _mm512_storeu_ps(y + 16 * h, _mm512_fmsub_ps(d1, widen_u8(lo), m1));
+      _mm512_storeu_ps(y + 32 + 16 * h, _mm512_fmsub_ps(d2, widen_u8(hi), m2));
+    }
+  }
+}
+
+void dequant_q6_k_avx(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  const __m512 off = _mm512_set1_ps(32.f);
+  for (int half = 0; half < 2; ++half, y += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; l += 16) {
+      const __m128i a = load16(ql + l), c = load16(ql + l + 32), h = load16(qh + l);
+      const int is = l / 16;
+      const __m128i q1 = _mm_or_si128(and8(a, 0x0F), _mm_slli_epi16(and8(h, 3), 4));
+      const __m128i q2 = _mm_or_si128(and8(c, 0x0F), _mm_slli_epi16(and8(shr(h, 2), 3), 4));
+      const __m128i q3 = _mm_or_si128(and8(shr(a, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 4), 3), 4));
+      const __m128i q4 = _mm_or_si128(and8(shr(c, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 6), 3), 4));
+      _mm512_storeu_ps(y + l, _mm512_mul_ps(_mm512_set1_ps(d * sc[is]), _mm512_sub_ps(widen_u8(q1), off)));
+      _mm512_storeu_ps(y + l + 32, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 2]), _mm512_sub_ps(widen_u8(q2), off)));
+      _mm512_storeu_ps(y + l + 64, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 4]), _mm512_sub_ps(widen_u8(q3), off)));
+      _mm512_storeu_ps(y + l + 96, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 6]), _mm512_sub_ps(widen_u8(q4), off)));
+    }
+  }
+}
+#define VEC(f) f##_avx
+#else
+#define VEC(f) f
+#endif
+
 struct Format {
   int block;        // values per block
   int bytes;        // bytes per block
@@ -143,12 +237,12 @@ struct Format {
 
 Format format_of(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: return {32, 18, dequant_q4_0};
-    case Q4_1: return {32, 20, dequant_q4_1};
-    case Q8_0: return {32, 34, dequant_q8_0};
-    case Q4_K: return {QK_K, 144, dequant_q4_k};
-    case Q5_K: return {QK_K, 176, dequant_q5_k};
-    case Q6_K: return {QK_K, 210, dequant_q6_k};
+    case Q4_0: return {32, 18, VEC(dequant_q4_0)};
+    case Q4_1: return {32, 20, VEC(dequant_q4_1)};
+    case Q8_0: return {32, 34, VEC(dequant_q8_0)};
+    case Q4_K: return {QK_K, 144, VEC(dequant_q4_k)};
+    case Q5_K: return {QK_K, 176, VEC(dequant_q5_k)};
+    case Q6_K: return {QK_K, 210, VEC(dequant_q6_k)};
   }
   TORCH_CHECK(false, "GGUF type ", qtype, " has no CPU kernel");
 }
@@ -162,45 +256,62 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
   return f;
 }
 
-// acc += a[0:n] * b[0:n], n a multiple of 16 (32 or 256 here).
-#if defined(__AVX512F__)
-inline void fma_into(__m512& acc, const float* a, const float* b, int n) {
-  for (int i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-}
-#endif
-
-// Rows [n0, n1) of y = x @ W^T for x: [M, K] float32, M <= kMaxRows.
+// Rows [n0, n1) of y = x @ W^T for x: [M, K] float32, M <= kMaxRows, NR rows of W at a time.
+// Two accumulators per (row of W, row of x), alternating over 16-value chunks, and NR rows of W
+// together when x has few rows: an FMA waits ~4 cycles for its accumulator, so a single chain
+// would leave the FMA units idle; NR * M * 2 >= 8 independent chains keep them busy.
 constexpr int kMaxRows = 8;
 
-void matmul_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, const Format& f,
+template <int M, int NR>
+void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, const Format& f,
                  float* y, int64_t N, int64_t n0, int64_t n1) {
-  alignas(64) float tmp[QK_K];
+  alignas(64) float tmp[NR][QK_K];
   const int64_t blocks = K / f.block;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
+  for (int64_t n = n0; n < n1; n += NR) {
 #if defined(__AVX512F__)
-    __m512 acc[kMaxRows];
-    for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    __m512 acc[NR][M][2];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      f.dequant(row + b * f.bytes, tmp);
+      for (int r = 0; r < NR; ++r) f.dequant(w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
       const float* xb = x + b * f.block;
-      for (int64_t m = 0; m < M; ++m) fma_into(acc[m], tmp, xb + m * K, f.block);
-    }
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
-#else
-    float acc[kMaxRows] = {0};
-    for (int64_t b = 0; b < blocks; ++b) {
-      f.dequant(row + b * f.bytes, tmp);
-      const float* xb = x + b * f.block;
-      for (int64_t m = 0; m < M; ++m) {
-        float s = 0.f;
-        for (int i = 0; i < f.block; ++i) s += tmp[i] * xb[m * K + i];
-        acc[m] += s;
+      for (int i = 0; i < f.block; i += 32) {
+        for (int m = 0; m < M; ++m) {
+          const __m512 x0 = _mm512_loadu_ps(xb + m * K + i), x1 = _mm512_loadu_ps(xb + m * K + i + 16);
+          for (int r = 0; r < NR; ++r) {
+            acc[r][m][0] = _mm512_fmadd_ps(_mm512_load_ps(tmp[r] + i), x0, acc[r][m][0]);
+            acc[r][m][1] = _mm512_fmadd_ps(_mm512_load_ps(tmp[r] + i + 16), x1, acc[r][m][1]);
+          }
+        }
       }
     }
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = acc[m];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
+#else
+    float acc[NR][M] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int r = 0; r < NR; ++r) f.dequant(w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
+      const float* xb = x + b * f.block;
+      for (int r = 0; r < NR; ++r)
+        for (int m = 0; m < M; ++m) {
+          float s = 0.f;
+          for (int i = 0; i < f.block; ++i) s += tmp[r][i] * xb[m * K + i];
+          acc[r][m] += s;
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = acc[r][m];
 #endif
   }
+}
+
+// Rows [n0, n1): whole groups of NR, then the rest one at a time.
+template <int M, int NR>
+void rows_in_groups(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, const Format& f, float* y,
+                    int64_t N, int64_t n0, int64_t n1) {
+  const int64_t grouped = n0 + (n1 - n0) / NR * NR;
+  matmul_rows<M, NR>(x, K, w, row_bytes, f, y, N, n0, grouped);
+  if (grouped < n1) matmul_rows<M, 1>(x, K, w, row_bytes, f, y, N, grouped, n1);
 }
 
 }  // namespace
@@ -219,7 +330,19 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t mb = std::min<int64_t>(kMaxRows, M - m0);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      matmul_rows(xp + m0 * K, mb, K, wp, row_bytes, f, yp + m0 * N, N, n0, n1);
+      const float* xm = xp + m0 * K;
+      float* ym = yp + m0 * N;
+      // Whole groups of 4 (or 2) rows of W, then the rest one by one.
+      switch (mb) {
+        case 1: rows_in_groups<1, 4>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+        case 2: rows_in_groups<2, 2>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+        case 3: rows_in_groups<3, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+        case 4: rows_in_groups<4, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+        case 5: rows_in_groups<5, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+        case 6: rows_in_groups<6, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+        case 7: rows_in_groups<7, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+        default: rows_in_groups<8, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      }
     });
   }
   return y;

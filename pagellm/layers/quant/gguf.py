@@ -10,7 +10,7 @@ with no kernel arrive dequantized (the loader warns) and form dense segments.
 Products (csrc/quant_ops.cpp): up to FUSED_MAX_ROWS rows of activations (decode steps) run
 the fused kernel, which streams the blocks once and multiplies in float32; larger batches are
 compute-bound, and widen TILE_VALUES of the weight at a time for torch's GEMM (AMX/AVX-512 in
-bfloat16). Without a compiler the tiles are widened by gguf-py instead: slow, same results.
+bfloat16, so a bfloat16 model switches to tiles at fewer rows). Without a compiler the tiles are widened by gguf-py instead: slow, same results.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from pagellm.layers.linear import LinearMethod
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # (values, bytes) per block.
 _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-# Batches up to this many rows use the fused kernel; measured in benchmarks/quant_matmul.py.
-FUSED_MAX_ROWS = 8
+# Batches up to this many rows use the fused kernel, by activation dtype: past it, widened tiles
+# through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
+FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 # Dense values widened at a time for larger batches (4 MiB of float32; the dense matrix never exists).
 TILE_VALUES = 1 << 20
 
@@ -89,7 +90,7 @@ def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tenso
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """x [M, cols] @ W^T for W in blocks: [M, rows], in x's dtype."""
     kernels = cpu.quant_kernels() if x.device.type == "cpu" else None
-    if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS:
+    if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):
         return kernels.gguf_matmul(x, data, qtype, cols).to(x.dtype)
     rows = data.shape[0]
     out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)

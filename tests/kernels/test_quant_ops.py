@@ -1,0 +1,112 @@
+"""The GGUF-blocks kernels against gguf-py's reference dequantization, for every type with a
+kernel: rows widened exactly, and products within float32 summation error, for batch sizes
+that cover the fused kernel's groupings (1, 2, odd, past 8 rows, a tail of W's rows) and the
+tiled path; and the fallback without the compiled kernels gives the same results."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from pagellm.kernels import cpu
+from pagellm.layers.linear import MergedColumnParallelLinear
+from pagellm.layers.quant import gguf as q
+from pagellm.layers.quant.gguf import GGUFBlocks, GGUFLinearMethod
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# Byte offsets of each block's float16 scales (the rest of a block may be any bytes).
+HALF_OFFSETS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+RTOL = 2e-6  # of the largest output: float32 sums in another order
+
+pytestmark = pytest.mark.skipif(cpu.quant_kernels() is None, reason="no compiler for the CPU kernels")
+
+
+def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid blocks of random content: any bits for the quants and sub-scales, small finite scales."""
+    rng = np.random.default_rng(seed)
+    values, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    for off in HALF_OFFSETS[qtype]:
+        scales = (rng.standard_normal((rows, cols // values)) * 0.01).astype(np.float16)
+        raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, qtype: T, cols: int) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(raw.shape[0], cols))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_widen_exactly_as_gguf_py(qtype):
+    raw = random_blocks(qtype, 37, 512)
+    dense = reference(raw, qtype, 512)
+    rows = torch.tensor([36, 0, 5, 5])
+    ours = q.dequantize_rows(torch.from_numpy(raw), int(qtype), 512, rows, torch.float32)
+    assert torch.equal(ours, dense[rows])
+    bf16 = q.dequantize_rows(torch.from_numpy(raw), int(qtype), 512, rows, torch.bfloat16)
+    assert torch.equal(bf16, dense[rows].bfloat16())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_match_the_dense_product(qtype):
+    rows, cols = 103, 512  # 103: groups of 4 (and 2) rows of W, then a tail
+    raw = random_blocks(qtype, rows, cols, seed=1)
+    dense = reference(raw, qtype, cols)
+    w = torch.from_numpy(raw)
+    torch.manual_seed(0)
+    for m in (1, 2, 3, 8, 9, 17, 40):  # fused (in groups of up to 8 rows) up to 16 rows, then tiled
+        x = torch.randn(m, cols)
+        expected = x @ dense.T
+        ours = q.gguf_matmul(x, w, int(qtype), cols)
+        assert ours.shape == (m, rows)
+        assert (ours - expected).abs().max() <= RTOL * expected.abs().max(), (qtype.name, m)
+    xb = torch.randn(3, cols).bfloat16()
+    ours = q.gguf_matmul(xb, w, int(qtype), cols)
+    assert ours.dtype == torch.bfloat16
+    assert torch.allclose(ours.float(), (xb.float() @ dense.T).bfloat16().float(), rtol=2e-2, atol=1e-2)
+
+
+def test_the_fallback_without_compiled_kernels_gives_the_same_results(monkeypatch):
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 20, 256, seed=2))
+    x = torch.randn(5, 256)
+    compiled = q.gguf_matmul(x, raw, int(T.Q4_K), 256)
+    rows = q.dequantize_rows(raw, int(T.Q4_K), 256, torch.tensor([3, 1]), torch.float32)
+    monkeypatch.setattr(cpu, "quant_kernels", lambda: None)
+    assert (q.gguf_matmul(x, raw, int(T.Q4_K), 256) - compiled).abs().max() <= RTOL * compiled.abs().max()
+    assert torch.equal(q.dequantize_rows(raw, int(T.Q4_K), 256, torch.tensor([3, 1]), torch.float32), rows)
+
+
+def test_blocks_split_only_at_block_boundaries():
+    blocks = GGUFBlocks(torch.from_numpy(random_blocks(T.Q4_K, 4, 512)), int(T.Q4_K), 512)
+    half = blocks.narrow(1, 256, 256)
+    assert half.shape == (4, 256)
+    assert torch.equal(half.dequantize(), blocks.dequantize()[:, 256:])
+    with pytest.raises(ValueError, match="cannot split Q4_K rows of 512 values at \\[128, 384\\)"):
+        blocks.narrow(1, 128, 256)
+    with pytest.raises(ValueError, match="Q8_0 rows of 64 values take 68 bytes"):
+        GGUFBlocks(torch.zeros(2, 70, dtype=torch.uint8), int(T.Q8_0), 64)
+
+
+def test_a_fused_layer_of_mixed_parts_multiplies_each_part_in_its_own_form():
+    """gate in Q6_K and up as a dense tensor: two segments, and the layer's product is the dense one."""
+    layer = MergedColumnParallelLinear(256, [8, 8], method=GGUFLinearMethod(torch.float32))
+    gate_raw = random_blocks(T.Q6_K, 8, 256, seed=3)
+    up = torch.randn(8, 256)
+    layer.weight_loader(layer.weight, GGUFBlocks(torch.from_numpy(gate_raw), int(T.Q6_K), 256), 0)
+    layer.weight_loader(layer.weight, up, 1)
+    layer.method.finish(layer)
+    assert layer.segment_types == [int(T.Q6_K), None]
+    x = torch.randn(4, 256)
+    expected = F.linear(x, torch.cat([reference(gate_raw, T.Q6_K, 256), up]))
+    assert (layer(x) - expected).abs().max() <= RTOL * expected.abs().max()
+
+
+def test_a_layer_with_rows_never_loaded_is_refused():
+    layer = MergedColumnParallelLinear(256, [8, 8], method=GGUFLinearMethod(torch.float32))
+    layer.weight_loader(layer.weight, torch.randn(8, 256), 1)
+    with pytest.raises(ValueError, match=r"weight rows \[0, 8\) were never loaded"):
+        layer.method.finish(layer)

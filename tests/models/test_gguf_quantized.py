@@ -1,0 +1,141 @@
+"""A GGUF file's quantized matrices served in their blocks give the model the same file gives
+dequantized (`quantization="none"`, the reference): greedy tokens agree on >= 99% of positions
+and logprobs within LOGPROB_ATOL in float32, on the bundled Q4_1 SmolLM2 and on a random model
+whose fused layers mix types (q Q4_0, k Q4_1, v Q8_0; gate Q4_1 with up kept float32). No
+dense copy of a quantized matrix exists after load, and the weights take the file's bytes.
+
+Agreement is measured teacher-forced: the reference's greedy continuation is fed back as a
+prompt with prompt_logprobs, so every position is compared on the same context (a free-running
+comparison would stop meaning anything after the first divergence). The quantized engine runs
+with FEW_ROWS tokens a step, so every product goes through the fused kernel that decode steps
+use; with large steps the weights are widened tile by tile (checked too).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+
+from pagellm import LLM, SamplingParams
+from pagellm.model.bundled import default_model_path
+from tests.models.families import build
+from tests.models.llama_cpp import convert, requantize
+from tests.models.test_gguf_families import smollm2_tokenizer  # noqa: F401  (a fixture)
+
+# Float32 products in another summation order (blocks, tiles) than the dense GEMM.
+LOGPROB_ATOL = 2e-3
+MIN_AGREEMENT = 0.99
+# At most this many rows per product: the fused kernel's regime (FUSED_MAX_ROWS).
+FEW_ROWS = dict(max_num_batched_tokens=8, max_num_seqs=8)
+
+# The random model's types: fused q/k/v of three types, gate/up of a quantized and a dense part.
+RANDOM_TYPES = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q4_0,
+                "ffn_gate": T.Q4_1, "ffn_down": T.Q8_0, "token_embd": T.Q8_0, "output": T.Q4_0}
+
+
+def _type_of(name: str):
+    return RANDOM_TYPES.get(name.split(".")[-2])  # None (ffn_up): kept float32
+
+
+def _teacher_forced(llm: LLM, sequences: list[list[int]], start: int) -> list[list[tuple[float, int]]]:
+    """(logprob, rank) of each token of each sequence from position `start` on, given those before it."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    rows = []
+    for seq, out in zip(sequences, outs):
+        entries = out.prompt_logprobs[start:]
+        rows.append([(e[tok].logprob, e[tok].rank) for tok, e in zip(seq[start:], entries)])
+    return rows
+
+
+def _compare(quantized: LLM, reference: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(share of positions where the quantized model's greedy token is the reference's, the
+    largest logprob difference there), over the reference's greedy continuations."""
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs = reference.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    agree = total = 0
+    worst = 0.0
+    for p, seq in zip(prompts, seqs):
+        ref = _teacher_forced(reference, [seq], len(p))[0]
+        ours = _teacher_forced(quantized, [seq], len(p))[0]
+        for (ref_lp, _), (lp, rank) in zip(ref, ours):
+            agree += rank == 1
+            total += 1
+            worst = max(worst, abs(lp - ref_lp))
+    return agree / total, worst
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory, smollm2_tokenizer):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("quantized")
+    model_dir = build("llama", tmp / "llama", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_tokenizer / name, model_dir / name)
+    f32 = convert(model_dir, tmp / "llama-f32.gguf")
+    return requantize(f32, tmp / "llama-mixed.gguf", _type_of)
+
+
+def test_mixed_types_match_the_dequantized_model(mixed_gguf):
+    types = {t.name.split(".")[-2]: t.tensor_type for t in GGUFReader(mixed_gguf).tensors}
+    assert types["attn_v"] == T.Q8_0 and types["ffn_up"] == T.F32  # the file is what the test says
+    quantized = LLM(str(mixed_gguf), num_kv_blocks=128, block_size=8, **FEW_ROWS)
+    reference = LLM(str(mixed_gguf), num_kv_blocks=128, block_size=8, quantization="none")
+    qkv = quantized.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert [t for t in qkv.segment_types] == [int(T.Q4_0), int(T.Q4_1), int(T.Q8_0)]
+    gate_up = quantized.engine.runner.model.layers[0].mlp.gate_up_proj
+    assert gate_up.segment_types == [int(T.Q4_1), None]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] for _ in range(12)]
+    agreement, worst = _compare(quantized, reference, prompts, 24)
+    assert agreement >= MIN_AGREEMENT
+    assert 0 < worst <= LOGPROB_ATOL  # not 0: the blocks were multiplied, not a dense copy
+    tiled = LLM(str(mixed_gguf), num_kv_blocks=128, block_size=8)  # prompts of up to 40 rows a product
+    agreement, worst = _compare(tiled, reference, prompts, 8)
+    assert agreement >= MIN_AGREEMENT
+    assert worst <= LOGPROB_ATOL
+
+
+def test_bundled_q4_1_model_matches_its_dequantized_self():
+    """64 prompts x 64 tokens on the bundled SmolLM2 (Q4_1 matrices, a Q8_0 embedding and tied head)."""
+    quantized = LLM(quantization="auto", max_model_len=256, **FEW_ROWS)
+    reference = LLM(quantization="none", max_model_len=256)
+    words = ("the a of to in is was for on with he she it they we you that this what when where why how "
+             "cat dog house city river mountain story code function number list water music").split()
+    rng = random.Random(0)
+    tok = quantized.get_tokenizer()
+    prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(2, 12))).capitalize())
+               for _ in range(64)]
+    agreement, worst = _compare(quantized, reference, prompts, 64)
+    assert agreement >= MIN_AGREEMENT
+    assert 0 < worst <= LOGPROB_ATOL
+
+
+def test_no_dense_copy_of_a_quantized_weight_and_the_files_bytes():
+    llm = LLM(quantization="auto", num_kv_blocks=16)
+    model = llm.engine.runner.model
+    dense = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.is_floating_point() and p.dim() > 1]
+    assert dense == []  # every matrix of the bundled file is Q4_1 or Q8_0: none may exist widened
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(default_model_path()).tensors)
+    weights = llm.engine.memory_report()[0]["weight_bytes"]
+    assert weights <= 1.1 * file_bytes
+    dequantized = LLM(quantization="none", num_kv_blocks=16).engine.memory_report()[0]["weight_bytes"]
+    assert dequantized > 4 * weights
+
+
+def test_types_without_a_kernel_are_dequantized_with_one_warning(mixed_gguf, tmp_path, caplog):
+    q5 = requantize(mixed_gguf, tmp_path / "q5.gguf", lambda name: T.Q5_0 if "ffn_down" in name else None)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(str(q5), num_kv_blocks=32, block_size=8)
+    warnings = [r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "Q5_0" in warnings[0]
+    down = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert down.segment_types == [None] and down.segments[0].dtype == torch.float32
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                         ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

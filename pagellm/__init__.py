@@ -15,6 +15,7 @@ _EXPORTS = {
     "LLMEngine": "pagellm.engine.llm_engine",
     "EngineConfig": "pagellm.config",
     "SamplingParams": "pagellm.sampling_params",
+    "StructuredOutputsParams": "pagellm.sampling_params",
     "BeamSearchParams": "pagellm.beam_search",
     "BeamSearchOutput": "pagellm.beam_search",
     "RequestOutput": "pagellm.outputs",
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, RequestOutput
-    from pagellm.sampling_params import SamplingParams
+    from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

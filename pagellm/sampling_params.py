@@ -1,8 +1,10 @@
 """Per-request sampling options, validated where they are built."""
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this a temperature means greedy: dividing logits by it would overflow.
 _GREEDY_EPS = 1e-5
@@ -21,6 +23,54 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 OPENAI_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                  "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text, enforced token by token by a grammar (xgrammar);
+    named as in vLLM. Exactly one of json, regex, choice, grammar, json_object is set."""
+
+    json: str | dict | None = None     # a JSON schema (as a dict or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None    # the output is exactly one of these strings
+    grammar: str | None = None         # an EBNF grammar (GBNF, as llama.cpp's) with a `root` rule
+    json_object: bool = False          # any JSON object
+    # The JSON forms allow any whitespace between tokens by default; True allows none (compact JSON).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        _need(len(kinds) == 1, "structured_outputs", self.describe(),
+              "exactly one of json, regex, choice, grammar and json_object")
+        if self.json is not None:
+            _need(isinstance(self.json, (str, dict)), "structured_outputs.json", self.json,
+                  "a JSON schema (an object, or its JSON text)")
+            # Frozen and hashable: the schema is kept as JSON text, properties in their order (outputs follow it).
+            if isinstance(self.json, dict):
+                object.__setattr__(self, "json", _json.dumps(self.json))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _need(isinstance(value, str) and value != "", f"structured_outputs.{name}", value, "a non-empty string")
+                check_text(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            _need(isinstance(self.choice, (list, tuple)) and bool(self.choice)
+                  and all(isinstance(c, str) and c for c in self.choice),
+                  "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json_object", "disable_any_whitespace"):
+            _need(isinstance(getattr(self, name), bool), f"structured_outputs.{name}", getattr(self, name),
+                  "true or false")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
 
 
 @dataclass
@@ -53,6 +103,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # When set, only these token ids can be picked.
     allowed_token_ids: list[int] | None = None
+    # The output must follow this schema, regex, choice or grammar (needs the xgrammar package).
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +124,15 @@ class SamplingParams:
             _need(isinstance(self.allowed_token_ids, (list, tuple)), "allowed_token_ids", self.allowed_token_ids,
                   "a non-empty list of token ids")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError:
+                known = ", ".join(StructuredOutputsParams.__dataclass_fields__)
+                raise ValueError(f"structured_outputs takes only {known}; got "
+                                 f"{sorted(self.structured_outputs)}") from None
+        _need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         self._validate()
 
     def _validate(self) -> None:

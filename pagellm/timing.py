@@ -7,7 +7,7 @@ time goes. Detached (the default), a phase costs one `None` check.
     engine.attach_timer(None)
     timer.seconds["attention"], timer.calls["step"]
 
-Phases: step (all of it), schedule, execute (the runner's whole part), prepare_inputs,
+Phases: step (all of it), schedule, grammar (structured outputs' bitmasks), execute (the runner's whole part), prepare_inputs,
 model_forward, attention (inside model_forward), logits, sampler.
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.sampling_params import SamplingParams
 
@@ -66,6 +67,9 @@ class Request:
     # Prompt logprobs (when sampling_params.prompt_logprobs is set): entry i is prompt token
     # i + 1's, computed as the prefill passes position i; kept across preemption.
     prompt_logprobs: list = field(default_factory=list)
+    # Structured outputs: the sequence's parser state (engine/structured_outputs.Grammar), advanced
+    # by the engine core with every token it samples; forked with the sequence.
+    grammar: Any = None
 
     @property
     def prompt_logprobs_pending(self) -> bool:
@@ -111,6 +115,7 @@ class Request:
             status=self.status, max_model_len=self.max_model_len, cache_salt=self.cache_salt,
             num_cached_tokens=self.num_cached_tokens, group_id=self.group_id, index=index,
             cumulative_logprob=self.cumulative_logprob, caller_appends=self.caller_appends,
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )
 
     def token_slice(self, start: int, end: int) -> list[int]:
@@ -132,6 +137,8 @@ class Request:
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated:  # the structured output is complete
+            return self.finish(RequestStatus.FINISHED_STOPPED)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 return self.finish(RequestStatus.FINISHED_STOPPED)

@@ -8,7 +8,10 @@ reads nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 from pagellm.sampling_params import SamplingParams
 
@@ -23,6 +26,8 @@ class SampleSpec:
     # The sequence's tokens so far, for the penalties; read, never written, by the runner.
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # Structured outputs: bit t of this int32 row (t // 32, t % 32) allows token t; None: all allowed.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.engine.stats_logger import StatsLogger, log_added, log_finished, request_logger
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagellm.async_engine")
 
@@ -214,6 +214,12 @@ class AsyncLLMEngine:
         fut = self._loop.create_future()
         self._commands.put(("call", fn, fut))
         return await fut
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured output's grammar in a worker thread, neither on the event loop nor
+        between the engine's steps; the engine finds it in its cache when the request is added.
+        Raises ValueError when the schema, regex or grammar is not valid."""
+        await asyncio.to_thread(lambda: self.engine.grammars.compile(spec))
 
     def stats(self) -> dict:
         """The engine's stats as of its last step (never waits for the engine)."""

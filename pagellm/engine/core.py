@@ -49,6 +49,8 @@ class EngineCore:
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
         self.num_generation_tokens = 0
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
+        # Structured outputs (engine/structured_outputs.py): set by the engine on first use.
+        self.grammars = None
 
     # ---- sequences: what the layers above may do between steps ----------------------------
     def add(self, seq: Request) -> None:
@@ -89,7 +91,11 @@ class EngineCore:
 
     def _run(self, sched: SchedulerOutput) -> CoreStep:
         forked = [child for s in sched.scheduled for child in s.forks]
-        result, failures = self._execute(sched.plan())
+        plan = sched.plan()
+        if self.grammars is not None:
+            with phase(self.timer, "grammar"):
+                plan = self.grammars.attach_bitmasks(plan, self.scheduler.requests)
+        result, failures = self._execute(plan)
         sampled: dict[str, int] = {}
         held, rows = [], {}
         if result.sampled is not None:
@@ -98,6 +104,10 @@ class EngineCore:
                 seq = self.scheduler.requests[rid]
                 if i in errors:
                     failures.setdefault(seq.group_id, (RuntimeError(ROW_ERRORS[errors[i]]), errors[i]))
+                    continue
+                if seq.grammar is not None and not seq.grammar.accept(token):  # the mask allows only what it accepts
+                    failures.setdefault(seq.group_id, (RuntimeError(f"the structured-output grammar rejected "
+                                                                    f"token {token}"), "grammar_error"))
                     continue
                 rows[rid] = i
                 if seq.caller_appends:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
 
@@ -24,6 +25,7 @@ from pagellm.engine.core import CoreStep, EngineCore
 from pagellm.engine.groups import BeamRound, SequenceGroup
 from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
 from pagellm.model.loader import load_model_source
 from pagellm.model.tokenizer import Tokenizer
 from pagellm.outputs import RequestOutput
@@ -89,6 +91,7 @@ class LLMEngine:
         self.request_failures: Counter[str] = Counter()  # failed requests, by cause
         self._groups: dict[str, SequenceGroup] = {}
         self._seq_group: dict[str, SequenceGroup] = {}  # every sequence id in use -> its group
+        self._grammars_lock = threading.Lock()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -104,6 +107,7 @@ class LLMEngine:
             raise ValueError(f"request_id {taken!r} is already in use")
         text, ids = self.inputs.tokenize(prompt)
         self.inputs.validate(ids, params)
+        grammar = None if params.structured_outputs is None else self.grammars.grammar(params.structured_outputs)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -114,11 +118,24 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             cache_salt=cache_salt,
             pending_forks=num_seqs - 1,
+            grammar=grammar,
         )
         group = SequenceGroup(request_id, req, params, num_seqs)
         self.outputs.track(group, req)
         self._start(group)
         return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler, built on first use (it reads the whole vocabulary once).
+        Thread-safe: the server compiles a request's grammar with it before handing the request over."""
+        if self.core.grammars is None:
+            with self._grammars_lock:
+                if self.core.grammars is None:
+                    if not xgrammar_available():
+                        raise ValueError("structured outputs need the xgrammar package: pip install xgrammar")
+                    self.core.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        return self.core.grammars
 
     def _check_request_id(self, request_id: str) -> None:
         self.inputs.check_request_id(request_id)

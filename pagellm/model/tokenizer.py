@@ -120,6 +120,11 @@ class Tokenizer:
         return token
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` pipeline itself (for libraries that read the vocabulary, as xgrammar)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)

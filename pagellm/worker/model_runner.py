@@ -229,6 +229,7 @@ class ModelRunner:
             eos_token_ids=eos_token_ids,
             vocab_size=self.arch.vocab_size,
             device=self.device,
+            token_bitmasks=[s.token_bitmask for s in samplers],
         )
         with phase(self.timer, "sampler"):
             return StepResult([s.request_id for s in samplers], self.sampler(logits, sampling), prompt)

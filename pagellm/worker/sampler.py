@@ -2,7 +2,8 @@
 
 Owns the path from a step's logits ``[B, V]`` (one row per sequence that
 samples this step) to the chosen token ids: penalties, logit_bias,
-allowed_token_ids, the min_tokens ban, greedy argmax, temperature, top-k / top-p / min-p truncation, seeded and
+allowed_token_ids, the min_tokens ban, a structured-output grammar's token
+bitmask, greedy argmax, temperature, top-k / top-p / min-p truncation, seeded and
 unseeded random draws, and the logprobs reported for the chosen tokens.
 Everything that depends only on the requests, not on the logits, is computed
 once per step by ``SamplingMetadata.build``.
@@ -115,6 +116,8 @@ class SamplingMetadata:
     restricted_rows: torch.Tensor | None  # rows with allowed_token_ids ...
     allowed_index: torch.Tensor | None    # ... and the (row, token) pairs they allow
     banned_index: torch.Tensor | None     # eos/stop ids before min_tokens
+    grammar_rows: torch.Tensor | None     # rows with a structured-output grammar ...
+    grammar_mask: torch.Tensor | None     # ... and [rows, V] float: 0 for the tokens it allows next, -inf else
     logprob_rows: list[int]               # rows whose params.logprobs is set
     logprob_ks: list[int]                 # their params.logprobs
 
@@ -127,12 +130,13 @@ class SamplingMetadata:
         """Whether any logit must change before picking: penalties, biases, allowed sets or the min_tokens ban."""
         return (self.repetition_index is not None or self.additive_index is not None
                 or self.bias_index is not None or self.restricted_rows is not None
-                or self.banned_index is not None)
+                or self.banned_index is not None or self.grammar_rows is not None)
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], eos_token_ids: list[int] | set[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingMetadata:
+              device: torch.device | str = "cpu",
+              token_bitmasks: list[torch.Tensor | None] | None = None) -> SamplingMetadata:
         """Precompute the step's tensors; row i of every list is row i of the logits."""
         batch = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == batch:
@@ -200,6 +204,12 @@ class SamplingMetadata:
                 banned.extend(i * vocab_size + t for t in p.min_tokens_held_off(eos) if 0 <= t < vocab_size)
         banned_index = torch.tensor(banned, dtype=torch.long, device=device) if banned else None
 
+        grammar_rows = grammar_mask = None
+        masked = [i for i, m in enumerate(token_bitmasks or ()) if m is not None]
+        if masked:
+            grammar_rows = torch.tensor(masked, dtype=torch.long, device=device)
+            grammar_mask = bitmask_to_additive(torch.stack([token_bitmasks[i] for i in masked]).to(device), vocab_size)
+
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         return cls(
             batch_size=batch, vocab_size=vocab_size, device=device,
@@ -210,9 +220,28 @@ class SamplingMetadata:
             bias_index=bias_index, bias_amount=bias_amount,
             restricted_rows=restricted_rows, allowed_index=allowed_index,
             banned_index=banned_index,
+            grammar_rows=grammar_rows, grammar_mask=grammar_mask,
             logprob_rows=logprob_rows,
             logprob_ks=[params[i].logprobs for i in logprob_rows],
         )
+
+
+# Byte value -> its 8 bits as additive logit masks (0.0: allowed, -inf: not), low bit first.
+_BYTE_MASKS = torch.tensor([[0.0 if (b >> i) & 1 else float("-inf") for i in range(8)] for b in range(256)])
+
+
+def bitmask_to_additive(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, ceil(V / 32)] int32 rows, bit t % 32 of word t // 32 set when token t is allowed
+    (xgrammar's layout), as [R, V] float32: 0.0 where allowed, -inf where not.
+
+    Added to the logits rather than used with masked_fill: a random boolean mask makes
+    masked_fill (and where) ~5 ms for [32, 49k] on 2 cores; a table lookup per byte and an add
+    take ~1 ms. (Bytes in memory order: little-endian, as x86, ARM and CUDA devices are.)
+    """
+    rows = bitmask.shape[0]
+    table = _BYTE_MASKS.to(bitmask.device)
+    index = bitmask.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return torch.index_select(table, 0, index).view(rows, -1)[:, :vocab_size]
 
 
 def _build_group(rows: list[int], params: list[SamplingParams],
@@ -243,7 +272,7 @@ def _build_group(rows: list[int], params: list[SamplingParams],
 
 def apply_penalties_(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """In place, in this order: the repetition penalty, presence/frequency penalties,
-    logit_bias, the allowed_token_ids restriction, then the min_tokens ban.
+    logit_bias, the allowed_token_ids restriction, the min_tokens ban, then the grammar's mask.
 
     ``logits`` must be a contiguous [B, V] float tensor that the caller owns.
     """
@@ -264,7 +293,30 @@ def apply_penalties_(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         flat[meta.allowed_index] = kept
     if meta.banned_index is not None:
         flat[meta.banned_index] = float("-inf")
+    if meta.grammar_rows is not None:
+        # x + 0 = x and x - inf = -inf: exact (rows with a non-finite logit never get here).
+        if meta.grammar_mask.shape[0] == logits.shape[0]:
+            logits.add_(meta.grammar_mask)  # every row has a grammar: rows are 0 .. B-1 in order
+        else:
+            logits.index_add_(0, meta.grammar_rows, meta.grammar_mask)
     return logits
+
+
+# exp of anything below this is not a normal float32 (exp(-87.0) = 1.6e-38 still is).
+_EXP_FLOOR = -87.0
+_EXP_AT_FLOOR = float(torch.tensor(_EXP_FLOOR).exp())
+
+
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    """``x.exp_()`` with every result below exp(-87) set to 0.0 (instead of a denormal or 0.0).
+
+    torch's CPU exp takes a slow path for inputs whose result underflows (-inf included): with
+    half of [32, 49k] masked to -inf, as a grammar does, exp_ takes ~7 ms instead of ~0.3 ms.
+    Clamping first keeps it on the fast path; a weight under 1.6e-38 (for logits already
+    shifted to max 0) is no weight at all in float32 sums.
+    """
+    x.clamp_(min=_EXP_FLOOR).exp_()
+    return torch.nn.functional.threshold_(x, _EXP_AT_FLOOR, 0.0)
 
 
 def _inverse_cdf_(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -300,7 +352,7 @@ def _sample_truncated(s: torch.Tensor, m: torch.Tensor, floor: torch.Tensor | No
             vals, idx = sub.sort(-1, descending=True)
         else:
             vals, idx = sub.topk(width, -1)
-        weights = (vals - m[todo]).exp_()
+        weights = _exp_(vals - m[todo])
         weights.masked_fill_(torch.arange(width, device=s.device) >= kk[:, None], 0.0)
         csum = weights.cumsum(-1)
         mass = csum[:, -1]
@@ -311,7 +363,7 @@ def _sample_truncated(s: torch.Tensor, m: torch.Tensor, floor: torch.Tensor | No
             # Without top-k, p is taken of the whole row's mass; with a top-k
             # wider than the window that mass is unknown here, so widen.
             if totals is None:
-                totals = (s - m).exp_().sum(-1)
+                totals = _exp_(s - m).sum(-1)
             known = bounded | (kk >= vocab)
             total = torch.where(bounded, mass, totals[todo])
             done = bounded | (known & (mass >= pp * total)) | final
@@ -352,7 +404,7 @@ def _sample_logits(s: torch.Tensor, group: _SampleGroup, u: torch.Tensor) -> tor
         mf = m if every else m[f]
         if floor is not None:
             sub.masked_fill_(sub < (floor if every else floor[f]), float("-inf"))
-        tokens[f] = _inverse_cdf_(sub.sub_(mf).exp_(), u[f])
+        tokens[f] = _inverse_cdf_(_exp_(sub.sub_(mf)), u[f])
     return tokens
 
 
@@ -390,8 +442,8 @@ class SamplerOutput:
 # Why a row could not be sampled: the cause (a metric label) -> what the request is told.
 ROW_ERRORS = {
     "non_finite_logits": "the model's logits for this sequence are not finite (NaN or inf)",
-    "no_token_allowed": "no token can be picked: penalties, logit_bias, allowed_token_ids and min_tokens "
-                        "rule out every one",
+    "no_token_allowed": "no token can be picked: penalties, logit_bias, allowed_token_ids, min_tokens and "
+                        "the structured-output grammar rule out every one",
 }
 
 

@@ -29,9 +29,9 @@ ACCEPTED_WITHOUT_EFFECT = {
 
 # Fields clients send that pagellm does not implement yet, and what to say about them.
 NOT_YET = {
-    **dict.fromkeys(("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "guided_decoding_backend", "json_schema"),
-                    "structured outputs are not supported yet"),
+    "json_schema": 'a JSON schema goes in response_format: {"type": "json_schema", "json_schema": {"schema": ...}}',
+    **dict.fromkeys(("guided_whitespace_pattern", "structural_tag"),
+                    "structured outputs here take a JSON schema, any JSON object, a regex, a choice or a grammar"),
     **dict.fromkeys(("tool_choice", "parallel_tool_calls", "functions", "function_call"),
                     "tool calling is not supported yet (tools are only shown to the chat template)"),
     "use_beam_search": "beam search is not available over HTTP yet (it is in the Python API: LLM.beam_search)",
@@ -54,6 +54,14 @@ class _RequestFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
+    # Structured outputs, in every spelling clients use (entrypoints/openai/structured.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         """(field, why) for every field sent that this server would otherwise ignore."""

@@ -40,7 +40,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
         params = self.sampling_params(req, max_tokens=max_tokens,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                      prompt_logprobs=req.prompt_logprobs)
+                                      prompt_logprobs=req.prompt_logprobs,
+                                      structured=await self.structured_outputs(req))
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [(None, ids)], [params])
         if req.stream:

@@ -40,10 +40,11 @@ class OpenAIServingCompletion(OpenAIServing):
         scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
         # max_tokens 0 runs one token (the engine always samples one) that the response leaves out.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        structured = await self.structured_outputs(req)
         params = [self.sampling_params(req, max_tokens=self.resolve_max_tokens(len(ids), max_tokens, req.n,
                                                                                "prompt"),
                                        logprobs=req.logprobs, best_of=req.best_of,
-                                       prompt_logprobs=max(scored) if scored else None)
+                                       prompt_logprobs=max(scored) if scored else None, structured=structured)
                   for _, ids in prompts]
         request_id = random_id("cmpl")
         streams = await self.add_requests(request_id, prompts, params)

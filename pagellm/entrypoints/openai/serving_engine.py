@@ -18,7 +18,8 @@ from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagellm.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
 from pagellm.outputs import Logprob, RequestOutput
-from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams
+from pagellm.entrypoints.openai.structured import parse_structured_outputs
+from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 # Retry-After for a full queue: a step takes well under a second, a request a few seconds.
@@ -126,14 +127,29 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
+    async def structured_outputs(self, req: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, its grammar compiled (off the event loop
+        and off the engine's loop); a 400 naming the field if it is not valid."""
+        spec, field = parse_structured_outputs(req)
+        if spec is not None:
+            try:
+                await self.engine.compile_grammar(spec)
+            except ValueError as e:
+                spelled = {"structured_outputs": f"structured_outputs.{spec.kind}",
+                           "response_format": "response_format.json_schema.schema"}.get(field, field)
+                raise bad_request(str(e).replace(f"structured_outputs.{spec.kind}", spelled), param=field) from None
+        return spec
+
     @staticmethod
     def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        best_of: int | None = None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         # A field sent as null means its default, as in OpenAI's API.
         shared = {name: getattr(req, name) for name in OPENAI_FIELDS if getattr(req, name) is not None}
         try:
             return SamplingParams(n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs, logit_bias=token_bias(req.logit_bias), **shared)
+                                  prompt_logprobs=prompt_logprobs, logit_bias=token_bias(req.logit_bias),
+                                  structured_outputs=structured, **shared)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
 

@@ -9,6 +9,7 @@ from server_utils import RemoteServer
 @pytest.fixture(scope="session")
 def smollm2_server():
     """The bundled SmolLM2 with a small KV pool (91 blocks), shared by the server test modules."""
-    server = RemoteServer(["--kv-cache-memory", "64M", "--max-model-len", "2048"])
+    server = RemoteServer(["--kv-cache-memory", "64M", "--max-model-len", "2048",
+                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     yield server
     server.close()

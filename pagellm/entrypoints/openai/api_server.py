@@ -34,13 +34,16 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20
     # n and best_of above this are refused (None: only the engine's max_num_seqs bounds them).
     max_seqs_per_request: int | None = None
+    # --enable-auto-tool-choice's --tool-call-parser (None: tool_choice "auto" is refused).
+    tool_call_parser: str | None = None
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
     """The app around an engine that is not started yet; the app's lifespan starts and stops it."""
     model_name = config.served_model_names[0]
     completions = OpenAIServingCompletion(engine, config.served_model_names, config.max_seqs_per_request)
-    chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request)
+    chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request,
+                             tool_call_parser=config.tool_call_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -154,7 +157,8 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
     per_request = args.max_seqs_per_request or max(1, args.max_num_seqs // 2)
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           max_request_body_bytes=args.max_request_body_bytes,
-                          max_seqs_per_request=min(per_request, args.max_num_seqs))
+                          max_seqs_per_request=min(per_request, args.max_num_seqs),
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return build_app(engine, metrics, config), engine, config
 
 

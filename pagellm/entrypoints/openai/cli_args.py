@@ -38,6 +38,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "first come, first served, so a request that needs every sequence slot would hold "
                         "up everyone behind it until all running requests finish (default: half of "
                         "--max-num-seqs)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides whether to call a tool, and its output is '
+                        "parsed for calls by --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: Qwen, "
+                        "Hermes, SmolLM3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS][...])")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's logging (default: info: each request, and throughput every 5 s)")
     g.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
@@ -95,6 +101,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_seqs_per_request is not None and args.max_seqs_per_request < 1:
         print(f"pagellm serve: --max-seqs-per-request must be >= 1, got {args.max_seqs_per_request}",
               file=sys.stderr)
+        return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral): "
+              "the format the model writes tool calls in", file=sys.stderr)
         return 2
     if args.max_waiting_requests < 0:
         print(f"pagellm serve: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)

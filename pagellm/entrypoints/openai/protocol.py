@@ -32,8 +32,8 @@ NOT_YET = {
     "json_schema": 'a JSON schema goes in response_format: {"type": "json_schema", "json_schema": {"schema": ...}}',
     **dict.fromkeys(("guided_whitespace_pattern", "structural_tag"),
                     "structured outputs here take a JSON schema, any JSON object, a regex, a choice or a grammar"),
-    **dict.fromkeys(("tool_choice", "parallel_tool_calls", "functions", "function_call"),
-                    "tool calling is not supported yet (tools are only shown to the chat template)"),
+    **dict.fromkeys(("functions", "function_call"),
+                    "OpenAI's deprecated function calling; send tools and tool_choice instead"),
     "use_beam_search": "beam search is not available over HTTP yet (it is in the Python API: LLM.beam_search)",
 }
 
@@ -105,6 +105,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back in an agent loop
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -114,6 +116,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     prompt_logprobs: int | None = None  # vLLM's extra: the response's prompt_logprobs
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last message (vLLM's extra)

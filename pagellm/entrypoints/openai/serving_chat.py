@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered through the model's (sandboxed) chat template."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -11,13 +12,21 @@ from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
+from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS, ToolCall, ToolParser, ToolPlan,
+                                                   forced_calls, plan_tools)
 from pagellm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, tool_call_parser: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Set with --enable-auto-tool-choice: the format this model writes tool calls in.
+        self.tool_call_parser = tool_call_parser
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
         self.check_common(req)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser is not None)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -38,17 +47,41 @@ class OpenAIServingChat(OpenAIServing):
         ids = self.truncate(ids, req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
+        structured = await self.structured_outputs(req, tools.structured_outputs(), f"tool_choice {tools.mode}")
         params = self.sampling_params(req, max_tokens=max_tokens,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                      prompt_logprobs=req.prompt_logprobs,
-                                      structured=await self.structured_outputs(req))
+                                      prompt_logprobs=req.prompt_logprobs, structured=structured)
+        if tools.mode == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [(None, ids)], [params])
         if req.stream:
-            return StreamingResponse(guarded_sse(self.events(req, request_id, streams[0]), streams),
+            return StreamingResponse(guarded_sse(self.events(req, request_id, streams[0], tools), streams),
                                      media_type="text/event-stream")
         (final,) = await self.collect(raw_request, streams)
-        return JSONResponse(self.response(req, request_id, final))
+        return JSONResponse(self.response(req, request_id, final, tools))
+
+    def parser(self) -> ToolParser:
+        return PARSERS[self.tool_call_parser]()
+
+    def reply(self, tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """(the message, the finish reason) of a finished choice: its tool calls taken out of the text."""
+        message: dict = {"role": "assistant", "content": text}
+        calls: list[ToolCall] | None = None
+        if tools.mode in ("required", "named"):
+            calls = forced_calls(tools, text)
+        elif tools.mode == "auto":
+            content, calls = self.parser().extract(text)
+            calls = calls[:1] if calls and not tools.parallel else calls
+            if calls:
+                message["content"] = content
+        if calls:
+            message["content"] = message["content"] if tools.mode == "auto" else None
+            message["tool_calls"] = [c.to_json() for c in calls]
+            # OpenAI: "tool_calls" when the model chose to call; a named function was not its choice.
+            if tools.mode != "named":
+                finish_reason = "tool_calls"
+        return message, finish_reason
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, **kwargs) -> list[int]:
         conversation = [self.message_dict(m) for m in messages]
@@ -72,6 +105,11 @@ class OpenAIServingChat(OpenAIServing):
                                       param="messages")
                 parts.append(p.text)
             d["content"] = "\n".join(parts)
+        if m.tool_calls is not None:
+            # An agent loop sends the assistant's calls back with content null. Templates read
+            # content as text and a call's arguments as a mapping (OpenAI sends them as JSON text).
+            d.setdefault("content", "")
+            d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
         return d
 
     def logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
@@ -88,13 +126,14 @@ class OpenAIServingChat(OpenAIServing):
             return ""
         return OpenAIServingChat.message_dict(last).get("content") or ""
 
-    def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput) -> dict:
+    def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolPlan) -> dict:
         choices = []
         echo = self.echoed(req)
         for c in sorted(final.outputs, key=lambda c: c.index):
-            choice = {"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
+            message, finish_reason = self.reply(tools, echo + c.text, c.finish_reason)
+            choice = {"index": c.index, "message": message,
                       "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
@@ -109,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
         return body
 
     async def events(self, req: ChatCompletionRequest, request_id: str,
-                     stream: RequestStream) -> AsyncIterator[str]:
+                     stream: RequestStream, tools: ToolPlan) -> AsyncIterator[str]:
         """The chunks of a streamed answer (sent through guarded_sse)."""
         created = self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -122,9 +161,10 @@ class OpenAIServingChat(OpenAIServing):
             return self.usage(prompt_tokens, sum(sent_tokens.values()), cached)
 
         def chunk(index: int, delta: dict, c: CompletionOutput | None = None, logprobs=None,
-                  token_ids: list[int] | None = None) -> str:
+                  token_ids: list[int] | None = None, finish_reason: str | None = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason if c else None, "stop_reason": c.stop_reason if c else None}
+                      "finish_reason": (finish_reason or c.finish_reason) if c else None,
+                      "stop_reason": c.stop_reason if c else None}
             if token_ids is not None:
                 choice["token_ids"] = token_ids
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -138,21 +178,97 @@ class OpenAIServingChat(OpenAIServing):
         echo = self.echoed(req)
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": echo})
+        deltas = {i: ToolDeltas(tools, self.parser() if tools.mode == "auto" else None) for i in range(req.n)}
         async for _, out in merge_streams([stream]):
             prompt_tokens = len(out.prompt_token_ids)
             cached = getattr(out, "num_cached_tokens", 0) or 0
             for c in out.outputs:
                 done_text, done_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta = c.text[done_text:]
+                finished = c.finish_reason is not None
+                delta, finish_reason = deltas[c.index].advance(c.text, finished, c.finish_reason)
                 new_ids = c.token_ids[done_tokens:]
                 # A chunk only when it carries text, tokens the client asked to see, or the end.
                 shows_tokens = new_ids and (req.logprobs or req.return_token_ids)
-                if not delta and not shows_tokens and c.finish_reason is None:
+                if not delta and not shows_tokens and not finished:
                     continue
                 sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
-                yield chunk(c.index, {"content": delta}, c, self.logprobs(req, new_ids, lps),
-                            list(new_ids) if req.return_token_ids else None)
+                yield chunk(c.index, delta or {"content": ""}, c, self.logprobs(req, new_ids, lps),
+                            list(new_ids) if req.return_token_ids else None, finish_reason)
         if include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                        "model": self.model_name, "choices": [], "usage": usage()})
+
+
+def _template_call(call: dict) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f'messages: a tool call must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                          f'"arguments": "..."}}}}, got {call!r}', param="messages")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise bad_request(f"messages: the arguments of the call to {fn['name']!r} are not JSON: {args!r}",
+                              param="messages") from None
+    return {**call, "function": {**fn, "arguments": args}, "name": fn["name"], "arguments": args}
+
+
+class ToolDeltas:
+    """One streamed choice's deltas: its text as content, less what belongs to tool calls,
+    which go out as `tool_calls` deltas in OpenAI's shape.
+
+    A named function streams its arguments as they come; `required` sends its calls when the
+    JSON array is complete; `auto` streams text until the parser's marker could begin and sends
+    the calls at the end.
+    """
+
+    def __init__(self, tools: ToolPlan, parser: ToolParser | None) -> None:
+        self.tools = tools
+        self.parser = parser
+        self.sent = 0          # characters of the text already sent as content or arguments
+        self.named_id: str | None = None
+
+    def advance(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
+        mode = self.tools.mode
+        if mode == "named":
+            delta: dict = {}
+            if self.named_id is None:
+                call = ToolCall(self.tools.name, "")
+                self.named_id = call.id
+                delta = {"tool_calls": [call.to_json(index=0)]}
+            new = text[self.sent:]
+            self.sent = len(text)
+            if new:
+                if "tool_calls" in delta:
+                    delta["tool_calls"][0]["function"]["arguments"] = new
+                else:
+                    delta = {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}
+            return delta, finish_reason
+        if mode == "required":
+            if not finished:
+                return {}, None
+            calls = forced_calls(self.tools, text)
+            if calls is None:  # cut short: not a complete call; the client gets the text
+                return {"content": text}, finish_reason
+            return {"tool_calls": [c.to_json(index=i) for i, c in enumerate(calls)]}, "tool_calls"
+        if mode == "none" or self.parser is None:
+            new, self.sent = text[self.sent:], len(text)
+            return ({"content": new} if new else {}), finish_reason
+        start = self.parser.start(text)
+        if not finished:
+            end = start if start is not None else len(text) - self.parser.held(text)
+            new = text[self.sent:end] if end > self.sent else ""
+            self.sent = max(self.sent, end)
+            return ({"content": new} if new else {}), None
+        content, calls = self.parser.extract(text)
+        calls = calls[:1] if calls and not self.tools.parallel else calls
+        if not calls:
+            new, self.sent = text[self.sent:], len(text)
+            return ({"content": new} if new else {}), finish_reason
+        delta = {"tool_calls": [c.to_json(index=i) for i, c in enumerate(calls)]}
+        rest = text[self.sent:start].rstrip() if start is not None and start > self.sent else ""
+        if rest:
+            delta["content"] = rest
+        return delta, "tool_calls"

@@ -127,10 +127,17 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    async def structured_outputs(self, req: SamplingFields) -> StructuredOutputsParams | None:
-        """The request's structured-output constraint, its grammar compiled (off the event loop
-        and off the engine's loop); a 400 naming the field if it is not valid."""
+    async def structured_outputs(self, req: SamplingFields, forced: StructuredOutputsParams | None = None,
+                                 forced_by: str = "") -> StructuredOutputsParams | None:
+        """The request's structured-output constraint (or `forced`, the one `forced_by` implies),
+        its grammar compiled off the event loop and off the engine's loop; a 400 naming the field
+        if it is not valid."""
         spec, field = parse_structured_outputs(req)
+        if forced is not None:
+            if spec is not None:
+                raise bad_request(f"{field} cannot be combined with {forced_by}: both constrain the reply",
+                                  param=field)
+            spec, field = forced, forced_by
         if spec is not None:
             try:
                 await self.engine.compile_grammar(spec)

@@ -80,7 +80,8 @@ def test_named_arguments_stream_as_deltas(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "celsius"\}\}\n</tool_call>'
+HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "celsius"\}\}'
+               r'\n</tool_call>')
 
 
 def test_auto_parses_the_models_own_calls(client):

@@ -69,7 +69,9 @@ class _EngineCollector(Collector):
         failures = CounterMetricFamily("pagellm:request_failures",
                                        "Requests that failed while generating, by cause (step_error: raised in "
                                        "the forward pass or sampling when run alone; non_finite_logits; "
-                                       "no_token_allowed; grammar_error: a token the structured-output grammar rejected; output_error: detokenizing or formatting).",
+                                       "no_token_allowed; grammar_error: a token the structured-output grammar "
+                                       "rejected; "
+                                       "output_error: detokenizing or formatting).",
                                        labels=["model_name", "cause"])
         for cause, count in sorted(s.get("request_failures", {}).items()):
             failures.add_metric(labels + [cause], count)

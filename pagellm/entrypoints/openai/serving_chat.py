@@ -153,7 +153,6 @@ class OpenAIServingChat(OpenAIServing):
         created = self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
-        sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         prompt_tokens = cached = 0
 
@@ -183,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_tokens = len(out.prompt_token_ids)
             cached = getattr(out, "num_cached_tokens", 0) or 0
             for c in out.outputs:
-                done_text, done_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                done_tokens = sent_tokens.get(c.index, 0)
                 finished = c.finish_reason is not None
                 delta, finish_reason = deltas[c.index].advance(c.text, finished, c.finish_reason)
                 new_ids = c.token_ids[done_tokens:]
@@ -191,7 +190,7 @@ class OpenAIServingChat(OpenAIServing):
                 shows_tokens = new_ids and (req.logprobs or req.return_token_ids)
                 if not delta and not shows_tokens and not finished:
                     continue
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                sent_tokens[c.index] = len(c.token_ids)
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
                 yield chunk(c.index, delta or {"content": ""}, c, self.logprobs(req, new_ids, lps),
                             list(new_ids) if req.return_token_ids else None, finish_reason)

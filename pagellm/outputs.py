@@ -32,6 +32,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # When the scheduler first gave the request a step (its prefill began): arrival to here is
+    # its time in the queue.
+    first_scheduled_time: float | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

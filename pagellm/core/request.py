@@ -48,6 +48,7 @@ class Request:
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    first_scheduled_time: float | None = None  # set when the scheduler first admits it
     # The context window: a sequence stops with "length" when it reaches it.
     max_model_len: int | None = None
     # Prefix caching: an optional tenant salt, the chained hashes of the full blocks

@@ -7,6 +7,7 @@ sequence limit and the free blocks allow. It never touches tensors.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -142,6 +143,8 @@ class Scheduler:
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_cached
         self.waiting.popleft()
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return ScheduledRequest(req, n, self.kv.block_table(req.request_id))

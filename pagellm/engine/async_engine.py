@@ -49,6 +49,10 @@ class RequestAborted(RuntimeError):
 class StepObserver(Protocol):
     """Called on the engine thread, in step order: the hook for metrics."""
 
+    def on_added(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None: ...
+
+    def on_step(self, num_tokens: int) -> None: ...
+
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
 
     def on_abort(self, request_id: str, now: float) -> None: ...
@@ -300,11 +304,12 @@ class AsyncLLMEngine:
         if kind == "add":
             _, rid, prompt, params, fut, arrival = cmd
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                req = self.engine.add_request(rid, prompt, params, arrival_time=arrival)
             except Exception as e:
                 self._to_loop(self._resolve, fut, None, e)
             else:
                 self._live.add(rid)
+                self._observe("on_added", rid, params, req.num_prompt_tokens)
                 ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
                 log_added(rid, len(ids) if ids is not None else None, params.max_tokens, params.n)
                 self._to_loop(self._resolve, fut, None, None)
@@ -325,7 +330,16 @@ class AsyncLLMEngine:
             else:
                 self._to_loop(self._resolve, fut, result, None)
 
+    def _observe(self, hook: str, *args: Any) -> None:
+        if self._observer is not None:
+            try:
+                getattr(self._observer, hook)(*args)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("step observer failed in %s", hook)
+
     def _step(self) -> None:
+        core = self.engine.core
+        tokens_before = core.num_prompt_tokens_computed + core.num_generation_tokens
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -340,6 +354,7 @@ class AsyncLLMEngine:
                     self._observer.on_error(rid, time.time())
             self._to_loop(self._fail, failed, EngineStepError(f"internal error while generating: {e!r}"))
             return
+        self._observe("on_step", core.num_prompt_tokens_computed + core.num_generation_tokens - tokens_before)
         errored = [o for o in outputs if o.error is not None]
         if errored:
             outputs = [o for o in outputs if o.error is None]

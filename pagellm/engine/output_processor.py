@@ -82,7 +82,8 @@ class OutputProcessor:
         finished_times = [s.request.finished_time for s in group.texts.values() if s.request.finished_time]
         metrics = RequestMetrics(first.arrival_time, min(times) if times else None,
                                  max(finished_times) if group.finished else None,
-                                 sum(s.request.num_preemptions for s in group.texts.values()))
+                                 sum(s.request.num_preemptions for s in group.texts.values()),
+                                 first.first_scheduled_time)
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
                              metrics, num_cached_tokens=first.num_cached_tokens,
                              prompt_logprobs=self.prompt_logprobs(first))
@@ -111,7 +112,7 @@ class OutputProcessor:
         first = group.root
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, True,
                              RequestMetrics(first.arrival_time, first.first_token_time, time.time(),
-                                            first.num_preemptions))
+                                            first.num_preemptions, first.first_scheduled_time))
 
     @staticmethod
     def failure(group: SequenceGroup, error: Exception) -> RequestOutput:

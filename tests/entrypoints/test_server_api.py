@@ -281,7 +281,13 @@ def test_metrics_count_exactly(server, client):
     labels = {"model_name": MODEL_NAME}
     names = ["pagellm:prompt_tokens_total", "pagellm:generation_tokens_total",
              "pagellm:time_to_first_token_seconds_count", "pagellm:inter_token_latency_seconds_count",
-             "pagellm:e2e_request_latency_seconds_count"]
+             "pagellm:e2e_request_latency_seconds_count", "pagellm:request_prompt_tokens_sum",
+             "pagellm:request_generation_tokens_sum", "pagellm:request_max_num_generation_tokens_sum",
+             "pagellm:request_prefill_kv_computed_tokens_sum", "pagellm:request_params_n_sum",
+             "pagellm:request_params_max_tokens_sum", "pagellm:iteration_tokens_total_sum",
+             "pagellm:request_queue_time_seconds_count", "pagellm:request_inference_time_seconds_count",
+             "pagellm:request_prefill_time_seconds_count", "pagellm:request_decode_time_seconds_count",
+             "pagellm:request_time_per_output_token_seconds_count"]
 
     def read() -> dict:
         text = httpx.get(server.url + "/metrics").text
@@ -297,14 +303,26 @@ def test_metrics_count_exactly(server, client):
     assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens == 5
     after = read()
     delta = {k: after[k] - before[k] for k in after}
+    cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
     assert delta == {"pagellm:prompt_tokens_total": prompt, "pagellm:generation_tokens_total": 5,
                      "pagellm:time_to_first_token_seconds_count": 1,
                      "pagellm:inter_token_latency_seconds_count": 4,  # between 5 tokens, one step each
-                     "pagellm:e2e_request_latency_seconds_count": 1, "length": 1}
+                     "pagellm:e2e_request_latency_seconds_count": 1, "length": 1,
+                     "pagellm:request_prompt_tokens_sum": prompt, "pagellm:request_generation_tokens_sum": 5,
+                     "pagellm:request_max_num_generation_tokens_sum": 5,
+                     "pagellm:request_prefill_kv_computed_tokens_sum": prompt - (cached or 0),
+                     "pagellm:request_params_n_sum": 1, "pagellm:request_params_max_tokens_sum": 5,
+                     # every token through the model: the prompt's uncached ones, then 5 generated
+                     "pagellm:iteration_tokens_total_sum": prompt - (cached or 0) + 5,
+                     "pagellm:request_queue_time_seconds_count": 1, "pagellm:request_inference_time_seconds_count": 1,
+                     "pagellm:request_prefill_time_seconds_count": 1, "pagellm:request_decode_time_seconds_count": 1,
+                     "pagellm:request_time_per_output_token_seconds_count": 1}
     stats = httpx.get(server.url + "/dashboard/state").json()["stats"]
     text = httpx.get(server.url + "/metrics").text
     assert metric_value(text, "pagellm:kv_cache_total_blocks", **labels) == stats["total_blocks"]
     assert metric_value(text, "pagellm:kv_cache_free_blocks", **labels) == stats["free_blocks"]
+    assert metric_value(text, "pagellm:cache_config_info", block_size="16",
+                        num_gpu_blocks=str(stats["total_blocks"]), enable_prefix_caching="True") == 1
 
 
 def test_metrics(server, client):

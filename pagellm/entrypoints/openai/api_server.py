@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +24,9 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
+
+if TYPE_CHECKING:
+    from pagellm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagellm.server")
 
@@ -151,7 +155,9 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
 
     llm_engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     names = args.served_model_name or [default_model_name(llm_engine.model_path)]
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], max_model_len=llm_engine.max_model_len,
+                            max_num_batched_tokens=llm_engine.config.max_num_batched_tokens,
+                            cache_info=cache_config_info(llm_engine))
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     metrics.bind(engine.stats)
     per_request = args.max_seqs_per_request or max(1, args.max_num_seqs // 2)
@@ -160,6 +166,14 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
                           max_seqs_per_request=min(per_request, args.max_num_seqs),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return build_app(engine, metrics, config), engine, config
+
+
+def cache_config_info(engine: LLMEngine) -> dict:
+    """The labels of pagellm:cache_config_info, as vLLM's names them."""
+    cfg = engine.config
+    return {"block_size": cfg.block_size, "num_gpu_blocks": engine.kv.num_blocks,
+            "cache_dtype": str(engine.dtype).removeprefix("torch."), "enable_prefix_caching": cfg.enable_prefix_caching,
+            "kv_policy": cfg.kv_policy}
 
 
 def run_server(args: argparse.Namespace) -> int:

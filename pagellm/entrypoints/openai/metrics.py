@@ -6,10 +6,12 @@ fed by the engine thread after each step (`ServerMetrics` is the async engine's 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -24,11 +26,38 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0]
 
 
+# Request-level time histograms (queue, prefill, decode, inference) use vLLM's latency buckets.
+REQUEST_TIME_BUCKETS = E2E_BUCKETS
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0]
+PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def one_two_five(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+def powers_of_two(limit: int) -> list[float]:
+    """1, 8, 16, 32, ... up to `limit` (vLLM's buckets for tokens per step)."""
+    out, b = [1.0], 8
+    while b <= limit:
+        out.append(float(b))
+        b *= 2
+    return out
+
+
 @dataclass
 class _Progress:
     arrival_time: float
     tokens: int = 0
-    last_token_time: float = 0.0
+    last_token_time: float = 0.0  # 0.0: no output yet
 
 
 class _EngineCollector(Collector):
@@ -81,7 +110,8 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The server's registry, and the engine observer that feeds it."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
+                 cache_info: dict | None = None) -> None:
         # No `*_created` series: like vLLM, which turns them off too (the switch is process-wide).
         disable_created_metrics()
         self.model_name = model_name
@@ -102,6 +132,42 @@ class ServerMetrics:
         self.e2e = Histogram("pagellm:e2e_request_latency_seconds",
                              "Histogram of end to end request latency in seconds.", name, buckets=E2E_BUCKETS,
                              registry=reg).labels(model_name)
+        tokens = one_two_five(max_model_len)
+
+        def histogram(metric: str, doc: str, buckets: list[float]):
+            return Histogram(metric, doc, name, buckets=buckets, registry=reg).labels(model_name)
+
+        self.request_prompt_tokens = histogram("pagellm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", tokens)
+        self.request_generation_tokens = histogram("pagellm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", tokens)
+        self.request_max_generation_tokens = histogram(
+            "pagellm:request_max_num_generation_tokens",
+            "Histogram of the most tokens one sequence of a request generated (the longest of its n).", tokens)
+        self.request_prefill_kv_computed = histogram(
+            "pagellm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding the prefix cache's).", tokens)
+        self.params_n = histogram("pagellm:request_params_n", "Histogram of the n request parameter.",
+                                  PARAMS_N_BUCKETS)
+        self.params_max_tokens = histogram("pagellm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", tokens)
+        self.iteration_tokens = histogram("pagellm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.",
+                                          powers_of_two(max(max_num_batched_tokens, 8)))
+        self.queue_time = histogram("pagellm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
+        self.inference_time = histogram("pagellm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("pagellm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("pagellm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
+        self.request_tpot = histogram("pagellm:request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", TPOT_BUCKETS)
+        info = Gauge("pagellm:cache_config_info", "Information of the LLMEngine's KV cache configuration.",
+                     sorted((cache_info or {}).keys()), registry=reg)
+        if cache_info:
+            info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
         self._requests: dict[str, _Progress] = {}
         # Plain totals for the dashboard (read from the event loop; ints are safe to share).
         self.total_prompt_tokens = 0
@@ -115,11 +181,21 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     # ---- the engine observer (called on the engine thread) --------------------------------
+    def on_added(self, request_id: str, params, num_prompt_tokens: int) -> None:
+        self._requests[request_id] = _Progress(time.time())
+        self.params_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.params_max_tokens.observe(params.max_tokens)
+
+    def on_step(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.iteration_tokens.observe(num_tokens)
+
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
             p = self._requests.get(out.request_id)
             tokens = sum(len(c.token_ids) for c in out.outputs)
-            if p is None:
+            if p is None or not p.last_token_time:  # the request's first output
                 arrival = out.metrics.arrival_time
                 p = self._requests[out.request_id] = _Progress(arrival, last_token_time=now)
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -137,6 +213,7 @@ class ServerMetrics:
                 del self._requests[out.request_id]
                 reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
                 self._finish(reason, (out.metrics.finished_time or now) - p.arrival_time)
+                self._finished_request(out, now)
 
     def on_abort(self, request_id: str, now: float) -> None:
         p = self._requests.pop(request_id, None)
@@ -145,6 +222,27 @@ class ServerMetrics:
     def on_error(self, request_id: str, now: float) -> None:
         p = self._requests.pop(request_id, None)
         self._finish("error", None if p is None else now - p.arrival_time)
+
+    def _finished_request(self, out: RequestOutput, now: float) -> None:
+        """The request-level series of a request that finished normally."""
+        m = out.metrics
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_prefill_kv_computed.observe(max(0, len(out.prompt_token_ids) - out.num_cached_tokens))
+        lengths = [len(c.token_ids) for c in out.outputs]
+        self.request_generation_tokens.observe(sum(lengths))
+        self.request_max_generation_tokens.observe(max(lengths, default=0))
+        finished = m.finished_time or now
+        scheduled = m.first_scheduled_time
+        if scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - m.arrival_time))
+            self.inference_time.observe(max(0.0, finished - scheduled))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - scheduled))
+        if m.first_token_time is not None:
+            decode = max(0.0, finished - m.first_token_time)
+            self.decode_time.observe(decode)
+            if max(lengths, default=0) > 1:
+                self.request_tpot.observe(decode / (max(lengths) - 1))
 
     def _finish(self, reason: str, latency: float | None) -> None:
         self.request_success.labels(self.model_name, reason).inc()

@@ -25,6 +25,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.engine.stats_logger import StatsLogger, log_added, log_finished, request_logger
 from pagellm.outputs import RequestOutput
+from pagellm.beam_search import BeamSearchParams
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagellm.async_engine")
@@ -46,10 +47,16 @@ class RequestAborted(RuntimeError):
     """The request was aborted before it finished."""
 
 
+def num_sequences(params: SamplingParams | BeamSearchParams) -> int:
+    """The n a request's outputs have: its samples, or its beams."""
+    return params.beam_width if isinstance(params, BeamSearchParams) else params.n
+
+
 class StepObserver(Protocol):
     """Called on the engine thread, in step order: the hook for metrics."""
 
-    def on_added(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None: ...
+    def on_added(self, request_id: str, params: SamplingParams | BeamSearchParams,
+                 num_prompt_tokens: int) -> None: ...
 
     def on_step(self, num_tokens: int) -> None: ...
 
@@ -165,7 +172,8 @@ class AsyncLLMEngine:
         """Requests that have not produced their first output yet (queued, or in prefill)."""
         return len(self._unstarted)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | BeamSearchParams) -> RequestStream:
         """Hand a request to the engine; returns once the engine accepted it.
 
         Raises ValueError for bad input (the engine's message), QueueFullError when
@@ -304,14 +312,17 @@ class AsyncLLMEngine:
         if kind == "add":
             _, rid, prompt, params, fut, arrival = cmd
             try:
-                req = self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                if isinstance(params, BeamSearchParams):  # one output, when the search ends
+                    req = self.engine.add_beam_request(rid, prompt, params, arrival_time=arrival)
+                else:
+                    req = self.engine.add_request(rid, prompt, params, arrival_time=arrival)
             except Exception as e:
                 self._to_loop(self._resolve, fut, None, e)
             else:
                 self._live.add(rid)
                 self._observe("on_added", rid, params, req.num_prompt_tokens)
                 ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-                log_added(rid, len(ids) if ids is not None else None, params.max_tokens, params.n)
+                log_added(rid, len(ids) if ids is not None else None, params.max_tokens, num_sequences(params))
                 self._to_loop(self._resolve, fut, None, None)
         elif kind == "abort":
             rid = cmd[1]

@@ -60,9 +60,10 @@ class OutputProcessor:
 
     # ---- RequestOutputs ----------------------------------------------------------------------
     def output(self, group: SequenceGroup) -> RequestOutput | None:
-        """The request's output now; None for best_of before it finishes (only the best n are shown)."""
+        """The request's output now; None for best_of and beam search before they finish (only
+        the best n are shown, and beams are only ranked at the end)."""
         if group.beams is not None:
-            return self._beam_output(group)
+            return self._beam_output(group) if group.finished else None
         seqs = [group.texts[i] for i in sorted(group.texts)]
         if group.num_seqs > group.params.n:
             if not group.finished:

@@ -498,3 +498,30 @@ def test_streams_send_no_empty_chunks(client):
     chat = [ch for ch in client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0,
                                                         stop=["Paris is"], stream=True) if ch.choices]
     assert all(ch.choices[0].delta.content for ch in chat[1:-1])  # after the role chunk, before the end
+
+
+def test_beam_search_over_http_is_the_engines(client):
+    """use_beam_search returns the n beams best first, as LLM.beam_search finds them."""
+    from pagellm import LLM, BeamSearchParams
+
+    r = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", n=3, max_tokens=8,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    with LLM(max_num_seqs=8, kv_cache_memory=64 << 20) as llm:
+        (expected,) = llm.beam_search(["The capital of France is"],
+                                      BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5))
+    assert [c.text for c in r.choices] == [s.text for s in expected.sequences]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, n=2, max_tokens=6,
+                                          extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"temperature": 0.5}, "temperature"), ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
+    ({"seed": 1}, "seed"), ({"stream": True}, "use_beam_search"),
+])
+def test_beam_search_refuses_what_it_would_ignore(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="Hi", n=2, max_tokens=4,
+                                  extra_body={"use_beam_search": True, **extra})
+    assert e.value.body["param"] == param

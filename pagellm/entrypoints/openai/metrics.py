@@ -15,6 +15,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagellm.engine.async_engine import num_sequences
 from pagellm.outputs import RequestOutput
 
 # vLLM's buckets.
@@ -183,7 +184,7 @@ class ServerMetrics:
     # ---- the engine observer (called on the engine thread) --------------------------------
     def on_added(self, request_id: str, params, num_prompt_tokens: int) -> None:
         self._requests[request_id] = _Progress(time.time())
-        self.params_n.observe(params.n)
+        self.params_n.observe(num_sequences(params))
         if params.max_tokens is not None:
             self.params_max_tokens.observe(params.max_tokens)
 

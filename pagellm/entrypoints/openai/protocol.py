@@ -34,7 +34,6 @@ NOT_YET = {
                     "structured outputs here take a JSON schema, any JSON object, a regex, a choice or a grammar"),
     **dict.fromkeys(("functions", "function_call"),
                     "OpenAI's deprecated function calling; send tools and tool_choice instead"),
-    "use_beam_search": "beam search is not available over HTTP yet (it is in the Python API: LLM.beam_search)",
 }
 
 
@@ -54,6 +53,10 @@ class _RequestFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
+    # vLLM's extras: beam search over n beams (returned best first), ranked by cumulative logprob
+    # over length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Structured outputs, in every spelling clients use (entrypoints/openai/structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -47,12 +47,19 @@ class OpenAIServingChat(OpenAIServing):
         ids = self.truncate(ids, req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
-        structured = await self.structured_outputs(req, tools.structured_outputs(), f"tool_choice {tools.mode}")
-        params = self.sampling_params(req, max_tokens=max_tokens,
-                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                      prompt_logprobs=req.prompt_logprobs, structured=structured)
-        if tools.mode == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
-            params.skip_special_tokens = False
+        if req.use_beam_search:
+            if tools.mode != "none":
+                raise bad_request(f"tool_choice {tools.mode} cannot be combined with use_beam_search",
+                                  param="use_beam_search")
+            params = self.beam_search_params(req, max_tokens)
+        else:
+            structured = await self.structured_outputs(req, tools.structured_outputs(),
+                                                       f"tool_choice {tools.mode}")
+            params = self.sampling_params(req, max_tokens=max_tokens,
+                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                          prompt_logprobs=req.prompt_logprobs, structured=structured)
+            if tools.mode == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
+                params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [(None, ids)], [params])
         if req.stream:

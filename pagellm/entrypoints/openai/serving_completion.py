@@ -40,12 +40,16 @@ class OpenAIServingCompletion(OpenAIServing):
         scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
         # max_tokens 0 runs one token (the engine always samples one) that the response leaves out.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
-        structured = await self.structured_outputs(req)
-        params = [self.sampling_params(req, max_tokens=self.resolve_max_tokens(len(ids), max_tokens, req.n,
-                                                                               "prompt"),
-                                       logprobs=req.logprobs, best_of=req.best_of,
-                                       prompt_logprobs=max(scored) if scored else None, structured=structured)
-                  for _, ids in prompts]
+        if req.use_beam_search:
+            params = [self.beam_search_params(req, self.resolve_max_tokens(len(ids), max_tokens, req.n, "prompt"))
+                      for _, ids in prompts]
+        else:
+            structured = await self.structured_outputs(req)
+            params = [self.sampling_params(req, max_tokens=self.resolve_max_tokens(len(ids), max_tokens, req.n,
+                                                                                   "prompt"),
+                                           logprobs=req.logprobs, best_of=req.best_of,
+                                           prompt_logprobs=max(scored) if scored else None, structured=structured)
+                      for _, ids in prompts]
         request_id = random_id("cmpl")
         streams = await self.add_requests(request_id, prompts, params)
         texts = [text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from pagellm.beam_search import BeamSearchParams
 from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
                                          RequestAborted, RequestStream)
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
@@ -22,6 +23,10 @@ from pagellm.entrypoints.openai.structured import parse_structured_outputs
 from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
+# Request fields that mean nothing to beam search (sent with use_beam_search, a 400 names them).
+BEAM_SEARCH_CONFLICTS = (set(OPENAI_FIELDS) - {"ignore_eos", "skip_special_tokens"}) | {
+    "logprobs", "top_logprobs", "logit_bias", "best_of", "prompt_logprobs", "response_format", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tool_choice", "echo"}
 # Retry-After for a full queue: a step takes well under a second, a request a few seconds.
 RETRY_AFTER_SECONDS = 1
 
@@ -161,6 +166,25 @@ class OpenAIServing:
             raise bad_request(str(e)) from None
 
     @staticmethod
+    def beam_search_params(req: SamplingFields, max_tokens: int) -> BeamSearchParams:
+        """use_beam_search: n beams, max_tokens, ignore_eos and length_penalty. Anything else that
+        shapes sampling was sent for nothing (beam search samples nothing): a 400 names it."""
+        if req.stream:
+            raise bad_request("use_beam_search is not available when streaming; send stream: false",
+                              param="use_beam_search")
+        sent = {name for name in req.model_fields_set if getattr(req, name, None) is not None}
+        for name in sorted(sent & BEAM_SEARCH_CONFLICTS):
+            if getattr(req, name) not in (False, []):
+                raise bad_request(f"{name} cannot be combined with use_beam_search: beam search keeps the n "
+                                  f"most likely continuations and samples nothing (it takes n, max_tokens, "
+                                  f"ignore_eos and length_penalty)", param=name)
+        try:
+            return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, length_penalty=req.length_penalty,
+                                    ignore_eos=bool(req.ignore_eos))
+        except ValueError as e:
+            raise bad_request(str(e), param="n") from None
+
+    @staticmethod
     def truncate(ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: only the prompt's last `keep` tokens (None: all)."""
         if keep is None:
@@ -177,7 +201,7 @@ class OpenAIServing:
 
     # ---- engine plumbing -------------------------------------------------------------------
     async def add_requests(self, base_id: str, prompts: list[tuple[str | None, list[int]]],
-                           params: list[SamplingParams]) -> list[RequestStream]:
+                           params: list[SamplingParams | BeamSearchParams]) -> list[RequestStream]:
         """Add every prompt (as `<base_id>-<i>`); if any is refused, none stays."""
         tasks = [asyncio.ensure_future(self.engine.add_request(
                      f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, p))

@@ -1,10 +1,11 @@
 """Next-token sampling for one engine step, vectorized over the batch.
 
 Owns the path from a step's logits ``[B, V]`` (one row per sequence that
-samples this step) to the chosen token ids: penalties, logit_bias,
-allowed_token_ids, the min_tokens ban, a structured-output grammar's token
-bitmask, greedy argmax, temperature, top-k / top-p / min-p truncation, seeded and
-unseeded random draws, and the logprobs reported for the chosen tokens.
+samples this step) to the chosen token ids: the logits rules of
+``logits_processors`` (penalties, logit_bias, allowed_token_ids, the min_tokens
+ban, a structured-output grammar's mask), greedy argmax, temperature, top-k /
+top-p / min-p truncation, seeded and unseeded random draws, and the logprobs
+reported for the chosen tokens.
 Everything that depends only on the requests, not on the logits, is computed
 once per step by ``SamplingMetadata.build``.
 
@@ -20,43 +21,18 @@ the other rows of the batch are sampled as usual.
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any
 
 import torch
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.logits_processors import LOGITS_PROCESSORS, LogitsProcessor, StepRequests
 
 # top-p first looks for each row's nucleus among its best few tokens, and only
 # sorts the whole vocabulary for rows whose nucleus is wider: sorting
 # [256, 49k] takes ~0.4 s on 2 cores, a top-256 about a tenth of that.
 _CANDIDATE_WIDTHS = (256, 4096)
-
-
-def _long_tensor(seqs: Iterable[list[int]], device: torch.device) -> torch.Tensor:
-    """All of ``seqs`` concatenated, as one int64 tensor."""
-    # array.fromlist converts a list in C, ~10x faster than torch.tensor(list).
-    buf = array("q")
-    for seq in seqs:
-        buf.fromlist(seq if isinstance(seq, list) else list(seq))
-    if not buf:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.frombuffer(buf, dtype=torch.int64).to(device, copy=True)
-
-
-def _flat_keys(rows: list[int], seqs: list[list[int]], vocab_size: int,
-               device: torch.device) -> torch.Tensor:
-    """``row * V + token`` for every token of ``seqs[i]`` in row ``rows[i]``."""
-    tokens = _long_tensor(seqs, device)
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
-    offsets = torch.tensor(rows, dtype=torch.long, device=device) * vocab_size
-    row_offsets = torch.repeat_interleave(offsets, lengths)
-    if tokens.numel() and int(tokens.max()) >= vocab_size:
-        # An id the logits have no column for cannot be penalized.
-        keep = tokens < vocab_size
-        tokens, row_offsets = tokens[keep], row_offsets[keep]
-    return tokens.add_(row_offsets)
 
 
 _MASK64 = (1 << 64) - 1
@@ -105,19 +81,8 @@ class SamplingMetadata:
     device: torch.device
     greedy_rows: torch.Tensor           # [G] rows that take argmax
     groups: list[_SampleGroup]          # the rows that sample, by source of randomness
-    # Penalties and the min_tokens ban are sparse: flat indices into the
-    # [B * V] logits of the (row, token) pairs they touch.
-    repetition_index: torch.Tensor | None
-    repetition_penalty: torch.Tensor | None
-    additive_index: torch.Tensor | None   # presence/frequency: logit -= amount
-    additive_amount: torch.Tensor | None
-    bias_index: torch.Tensor | None       # logit_bias: logit += amount
-    bias_amount: torch.Tensor | None
-    restricted_rows: torch.Tensor | None  # rows with allowed_token_ids ...
-    allowed_index: torch.Tensor | None    # ... and the (row, token) pairs they allow
-    banned_index: torch.Tensor | None     # eos/stop ids before min_tokens
-    grammar_rows: torch.Tensor | None     # rows with a structured-output grammar ...
-    grammar_mask: torch.Tensor | None     # ... and [rows, V] float: 0 for the tokens it allows next, -inf else
+    # The logits rules this step's rows use, each with its state (worker/logits_processors.py).
+    adjustments: list[tuple[LogitsProcessor, Any]]
     logprob_rows: list[int]               # rows whose params.logprobs is set
     logprob_ks: list[int]                 # their params.logprobs
 
@@ -127,10 +92,8 @@ class SamplingMetadata:
 
     @property
     def needs_adjustment(self) -> bool:
-        """Whether any logit must change before picking: penalties, biases, allowed sets or the min_tokens ban."""
-        return (self.repetition_index is not None or self.additive_index is not None
-                or self.bias_index is not None or self.restricted_rows is not None
-                or self.banned_index is not None or self.grammar_rows is not None)
+        """Whether any logit must change before picking (a rule of LOGITS_PROCESSORS applies)."""
+        return bool(self.adjustments)
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -155,93 +118,18 @@ class SamplingMetadata:
                 u = seeded_uniform(params[i].seed, len(output_token_ids[i]))
                 groups.append(_build_group([i], params, torch.tensor([u], device=device), vocab_size, device))
 
-        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        repetition_index = repetition_penalty = None
-        if rep_rows:
-            keys = torch.unique(_flat_keys(
-                rep_rows, [prompt_token_ids[i] + output_token_ids[i] for i in rep_rows],
-                vocab_size, device))
-            if keys.numel():
-                per_row = torch.tensor([p.repetition_penalty for p in params],
-                                       dtype=torch.float32, device=device)
-                repetition_index, repetition_penalty = keys, per_row[keys // vocab_size]
-
-        add_rows = [i for i, p in enumerate(params)
-                    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
-        additive_index = additive_amount = None
-        if add_rows:
-            keys, counts = torch.unique(_flat_keys(
-                add_rows, [output_token_ids[i] for i in add_rows], vocab_size, device),
-                return_counts=True)
-            if keys.numel():
-                presence = torch.tensor([p.presence_penalty for p in params],
-                                        dtype=torch.float32, device=device)
-                frequency = torch.tensor([p.frequency_penalty for p in params],
-                                         dtype=torch.float32, device=device)
-                row = keys // vocab_size
-                additive_index = keys
-                additive_amount = presence[row] + frequency[row] * counts.to(torch.float32)
-
-        bias_index = bias_amount = None
-        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-        if bias_rows:
-            pairs = [(i * vocab_size + t, b) for i in bias_rows for t, b in params[i].logit_bias.items()
-                     if t < vocab_size]
-            if pairs:
-                bias_index = torch.tensor([k for k, _ in pairs], dtype=torch.long, device=device)
-                bias_amount = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
-
-        restricted_rows = allowed_index = None
-        allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
-        if allow_rows:
-            restricted_rows = torch.tensor(allow_rows, dtype=torch.long, device=device)
-            allowed_index = torch.unique(_flat_keys(
-                allow_rows, [params[i].allowed_token_ids for i in allow_rows], vocab_size, device))
-
-        banned = []
-        for i, p in enumerate(params):
-            if len(output_token_ids[i]) < p.min_tokens:
-                banned.extend(i * vocab_size + t for t in p.min_tokens_held_off(eos) if 0 <= t < vocab_size)
-        banned_index = torch.tensor(banned, dtype=torch.long, device=device) if banned else None
-
-        grammar_rows = grammar_mask = None
-        masked = [i for i, m in enumerate(token_bitmasks or ()) if m is not None]
-        if masked:
-            grammar_rows = torch.tensor(masked, dtype=torch.long, device=device)
-            grammar_mask = bitmask_to_additive(torch.stack([token_bitmasks[i] for i in masked]).to(device), vocab_size)
+        step = StepRequests(params, prompt_token_ids, output_token_ids, eos, vocab_size, device, token_bitmasks)
+        adjustments = [(rule, state) for rule in LOGITS_PROCESSORS if (state := rule.prepare(step)) is not None]
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         return cls(
             batch_size=batch, vocab_size=vocab_size, device=device,
             greedy_rows=torch.tensor(greedy, dtype=torch.long, device=device),
             groups=groups,
-            repetition_index=repetition_index, repetition_penalty=repetition_penalty,
-            additive_index=additive_index, additive_amount=additive_amount,
-            bias_index=bias_index, bias_amount=bias_amount,
-            restricted_rows=restricted_rows, allowed_index=allowed_index,
-            banned_index=banned_index,
-            grammar_rows=grammar_rows, grammar_mask=grammar_mask,
+            adjustments=adjustments,
             logprob_rows=logprob_rows,
             logprob_ks=[params[i].logprobs for i in logprob_rows],
         )
-
-
-# Byte value -> its 8 bits as additive logit masks (0.0: allowed, -inf: not), low bit first.
-_BYTE_MASKS = torch.tensor([[0.0 if (b >> i) & 1 else float("-inf") for i in range(8)] for b in range(256)])
-
-
-def bitmask_to_additive(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, ceil(V / 32)] int32 rows, bit t % 32 of word t // 32 set when token t is allowed
-    (xgrammar's layout), as [R, V] float32: 0.0 where allowed, -inf where not.
-
-    Added to the logits rather than used with masked_fill: a random boolean mask makes
-    masked_fill (and where) ~5 ms for [32, 49k] on 2 cores; a table lookup per byte and an add
-    take ~1 ms. (Bytes in memory order: little-endian, as x86, ARM and CUDA devices are.)
-    """
-    rows = bitmask.shape[0]
-    table = _BYTE_MASKS.to(bitmask.device)
-    index = bitmask.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
-    return torch.index_select(table, 0, index).view(rows, -1)[:, :vocab_size]
 
 
 def _build_group(rows: list[int], params: list[SamplingParams],
@@ -270,35 +158,14 @@ def _build_group(rows: list[int], params: list[SamplingParams],
     )
 
 
-def apply_penalties_(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """In place, in this order: the repetition penalty, presence/frequency penalties,
-    logit_bias, the allowed_token_ids restriction, the min_tokens ban, then the grammar's mask.
+def apply_logits_processors_(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place, each rule the step uses, in LOGITS_PROCESSORS' order (penalties, logit_bias,
+    allowed_token_ids, the min_tokens ban, the grammar's mask).
 
     ``logits`` must be a contiguous [B, V] float tensor that the caller owns.
     """
-    flat = logits.view(-1)
-    if meta.repetition_index is not None:
-        idx = meta.repetition_index
-        vals = flat[idx]
-        pen = meta.repetition_penalty
-        flat[idx] = torch.where(vals > 0, vals / pen, vals * pen)
-    if meta.additive_index is not None:
-        idx = meta.additive_index
-        flat[idx] = flat[idx] - meta.additive_amount
-    if meta.bias_index is not None:
-        flat.index_add_(0, meta.bias_index, meta.bias_amount)
-    if meta.restricted_rows is not None:
-        kept = flat[meta.allowed_index]
-        logits.index_fill_(0, meta.restricted_rows, float("-inf"))
-        flat[meta.allowed_index] = kept
-    if meta.banned_index is not None:
-        flat[meta.banned_index] = float("-inf")
-    if meta.grammar_rows is not None:
-        # x + 0 = x and x - inf = -inf: exact (rows with a non-finite logit never get here).
-        if meta.grammar_mask.shape[0] == logits.shape[0]:
-            logits.add_(meta.grammar_mask)  # every row has a grammar: rows are 0 .. B-1 in order
-        else:
-            logits.index_add_(0, meta.grammar_rows, meta.grammar_mask)
+    for rule, state in meta.adjustments:
+        rule.apply(logits, state)
     return logits
 
 
@@ -492,7 +359,7 @@ class Sampler:
         if meta.needs_adjustment:
             x = self._buffer("work", *raw.shape, like=raw)
             x.copy_(raw)
-            apply_penalties_(x, meta)
+            apply_logits_processors_(x, meta)
             for row, cause in _unusable_rows(x.amax(-1), "no_token_allowed").items():
                 errors.setdefault(row, cause)
                 x[row] = 0.0

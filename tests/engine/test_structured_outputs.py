@@ -11,7 +11,7 @@ import torch
 import xgrammar as xgr
 
 from pagellm import LLM, SamplingParams, StructuredOutputsParams
-from pagellm.worker.sampler import bitmask_to_additive
+from pagellm.worker.logits_processors import bitmask_to_additive
 
 REGEX = r"[a-z]{2,5}-\d{2}!"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},

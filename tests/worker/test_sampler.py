@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.sampler import Sampler, SamplingMetadata, apply_penalties_
+from pagellm.worker.sampler import Sampler, SamplingMetadata, apply_logits_processors_
 
 EOS = 0
 
@@ -154,7 +154,7 @@ def test_penalties_follow_the_formulas() -> None:
               SamplingParams(temperature=0, repetition_penalty=1.0, frequency_penalty=-1.0)]
     prompts, outputs = [[0, 1, 1], [0]], [[2, 3, 3, 3], [4, 4, 1]]
     meta = meta_for(params, 6, prompts=prompts, outputs=outputs)
-    got = apply_penalties_(logits.clone(), meta)
+    got = apply_logits_processors_(logits.clone(), meta)
 
     expected = logits.clone()
     # Row 0: repetition over prompt+output {0,1,2,3}, then presence/frequency over outputs.
@@ -202,7 +202,7 @@ def test_logit_bias_moves_the_pick_but_not_the_reported_logprobs() -> None:
               SamplingParams(temperature=0, logit_bias={0: -100.0}),  # bans the argmax
               SamplingParams(temperature=0, logit_bias={2: 2.5, 0: -0.25})]
     meta = meta_for(params, 5)
-    got = apply_penalties_(logits.clone(), meta)
+    got = apply_logits_processors_(logits.clone(), meta)
     expected = logits.clone()
     expected[0, 4] += 100.0
     expected[1, 0] -= 100.0
@@ -359,3 +359,28 @@ def test_seeded_uniform_is_a_pure_uniform_function_of_seed_and_index() -> None:
     assert len(set(draws)) > 0.99 * len(draws)
     counts = torch.histc(torch.tensor(draws, dtype=torch.float64), bins=10, min=0, max=1)
     assert chi_square(counts, torch.full((10,), 0.1)) < 27.9  # df=9, p=0.001
+
+
+def test_each_logits_rule_is_used_only_by_the_rows_that_ask() -> None:
+    """A rule no row uses has no state this step (it costs nothing); one row using it gives
+    exactly that rule a state."""
+    import torch as _torch
+
+    from pagellm.sampling_params import StructuredOutputsParams
+    from pagellm.worker.logits_processors import LOGITS_PROCESSORS
+
+    vocab = 8
+    plain = SamplingParams(temperature=0)
+    asks = {"repetition_penalty": SamplingParams(repetition_penalty=1.5),
+            "presence_frequency_penalty": SamplingParams(presence_penalty=0.5),
+            "logit_bias": SamplingParams(logit_bias={3: 1.0}),
+            "allowed_token_ids": SamplingParams(allowed_token_ids=[2, 3]),
+            "min_tokens": SamplingParams(min_tokens=2, max_tokens=4),
+            "grammar": SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))}
+    assert set(asks) == {rule.name for rule in LOGITS_PROCESSORS}
+    assert not meta_for([plain, plain], vocab, outputs=[[4], [5]]).adjustments
+    for name, params in asks.items():
+        masks = [None, _torch.tensor([0b1010], dtype=_torch.int32)] if name == "grammar" else None
+        meta = SamplingMetadata.build([plain, params], [[1, 2], [1, 2]], [[4], [5]], {EOS}, vocab,
+                                      token_bitmasks=masks)
+        assert [rule.name for rule, _ in meta.adjustments] == [name]

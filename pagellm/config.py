@@ -17,7 +17,7 @@ from typing import Any, Callable
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # How weights are stored and multiplied; see pagellm.layers.quant.
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
 # request as before paging (the baselines of `pagellm bench`; see pagellm.core.kv.contiguous).
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
@@ -81,7 +81,8 @@ class EngineConfig:
     load_format: str = option("auto", "how to read --model", choices=LOAD_FORMATS)
     quantization: str = option("auto", "how weights are served: auto keeps a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, "
                                        "Q5_K and Q6_K matrices in their blocks (CPU); none dequantizes every weight "
-                                       "to --dtype at load", choices=QUANTIZATIONS)
+                                       "to --dtype at load; int8 (per channel) and int4 (groups of 128) quantize a "
+                                       "safetensors model's linear layers at load (CPU)", choices=QUANTIZATIONS)
     seed: int = option(0, "seed of unseeded sampling and of random (dummy) weights")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of earlier prompts' shared prefixes")
     kv_policy: str = option("paged", "paged KV blocks, or a contiguous region reserved per request (the "

@@ -41,7 +41,10 @@ class LLMEngine:
         self.config = config
         started = time.monotonic()
         device = resolve_device(config.device)
-        # The quantized kernels are CPU code; a GPU gets the file dequantized (Triton kernels: to come).
+        # The quantized kernels are CPU code; a GPU gets a GGUF file dequantized (Triton kernels: to come).
+        if config.quantization in ("int8", "int4") and device.type != "cpu":
+            raise ValueError(f"quantization {config.quantization!r} runs on the CPU only for now (torch's packed "
+                             f"CPU kernels); the device is {device}")
         quantization = config.quantization if device.type == "cpu" else "none"
         source = load_model_source(config.model, config.load_format, quantization)
         logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,

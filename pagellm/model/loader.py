@@ -45,7 +45,8 @@ def load_model_source(model: str | None, load_format: str = "auto", quantization
 
     `model` None means the bundled SmolLM2-135M-Instruct GGUF. `load_format` "gguf" and "safetensors"
     insist on that format, "dummy" reads config and tokenizer only (for random-weight runs).
-    `quantization` "auto" keeps a GGUF file's quantized matrices in their blocks; "none" dequantizes.
+    `quantization` "auto" keeps a GGUF file's quantized matrices in their blocks; "none" dequantizes;
+    "int8" and "int4" quantize a dense (safetensors) checkpoint's linear layers as they load.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -59,6 +60,9 @@ def load_model_source(model: str | None, load_format: str = "auto", quantization
     if load_format == "safetensors" and fmt != "hf":
         raise ValueError(f"load_format 'safetensors' needs a Hugging Face model directory, but {path} is not one")
 
+    if quantization in ("int8", "int4") and fmt == "gguf":
+        raise ValueError(f"quantization {quantization!r} quantizes a safetensors checkpoint as it loads; a GGUF file "
+                         f"is served in its own blocks (quantization 'auto') or dequantized ('none')")
     if fmt == "gguf":
         reader = open_gguf(path)  # parsed once for the config and the weights
         arch, tokenizer = read_gguf_config(path, reader), Tokenizer.from_gguf(path)
@@ -67,7 +71,8 @@ def load_model_source(model: str | None, load_format: str = "auto", quantization
         weights = partial(iter_gguf_weights, path, reader, arch, keep_blocks=blocks)
     else:
         arch, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
-        weights, weight_format = partial(iter_hf_weights, path), "dense"
+        weights = partial(iter_hf_weights, path)
+        weight_format = quantization if quantization in ("int8", "int4") else "dense"
     return ModelSource(
         path=path,
         format=fmt,

@@ -215,7 +215,6 @@ def test_step_failure_fails_the_request_and_server_keeps_serving(server):
     ("/v1/chat/completions", {"structural_tag": {"type": "x"}}, "structural_tag", "structured outputs"),
     ("/v1/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "structured outputs"),
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call", "tools and tool_choice"),
-    ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
     ("/v1/completions", {"temprature": 0.5}, "temprature", "not a parameter"),
 ])
 def test_no_field_is_silently_ignored(server, path, fields, param, words):

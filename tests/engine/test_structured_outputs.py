@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from pagellm import LLM, SamplingParams, StructuredOutputsParams
 from pagellm.worker.logits_processors import bitmask_to_additive
+from tests.engine.test_isolation import run as run_requests
 
 REGEX = r"[a-z]{2,5}-\d{2}!"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
@@ -32,17 +33,8 @@ def hf(tiny_llama_dir):
 
 
 def run(llm: LLM, reqs: list[tuple[list[int], SamplingParams]]) -> dict:
-    eng = llm.engine
-    for i, (prompt, params) in enumerate(reqs):
-        eng.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    s = llm.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["num_running"] == s["num_waiting"] == 0
-    return done
+    """Run `reqs` (as r0, r1, ...) to the end; every block back in the pool."""
+    return run_requests(llm, [(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(reqs)])
 
 
 @torch.no_grad()

@@ -1,6 +1,9 @@
-"""Per batch size, which product serves a GGUF-quantized weight fastest on this CPU: the fused
-kernel (blocks streamed once, float32 FMA), widened tiles through torch's GEMM, or (for scale)
-the dense weight. Its results set FUSED_MAX_ROWS in pagellm/layers/quant/gguf.py.
+"""Per batch size, which product serves a quantized weight fastest on this CPU: for GGUF blocks
+the fused kernel (blocks streamed once, float32 FMA) or widened tiles through torch's GEMM (its
+results set FUSED_MAX_ROWS in pagellm/layers/quant/gguf.py); for `--quantization int8 | int4`
+torch's packed kernels; and the dense weight for scale. Each product's weight bytes over its
+time give its achieved GB/s, next to the memory bandwidth (a streaming sum) and the dense GEMM
+rate measured in the same run: how far from the limit is a number.
 
     python benchmarks/quant_matmul.py --out benchmarks/results/quant-matmul-DATE.json
 
@@ -25,6 +28,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 from pagellm.layers.quant import gguf as q
+from pagellm.layers.quant.int_weights import Int4LinearMethod, Int8LinearMethod
 
 SHAPES = [  # (name, type, rows N, cols K)
     ("smollm2 gate_up", T.Q4_1, 3072, 576),
@@ -46,6 +50,27 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def int_layer(method, dense: torch.Tensor) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    method.create_weights(layer, dense.shape[1], dense.shape[0])
+    layer.weight.data.copy_(dense)
+    method.finish(layer)
+    return layer
+
+
+def reference_rates(repeat: int) -> dict:
+    """The machine's limits, measured now: memory bandwidth (sum over 512 MiB, read once) and
+    the float32 / bfloat16 GEMM rate (4096^3)."""
+    big = torch.ones(128 << 20)
+    bandwidth = big.numel() * 4 / timed(lambda: big.sum(), max(3, repeat // 4)) / 1e6
+    out = {"memory_gbps": round(bandwidth, 1)}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(4096, 4096, dtype=dtype)
+        ms = timed(lambda: a @ a, 3)
+        out[f"gemm_gflops_{str(dtype)[6:]}"] = round(2 * 4096 ** 3 / ms / 1e6, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -54,11 +79,16 @@ def main() -> None:
     kernels = q.cpu.quant_kernels()
     assert kernels is not None, "the quantized-matmul kernels did not build"
     rows = []
+    load_before = os.getloadavg()
+    limits_before = reference_rates(args.repeat)
+    print(json.dumps(limits_before), flush=True)
     for name, qtype, n, k in SHAPES:
         dense = torch.randn(n, k) * 0.05
         blocks = torch.from_numpy(quantize(dense.numpy(), qtype))
         for dtype in (torch.float32, torch.bfloat16):
             w = dense.to(dtype)
+            int8_method, int4_method = Int8LinearMethod(dtype), Int4LinearMethod(dtype)
+            int8_layer, int4_layer = int_layer(int8_method, w), int_layer(int4_method, w)
             for m in BATCHES:
                 x = torch.randn(m, k, dtype=dtype)
                 fused = timed(lambda: kernels.gguf_matmul(x, blocks, int(qtype), k), args.repeat)
@@ -69,15 +99,23 @@ def main() -> None:
                 finally:
                     q.FUSED_MAX_ROWS = saved
                 dense_ms = timed(lambda: F.linear(x, w), args.repeat)
+                int8 = timed(lambda: int8_method.apply(int8_layer, x), args.repeat)
+                int4 = timed(lambda: int4_method.apply(int4_layer, x), args.repeat)
+                gbps = {  # weight bytes streamed per product / its time
+                    "fused_gbps": blocks.numel() / fused / 1e6, "int8_gbps": n * k / int8 / 1e6,
+                    "int4_gbps": n * k / 2 / int4 / 1e6, "dense_gbps": n * k * w.element_size() / dense_ms / 1e6}
                 rows.append({"shape": name, "type": qtype.name, "rows": n, "cols": k, "dtype": str(dtype)[6:],
                              "batch": m, "fused_ms": round(fused, 4), "tiled_ms": round(tiled, 4),
-                             "dense_ms": round(dense_ms, 4), "weight_bytes": blocks.numel()})
+                             "int8_ms": round(int8, 4), "int4_ms": round(int4, 4),
+                             "dense_ms": round(dense_ms, 4), "weight_bytes": blocks.numel(),
+                             **{key: round(v, 2) for key, v in gbps.items()},
+                             "dense_gflops": round(2 * m * n * k / dense_ms / 1e6, 2)})
                 print(json.dumps(rows[-1]), flush=True)
     result = {"benchmark": "quant_matmul", "threads": torch.get_num_threads(), "cpu": platform.processor(),
-              "load_avg_before_after": [os.getloadavg()], "torch": torch.__version__,
+              "load_avg_before_after": [load_before, os.getloadavg()], "torch": torch.__version__,
+              "limits_before": limits_before, "limits_after": reference_rates(args.repeat),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(), "rows": rows}
-    result["load_avg_before_after"].append(os.getloadavg())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

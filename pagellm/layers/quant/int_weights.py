@@ -59,12 +59,23 @@ def int4_group(in_features: int, group_size: int = 128) -> int | None:
     return next((g for g in (group_size, *INT4_GROUP_SIZES) if g <= group_size and in_features % g == 0), None)
 
 
+_warned_float32 = False
+
+
 class _StagedLinearMethod(LinearMethod):
     """Holds the dense weight until `finish`, then only the quantized form."""
 
     def __init__(self, dtype: torch.dtype) -> None:
+        global _warned_float32
         self.dtype = dtype
         self.dense = UnquantizedLinearMethod()
+        if dtype == torch.float32 and not _warned_float32:
+            # benchmarks/results/quant-matmul-2026-12-01.json: with float32 activations torch's packed
+            # kernels run 5-60x slower than the dense product; with bfloat16 ones they are the fastest
+            # product at batch 1 (and dense bfloat16 on AMX wins from batch 8).
+            _warned_float32 = True
+            logger.warning("int8/int4 weights with float32 activations run far slower than dense float32 "
+                           "(torch's packed CPU kernels are fast in bfloat16 only): use --dtype bfloat16")
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         self.dense.create_weights(layer, in_features, out_features)

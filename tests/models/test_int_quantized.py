@@ -88,5 +88,13 @@ def test_int4_kernel_is_the_dequantized_product():
         else:
             q, s, low = quantize_int4(w, group)
             deq = (q.view(48, -1, group).float() * s[..., None] + low[..., None]).view(48, 256)
-        torch.testing.assert_close(method.apply(layer, x), x @ deq.T, rtol=0, atol=1e-4)
+        for rows in (x[:1], x):  # in float32 int8 widens tiles of W for torch's GEMM
+            torch.testing.assert_close(method.apply(layer, rows), rows @ deq.T, rtol=0, atol=1e-4)
+        bf16 = type(method)(torch.bfloat16, *(() if group is None else (group,)))  # torch's packed kernel
+        layer16 = nn.Module()
+        bf16.create_weights(layer16, 256, 48)
+        layer16.weight.data.copy_(w)
+        bf16.finish(layer16)
+        got = bf16.apply(layer16, x.bfloat16()).float()
+        torch.testing.assert_close(got, x.bfloat16().float() @ deq.T, rtol=0.02, atol=0.15)
         assert not hasattr(layer, "weight")

@@ -70,12 +70,11 @@ class _StagedLinearMethod(LinearMethod):
         self.dtype = dtype
         self.dense = UnquantizedLinearMethod()
         if dtype == torch.float32 and not _warned_float32:
-            # benchmarks/results/quant-matmul-2026-12-01.json: with float32 activations torch's packed
-            # kernels run 5-60x slower than the dense product; with bfloat16 ones they are the fastest
-            # product at batch 1 (and dense bfloat16 on AMX wins from batch 8).
+            # benchmarks/results/quant-matmul-2026-12-01.json: torch's packed kernels are the fastest
+            # product at batch 1 in bfloat16, and 5-60x slower than a dense one with float32 activations.
             _warned_float32 = True
-            logger.warning("int8/int4 weights with float32 activations run far slower than dense float32 "
-                           "(torch's packed CPU kernels are fast in bfloat16 only): use --dtype bfloat16")
+            logger.warning("int8/int4 weights with float32 activations are slower than dense float32 (torch's "
+                           "packed CPU kernels are fast in bfloat16; int4 has no other path): use --dtype bfloat16")
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         self.dense.create_weights(layer, in_features, out_features)
@@ -107,12 +106,32 @@ def _int8(layer: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> None:
     layer.scales = nn.Parameter(scale.to(dtype), requires_grad=False)
 
 
+# With float32 activations torch's int8 kernel is 4-60x slower than a dense product at every
+# batch size (quant-matmul-2026-12-01.json): past this many rows (none, in float32) rows of W
+# are widened a tile at a time for torch's GEMM instead.
+PACKED_MAX_ROWS = {torch.float32: 0}
+TILE_VALUES = 1 << 20
+
+
+def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] <= PACKED_MAX_ROWS.get(x.dtype, 1 << 30):
+        return torch._weight_int8pack_mm(x, q, scales)
+    rows, cols = q.shape
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+    step = max(16, TILE_VALUES // cols)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        tile = q[start:end].to(x.dtype).mul_(scales[start:end, None])
+        out[:, start:end] = x @ tile.T
+    return out
+
+
 class Int8LinearMethod(_StagedLinearMethod):
     def quantize(self, layer: nn.Module, weight: torch.Tensor) -> None:
         _int8(layer, weight, self.dtype)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
+        return _int8_matmul(x, layer.qweight, layer.scales)
 
 
 class Int4LinearMethod(_StagedLinearMethod):
@@ -139,5 +158,5 @@ class Int4LinearMethod(_StagedLinearMethod):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not layer.int4_group:
-            return torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
+            return _int8_matmul(x, layer.qweight, layer.scales)
         return torch._weight_int4pack_mm_for_cpu(x, layer.qweight, layer.int4_group, layer.scales_and_zeros)

@@ -73,16 +73,24 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   }
 }
 
-void dequant_q4_k(const uint8_t* b, float* y) {
+// Sub-blocks 2j and 2j + 1 of a Q4_K / Q5_K super-block `b`, which share 32 bytes of quants
+// (low and high nibbles): value = d1 * q - m1 in the first, d2 * q - m2 in the second.
+struct PairScales {
+  float d1, m1, d2, m2;
+};
+
+inline PairScales pair_scales_k4(const uint8_t* b, int j) {
   const float d = half_at(b), dmin = half_at(b + 2);
-  const uint8_t* scales = b + 4;
+  uint8_t sc1, m1, sc2, m2;
+  scale_min_k4(2 * j, b + 4, &sc1, &m1);
+  scale_min_k4(2 * j + 1, b + 4, &sc2, &m2);
+  return {d * sc1, dmin * m1, d * sc2, dmin * m2};
+}
+
+void dequant_q4_k(const uint8_t* b, float* y) {
   const uint8_t* q = b + 16;
   for (int j = 0; j < 4; ++j) {  // 64 values: two sub-blocks sharing 32 bytes (low, high nibbles)
-    uint8_t sc, m;
-    scale_min_k4(2 * j, scales, &sc, &m);
-    const float d1 = d * sc, m1 = dmin * m;
-    scale_min_k4(2 * j + 1, scales, &sc, &m);
-    const float d2 = d * sc, m2 = dmin * m;
+    const auto [d1, m1, d2, m2] = pair_scales_k4(b, j);
     for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 0x0F) - m1;
     for (int l = 0; l < 32; ++l) y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
     q += 32;
@@ -91,16 +99,10 @@ void dequant_q4_k(const uint8_t* b, float* y) {
 }
 
 void dequant_q5_k(const uint8_t* b, float* y) {
-  const float d = half_at(b), dmin = half_at(b + 2);
-  const uint8_t* scales = b + 4;
   const uint8_t* qh = b + 16;
   const uint8_t* ql = b + 48;
   for (int j = 0; j < 4; ++j) {
-    uint8_t sc, m;
-    scale_min_k4(2 * j, scales, &sc, &m);
-    const float d1 = d * sc, m1 = dmin * m;
-    scale_min_k4(2 * j + 1, scales, &sc, &m);
-    const float d2 = d * sc, m2 = dmin * m;
+    const auto [d1, m1, d2, m2] = pair_scales_k4(b, j);
     const int lo = 2 * j, hi = 2 * j + 1;  // the bit of qh that holds each value's fifth bit
     for (int l = 0; l < 32; ++l)
       y[l] = d1 * static_cast<float>((ql[l] & 0x0F) | (((qh[l] >> lo) & 1) << 4)) - m1;
@@ -164,44 +166,32 @@ void dequant_q8_0_avx(const uint8_t* b, float* y) {
   _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 18))), d));
 }
 
-void dequant_q4_k_avx(const uint8_t* b, float* y) {
-  const float d = half_at(b), dmin = half_at(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* q = b + 16;
+// Q4_K and Q5_K: the same super-block of 8 scaled sub-blocks; Q5_K adds each value's fifth
+// bit from 32 bytes of high bits (bit 2j / 2j + 1 of qh for sub-blocks 2j / 2j + 1).
+template <bool kFifthBit>
+void dequant_k4_avx(const uint8_t* b, float* y) {
+  const uint8_t* qh = b + 16;  // Q5_K only
+  const uint8_t* q = b + (kFifthBit ? 48 : 16);
   for (int j = 0; j < 4; ++j, q += 32, y += 64) {
-    uint8_t sc, m;
-    scale_min_k4(2 * j, scales, &sc, &m);
-    const __m512 d1 = _mm512_set1_ps(d * sc), m1 = _mm512_set1_ps(dmin * m);
-    scale_min_k4(2 * j + 1, scales, &sc, &m);
-    const __m512 d2 = _mm512_set1_ps(d * sc), m2 = _mm512_set1_ps(dmin * m);
+    const PairScales s = pair_scales_k4(b, j);
+    const __m512 d1 = _mm512_set1_ps(s.d1), m1 = _mm512_set1_ps(s.m1);
+    const __m512 d2 = _mm512_set1_ps(s.d2), m2 = _mm512_set1_ps(s.m2);
     for (int h = 0; h < 2; ++h) {
       const __m128i v = load16(q + 16 * h);
-      _mm512_storeu_ps(y + 16 * h, _mm512_fmsub_ps(d1, widen_u8(and8(v, 0x0F)), m1));
-      _mm512_storeu_ps(y + 32 + 16 * h, _mm512_fmsub_ps(d2, widen_u8(and8(shr(v, 4), 0x0F)), m2));
-    }
-  }
-}
-
-void dequant_q5_k_avx(const uint8_t* b, float* y) {
-  const float d = half_at(b), dmin = half_at(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* ql = b + 48;
-  for (int j = 0; j < 4; ++j, ql += 32, y += 64) {
-    uint8_t sc, m;
-    scale_min_k4(2 * j, scales, &sc, &m);
-    const __m512 d1 = _mm512_set1_ps(d * sc), m1 = _mm512_set1_ps(dmin * m);
-    scale_min_k4(2 * j + 1, scales, &sc, &m);
-    const __m512 d2 = _mm512_set1_ps(d * sc), m2 = _mm512_set1_ps(dmin * m);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i v = load16(ql + 16 * h), hb = load16(qh + 16 * h);
-      const __m128i lo = _mm_or_si128(and8(v, 0x0F), _mm_slli_epi16(and8(shr(hb, 2 * j), 1), 4));
-      const __m128i hi = _mm_or_si128(and8(shr(v, 4), 0x0F), _mm_slli_epi16(and8(shr(hb, 2 * j + 1), 1), 4));
+      __m128i lo = and8(v, 0x0F), hi = and8(shr(v, 4), 0x0F);
+      if constexpr (kFifthBit) {
+        const __m128i hb = load16(qh + 16 * h);
+        lo = _mm_or_si128(lo, _mm_slli_epi16(and8(shr(hb, 2 * j), 1), 4));
+        hi = _mm_or_si128(hi, _mm_slli_epi16(and8(shr(hb, 2 * j + 1), 1), 4));
+      }
       _mm512_storeu_ps(y + 16 * h, _mm512_fmsub_ps(d1, widen_u8(lo), m1));
       _mm512_storeu_ps(y + 32 + 16 * h, _mm512_fmsub_ps(d2, widen_u8(hi), m2));
     }
   }
 }
+
+void dequant_q4_k_avx(const uint8_t* b, float* y) { dequant_k4_avx<false>(b, y); }
+void dequant_q5_k_avx(const uint8_t* b, float* y) { dequant_k4_avx<true>(b, y); }
 
 void dequant_q6_k_avx(const uint8_t* b, float* y) {
   const uint8_t* ql = b;

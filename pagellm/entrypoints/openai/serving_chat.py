@@ -73,17 +73,14 @@ class OpenAIServingChat(OpenAIServing):
 
     def reply(self, tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the message, the finish reason) of a finished choice: its tool calls taken out of the text."""
-        message: dict = {"role": "assistant", "content": text}
-        calls: list[ToolCall] | None = None
+        content, calls = text, None
         if tools.mode in ("required", "named"):
             calls = forced_calls(tools, text)
+            content = None if calls else text  # cut short: the client gets the text
         elif tools.mode == "auto":
-            content, calls = self.parser().extract(text)
-            calls = calls[:1] if calls and not tools.parallel else calls
-            if calls:
-                message["content"] = content
+            content, calls = tools.parse_auto(self.parser(), text)
+        message: dict = {"role": "assistant", "content": content}
         if calls:
-            message["content"] = message["content"] if tools.mode == "auto" else None
             message["tool_calls"] = [c.to_json() for c in calls]
             # OpenAI: "tool_calls" when the model chose to call; a named function was not its choice.
             if tools.mode != "named":
@@ -268,8 +265,7 @@ class ToolDeltas:
             new = text[self.sent:end] if end > self.sent else ""
             self.sent = max(self.sent, end)
             return ({"content": new} if new else {}), None
-        content, calls = self.parser.extract(text)
-        calls = calls[:1] if calls and not self.tools.parallel else calls
+        _, calls = self.tools.parse_auto(self.parser, text)
         if not calls:
             new, self.sent = text[self.sent:], len(text)
             return ({"content": new} if new else {}), finish_reason

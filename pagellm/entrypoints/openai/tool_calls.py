@@ -64,6 +64,11 @@ class ToolPlan:
             return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return None
 
+    def parse_auto(self, parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of an `auto` reply; one call at most without parallel_tool_calls."""
+        content, calls = parser.extract(text)
+        return content, calls if self.parallel else calls[:1]
+
     def _tool(self, name: str) -> dict:
         return next(t for t in self.tools if t["name"] == name)
 

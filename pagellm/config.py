@@ -87,6 +87,9 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of earlier prompts' shared prefixes")
     kv_policy: str = option("paged", "paged KV blocks, or a contiguous region reserved per request (the "
                                      "pre-paging baselines, for comparison)", choices=KV_POLICIES)
+    batch_invariant: bool = option(False, "a request's logits, and so its seeded samples, do not depend on what "
+                                          "else runs beside it: alone, batched, chunked or after preemption (CPU; "
+                                          "dense and GGUF weights; costs throughput, see README)")
     enforce_eager: bool = option(False, "on a GPU, do not capture CUDA graphs for decode")
     tensor_parallel_size: int = option(1, "split the model over this many ranks (processes; gloo on the CPU, "
                                           "NCCL on GPUs)", check=lambda v: v >= 1, limit="an integer >= 1",

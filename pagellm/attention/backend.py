@@ -7,7 +7,7 @@ through `kv_cache_shape` and fills the metadata.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,21 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor
     num_decodes: int
     block_size: int
+
+    # query_token_keys()'s result, computed once per step rather than once per layer.
+    _token_keys: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def query_token_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query token of the step: its sequence's row in block_tables, and how many keys it
+        attends to (its position + 1: a prefill's tokens see the keys before them and their own)."""
+        if self._token_keys is None:
+            ql = torch.tensor(self.query_lens, device=self.seq_lens_tensor.device)
+            seq = torch.repeat_interleave(torch.arange(len(self.query_lens), device=ql.device), ql)
+            first = torch.cumsum(ql, 0) - ql  # each sequence's first token in the step
+            within = torch.arange(seq.numel(), device=ql.device) - first[seq]
+            keys = self.seq_lens_tensor.to(ql.device)[seq] - ql[seq] + 1 + within
+            self._token_keys = (seq, keys)
+        return self._token_keys
 
     @property
     def num_seqs(self) -> int:

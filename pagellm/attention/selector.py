@@ -19,8 +19,9 @@ def triton_available() -> bool:
     return True
 
 
-def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+def select_backend(device: torch.device, name: str = "auto", batch_invariant: bool = False) -> AttentionBackend:
     """"auto": Triton on a CUDA device when Triton imports, torch otherwise; "torch"/"triton" insist.
+    `batch_invariant`: the CPU backend in its batch-invariant mode (CPU only, so far).
 
     "triton" on a CPU works only under Triton's interpreter (TRITON_INTERPRET=1, set before
     Triton is imported): slow, for tests.
@@ -28,6 +29,11 @@ def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
     device = torch.device(device)
+    if batch_invariant:
+        if device.type != "cpu" or name == "triton":
+            raise ValueError(f"batch-invariant mode runs on the CPU only so far (the Triton kernels' sums still "
+                             f"depend on the batch); the device is {device}")
+        return TorchAttentionBackend(batch_invariant=True)
     if name == "torch" or (name == "auto" and not (device.type == "cuda" and triton_available())):
         return TorchAttentionBackend()
     if not triton_available():

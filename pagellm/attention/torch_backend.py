@@ -22,13 +22,25 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:nb]].flatten(0, 1)[:length]
 
 
+# Batch-invariant mode cuts long contexts into runs of this many keys, at fixed positions.
+INVARIANT_RUN = 256
+
+
 class TorchAttentionBackend(AttentionBackend):
     """`compiled_decode`: read K/V in place with the compiled CPU kernel for decodes
     (None: whenever it is available and the cache is float32 or bfloat16 on the CPU). False keeps
-    the pure-torch path, the reference that every other path is tested against."""
+    the pure-torch path, the reference that every other path is tested against.
 
-    def __init__(self, compiled_decode: bool | None = None) -> None:
+    `batch_invariant`: every query token, decode or prefill, goes through the compiled kernel on
+    its own, reading its keys from the cache block by block from position 0, with long contexts
+    cut at fixed positions; its sums are then the same whether it is decoded, prefilled whole,
+    in a chunk, or recomputed after preemption, and whatever else is in the batch.
+    (SDPA's prefill tiles by the prompt's length, and the decode kernel splits contexts by the
+    batch's load: both change a token's sums with what runs beside it.)"""
+
+    def __init__(self, compiled_decode: bool | None = None, batch_invariant: bool = False) -> None:
         self.compiled_decode = compiled_decode
+        self.batch_invariant = batch_invariant
 
     def _use_compiled(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return self.compiled_decode is not False and cpu.decode_usable(q, k_cache)
@@ -36,16 +48,21 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 options: AttentionOptions | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
         if options is not None and options.plain:
             options = None
+        if self.batch_invariant:
+            token_seq, key_lens = meta.query_token_keys()
+            return cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, key_lens, scale,
+                                       options.sliding_window if options else None,
+                                       options.softcap if options else None, sinks, token_seq, INVARIANT_RUN)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
         if nd:
             if self._use_compiled(q, k_cache):
                 window = options.sliding_window if options else None
                 softcap = options.softcap if options else None
-                out[:nd] = cpu.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                             meta.seq_lens_tensor[:nd], scale, window, softcap, sinks)
+                out[:nd] = cpu.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                               meta.seq_lens_tensor[:nd], scale, window, softcap, sinks)
             else:
                 out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, options, sinks)
         start = nd

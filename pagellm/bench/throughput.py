@@ -3,6 +3,8 @@ pagellm against what a user would otherwise run, in one process on the same prom
 
 Systems (any subset with --systems):
 - `pagellm-paged`: the engine as shipped (paged KV, block size 16).
+- `pagellm-paged-bf16`, `pagellm-paged-invariant`: the same engine in bfloat16, or in
+  batch-invariant mode (`pagellm-paged-bf16-invariant`: both).
 - `pagellm-contiguous-max` / `-oracle` / `-pow2`: the same engine built with
   `kv_policy=contiguous-*` (a contiguous region reserved per request) over the same
   number of blocks, so the difference is what paging buys at one KV budget.
@@ -128,16 +130,19 @@ def _phase_breakdown(timer: PhaseTimer) -> dict:
     }
 
 
-def pagellm_system(name: str) -> tuple[str, str]:
-    """`pagellm-<policy>` runs in float32 like every other system here; `pagellm-<policy>-bf16`
-    is the same engine in bfloat16 (weights and KV cache), the CPU's fast opt-in mode."""
+def pagellm_system(name: str) -> tuple[str, str, bool]:
+    """(policy, dtype, batch_invariant). `pagellm-<policy>` runs in float32 like every other system
+    here; a `-bf16` suffix is the same engine in bfloat16 (weights and KV cache), the CPU's fast
+    opt-in mode; a final `-invariant` runs it in batch-invariant mode."""
     policy = name.removeprefix("pagellm-")
+    invariant = policy.endswith("-invariant")
+    policy = policy.removesuffix("-invariant")
     if policy.endswith("-bf16"):
-        return policy.removesuffix("-bf16"), "bfloat16"
-    return policy, "float32"
+        return policy.removesuffix("-bf16"), "bfloat16", invariant
+    return policy, "float32", invariant
 
 
-def make_llm(cfg: ThroughputConfig, policy: str, dtype: str = "float32"):
+def make_llm(cfg: ThroughputConfig, policy: str, dtype: str = "float32", batch_invariant: bool = False):
     """A fresh engine for one run: its own KV pool of the run's budget (so no run reuses
     another's cached prefixes)."""
     from pagellm.entrypoints.llm import LLM
@@ -145,14 +150,14 @@ def make_llm(cfg: ThroughputConfig, policy: str, dtype: str = "float32"):
     return LLM(cfg.model, dtype=dtype, device="cpu", block_size=cfg.block_size,
                num_kv_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_prompt + cfg.max_output,
-               seed=cfg.seed, kv_policy=policy)
+               seed=cfg.seed, kv_policy=policy, batch_invariant=batch_invariant)
 
 
 def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False,
-                dtype: str = "float32") -> dict:
+                dtype: str = "float32", batch_invariant: bool = False) -> dict:
     from pagellm.sampling_params import SamplingParams
 
-    llm = make_llm(cfg, policy, dtype)
+    llm = make_llm(cfg, policy, dtype, batch_invariant)
     # Warm up kernels and allocators once, outside the measurement.
     llm.generate([{"prompt_token_ids": work[0].prompt[:16]}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)
@@ -426,9 +431,9 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         reference[i] = hf_greedy_one(hf, work[i].prompt, work[i].max_tokens)
     for name in cfg.systems:
         if name.startswith("pagellm-"):
-            policy, dtype = pagellm_system(name)
-            res, outs = run_pagellm(work, policy, cfg, dtype=dtype)
-            res["dtype"] = dtype
+            policy, dtype, invariant = pagellm_system(name)
+            res, outs = run_pagellm(work, policy, cfg, dtype=dtype, batch_invariant=invariant)
+            res["dtype"], res["batch_invariant"] = dtype, invariant
         elif name.startswith("hf-static-"):
             pad = tok.eos_token_id if tok.eos_token_id is not None else 0
             res, outs = run_hf_static(hf, work, int(name.removeprefix("hf-static-")), pad, cfg)
@@ -558,7 +563,8 @@ def add_parser(sub) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated; pagellm-<policy>[-bf16], hf-static-<batch>, hf-generate-batch, llama-cpp")
+                   help="comma-separated; pagellm-<policy>[-bf16][-invariant], hf-static-<batch>, hf-generate-batch, "
+                        "llama-cpp")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV budget for every pagellm policy, in blocks (default: what 64 requests of the "
                         "longest possible length need, the KV memory of transformers' static batch of 64)")

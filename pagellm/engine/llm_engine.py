@@ -57,12 +57,15 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if config.tensor_parallel_size > 1:
+            if config.batch_invariant:
+                raise ValueError("batch_invariant does not cover tensor parallelism yet (its all-reduce adds the "
+                                 "ranks' partial sums in the transport's order); use tensor_parallel_size 1")
             from pagellm.distributed.driver import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, source, self.device, self.dtype, self.max_model_len)
         else:
             self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed,
-                                      weight_format=source.weight_format)
+                                      weight_format=source.weight_format, batch_invariant=config.batch_invariant)
         try:
             if source.weights is None:
                 self.runner.init_dummy_weights(config.seed)

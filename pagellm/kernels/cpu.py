@@ -90,21 +90,24 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode serves this step: CPU tensors, a float32 or bfloat16 cache, built."""
+    """Whether paged_attention serves this step: CPU tensors, a float32 or bfloat16 cache, built."""
     return k_cache.device.type == "cpu" and k_cache.dtype in _DTYPES and usable(q)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, H, D] on the CPU; a float32 or bfloat16 cache. Returns [B, H, D] in q's dtype.
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    token_seq: torch.Tensor | None = None, fixed_run: int = 0) -> torch.Tensor:
+    """q: [B, H, D] on the CPU, B query tokens; a float32 or bfloat16 cache. Returns [B, H, D] in q's dtype.
 
-    The arithmetic is float32 either way: a bfloat16 cache is widened as it is read. With a
-    sliding window W only the last W keys are read; `softcap` caps each score (Gemma 2);
-    `sinks` [H] join each head's softmax denominator (gpt-oss).
+    Query b reads the first `seq_lens[b]` keys of block-table row `token_seq[b]` (None: row b, one
+    decode token per sequence). The arithmetic is float32 either way: a bfloat16 cache is widened
+    as it is read. With a sliding window W only the last W keys are read; `softcap` caps each
+    score (Gemma 2); `sinks` [H] join each head's softmax denominator (gpt-oss). `fixed_run` > 0
+    splits long contexts at fixed positions (batch-invariant mode); 0 splits by the batch's load.
     """
-    out = _load().paged_decode(q.float(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
-                               softcap or 0.0, sinks)
+    out = _load().paged_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
+                                  softcap or 0.0, sinks, token_seq, fixed_run)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

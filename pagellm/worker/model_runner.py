@@ -17,6 +17,7 @@ from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
+from pagellm.layers.moe import FusedMoE
 from pagellm.layers.quant import linear_methods
 from pagellm.model.config import ModelArchConfig
 from pagellm.models.registry import build_model
@@ -101,16 +102,21 @@ class StepResult:
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend | None = None, seed: int = 0,
-                 tp: TensorParallelGroup | None = None, weight_format: str = "dense") -> None:
-        """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with."""
+                 tp: TensorParallelGroup | None = None, weight_format: str = "dense",
+                 batch_invariant: bool = False) -> None:
+        """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
+        `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py)."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
-        self.backend = backend or select_backend(device)
+        self.backend = backend or select_backend(device, batch_invariant=batch_invariant)
         self.max_model_len = max_model_len
         self.cuda_graphs: CUDAGraphRunner | None = None
-        with torch.device(device), linear_methods(weight_format, dtype):
+        with torch.device(device), linear_methods(weight_format, dtype, batch_invariant):
             self.model = build_model(arch, self.backend, max_model_len, tp).to(dtype)
+        if batch_invariant and any(isinstance(m, FusedMoE) for m in self.model.modules()):
+            raise ValueError(f"batch-invariant mode does not cover mixture-of-experts models yet ({arch.architecture}: "
+                             f"each expert multiplies the tokens routed to it, a batch-dependent set)")
         self.model.eval()
         if device.type == "cpu":
             cpu_kernels.available()  # built (once) at start-up, not on the first request

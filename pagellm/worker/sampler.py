@@ -353,7 +353,7 @@ class Sampler:
             raw[list(errors)] = 0.0
             raw_max[list(errors)] = 0.0
         if meta.all_greedy and not meta.needs_adjustment:
-            return self._output(raw, argmax, meta, raw_max, errors)
+            return self._output(raw, argmax, meta, errors)
 
         x = raw
         if meta.needs_adjustment:
@@ -372,7 +372,7 @@ class Sampler:
             tokens[g] = torch.index_select(x, 0, g, out=rows).max(-1).indices
         for group in meta.groups:
             tokens[group.rows] = self._sample_group(x, group, owned=x is not raw)
-        return self._output(raw, tokens, meta, raw_max, errors)
+        return self._output(raw, tokens, meta, errors)
 
     def _sample_group(self, x: torch.Tensor, group: _SampleGroup, owned: bool) -> torch.Tensor:
         n = group.rows.numel()
@@ -388,12 +388,8 @@ class Sampler:
         return _sample_logits(w, group, u)
 
     def _output(self, raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata,
-                raw_max: torch.Tensor, errors: dict[int, str]) -> SamplerOutput:
-        # Raw log-normalizer without a fresh [B, V] allocation: the scratch
-        # buffers are free again once the tokens are chosen.
-        shifted = self._buffer("work", *raw.shape, like=raw)
-        torch.sub(raw, raw_max[:, None], out=shifted)
-        lse = raw_max + shifted.exp_().sum(-1).log()
+                errors: dict[int, str]) -> SamplerOutput:
+        lse = _row_logsumexp(raw)
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
         out = SamplerOutput(token_ids=tokens.tolist(), logprobs=(chosen - lse).tolist(), errors=errors or None)
         if meta.logprob_rows:
@@ -418,6 +414,17 @@ class Sampler:
             k = meta.logprob_ks[j]
             if k > 0:
                 out.top_logprobs[row] = list(zip(top_ids[j][:k], top_lp[j][:k]))
+
+
+def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row of x [B, V], the same bits for a row whatever B is.
+
+    torch reduces a single row as a whole tensor (split over threads, then combined) and several
+    rows dimension-wise, which sums a row in another order; a lone row is therefore reduced as one
+    of two, so that a token's logprob does not depend on how many rows share the step."""
+    if x.shape[0] == 1:
+        return torch.logsumexp(x.expand(2, -1).contiguous(), -1)[:1]
+    return torch.logsumexp(x, -1)
 
 
 def _unusable_rows(row_max: torch.Tensor, cause: str) -> dict[int, str]:

@@ -70,14 +70,14 @@ def test_bfloat16_element_wise_kernels_round_once_from_float32():
     torch.testing.assert_close(norm(rows).float(), reference.float(), rtol=2 ** -7, atol=0)  # the model uses it
 
 
-def test_paged_decode_head_dim_128_through_scattered_blocks():
+def test_paged_attention_head_dim_128_through_scattered_blocks():
     torch.manual_seed(0)
     b, h, kvh, d, bs, nb = 5, 8, 2, 128, 16, 64
     k_cache, v_cache = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
     lens = torch.tensor([1, 16, 17, 100, 200])
     tables = torch.stack([torch.randperm(nb)[:13] for _ in range(b)])
     q = torch.randn(b, h, d)
-    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    out = cpu.paged_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
     for i in range(b):
         n = int(lens[i])
         k = k_cache[tables[i]].flatten(0, 1)[:n].repeat_interleave(h // kvh, dim=1)
@@ -86,7 +86,7 @@ def test_paged_decode_head_dim_128_through_scattered_blocks():
         torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", p, v), rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_against_float64_on_long_contexts_and_nan():
+def test_paged_attention_against_float64_on_long_contexts_and_nan():
     # Wide scores (keys scaled by 3) reach deep into exp's range; contexts of thousands split
     # into several runs merged by log-sum-exp. A NaN in a query reaches that head's output.
     torch.manual_seed(3)
@@ -95,7 +95,7 @@ def test_paged_decode_against_float64_on_long_contexts_and_nan():
     lens = torch.tensor([5, 700, 3000])
     tables = torch.stack([torch.randperm(nb)[:190] for _ in range(b)])
     q = torch.randn(b, h, d)
-    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    out = cpu.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
     for i in range(b):
         n = int(lens[i])
         k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(h // kvh, dim=1)
@@ -103,14 +103,14 @@ def test_paged_decode_against_float64_on_long_contexts_and_nan():
         p = (torch.einsum("hd,khd->hk", q[i].double(), k) * 0.125).softmax(-1)
         torch.testing.assert_close(out[i].double(), torch.einsum("hk,khd->hd", p, v), rtol=0, atol=5e-6)
     q[1, 0, 0] = float("nan")
-    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    out = cpu.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
     assert torch.isnan(out[1, 0]).all() and not torch.isnan(out[1, 1:]).any() and not torch.isnan(out[0]).any()
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32, 64])
-def test_paged_decode_against_float64_at_every_block_size_and_head_dim(block_size, head_dim, cache_dtype):
+def test_paged_attention_against_float64_at_every_block_size_and_head_dim(block_size, head_dim, cache_dtype):
     """An independent oracle (float64 softmax attention over the cache's own values) for the
     block sizes and head dims the vectorized paths special-case, float32 and bfloat16 caches,
     GQA groups of 1 and 4, contexts that end inside, at and past block boundaries."""
@@ -123,7 +123,7 @@ def test_paged_decode_against_float64_at_every_block_size_and_head_dim(block_siz
         v_cache = torch.randn(nb * 2, block_size, kvh, head_dim).to(cache_dtype)
         tables = torch.stack([torch.randperm(nb * 2)[:nb] for _ in range(b)])
         q = torch.randn(b, h, head_dim)
-        out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+        out = cpu.paged_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
         for i in range(b):
             n = int(lens[i])
             k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(h // kvh, dim=1)
@@ -133,7 +133,7 @@ def test_paged_decode_against_float64_at_every_block_size_and_head_dim(block_siz
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_reads_a_bfloat16_cache_as_float32(q_dtype):
+def test_paged_attention_reads_a_bfloat16_cache_as_float32(q_dtype):
     # The same float32 arithmetic over the widened values: a bfloat16 cache only halves the bytes.
     torch.manual_seed(1)
     b, h, kvh, d, bs, nb = 4, 9, 3, 64, 16, 80
@@ -142,9 +142,9 @@ def test_paged_decode_reads_a_bfloat16_cache_as_float32(q_dtype):
     lens = torch.tensor([3, 33, 512, 1000])
     tables = torch.stack([torch.randperm(nb)[:63] for _ in range(b)])
     q = torch.randn(b, h, d).to(q_dtype)
-    out = cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    out = cpu.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
     assert out.dtype == q_dtype
-    expected = cpu.paged_decode(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
+    expected = cpu.paged_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
     # Float32 results agree to rounding (the two builds vectorize differently); a bfloat16 output
     # may then round one unit (up to 2^-7 relative) the other way.
     tol = 1e-6 if q_dtype == torch.float32 else 2 ** -7
@@ -163,7 +163,7 @@ def test_bad_inputs_are_refused_with_a_message():
         cpu.rotary_embedding_(q.bfloat16(), k.bfloat16(), torch.randn(5, 8), torch.randn(5, 8))
     kc = torch.randn(4, 4, 2, 8)
     with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
-        cpu.paged_decode(torch.randn(1, 4, 8), kc, kc.bfloat16(), torch.zeros(1, 1, dtype=torch.long),
+        cpu.paged_attention(torch.randn(1, 4, 8), kc, kc.bfloat16(), torch.zeros(1, 1, dtype=torch.long),
                          torch.ones(1, dtype=torch.long), 1.0)
 
 

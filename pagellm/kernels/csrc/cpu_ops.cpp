@@ -1,7 +1,8 @@
 // Fused kernels for the CPU path, float32 and bfloat16.
 //
-// - paged_decode: one query token per sequence, K/V read in place through the block
-//   table. The torch path has to gather every sequence's blocks into a padded copy
+// - paged_attention: query tokens each against their sequence's cached K/V, read in place
+//   through the block table (decodes: one token per sequence; in batch-invariant mode
+//   prefill tokens too, each reading its own prefix). The torch path has to gather every sequence's blocks into a padded copy
 //   first (a write and a second read of all K/V); reading the blocks where they lie
 //   moves a third of the bytes and skips the padding. A bfloat16 cache is widened to
 //   float32 as it is read (a 16-bit shift), so it moves half the bytes of a float32 one
@@ -264,19 +265,23 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// q: [B, H, D] float32; k_cache, v_cache: [num_blocks, block_size, KVH, D] (contiguous),
-// both float32 or both bfloat16; block_tables: [B, max_blocks] (int64); seq_lens: [B] (int64).
-// Returns [B, H, D] float32.
+// q: [B, H, D] float32, B query tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D]
+// (contiguous), both float32 or both bfloat16; block_tables: [S, max_blocks] (int64);
+// seq_lens: [B] (int64), the keys query b reads (its position + 1); token_seq: the row of
+// block_tables for each query (none: row b). Returns [B, H, D] float32.
 //
 // Decode reads every cached K/V byte once per step, so it runs at memory bandwidth when
 // both threads stream all the time: contexts are cut into runs of about equal length
 // (flash-decoding's split-K), which keeps the threads evenly loaded however unequal the
 // sequences are, and a sequence cut into several runs is put back together by
-// log-sum-exp weights.
+// log-sum-exp weights. That length depends on the whole batch, and so do a query's sums;
+// fixed_run > 0 cuts every context at the same absolute positions instead, so a query's
+// arithmetic depends on its own position and keys alone (batch-invariant mode).
 template <typename T>
-torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                                double softcap, const float* sinks) {
+torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens, const int64_t* token_seq,
+                                   double scale, int64_t window, double softcap, const float* sinks,
+                                   int64_t fixed_run) {
   q = q.contiguous();
   block_tables = block_tables.to(torch::kLong).contiguous();
   seq_lens = seq_lens.to(torch::kLong).contiguous();
@@ -299,7 +304,7 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += sl[b] - first_key(b);
   const int64_t threads = at::get_num_threads();
-  int64_t run = std::max<int64_t>(4 * BS, (total + 8 * threads - 1) / (8 * threads));
+  int64_t run = fixed_run > 0 ? fixed_run : std::max<int64_t>(4 * BS, (total + 8 * threads - 1) / (8 * threads));
   run = (run + BS - 1) / BS * BS;
   std::vector<WorkItem> items;
   std::vector<int64_t> first_part(B, -1);
@@ -321,7 +326,7 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& w = items[i];
       const float* q_b = qp + w.seq * H * D;
-      const int64_t* table = bt + w.seq * max_blocks;
+      const int64_t* table = bt + (token_seq != nullptr ? token_seq[w.seq] : w.seq) * max_blocks;
       float* o = op + w.seq * H * D;
       if (D == 64)
         attend_run<64, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
@@ -361,15 +366,17 @@ torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor k_cache, torch::T
 // window: keys in the last `window` positions only (0: all); softcap: scores capped as
 // softcap * tanh(score / softcap) (0: none); sinks: None, or [H] float32 logits, one per query
 // head, that join each softmax's denominator and attend to nothing (gpt-oss).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                           double softcap, c10::optional<torch::Tensor> sinks) {
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                              double softcap, c10::optional<torch::Tensor> sinks,
+                              c10::optional<torch::Tensor> token_seq, int64_t fixed_run) {
   check_cpu_dtype(q, "q", torch::kFloat);
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv &&
                   (kv == torch::kFloat || kv == torch::kBFloat16),
               "k_cache and v_cache must both be float32 or both bfloat16 CPU tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0), "seq_lens must have one entry per query");
   torch::Tensor sink_values;
   if (sinks.has_value()) {
     sink_values = sinks->to(torch::kFloat).contiguous();
@@ -377,9 +384,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                 "sinks must be a [num_heads] CPU tensor");
   }
   const float* sp = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
+  torch::Tensor rows;
+  const int64_t* rp = nullptr;
+  if (token_seq.has_value()) {
+    rows = token_seq->to(torch::kLong).contiguous();
+    TORCH_CHECK(rows.dim() == 1 && rows.size(0) == q.size(0), "token_seq must have one entry per query");
+    rp = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.size(0); ++i)
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < block_tables.size(0), "token_seq[", i, "] = ", rp[i], " is no row of block_tables");
+  } else {
+    TORCH_CHECK(block_tables.size(0) >= q.size(0), "block_tables needs a row per query");
+  }
   if (kv == torch::kBFloat16)
-    return paged_decode_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sp);
-  return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sp);
+    return paged_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
+                                          fixed_run);
+  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
+                                     fixed_run);
 }
 
 // Element types of the element-wise kernels: float, or bfloat16 computed in float and rounded
@@ -506,7 +526,7 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 q, float32 or bfloat16 K/V)");
+  m.def("paged_attention", &paged_attention, "paged attention of query tokens (CPU; float32 q, float32 or bfloat16 K/V)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, as the reference rounds it (CPU)");

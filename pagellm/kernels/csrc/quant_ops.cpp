@@ -4,11 +4,13 @@
 // of 32 (Q4_0, Q4_1, Q8_0) or 256 (Q4_K, Q5_K, Q6_K) values with their scales. Nothing here
 // ever holds the dense [N, K] matrix:
 //
-// - gguf_matmul: y = x @ W^T for a few rows of x (decode steps). Each thread takes a range of
-//   W's rows; a block is widened to float32 in a small on-stack buffer (L1) and multiplied
-//   into one accumulator per row of x while it is hot, so W streams from memory once per step
-//   whatever the batch. The arithmetic is float32 (no activation rounding), so the product
-//   equals the dense float32 one up to summation order.
+// - gguf_matmul: y = x @ W^T, for a few rows of x (decode steps), or any number of rows in
+//   batch-invariant mode, which also brings dense F32 / F16 / BF16 weights here. Each thread
+//   takes a range of W's rows; a block is widened to float32 in a small on-stack buffer (L1) and
+//   multiplied into one accumulator per row of x while it is hot, so W streams from memory once
+//   per step whatever the batch. The arithmetic is float32 (no activation rounding), so the
+//   product equals the dense float32 one up to summation order, and that order is the same for
+//   every row of x whatever the number of rows.
 // - gguf_dequantize_rows: chosen rows of W as dense float32 or bfloat16 rows: the token
 //   embedding's lookup, and a tile of W for larger batches, where the Python side multiplies
 //   tile by tile with torch's GEMM (compute-bound there, so widening a tile costs little).
@@ -24,11 +26,14 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
-// GGML type ids (gguf.GGMLQuantizationType).
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// GGML type ids (gguf.GGMLQuantizationType). F32, F16 and BF16 are dense rows in the same
+// kernel: batch-invariant mode multiplies dense weights here too, for its fixed summation order.
+enum : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 constexpr int QK_K = 256;
 
 inline float half_at(const uint8_t* p) {
@@ -53,6 +58,20 @@ void dequant_q4_1(const uint8_t* b, float* y) {
   for (int j = 0; j < 16; ++j) {
     y[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
     y[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+  }
+}
+
+// Dense 16-bit blocks of 32 values, widened.
+void dequant_f16(const uint8_t* b, float* y) {
+  for (int j = 0; j < 32; ++j) y[j] = half_at(b + 2 * j);
+}
+
+void dequant_bf16(const uint8_t* b, float* y) {
+  for (int j = 0; j < 32; ++j) {
+    uint16_t bits;
+    std::memcpy(&bits, b + 2 * j, 2);
+    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    std::memcpy(y + j, &wide, 4);
   }
 }
 
@@ -222,11 +241,14 @@ void dequant_q6_k_avx(const uint8_t* b, float* y) {
 struct Format {
   int block;        // values per block
   int bytes;        // bytes per block
-  void (*dequant)(const uint8_t*, float*);
+  void (*dequant)(const uint8_t*, float*);  // nullptr: float32 values, read in place
 };
 
 Format format_of(int64_t qtype) {
   switch (qtype) {
+    case F32: return {32, 128, nullptr};
+    case F16: return {32, 64, dequant_f16};
+    case BF16: return {32, 64, dequant_bf16};
     case Q4_0: return {32, 18, VEC(dequant_q4_0)};
     case Q4_1: return {32, 20, VEC(dequant_q4_1)};
     case Q8_0: return {32, 34, VEC(dequant_q8_0)};
@@ -235,6 +257,13 @@ Format format_of(int64_t qtype) {
     case Q6_K: return {QK_K, 210, VEC(dequant_q6_k)};
   }
   TORCH_CHECK(false, "GGUF type ", qtype, " has no CPU kernel");
+}
+
+// Block b's values as float32: in place for F32, else widened into `tmp` (QK_K floats).
+inline const float* block_values(const Format& f, const uint8_t* block, float* tmp) {
+  if (f.dequant == nullptr) return reinterpret_cast<const float*>(block);
+  f.dequant(block, tmp);
+  return tmp;
 }
 
 Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
@@ -246,13 +275,44 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
   return f;
 }
 
+constexpr int kMaxRows = 8;
+// Rows of W multiplied into all of x before the next ones: at most 48, and at most kPassFloats
+// values (768 KiB of float32: the pass stays in L2 while every group of x's rows reads it).
+constexpr int64_t kRowsPerPass = 48;
+constexpr int64_t kPassFloats = 196608;
+
+// Where a block's float32 values come from. Blocks: widened by the format's dequant (an
+// indirect call; the accumulators survive it in memory, a small cost next to the unpacking).
+// DenseF32 / DenseBF16: read in place or widened inline, so the accumulators stay in registers
+// over the whole row, which matters for dense weights at larger batches (compute-bound).
+struct Blocks {
+  static const float* values(const Format& f, const uint8_t* block, float* tmp) { return block_values(f, block, tmp); }
+};
+struct DenseF32 {
+  static const float* values(const Format&, const uint8_t* block, float*) {
+    return reinterpret_cast<const float*>(block);
+  }
+};
+struct DenseBF16 {
+  static const float* values(const Format&, const uint8_t* block, float* tmp) {
+#if defined(__AVX512F__)
+    for (int i = 0; i < 32; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * i));
+      _mm512_storeu_ps(tmp + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+#else
+    dequant_bf16(block, tmp);
+#endif
+    return tmp;
+  }
+};
+
 // Rows [n0, n1) of y = x @ W^T for x: [M, K] float32, M <= kMaxRows, NR rows of W at a time.
 // Two accumulators per (row of W, row of x), alternating over 16-value chunks, and NR rows of W
 // together when x has few rows: an FMA waits ~4 cycles for its accumulator, so a single chain
-// would leave the FMA units idle; NR * M * 2 >= 8 independent chains keep them busy.
-constexpr int kMaxRows = 8;
-
-template <int M, int NR>
+// would leave the FMA units idle; NR * M * 2 >= 8 independent chains keep them busy. However M
+// and NR tile the product, each value of y adds the same terms in the same order.
+template <int M, int NR, typename Src>
 void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, const Format& f,
                  float* y, int64_t N, int64_t n0, int64_t n1) {
   alignas(64) float tmp[NR][QK_K];
@@ -263,14 +323,15 @@ void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int r = 0; r < NR; ++r) f.dequant(w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
+      const float* wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = Src::values(f, w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
       const float* xb = x + b * f.block;
       for (int i = 0; i < f.block; i += 32) {
         for (int m = 0; m < M; ++m) {
           const __m512 x0 = _mm512_loadu_ps(xb + m * K + i), x1 = _mm512_loadu_ps(xb + m * K + i + 16);
           for (int r = 0; r < NR; ++r) {
-            acc[r][m][0] = _mm512_fmadd_ps(_mm512_load_ps(tmp[r] + i), x0, acc[r][m][0]);
-            acc[r][m][1] = _mm512_fmadd_ps(_mm512_load_ps(tmp[r] + i + 16), x1, acc[r][m][1]);
+            acc[r][m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wv[r] + i), x0, acc[r][m][0]);
+            acc[r][m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(wv[r] + i + 16), x1, acc[r][m][1]);
           }
         }
       }
@@ -280,12 +341,13 @@ void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
 #else
     float acc[NR][M] = {};
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int r = 0; r < NR; ++r) f.dequant(w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
+      const float* wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = Src::values(f, w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
       const float* xb = x + b * f.block;
       for (int r = 0; r < NR; ++r)
         for (int m = 0; m < M; ++m) {
           float s = 0.f;
-          for (int i = 0; i < f.block; ++i) s += tmp[r][i] * xb[m * K + i];
+          for (int i = 0; i < f.block; ++i) s += wv[r][i] * xb[m * K + i];
           acc[r][m] += s;
         }
     }
@@ -296,12 +358,36 @@ void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
 }
 
 // Rows [n0, n1): whole groups of NR, then the rest one at a time.
-template <int M, int NR>
+template <int M, int NR, typename Src>
 void rows_in_groups(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, const Format& f, float* y,
                     int64_t N, int64_t n0, int64_t n1) {
   const int64_t grouped = n0 + (n1 - n0) / NR * NR;
-  matmul_rows<M, NR>(x, K, w, row_bytes, f, y, N, n0, grouped);
-  if (grouped < n1) matmul_rows<M, 1>(x, K, w, row_bytes, f, y, N, grouped, n1);
+  matmul_rows<M, NR, Src>(x, K, w, row_bytes, f, y, N, n0, grouped);
+  if (grouped < n1) matmul_rows<M, 1, Src>(x, K, w, row_bytes, f, y, N, grouped, n1);
+}
+
+// Rows [n0, n1) of W into every row of x. Quantized blocks: x in groups of up to 8 rows, so a
+// block is unpacked once per 8 rows. Dense rows: groups of 4 rows of x against 3 of W (24
+// accumulators, 14 loads per 24 FMAs), the tiling that keeps the FMA units busiest.
+template <typename Src>
+void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t row_bytes, const Format& f,
+                   float* yp, int64_t N, int64_t n0, int64_t n1) {
+  constexpr bool dense = !std::is_same_v<Src, Blocks>;
+  const int64_t group = dense ? 4 : kMaxRows;
+  for (int64_t m0 = 0; m0 < M; m0 += group) {
+    const float* xm = xp + m0 * K;
+    float* ym = yp + m0 * N;
+    switch (std::min<int64_t>(group, M - m0)) {
+      case 1: rows_in_groups<1, 4, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 2: rows_in_groups<2, dense ? 4 : 2, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 3: rows_in_groups<3, dense ? 4 : 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 4: rows_in_groups<4, dense ? 3 : 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 5: rows_in_groups<5, 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 6: rows_in_groups<6, 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 7: rows_in_groups<7, 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      default: rows_in_groups<8, 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+    }
+  }
 }
 
 }  // namespace
@@ -316,25 +402,41 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  // Rows of x in groups of kMaxRows (one accumulator register each); W's rows split over threads.
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int64_t mb = std::min<int64_t>(kMaxRows, M - m0);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      const float* xm = xp + m0 * K;
-      float* ym = yp + m0 * N;
-      // Whole groups of 4 (or 2) rows of W, then the rest one by one.
-      switch (mb) {
-        case 1: rows_in_groups<1, 4>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-        case 2: rows_in_groups<2, 2>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-        case 3: rows_in_groups<3, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-        case 4: rows_in_groups<4, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-        case 5: rows_in_groups<5, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-        case 6: rows_in_groups<6, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-        case 7: rows_in_groups<7, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-        default: rows_in_groups<8, 1>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+  // W's rows split over threads; each thread takes its rows kRowsPerPass at a time (L2-sized) and
+  // multiplies them into every group of kMaxRows rows of x (one accumulator register each), so W
+  // streams from memory once per product however many rows x has. A value of y sums its K terms
+  // in one fixed order whatever M is, which batch-invariant mode relies on.
+  // Past one group of rows of x, quantized rows are widened once per pass into a float32 buffer
+  // (L2) and multiplied as dense rows, instead of once per group: the same values in the same
+  // order of FMAs, so the same bits, at a fraction of the unpacking.
+  const int64_t pass = std::max<int64_t>(4, std::min<int64_t>(kRowsPerPass, kPassFloats / K));
+  const bool widen_once = qtype != F32 && M > kMaxRows;
+  const Format dense = format_of(F32);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(widen_once ? static_cast<size_t>(pass * K) : 0);
+    for (int64_t p0 = n0; p0 < n1; p0 += pass) {
+      const int64_t p1 = std::min(n1, p0 + pass);
+      if (widen_once) {
+        for (int64_t n = p0; n < p1; ++n) {
+          const uint8_t* row = wp + n * row_bytes;
+          float* dst = buf.data() + (n - p0) * K;
+          if (qtype == BF16) {
+            for (int64_t b = 0; b < K / 32; ++b) DenseBF16::values(f, row + b * f.bytes, dst + b * 32);
+          } else {
+            for (int64_t b = 0; b < K / f.block; ++b) f.dequant(row + b * f.bytes, dst + b * f.block);
+          }
+        }
+        multiply_rows<DenseF32>(xp, M, K, reinterpret_cast<const uint8_t*>(buf.data()), K * 4, dense, yp + p0, N, 0,
+                                p1 - p0);
+      } else if (qtype == F32) {
+        multiply_rows<DenseF32>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1);
+      } else if (qtype == BF16) {
+        multiply_rows<DenseBF16>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1);
+      } else {
+        multiply_rows<Blocks>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1);
       }
-    });
-  }
+    }
+  });
   return y;
 }
 
@@ -355,12 +457,15 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_
       const uint8_t* row = wp + rp[r] * row_bytes;
       if (dtype == torch::kFloat32) {
         float* dst = out.data_ptr<float>() + r * K;
-        for (int64_t b = 0; b < blocks; ++b) f.dequant(row + b * f.bytes, dst + b * f.block);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const float* v = block_values(f, row + b * f.bytes, dst + b * f.block);
+          if (v != dst + b * f.block) std::memcpy(dst + b * f.block, v, f.block * sizeof(float));
+        }
       } else {
         at::BFloat16* dst = out.data_ptr<at::BFloat16>() + r * K;
         for (int64_t b = 0; b < blocks; ++b) {
-          f.dequant(row + b * f.bytes, tmp);
-          for (int i = 0; i < f.block; ++i) dst[b * f.block + i] = static_cast<at::BFloat16>(tmp[i]);
+          const float* v = block_values(f, row + b * f.bytes, tmp);
+          for (int i = 0; i < f.block; ++i) dst[b * f.block + i] = static_cast<at::BFloat16>(v[i]);
         }
       }
     }

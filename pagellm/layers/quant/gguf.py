@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import cpu
+from pagellm.layers import invariant
 from pagellm.layers.linear import LinearMethod
 
 # GGML type id -> name, for the types with a kernel.
@@ -87,8 +88,12 @@ def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tenso
     return torch.from_numpy(dense).to(device=data.device, dtype=dtype)
 
 
-def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
-    """x [M, cols] @ W^T for W in blocks: [M, rows], in x's dtype."""
+def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
+                batch_invariant: bool = False) -> torch.Tensor:
+    """x [M, cols] @ W^T for W in blocks: [M, rows], in x's dtype. `batch_invariant`: the fused
+    kernel at every batch size, whose sums do not depend on M (layers/invariant.py)."""
+    if batch_invariant:
+        return invariant.kernels().gguf_matmul(x, data, qtype, cols).to(x.dtype)
     kernels = cpu.quant_kernels() if x.device.type == "cpu" else None
     if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):
         return kernels.gguf_matmul(x, data, qtype, cols).to(x.dtype)
@@ -103,12 +108,16 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> t
 
 class GGUFLinearMethod(LinearMethod):
     """Weights kept in their GGUF blocks. `dtype`: the model's, for dense segments and for
-    the embedding rows looked up from blocks."""
+    the embedding rows looked up from blocks. `batch_invariant`: products whose sums do not
+    depend on the batch (layers/invariant.py)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, batch_invariant: bool = False) -> None:
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        if self.batch_invariant:
+            invariant.check_in_features(in_features)
         # A placeholder until loading, when the parts arrive with their types.
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         layer.gguf_shape = (out_features, in_features)
@@ -144,8 +153,12 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         cols = layer.gguf_shape[1]
-        outs = [F.linear(x, w) if kind is None else gguf_matmul(x, w, kind, cols)
-                for kind, w in zip(layer.segment_types, layer.segments)]
+        if self.batch_invariant:
+            outs = [invariant.invariant_linear(x, w) if kind is None else gguf_matmul(x, w, kind, cols, True)
+                    for kind, w in zip(layer.segment_types, layer.segments)]
+        else:
+            outs = [F.linear(x, w) if kind is None else gguf_matmul(x, w, kind, cols)
+                    for kind, w in zip(layer.segment_types, layer.segments)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,10 @@ class SchedulerOutput:
         return StepPlan(seqs, self.block_copies)
 
 
+# Preemptions remembered by sequence id (the count itself is kept whole).
+RECENT_PREEMPTIONS = 32
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
@@ -82,6 +86,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # The latest preemptions, (time, sequence id), newest last: for the dashboard.
+        self.recent_preemptions: deque[tuple[float, str]] = deque(maxlen=RECENT_PREEMPTIONS)
 
     @property
     def num_unfinished(self) -> int:
@@ -186,6 +192,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.recent_preemptions.append((time.time(), req.request_id))
         self.waiting.appendleft(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:

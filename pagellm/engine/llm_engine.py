@@ -34,6 +34,8 @@ from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 
 logger = logging.getLogger("pagellm.engine")
+# The block map shows the start of each prompt: this much of it.
+PROMPT_HEAD_TOKENS, PROMPT_HEAD_CHARS = 24, 80
 
 
 class LLMEngine:
@@ -280,7 +282,22 @@ class LLMEngine:
         # Sequence id -> the user request it belongs to (n > 1 forks several).
         snapshot["sequence_groups"] = {rid: self.scheduler.requests[rid].group_id
                                        for rid in snapshot["tables"] if rid in self.scheduler.requests}
+        # Every unfinished sequence, running ones in admission order, then the waiting queue in order.
+        snapshot["sequences"] = ([self._describe(r, "running") for r in self.scheduler.running] +
+                                 [self._describe(r, "preempted" if r.num_preemptions else "waiting")
+                                  for r in self.scheduler.waiting])
+        snapshot["recent_preemptions"] = [{"time": t, "id": rid} for t, rid in self.scheduler.recent_preemptions]
         return snapshot
+
+    def _describe(self, req: Request, state: str) -> dict:
+        """One sequence for the block map: where it stands and how its prompt starts."""
+        if state == "running" and req.num_computed_tokens < req.num_prompt_tokens:
+            state = "prefill"
+        head = req.prompt if req.prompt is not None else self.tokenizer.decode(req.prompt_token_ids[:PROMPT_HEAD_TOKENS])
+        return {"id": req.request_id, "group": req.group_id or req.request_id, "state": state,
+                "prompt_tokens": req.num_prompt_tokens, "output_tokens": len(req.output_token_ids),
+                "computed_tokens": req.num_computed_tokens, "preemptions": req.num_preemptions,
+                "arrival_time": req.arrival_time, "prompt_head": head[:PROMPT_HEAD_CHARS]}
 
     def stats(self) -> dict:
         return {**self.core.stats(), "request_failures": dict(self.request_failures),

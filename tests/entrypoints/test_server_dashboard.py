@@ -117,11 +117,13 @@ def test_dashboard_draws_every_block_when_idle(server):
     assert MODEL_NAME in dom
 
 
-def test_dashboard_shows_shared_blocks_of_parallel_sampling(server):
+def test_dashboard_shows_shared_blocks_of_parallel_sampling_then_preemption(server):
     bodies = [{"model": MODEL_NAME, "prompt": SHARED_PROMPT, "n": 4, "max_tokens": 300, "temperature": 1.0,
                "seed": 1, "ignore_eos": True}]
-    bodies += [{"model": MODEL_NAME, "prompt": f"Story {i}: the dragon", "max_tokens": 300, "temperature": 1.0,
-                "seed": i, "ignore_eos": True} for i in range(6)]
+    # 12 more requests of 56-token prompts (no shared prefix: each starts with its own number): 16
+    # sequences outgrow the pool of 91 blocks after ~35 tokens each, and the latest are preempted.
+    bodies += [{"model": MODEL_NAME, "prompt": f"Story {i}. {SHARED_PROMPT}", "max_tokens": 300,
+                "temperature": 1.0, "seed": i, "ignore_eos": True} for i in range(12)]
     load = Background(server.url, bodies)
     try:
         # The siblings fork once the prompt is computed; wait for them.
@@ -152,6 +154,53 @@ def test_dashboard_shows_shared_blocks_of_parallel_sampling(server):
         proc = browse(server.url + "/dashboard", f"--screenshot={shot}")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert shot.stat().st_size > 20_000
+
+        # Each sequence's block table, by request: its cells, with the forks' shared prompt blocks.
+        dom = dump_dom(server.url + "/dashboard?view=tables")
+        rows = re.findall(r'<div class="trow" data-id="([^"]+)"', dom)
+        assert len(rows) >= 5 and set(rows) <= set(server.state()["tables"]) | set(state["tables"])
+        tables = dom[dom.index('id="tables"'):]
+        assert len(re.findall(r'class="cell shared" data-block', tables)) >= 3 * 2
+
+        # Then the pool runs out: the page names who was preempted and lists the queue in order.
+        deadline = time.monotonic() + 90
+        while not state["recent_preemptions"] and time.monotonic() < deadline:
+            time.sleep(0.3)
+            state = server.state()
+        assert state["recent_preemptions"], "no preemption under this load"
+        assert any(s["preemptions"] for s in state["sequences"])
+        dom = dump_dom(server.url + "/dashboard")
+        shown = re.findall(r'<div class="row" data-id="([^"]+)"', dom[dom.index('id="preemptions"'):dom.index('id="queue"')])
+        assert shown and set(shown) <= {p["id"] for p in server.state()["recent_preemptions"]}
+        assert re.search(r'id="preemptions" data-count="([1-9]\d*)"', dom)
+        # Running and waiting count sequences; the request count counts user requests (n = 4 is one).
+        assert 'running sequences' in dom and 'finished since start' in dom and 'finished / min' in dom
+        shot = ARTIFACTS / "dashboard-preemption.png"
+        shot.unlink(missing_ok=True)
+        proc = browse(server.url + "/dashboard", f"--screenshot={shot}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert shot.stat().st_size > 20_000
+    finally:
+        load.close()
+    server.wait_all_blocks_free()
+
+
+def test_dashboard_state_describes_every_sequence(server):
+    """Each unfinished sequence: its state, tokens so far and the start of its prompt; the queue in
+    order; preempted sequences say so."""
+    load = Background(server.url, [{"model": MODEL_NAME, "prompt": "Describe the sea at night.", "max_tokens": 200,
+                                    "temperature": 1.0, "seed": 3, "ignore_eos": True}])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seqs = server.state()["sequences"]
+            if seqs and seqs[0]["output_tokens"] > 0:
+                break
+            time.sleep(0.1)
+        (seq,) = seqs
+        assert seq["state"] == "running" and seq["prompt_head"].endswith("Describe the sea at night.")
+        assert seq["prompt_tokens"] > 5 and seq["output_tokens"] > 0 and seq["preemptions"] == 0
+        assert seq["computed_tokens"] >= seq["prompt_tokens"]
     finally:
         load.close()
     server.wait_all_blocks_free()

@@ -55,6 +55,9 @@ def build_state(snapshot: dict, stats: dict, metrics: ServerMetrics, model_name:
         "tables": snapshot["tables"],
         # Sequence id -> its user request: the n sequences of one request share a hue.
         "groups": snapshot.get("sequence_groups", {}),
+        # Unfinished sequences (running, then the waiting queue in order) and the latest preemptions.
+        "sequences": snapshot.get("sequences", []),
+        "recent_preemptions": snapshot.get("recent_preemptions", []),
         "stats": {
             "total_blocks": stats.get("total_blocks", snapshot["num_blocks"]),
             "free_blocks": stats.get("free_blocks", 0),

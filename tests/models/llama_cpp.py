@@ -54,6 +54,43 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     return out
 
 
+# Runs the converter once per (model, output, outtype) line of stdin in one interpreter, as its
+# own command line would (`runpy` re-executes the script each time; torch, transformers and gguf
+# are imported once). Prints one JSON line per conversion: its error, or null.
+_MANY = """
+import contextlib, io, json, os, runpy, sys, traceback
+script = sys.argv[1]
+sys.path.insert(0, os.path.dirname(script))  # as for `python script`: its conversion/ package
+for line in sys.stdin:
+    model, out, outtype = json.loads(line)
+    sys.argv = [script, model, "--outfile", out, "--outtype", outtype]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(err), contextlib.redirect_stderr(err):
+            runpy.run_path(script, run_name="__main__")
+        error = None
+    except SystemExit as e:
+        error = None if e.code in (0, None) else err.getvalue()[-3000:]
+    except BaseException:
+        error = err.getvalue()[-2000:] + traceback.format_exc()[-1000:]
+    print(json.dumps(error), flush=True)
+"""
+
+
+def convert_many(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> dict[Path, str | None]:
+    """Convert several Hugging Face directories in one converter process (each conversion in its
+    own process costs ~5 s of imports). Returns, per output path, None or the converter's error."""
+    import json
+
+    script = converter_dir() / "convert_hf_to_gguf.py"
+    lines = "".join(json.dumps([str(m), str(o), outtype]) + "\n" for m, o in jobs)
+    result = subprocess.run([sys.executable, "-c", _MANY, str(script)], input=lines, capture_output=True, text=True)
+    answers = [json.loads(x) for x in result.stdout.splitlines() if x.strip()]
+    if result.returncode != 0 or len(answers) != len(jobs):
+        raise RuntimeError(f"the converter process failed:\n{result.stderr[-3000:]}")
+    return {out: error for (_, out), error in zip(jobs, answers)}
+
+
 def requantize(src: Path, out: Path, type_of) -> Path:
     """Rewrite a GGUF file with each matrix re-quantized by gguf-py's own quantizer:
     `type_of(tensor name)` gives its GGMLQuantizationType (or None to keep it); metadata is copied."""

@@ -20,10 +20,11 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 from gguf.quants import dequantize
 
 from pagellm.layers.quant.gguf import NATIVE_TYPES, GGUFBlocks
+from pagellm.model.gguf_file import GGUFFile
 from pagellm.model.config import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_gguf
 
@@ -83,7 +84,7 @@ _ROPE_SCALING_KEYS = {
 }
 
 
-def read_gguf_config(path: str, reader: GGUFReader | None = None) -> ModelArchConfig:
+def read_gguf_config(path: str, reader: GGUFFile | None = None) -> ModelArchConfig:
     """The architecture described by a GGUF file's `{arch}.*` and `tokenizer.ggml.*` metadata,
     as the Hugging Face config of its family.
 
@@ -113,7 +114,7 @@ def read_gguf_config(path: str, reader: GGUFReader | None = None) -> ModelArchCo
                         attention_bias="blk.0.attn_q.bias" in tensor_names)
 
 
-def _hf_fields(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
+def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     """The Hugging Face config fields the metadata gives (transformers fills in the rest)."""
     for key in _REQUIRED:
         if _value(reader, f"{arch}.{key}") is None:
@@ -169,7 +170,7 @@ def _hf_fields(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
     return fields
 
 
-def iter_gguf_weights(path: str, reader: GGUFReader | None = None, cfg: ModelArchConfig | None = None,
+def iter_gguf_weights(path: str, reader: GGUFFile | None = None, cfg: ModelArchConfig | None = None,
                       keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap;
     with `keep_blocks`, a matrix of a type the CPU kernels multiply (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
@@ -193,7 +194,7 @@ def iter_gguf_weights(path: str, reader: GGUFReader | None = None, cfg: ModelArc
     return _weights(reader, names, arch, cfg, path, keep_blocks)
 
 
-def has_native_blocks(reader: GGUFReader) -> bool:
+def has_native_blocks(reader: GGUFFile) -> bool:
     """Whether the file has a matrix that would be served in its blocks."""
     return any(_as_blocks(t) for t in reader.tensors)
 
@@ -203,7 +204,7 @@ def _as_blocks(tensor: Any) -> bool:
     return len(tensor.shape) == 2 and int(tensor.tensor_type) in NATIVE_TYPES
 
 
-def _weights(reader: GGUFReader, names: dict[str, str], arch: str, cfg: ModelArchConfig,
+def _weights(reader: GGUFFile, names: dict[str, str], arch: str, cfg: ModelArchConfig,
              path: str, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     permuted = arch in _PERMUTED_ARCHS
     for tensor in reader.tensors:
@@ -225,7 +226,7 @@ def _weights(reader: GGUFReader, names: dict[str, str], arch: str, cfg: ModelArc
         yield name, weight
 
 
-def _hf_names(reader: GGUFReader, arch: str, cfg: ModelArchConfig, path: str) -> dict[str, str]:
+def _hf_names(reader: GGUFFile, arch: str, cfg: ModelArchConfig, path: str) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name. The converter maps HF names forward through
     `gguf.TensorNameMap`, which knows many spellings of each tensor; of those, the one the
     reference model of this family has (transformers' own module names) is the way back."""
@@ -255,16 +256,16 @@ def _hf_names(reader: GGUFReader, arch: str, cfg: ModelArchConfig, path: str) ->
 _MODEL_ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
-def open_gguf(path: str) -> GGUFReader:
+def open_gguf(path: str) -> GGUFFile:
     """Parse a GGUF file's header and metadata (the tensors stay in the mmap) and check it is whole."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as exc:  # garbage input fails in many ways (bad magic, short reads, bad enums)
+        if "other byte order" in str(exc):
+            raise ValueError(f"{path} is a GGUF file of the other byte order, which is not supported") from None
         raise ValueError(f"{path} is not a valid GGUF file (corrupt or truncated?): {exc}") from exc
-    if reader.byte_order != "I":
-        raise ValueError(f"{path} is a GGUF file of the other byte order, which is not supported")
     file_size = len(reader.data)
     for tensor in reader.tensors:
         # A truncated file can still parse when a tensor's view silently comes back short.
@@ -273,7 +274,7 @@ def open_gguf(path: str) -> GGUFReader:
     return reader
 
 
-def _value(reader: GGUFReader, key: str) -> Any:
+def _value(reader: GGUFFile, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -290,20 +291,20 @@ def _as_int(value: Any, key: str, path: str) -> int:
     return value
 
 
-def _vocab_size(reader: GGUFReader, arch: str, path: str) -> int:
+def _vocab_size(reader: GGUFFile, arch: str, path: str) -> int:
     size = _value(reader, f"{arch}.vocab_size")
     if size is not None:
         return int(size)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)  # one index per array element; avoids decoding every token string
+        return int(tokens.value)  # a string array is kept as its length
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":
             return int(tensor.shape[-1])
     raise ValueError(f"{path}: cannot tell the vocabulary size (no vocab_size, token list or embedding)")
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, theta: float, path: str) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str, head_dim: int, theta: float, path: str) -> dict | None:
     prefix = f"{arch}.rope.scaling."
     raw = {key[len(prefix):]: _value(reader, key) for key in reader.fields if key.startswith(prefix)}
     kind = raw.pop("type", None)

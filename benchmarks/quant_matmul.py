@@ -37,7 +37,7 @@ SHAPES = [  # (name, type, rows N, cols K)
     ("llama-1b gate_up", T.Q4_0, 16384, 2048),
     ("llama-1b down", T.Q8_0, 2048, 8192),
 ]
-BATCHES = (1, 2, 4, 8, 16, 32, 64)
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def timed(fn, repeat: int) -> float:

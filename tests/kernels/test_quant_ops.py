@@ -58,7 +58,7 @@ def test_products_match_the_dense_product(qtype):
     dense = reference(raw, qtype, cols)
     w = torch.from_numpy(raw)
     torch.manual_seed(0)
-    for m in (1, 2, 3, 8, 9, 17, 40):  # fused (in groups of up to 8 rows) up to 16 rows, then tiled
+    for m in (1, 2, 3, 8, 9, 17, 40):  # fused (groups of 8 rows; widened once per pass past 8) up to 32, then tiled
         x = torch.randn(m, cols)
         expected = x @ dense.T
         ours = q.gguf_matmul(x, w, int(qtype), cols)

@@ -29,7 +29,7 @@ NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6
 _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 # Batches up to this many rows use the fused kernel, by activation dtype: past it, widened tiles
 # through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
-FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 # Dense values widened at a time for larger batches (4 MiB of float32; the dense matrix never exists).
 TILE_VALUES = 1 << 20
 

@@ -3,8 +3,9 @@ pagellm against what a user would otherwise run, in one process on the same prom
 
 Systems (any subset with --systems):
 - `pagellm-paged`: the engine as shipped (paged KV, block size 16).
-- `pagellm-paged-bf16`, `pagellm-paged-invariant`: the same engine in bfloat16, or in
-  batch-invariant mode (`pagellm-paged-bf16-invariant`: both).
+- `pagellm-paged-bf16`, `pagellm-paged-dense`, `pagellm-paged-invariant`: the same engine in
+  bfloat16, with a GGUF file dequantized at load, or in batch-invariant mode (suffixes combine
+  in that order: `pagellm-paged-bf16-invariant`).
 - `pagellm-contiguous-max` / `-oracle` / `-pow2`: the same engine built with
   `kv_policy=contiguous-*` (a contiguous region reserved per request) over the same
   number of blocks, so the difference is what paging buys at one KV budget.
@@ -130,34 +131,38 @@ def _phase_breakdown(timer: PhaseTimer) -> dict:
     }
 
 
-def pagellm_system(name: str) -> tuple[str, str, bool]:
-    """(policy, dtype, batch_invariant). `pagellm-<policy>` runs in float32 like every other system
-    here; a `-bf16` suffix is the same engine in bfloat16 (weights and KV cache), the CPU's fast
-    opt-in mode; a final `-invariant` runs it in batch-invariant mode."""
-    policy = name.removeprefix("pagellm-")
-    invariant = policy.endswith("-invariant")
-    policy = policy.removesuffix("-invariant")
-    if policy.endswith("-bf16"):
-        return policy.removesuffix("-bf16"), "bfloat16", invariant
-    return policy, "float32", invariant
+# Suffixes of a `pagellm-<policy>` system, in this order: engine options they set.
+SYSTEM_SUFFIXES = {"-bf16": {"dtype": "bfloat16"}, "-dense": {"quantization": "none"},
+                   "-invariant": {"batch_invariant": True}}
 
 
-def make_llm(cfg: ThroughputConfig, policy: str, dtype: str = "float32", batch_invariant: bool = False):
+def pagellm_system(name: str) -> tuple[str, dict]:
+    """(policy, engine options). `pagellm-<policy>` runs in float32 like every other system here;
+    `-bf16` is the same engine in bfloat16 (weights and KV cache), the CPU's fast opt-in mode;
+    `-dense` dequantizes a GGUF file's blocks at load (quantization "none"); `-invariant` runs in
+    batch-invariant mode. E.g. `pagellm-paged-bf16-invariant`."""
+    rest, options = name.removeprefix("pagellm-"), {}
+    for suffix in reversed(SYSTEM_SUFFIXES):
+        if rest.endswith(suffix):
+            rest, options = rest.removesuffix(suffix), {**SYSTEM_SUFFIXES[suffix], **options}
+    return rest, {"dtype": "float32", **options}
+
+
+def make_llm(cfg: ThroughputConfig, policy: str, **options):
     """A fresh engine for one run: its own KV pool of the run's budget (so no run reuses
-    another's cached prefixes)."""
+    another's cached prefixes). `options`: engine options of the system (dtype, ...)."""
     from pagellm.entrypoints.llm import LLM
 
-    return LLM(cfg.model, dtype=dtype, device="cpu", block_size=cfg.block_size,
+    return LLM(cfg.model, device="cpu", block_size=cfg.block_size,
                num_kv_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_prompt + cfg.max_output,
-               seed=cfg.seed, kv_policy=policy, batch_invariant=batch_invariant)
+               seed=cfg.seed, kv_policy=policy, **{"dtype": "float32", **options})
 
 
-def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False,
-                dtype: str = "float32", batch_invariant: bool = False) -> dict:
+def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False, **options) -> dict:
     from pagellm.sampling_params import SamplingParams
 
-    llm = make_llm(cfg, policy, dtype, batch_invariant)
+    llm = make_llm(cfg, policy, **options)
     # Warm up kernels and allocators once, outside the measurement.
     llm.generate([{"prompt_token_ids": work[0].prompt[:16]}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)
@@ -419,7 +424,7 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
                                           # bfloat16 rounds differently from the fp32 reference: not expected to match.
                              "pagellm_all_match": all(all(systems[s]["greedy_matches_transformers"].values())
                                                       for s in systems if s.startswith("pagellm-")
-                                                      and pagellm_system(s)[1] == "float32")},
+                                                      and pagellm_system(s)[1]["dtype"] == "float32")},
             "profile": profile,
             "targets": check_targets(systems),
         }
@@ -431,9 +436,9 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         reference[i] = hf_greedy_one(hf, work[i].prompt, work[i].max_tokens)
     for name in cfg.systems:
         if name.startswith("pagellm-"):
-            policy, dtype, invariant = pagellm_system(name)
-            res, outs = run_pagellm(work, policy, cfg, dtype=dtype, batch_invariant=invariant)
-            res["dtype"], res["batch_invariant"] = dtype, invariant
+            policy, options = pagellm_system(name)
+            res, outs = run_pagellm(work, policy, cfg, **options)
+            res.update(options)
         elif name.startswith("hf-static-"):
             pad = tok.eos_token_id if tok.eos_token_id is not None else 0
             res, outs = run_hf_static(hf, work, int(name.removeprefix("hf-static-")), pad, cfg)
@@ -563,8 +568,8 @@ def add_parser(sub) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated; pagellm-<policy>[-bf16][-invariant], hf-static-<batch>, hf-generate-batch, "
-                        "llama-cpp")
+                   help="comma-separated; pagellm-<policy>[-bf16][-dense][-invariant], hf-static-<batch>, "
+                        "hf-generate-batch, llama-cpp")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV budget for every pagellm policy, in blocks (default: what 64 requests of the "
                         "longest possible length need, the KV memory of transformers' static batch of 64)")

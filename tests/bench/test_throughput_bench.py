@@ -37,3 +37,11 @@ def test_throughput_bench_tiny(tmp_path, tiny_llama_dir):
     assert data["systems"]["pagellm-contiguous-max"]["peak_batch"] <= 3
     assert {t["target"].split(" (")[0] for t in data["targets"]} == {"pagellm >= 3x transformers static batching"}
     assert stem.with_suffix(".png").stat().st_size > 1000
+
+
+def test_system_suffixes_set_engine_options():
+    from pagellm.bench.throughput import pagellm_system
+
+    assert pagellm_system("pagellm-contiguous-max") == ("contiguous-max", {"dtype": "float32"})
+    assert pagellm_system("pagellm-paged-dense") == ("paged", {"dtype": "float32", "quantization": "none"})
+    assert pagellm_system("pagellm-paged-bf16-invariant") == ("paged", {"dtype": "bfloat16", "batch_invariant": True})

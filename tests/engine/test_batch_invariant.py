@@ -71,3 +71,10 @@ def test_the_mode_changes_only_the_last_bits(smollm2_gguf, batched):
         for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             (ta, la), = da.items()
             assert abs(la.logprob - db[ta].logprob) < 1e-4
+
+
+def test_what_the_mode_does_not_cover_is_refused_by_name(tiny_llama_dir):
+    with pytest.raises(ValueError, match="batch-invariant mode does not cover quantization 'int8'"):
+        LLM(tiny_llama_dir, batch_invariant=True, quantization="int8", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="batch_invariant does not cover tensor parallelism"):
+        LLM(tiny_llama_dir, batch_invariant=True, tensor_parallel_size=2, num_kv_blocks=16)

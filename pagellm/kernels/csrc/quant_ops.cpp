@@ -179,6 +179,13 @@ void dequant_q4_1_avx(const uint8_t* b, float* y) {
   _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(widen_u8(and8(shr(q, 4), 0x0F)), d, m));
 }
 
+void dequant_bf16_avx(const uint8_t* b, float* y) {
+  for (int i = 0; i < 32; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i));
+    _mm512_storeu_ps(y + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+}
+
 void dequant_q8_0_avx(const uint8_t* b, float* y) {
   const __m512 d = _mm512_set1_ps(half_at(b));
   _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 2))), d));
@@ -248,7 +255,7 @@ Format format_of(int64_t qtype) {
   switch (qtype) {
     case F32: return {32, 128, nullptr};
     case F16: return {32, 64, dequant_f16};
-    case BF16: return {32, 64, dequant_bf16};
+    case BF16: return {32, 64, VEC(dequant_bf16)};
     case Q4_0: return {32, 18, VEC(dequant_q4_0)};
     case Q4_1: return {32, 20, VEC(dequant_q4_1)};
     case Q8_0: return {32, 34, VEC(dequant_q8_0)};
@@ -264,6 +271,14 @@ inline const float* block_values(const Format& f, const uint8_t* block, float* t
   if (f.dequant == nullptr) return reinterpret_cast<const float*>(block);
   f.dequant(block, tmp);
   return tmp;
+}
+
+// A row of K values as float32 into dst.
+inline void widen_row(const Format& f, const uint8_t* row, int64_t K, float* dst) {
+  for (int64_t b = 0; b < K / f.block; ++b) {
+    const float* v = block_values(f, row + b * f.bytes, dst + b * f.block);
+    if (v != dst + b * f.block) std::memcpy(dst + b * f.block, v, f.block * sizeof(float));
+  }
 }
 
 Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
@@ -295,14 +310,7 @@ struct DenseF32 {
 };
 struct DenseBF16 {
   static const float* values(const Format&, const uint8_t* block, float* tmp) {
-#if defined(__AVX512F__)
-    for (int i = 0; i < 32; i += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * i));
-      _mm512_storeu_ps(tmp + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
-#else
-    dequant_bf16(block, tmp);
-#endif
+    VEC(dequant_bf16)(block, tmp);  // a direct call, inlined
     return tmp;
   }
 };
@@ -417,15 +425,7 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
     for (int64_t p0 = n0; p0 < n1; p0 += pass) {
       const int64_t p1 = std::min(n1, p0 + pass);
       if (widen_once) {
-        for (int64_t n = p0; n < p1; ++n) {
-          const uint8_t* row = wp + n * row_bytes;
-          float* dst = buf.data() + (n - p0) * K;
-          if (qtype == BF16) {
-            for (int64_t b = 0; b < K / 32; ++b) DenseBF16::values(f, row + b * f.bytes, dst + b * 32);
-          } else {
-            for (int64_t b = 0; b < K / f.block; ++b) f.dequant(row + b * f.bytes, dst + b * f.block);
-          }
-        }
+        for (int64_t n = p0; n < p1; ++n) widen_row(f, wp + n * row_bytes, K, buf.data() + (n - p0) * K);
         multiply_rows<DenseF32>(xp, M, K, reinterpret_cast<const uint8_t*>(buf.data()), K * 4, dense, yp + p0, N, 0,
                                 p1 - p0);
       } else if (qtype == F32) {
@@ -456,11 +456,7 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = wp + rp[r] * row_bytes;
       if (dtype == torch::kFloat32) {
-        float* dst = out.data_ptr<float>() + r * K;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const float* v = block_values(f, row + b * f.bytes, dst + b * f.block);
-          if (v != dst + b * f.block) std::memcpy(dst + b * f.block, v, f.block * sizeof(float));
-        }
+        widen_row(f, row, K, out.data_ptr<float>() + r * K);
       } else {
         at::BFloat16* dst = out.data_ptr<at::BFloat16>() + r * K;
         for (int64_t b = 0; b < blocks; ++b) {

@@ -22,6 +22,7 @@ from torch import nn
 from pagellm.kernels import cpu
 from pagellm.layers import invariant
 from pagellm.layers.linear import LinearMethod
+from pagellm.layers.quant import tiled_product
 
 # GGML type id -> name, for the types with a kernel.
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -30,8 +31,6 @@ _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
 # Batches up to this many rows use the fused kernel, by activation dtype: past it, widened tiles
 # through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
 FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
-# Dense values widened at a time for larger batches (4 MiB of float32; the dense matrix never exists).
-TILE_VALUES = 1 << 20
 
 
 class GGUFBlocks:
@@ -97,13 +96,8 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     kernels = cpu.quant_kernels() if x.device.type == "cpu" else None
     if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):
         return kernels.gguf_matmul(x, data, qtype, cols).to(x.dtype)
-    rows = data.shape[0]
-    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
-    step = max(16, TILE_VALUES // cols)
-    for start in range(0, rows, step):
-        tile = dequantize_rows(data, qtype, cols, torch.arange(start, min(rows, start + step)), x.dtype)
-        out[:, start:start + tile.shape[0]] = F.linear(x, tile)
-    return out
+    return tiled_product(x, data.shape[0], cols,
+                         lambda start, end: dequantize_rows(data, qtype, cols, torch.arange(start, end), x.dtype))
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -153,12 +147,9 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         cols = layer.gguf_shape[1]
-        if self.batch_invariant:
-            outs = [invariant.invariant_linear(x, w) if kind is None else gguf_matmul(x, w, kind, cols, True)
-                    for kind, w in zip(layer.segment_types, layer.segments)]
-        else:
-            outs = [F.linear(x, w) if kind is None else gguf_matmul(x, w, kind, cols)
-                    for kind, w in zip(layer.segment_types, layer.segments)]
+        dense = invariant.invariant_linear if self.batch_invariant else F.linear
+        outs = [dense(x, w) if kind is None else gguf_matmul(x, w, kind, cols, self.batch_invariant)
+                for kind, w in zip(layer.segment_types, layer.segments)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagellm.layers.linear import LinearMethod, UnquantizedLinearMethod
+from pagellm.layers.quant import tiled_product
 
 logger = logging.getLogger("pagellm.quant")
 
@@ -110,20 +111,12 @@ def _int8(layer: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> None:
 # batch size (quant-matmul-2026-12-01.json): past this many rows (none, in float32) rows of W
 # are widened a tile at a time for torch's GEMM instead.
 PACKED_MAX_ROWS = {torch.float32: 0}
-TILE_VALUES = 1 << 20
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= PACKED_MAX_ROWS.get(x.dtype, 1 << 30):
         return torch._weight_int8pack_mm(x, q, scales)
-    rows, cols = q.shape
-    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
-    step = max(16, TILE_VALUES // cols)
-    for start in range(0, rows, step):
-        end = min(rows, start + step)
-        tile = q[start:end].to(x.dtype).mul_(scales[start:end, None])
-        out[:, start:end] = x @ tile.T
-    return out
+    return tiled_product(x, *q.shape, lambda start, end: q[start:end].to(x.dtype).mul_(scales[start:end, None]))
 
 
 class Int8LinearMethod(_StagedLinearMethod):

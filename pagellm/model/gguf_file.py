@@ -33,6 +33,10 @@ _PLAIN = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.flo
           GGMLQuantizationType.I64: np.int64}
 
 
+class ByteOrderError(ValueError):
+    """A big-endian GGUF file: a whole file, of a kind this reader does not read."""
+
+
 @dataclass(frozen=True)
 class Field:
     """One metadata value. `types`: as GGUFReader lists them ([ARRAY, item type] for an array).
@@ -68,7 +72,7 @@ class GGUFFile:
         version, tensor_count, field_count = struct.unpack_from("<IQQ", buf, 4)
         if version not in _VERSIONS:
             if struct.unpack(">I", struct.pack("<I", version))[0] in _VERSIONS:
-                raise ValueError("a GGUF file of the other byte order, which is not supported")
+                raise ByteOrderError("a GGUF file of the other byte order, which is not supported")
             raise ValueError(f"GGUF version {version} is not one of {_VERSIONS}")
         pos = 24
         self.fields: dict[str, Field] = {}

@@ -24,7 +24,7 @@ from gguf import GGUFValueType
 from gguf.quants import dequantize
 
 from pagellm.layers.quant.gguf import NATIVE_TYPES, GGUFBlocks
-from pagellm.model.gguf_file import GGUFFile
+from pagellm.model.gguf_file import ByteOrderError, GGUFFile
 from pagellm.model.config import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_gguf
 
@@ -262,9 +262,9 @@ def open_gguf(path: str) -> GGUFFile:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
         reader = GGUFFile(path)
+    except ByteOrderError:
+        raise ValueError(f"{path} is a GGUF file of the other byte order, which is not supported") from None
     except Exception as exc:  # garbage input fails in many ways (bad magic, short reads, bad enums)
-        if "other byte order" in str(exc):
-            raise ValueError(f"{path} is a GGUF file of the other byte order, which is not supported") from None
         raise ValueError(f"{path} is not a valid GGUF file (corrupt or truncated?): {exc}") from exc
     file_size = len(reader.data)
     for tensor in reader.tensors:

@@ -8,6 +8,7 @@ reader versions are both pinned: llama-cpp-python==LLAMA_CPP_PYTHON here, gguf i
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,11 +47,9 @@ def converter_dir() -> Path:
 
 def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """Convert a Hugging Face directory to GGUF exactly as a user would with llama.cpp."""
-    script = converter_dir() / "convert_hf_to_gguf.py"
-    result = subprocess.run([sys.executable, str(script), str(model_dir), "--outfile", str(out),
-                             "--outtype", outtype], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}:\n{result.stderr[-3000:]}")
+    error = convert_many([(model_dir, out)], outtype)[out]
+    if error is not None:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}:\n{error}")
     return out
 
 
@@ -80,8 +79,6 @@ for line in sys.stdin:
 def convert_many(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> dict[Path, str | None]:
     """Convert several Hugging Face directories in one converter process (each conversion in its
     own process costs ~5 s of imports). Returns, per output path, None or the converter's error."""
-    import json
-
     script = converter_dir() / "convert_hf_to_gguf.py"
     lines = "".join(json.dumps([str(m), str(o), outtype]) + "\n" for m, o in jobs)
     result = subprocess.run([sys.executable, "-c", _MANY, str(script)], input=lines, capture_output=True, text=True)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
+from pagellm.bench.roofline import machine_limits
 from pagellm.layers.quant import gguf as q
 from pagellm.layers.quant.int_weights import Int4LinearMethod, Int8LinearMethod
 
@@ -58,19 +59,6 @@ def int_layer(method, dense: torch.Tensor) -> torch.nn.Module:
     return layer
 
 
-def reference_rates(repeat: int) -> dict:
-    """The machine's limits, measured now: memory bandwidth (sum over 512 MiB, read once) and
-    the float32 / bfloat16 GEMM rate (4096^3)."""
-    big = torch.ones(128 << 20)
-    bandwidth = big.numel() * 4 / timed(lambda: big.sum(), max(3, repeat // 4)) / 1e6
-    out = {"memory_gbps": round(bandwidth, 1)}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(4096, 4096, dtype=dtype)
-        ms = timed(lambda: a @ a, 3)
-        out[f"gemm_gflops_{str(dtype)[6:]}"] = round(2 * 4096 ** 3 / ms / 1e6, 1)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -80,7 +68,7 @@ def main() -> None:
     assert kernels is not None, "the quantized-matmul kernels did not build"
     rows = []
     load_before = os.getloadavg()
-    limits_before = reference_rates(args.repeat)
+    limits_before = machine_limits(gemm_n=4096)
     print(json.dumps(limits_before), flush=True)
     for name, qtype, n, k in SHAPES:
         dense = torch.randn(n, k) * 0.05
@@ -113,7 +101,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     result = {"benchmark": "quant_matmul", "threads": torch.get_num_threads(), "cpu": platform.processor(),
               "load_avg_before_after": [load_before, os.getloadavg()], "torch": torch.__version__,
-              "limits_before": limits_before, "limits_after": reference_rates(args.repeat),
+              "limits_before": limits_before, "limits_after": machine_limits(gemm_n=4096),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(), "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagellm.bench import report
+from pagellm.bench import report, roofline
 from pagellm.timing import PhaseTimer
 
 DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-contiguous-max", "pagellm-contiguous-oracle", "pagellm-paged-bf16",
@@ -159,7 +159,8 @@ def make_llm(cfg: ThroughputConfig, policy: str, **options):
                seed=cfg.seed, kv_policy=policy, **{"dtype": "float32", **options})
 
 
-def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False, **options) -> dict:
+def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: bool = False,
+                limits: dict | None = None, **options) -> dict:
     from pagellm.sampling_params import SamplingParams
 
     llm = make_llm(cfg, policy, **options)
@@ -209,6 +210,10 @@ def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: b
         "mean_batch": sum(batch_sizes) / max(1, len(batch_sizes)), "peak_batch": max(batch_sizes, default=0),
         "num_preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.kv.num_blocks,
         "block_size": engine.kv.block_size, "phases": _phase_breakdown(timer),
+        # Every prompt token and every generated token but the last went through the model once.
+        "roofline": roofline.achieved(roofline.model_cost(engine.runner.model),
+                                      sum(len(w.prompt) for w in work) + gen - len(work), len(batch_sizes), wall,
+                                      limits, options.get("dtype", "float32")),
     }
     llm.shutdown()
     if prof:
@@ -396,7 +401,8 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-    load = {"loadavg_start": os.getloadavg(), "matmul_gflops_start": matmul_gflops(cfg.threads)}
+    load = {"loadavg_start": os.getloadavg(), "matmul_gflops_start": matmul_gflops(cfg.threads),
+            "machine_limits": roofline.machine_limits(cfg.threads)}
     # The model's path and tokenizer (config and tokenizer only; each run loads the weights).
     source = load_model_source(cfg.model)
     model_path, tok = source.path, source.tokenizer
@@ -437,7 +443,7 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     for name in cfg.systems:
         if name.startswith("pagellm-"):
             policy, options = pagellm_system(name)
-            res, outs = run_pagellm(work, policy, cfg, **options)
+            res, outs = run_pagellm(work, policy, cfg, limits=load["machine_limits"], **options)
             res.update(options)
         elif name.startswith("hf-static-"):
             pad = tok.eos_token_id if tok.eos_token_id is not None else 0
@@ -476,6 +482,14 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
         profile["num_requests"] = len(sub)
     load["loadavg_end"] = os.getloadavg()
     load["matmul_gflops_end"] = matmul_gflops(cfg.threads)
+    load["machine_limits_end"] = roofline.machine_limits(cfg.threads)
+    flops = next((r["roofline"]["flops_per_token"] for r in systems.values() if "roofline" in r), None)
+    for r in systems.values():
+        if "roofline" not in r and flops:
+            # Other systems compute the same model: the same FLOPs per token (padding not counted);
+            # their steps are not known here, so no GB/s.
+            r["roofline"] = roofline.achieved({"flops_per_token": flops}, r["generated_tokens"] + sum(ins) - len(work),
+                                              None, r["wall_s"], load["machine_limits"])
     return snapshot(profile)
 
 

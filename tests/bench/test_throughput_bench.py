@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagellm.entrypoints.cli import main
 
 
@@ -37,6 +39,14 @@ def test_throughput_bench_tiny(tmp_path, tiny_llama_dir):
     assert data["systems"]["pagellm-contiguous-max"]["peak_batch"] <= 3
     assert {t["target"].split(" (")[0] for t in data["targets"]} == {"pagellm >= 3x transformers static batching"}
     assert stem.with_suffix(".png").stat().st_size > 1000
+    # The roofline: the machine's limits measured in the run, every system's achieved rates.
+    assert data["load"]["machine_limits"]["memory_gbps"] > 0
+    flops = paged["roofline"]["flops_per_token"]
+    for name, r in data["systems"].items():
+        assert r["roofline"]["gflops"] > 0 and r["roofline"]["flops_per_token"] == flops
+        assert ("weight_gbps" in r["roofline"]) == name.startswith("pagellm-")
+    assert paged["roofline"]["weight_gbps"] == pytest.approx(
+        paged["roofline"]["weight_bytes_per_step"] * paged["phases"]["steps"] / paged["wall_s"] / 1e9, rel=0.02)
 
 
 def test_system_suffixes_set_engine_options():

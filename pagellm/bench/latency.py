@@ -1,0 +1,240 @@
+"""`pagellm bench latency`: prompt and decode speed of a few streams, llama-bench's two figures.
+
+llama-bench reports `pp N` (one prompt of N tokens, tokens per second) and `tg N` (N tokens
+decoded one at a time, single stream). This runs the same two measurements on pagellm's engine
+and, with `llama-bench` among the systems, llama.cpp's own tool on the same GGUF file with the
+same threads, so the two sit in one JSON. Prompts are random token ids (as llama-bench's are);
+prefix caching is off so repeats recompute.
+
+Each system's figures come with the roofline (pagellm/bench/roofline.py): the machine's memory
+bandwidth and GEMM rate measured in the same run, and the GB/s of weights streamed and GFLOP/s
+achieved, so "how far from the limit" is a number. With `--profile` pagellm's decode steps are
+timed by phase (where a step's time goes).
+
+    pagellm bench latency --systems pagellm-paged,pagellm-paged-bf16,llama-bench
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+from pagellm.bench import report, roofline
+from pagellm.bench.throughput import _phase_breakdown, pagellm_system
+
+DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-paged-bf16", "llama-bench"]
+LLAMA_BENCH = "llama-bench"
+
+
+@dataclass
+class LatencyConfig:
+    model: str | None = None
+    systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
+    input_len: int = 256
+    output_len: int = 128
+    batch_size: int = 1
+    repeat: int = 3
+    threads: int = 2
+    seed: int = 0
+    profile: bool = False
+
+
+def _prompt(vocab_size: int, n: int, rng: random.Random) -> list[int]:
+    # Ids from the ordinary part of the vocabulary (past the first 256: special and byte tokens).
+    return [rng.randrange(min(256, vocab_size // 2), vocab_size) for _ in range(n)]
+
+
+def run_pagellm(cfg: LatencyConfig, options: dict, limits: dict) -> dict:
+    from pagellm.entrypoints.llm import LLM
+    from pagellm.sampling_params import SamplingParams
+    from pagellm.timing import PhaseTimer
+
+    llm = LLM(cfg.model, device="cpu", max_model_len=cfg.input_len + cfg.output_len + 8,
+              max_num_seqs=max(1, cfg.batch_size), max_num_batched_tokens=max(2048, cfg.input_len * cfg.batch_size),
+              enable_prefix_caching=False, seed=cfg.seed, **options)
+    engine = llm.engine
+    vocab = engine.runner.model.cfg.vocab_size
+    cost = roofline.model_cost(engine.runner.model)
+    rng = random.Random(cfg.seed)
+
+    def timed_steps(prompts: list[list[int]], max_tokens: int, timer=None) -> list[float]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"lat-{time.monotonic_ns()}-{i}", {"prompt_token_ids": p},
+                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    # Warm-up: kernels compiled and allocators grown outside the measurement.
+    timed_steps([_prompt(vocab, 16, rng)], 4)
+    B = cfg.batch_size
+    prefill, decode = [], []
+    timer = PhaseTimer() if cfg.profile else None
+    for _ in range(cfg.repeat):
+        # pp: every prompt in one step (max_num_batched_tokens covers them), one token sampled.
+        steps = timed_steps([_prompt(vocab, cfg.input_len, rng) for _ in range(B)], 1)
+        prefill.append(sum(steps))
+        # tg: a one-token prompt, then output_len single-token steps (the first step is its prefill).
+        engine.attach_timer(timer)
+        steps = timed_steps([_prompt(vocab, 1, rng) for _ in range(B)], cfg.output_len + 1)
+        engine.attach_timer(None)
+        decode.append(sum(steps[1:]))
+    pp_s, tg_s = statistics.median(prefill), statistics.median(decode)
+    dtype = options.get("dtype", "float32")
+    result = {
+        "options": options,
+        "pp_tokens_per_s": B * cfg.input_len / pp_s,
+        "tg_tokens_per_s": B * cfg.output_len / tg_s,
+        "tg_ms_per_step": 1e3 * tg_s / cfg.output_len,
+        "pp_runs_s": prefill, "tg_runs_s": decode,
+        "weight_bytes": engine.memory_report()[0]["weight_bytes"],
+        "roofline_pp": roofline.achieved(cost, B * cfg.input_len, 1, pp_s, limits, dtype),
+        "roofline_tg": roofline.achieved(cost, B * cfg.output_len, cfg.output_len, tg_s, limits, dtype),
+    }
+    if timer is not None:
+        # Only decode steps were timed, plus each run's one-token prefill step.
+        result["decode_phases"] = _phase_breakdown(timer)
+    llm.shutdown()
+    return result
+
+
+def llama_bench_binary() -> str:
+    from pagellm import envs
+
+    return os.path.join(envs.llama_cpp_bin(), LLAMA_BENCH)
+
+
+def run_llama_bench(cfg: LatencyConfig, model_path: str, cost: dict | None, limits: dict) -> dict:
+    """llama.cpp's llama-bench on the same file and threads: pp input_len and tg output_len."""
+    cmd = [llama_bench_binary(), "-m", model_path, "-p", str(cfg.input_len), "-n", str(cfg.output_len),
+           "-t", str(cfg.threads), "-r", str(cfg.repeat), "-o", "json"]
+    if cfg.batch_size != 1:
+        raise ValueError("llama-bench measures one stream; use --batch-size 1 with it")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    rows = json.loads(proc.stdout)
+    pp = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
+    tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
+    result = {"command": cmd, "pp_tokens_per_s": pp["avg_ts"], "tg_tokens_per_s": tg["avg_ts"],
+              "tg_ms_per_step": 1e3 / tg["avg_ts"], "pp_stddev": pp["stddev_ts"], "tg_stddev": tg["stddev_ts"],
+              "build": {k: pp.get(k) for k in ("build_commit", "build_number", "cpu_info", "type_k", "n_threads")}}
+    if cost:
+        # The same blocks as pagellm's GGUF-native engine streams: its cost stands for llama.cpp's.
+        result["roofline_pp"] = roofline.achieved(cost, cfg.input_len, 1, cfg.input_len / pp["avg_ts"], limits)
+        result["roofline_tg"] = roofline.achieved(cost, cfg.output_len, cfg.output_len,
+                                                  cfg.output_len / tg["avg_ts"], limits)
+    return result
+
+
+def run_latency_bench(cfg: LatencyConfig) -> dict:
+    import torch
+
+    from pagellm.model.loader import load_model_source
+
+    torch.set_num_threads(cfg.threads)
+    model_path = load_model_source(cfg.model).path
+    load = {"loadavg_start": os.getloadavg()}
+    limits = roofline.machine_limits(cfg.threads)
+    systems, skipped = {}, {}
+    gguf_cost = None
+    for name in cfg.systems:
+        if name == LLAMA_BENCH:
+            continue
+        if not name.startswith("pagellm-"):
+            raise ValueError(f"unknown system {name!r}; choose pagellm-<policy>[-bf16][-dense] or {LLAMA_BENCH}")
+        policy, options = pagellm_system(name)
+        if policy != "paged":
+            raise ValueError(f"{name}: the latency bench runs the paged engine only")
+        systems[name] = run_pagellm(cfg, options, limits)
+        systems[name]["loadavg_after"] = os.getloadavg()[0]
+        if options.get("quantization") is None and gguf_cost is None:
+            gguf_cost = {k: systems[name]["roofline_tg"][k] for k in ("flops_per_token", "weight_bytes_per_step")}
+    if LLAMA_BENCH in cfg.systems:
+        if not model_path.lower().endswith(".gguf"):
+            skipped[LLAMA_BENCH] = "llama-bench needs a GGUF model"
+        elif not os.access(llama_bench_binary(), os.X_OK):
+            skipped[LLAMA_BENCH] = (f"{llama_bench_binary()} not found: build it with "
+                                    "benchmarks/build_llama_cpp.sh or set PAGELLM_LLAMA_CPP_BIN")
+        else:
+            systems[LLAMA_BENCH] = run_llama_bench(cfg, model_path, gguf_cost, limits)
+            systems[LLAMA_BENCH]["loadavg_after"] = os.getloadavg()[0]
+    load["loadavg_end"] = os.getloadavg()
+    limits_after = roofline.machine_limits(cfg.threads)
+    return {"config": asdict(cfg), "model": model_path, "load": load, "machine_limits": limits,
+            "machine_limits_after": limits_after, "systems": systems, "skipped": skipped,
+            "ratios_to_llama_bench": _ratios(systems)}
+
+
+def _ratios(systems: dict) -> dict:
+    ref = systems.get(LLAMA_BENCH)
+    if not ref:
+        return {}
+    return {name: {"pp": s["pp_tokens_per_s"] / ref["pp_tokens_per_s"],
+                   "tg": s["tg_tokens_per_s"] / ref["tg_tokens_per_s"]}
+            for name, s in systems.items() if name != LLAMA_BENCH}
+
+
+def print_tables(results: dict) -> None:
+    cfg = results["config"]
+    lim = results["machine_limits"]
+    rows = []
+    for name, s in results["systems"].items():
+        tg = s.get("roofline_tg") or {}
+        rows.append([name, s["pp_tokens_per_s"], s["tg_tokens_per_s"], s["tg_ms_per_step"], tg.get("weight_gbps"),
+                     tg.get("share_of_memory_bandwidth"), (s.get("roofline_pp") or {}).get("gflops")])
+    print(f"\n{results['model']}: pp{cfg['input_len']} / tg{cfg['output_len']}, batch {cfg['batch_size']}, "
+          f"{cfg['threads']} threads")
+    print(report.format_table(["system", "pp tok/s", "tg tok/s", "tg ms/step", "tg weight GB/s", "of bandwidth",
+                               "pp GFLOP/s"], rows))
+    print(f"machine: {lim['memory_gbps']} GB/s memory, {lim['gemm_gflops_float32']} GFLOP/s fp32 GEMM, "
+          f"{lim['gemm_gflops_bfloat16']} bf16 (after: {results['machine_limits_after']['memory_gbps']} GB/s)")
+    for name, r in results["ratios_to_llama_bench"].items():
+        print(f"{name} / llama-bench: pp {r['pp']:.2f}x, tg {r['tg']:.2f}x")
+    for name, why in results["skipped"].items():
+        print(f"skipped {name}: {why}")
+    for name, s in results["systems"].items():
+        if "decode_phases" in s:
+            ph = s["decode_phases"]
+            print(f"\n{name}, where a decode step's time goes ({ph['steps']} steps):")
+            print(report.format_table(["phase", "ms/step", "share"],
+                                      [[k, v, f"{ph['share'][k]:.1%}"] for k, v in ph["ms_per_step"].items()]))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("latency", help="prompt (pp) and decode (tg) tokens/s of one stream, pagellm and llama-bench")
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma-separated: pagellm-paged[-bf16][-dense], llama-bench")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (llama-bench -p)")
+    p.add_argument("--output-len", type=int, default=128, help="decoded tokens (llama-bench -n)")
+    p.add_argument("--batch-size", type=int, default=1, help="streams decoded together (pagellm only)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="time pagellm's decode steps by phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/latency-<date>)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("input_len", "output_len", "batch_size", "repeat", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    cfg = LatencyConfig(model=args.model, systems=[s.strip() for s in args.systems.split(",") if s.strip()],
+                        input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
+                        repeat=args.repeat, threads=args.threads, seed=args.seed, profile=args.profile)
+    results = {**report.metadata("latency"), **run_latency_bench(cfg)}
+    json_path, _ = report.output_paths("latency", args.out)
+    report.write_json(json_path, results)
+    print_tables(results)
+    print(f"\nwrote {json_path}")
+    return 0

@@ -1,0 +1,88 @@
+"""The roofline, measured: how far a run is from what this machine can do.
+
+Two limits, measured by reference kernels in the same process as the run they judge: memory
+bandwidth (a streaming sum over a buffer far larger than the caches, read once) and the dense
+GEMM rate in float32 and bfloat16. A run's achieved rates come from the model's own shapes:
+FLOPs are 2 x the multiply-adds of its linear layers and head per token computed (attention's
+score products left out: small next to the weights at these context lengths, and stated so);
+bytes are the weights one step streams (every linear weight and the head, in their stored
+form: GGUF blocks count at their block size), once per engine step, KV reads left out.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _median_seconds(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_limits(threads: int | None = None, buffer_mib: int = 512, gemm_n: int = 2048, repeat: int = 5) -> dict:
+    """{"memory_gbps", "gemm_gflops_float32", "gemm_gflops_bfloat16"} measured now on `threads`
+    threads (default: torch's current setting). About 1.5 s."""
+    import torch
+
+    prev = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        big = torch.ones(buffer_mib << 18)  # float32: 4 bytes each
+        out = {"memory_gbps": big.numel() * 4 / _median_seconds(big.sum, repeat) / 1e9}
+        del big
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(gemm_n, gemm_n).to(dtype)
+            out[f"gemm_gflops_{str(dtype).removeprefix('torch.')}"] = \
+                2 * gemm_n ** 3 / _median_seconds(lambda: a @ a, 3) / 1e9
+        out["threads"] = torch.get_num_threads()
+        return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
+    finally:
+        torch.set_num_threads(prev)
+
+
+def model_cost(model) -> dict:
+    """Per token computed: FLOPs of the linear layers, experts (top-k of them) and head; per
+    step: the bytes of weight those read. `model` is a pagellm CausalLM (one rank)."""
+    from pagellm.layers.linear import LinearBase
+    from pagellm.layers.moe import FusedMoE
+
+    macs = 0
+    streamed = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            macs += module.in_features * module.out_features
+            # recurse: a GGUF layer keeps its blocks in a ParameterList of segments.
+            streamed += sum(p.numel() * p.element_size() for p in module.parameters())
+        elif isinstance(module, FusedMoE):
+            # Each token runs top_k experts; a decode batch of B tokens reads min(E, ~B*k) of them.
+            per_expert = sum(p[0].numel() for p in (module.w13, module.w2))
+            macs += module.top_k * per_expert
+            streamed += sum(p.numel() * p.element_size() for p in module.parameters())
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    macs += head.num_local * model.cfg.hidden_size
+    streamed += sum(p.numel() * p.element_size() for p in head.parameters())
+    return {"flops_per_token": 2 * macs, "weight_bytes_per_step": streamed}
+
+
+def achieved(cost: dict, tokens: int, steps: int | None, seconds: float, limits: dict | None,
+             dtype: str = "float32") -> dict:
+    """A run's achieved GFLOP/s (tokens computed x FLOPs per token) and weight GB/s (steps x
+    weight bytes per step; left out when the steps are unknown) over `seconds`, and each as a
+    share of the measured limit."""
+    gflops = cost["flops_per_token"] * tokens / seconds / 1e9
+    out = {"gflops": round(gflops, 2), "flops_per_token": cost["flops_per_token"]}
+    gemm = (limits or {}).get(f"gemm_gflops_{dtype}") or (limits or {}).get("gemm_gflops_float32")
+    if gemm:
+        out["share_of_gemm_rate"] = round(gflops / gemm, 4)
+    if steps is not None and "weight_bytes_per_step" in cost:
+        gbps = cost["weight_bytes_per_step"] * steps / seconds / 1e9
+        out.update(weight_gbps=round(gbps, 2), weight_bytes_per_step=cost["weight_bytes_per_step"])
+        if (limits or {}).get("memory_gbps"):
+            out["share_of_memory_bandwidth"] = round(gbps / limits["memory_gbps"], 4)
+    return out

@@ -1,0 +1,57 @@
+"""`pagellm bench latency` and the roofline figures every benchmark reports."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from pagellm.entrypoints.cli import main
+
+
+def test_latency_bench_tiny(tmp_path, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PAGELLM_LLAMA_CPP_BIN", str(tmp_path / "nowhere"))
+    stem = tmp_path / "latency"
+    rc = main(["bench", "latency", "--model", tiny_llama_dir, "--systems", "pagellm-paged,pagellm-paged-bf16,llama-bench",
+               "--input-len", "12", "--output-len", "6", "--repeat", "2", "--profile", "--out", str(stem)])
+    assert rc == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["benchmark"] == "latency" and data["command"]
+    assert set(data["systems"]) == {"pagellm-paged", "pagellm-paged-bf16"}
+    assert "GGUF" in data["skipped"]["llama-bench"]  # a safetensors directory
+    limits = data["machine_limits"]
+    assert limits["memory_gbps"] > 0 and limits["gemm_gflops_float32"] > 0 and limits["gemm_gflops_bfloat16"] > 0
+    for name, s in data["systems"].items():
+        assert len(s["pp_runs_s"]) == len(s["tg_runs_s"]) == 2
+        assert s["tg_tokens_per_s"] == pytest.approx(6 / statistics.median(s["tg_runs_s"]))
+        tg = s["roofline_tg"]
+        # One stream: one step per token, so GB/s = bytes per step x tokens/s.
+        assert tg["weight_gbps"] == pytest.approx(tg["weight_bytes_per_step"] * s["tg_tokens_per_s"] / 1e9, rel=1e-2,
+                                                  abs=0.01)
+        assert tg["gflops"] == pytest.approx(tg["flops_per_token"] * s["tg_tokens_per_s"] / 1e9, rel=1e-2, abs=0.01)
+    # Profiled decode steps: output_len decode steps + one one-token prefill step, per repeat.
+    phases = data["systems"]["pagellm-paged"]["decode_phases"]
+    assert phases["steps"] == 2 * (6 + 1)
+    # bf16 weights are half the bytes of fp32 ones.
+    fp32 = data["systems"]["pagellm-paged"]["roofline_tg"]["weight_bytes_per_step"]
+    bf16 = data["systems"]["pagellm-paged-bf16"]["roofline_tg"]["weight_bytes_per_step"]
+    assert bf16 * 2 == fp32
+
+
+def test_model_cost_counts_what_transformers_counts(tiny_llama_dir):
+    """FLOPs per token are 2 x the weights a token multiplies: transformers' parameter count less
+    the norms (and the embedding, whose lookup is no product, unless it is the tied head)."""
+    import torch
+    import transformers
+
+    from pagellm import LLM
+    from pagellm.bench.roofline import model_cost
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    multiplied = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
+    if not hf.config.tie_word_embeddings:
+        multiplied -= hf.get_input_embeddings().weight.numel()
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cpu")
+    cost = model_cost(llm.engine.runner.model)
+    assert cost["flops_per_token"] == 2 * multiplied
+    assert cost["weight_bytes_per_step"] == 4 * multiplied

@@ -59,7 +59,7 @@ def run_pagellm(cfg: LatencyConfig, options: dict, limits: dict) -> dict:
               enable_prefix_caching=False, seed=cfg.seed, **options)
     engine = llm.engine
     vocab = engine.runner.model.cfg.vocab_size
-    cost = roofline.model_cost(engine.runner.model)
+    cost = engine.model_cost()
     rng = random.Random(cfg.seed)
 
     def timed_steps(prompts: list[list[int]], max_tokens: int, timer=None) -> list[float]:

@@ -2,11 +2,11 @@
 
 Two limits, measured by reference kernels in the same process as the run they judge: memory
 bandwidth (a streaming sum over a buffer far larger than the caches, read once) and the dense
-GEMM rate in float32 and bfloat16. A run's achieved rates come from the model's own shapes:
-FLOPs are 2 x the multiply-adds of its linear layers and head per token computed (attention's
-score products left out: small next to the weights at these context lengths, and stated so);
-bytes are the weights one step streams (every linear weight and the head, in their stored
-form: GGUF blocks count at their block size), once per engine step, KV reads left out.
+GEMM rate in float32 and bfloat16. A run's achieved rates come from the model's own shapes
+(`CausalLM.compute_cost`): FLOPs are 2 x the multiply-adds of its linear layers and head per
+token computed (attention's score products left out: small next to the weights at these context
+lengths); bytes are the weights one step streams (every linear weight and the head, in their
+stored form: GGUF blocks count at their block size), once per engine step, KV reads left out.
 """
 from __future__ import annotations
 
@@ -44,30 +44,6 @@ def machine_limits(threads: int | None = None, buffer_mib: int = 512, gemm_n: in
         return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
     finally:
         torch.set_num_threads(prev)
-
-
-def model_cost(model) -> dict:
-    """Per token computed: FLOPs of the linear layers, experts (top-k of them) and head; per
-    step: the bytes of weight those read. `model` is a pagellm CausalLM (one rank)."""
-    from pagellm.layers.linear import LinearBase
-    from pagellm.layers.moe import FusedMoE
-
-    macs = 0
-    streamed = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            macs += module.in_features * module.out_features
-            # recurse: a GGUF layer keeps its blocks in a ParameterList of segments.
-            streamed += sum(p.numel() * p.element_size() for p in module.parameters())
-        elif isinstance(module, FusedMoE):
-            # Each token runs top_k experts; a decode batch of B tokens reads min(E, ~B*k) of them.
-            per_expert = sum(p[0].numel() for p in (module.w13, module.w2))
-            macs += module.top_k * per_expert
-            streamed += sum(p.numel() * p.element_size() for p in module.parameters())
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
-    macs += head.num_local * model.cfg.hidden_size
-    streamed += sum(p.numel() * p.element_size() for p in head.parameters())
-    return {"flops_per_token": 2 * macs, "weight_bytes_per_step": streamed}
 
 
 def achieved(cost: dict, tokens: int, steps: int | None, seconds: float, limits: dict | None,

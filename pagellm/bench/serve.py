@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
 from pagellm import envs
-from pagellm.bench import report
+from pagellm.bench import report, roofline
 
 
 
@@ -229,7 +229,7 @@ def launch(policy: str, engine_args: list[str], log_path: str, llama: dict | Non
                                     "(or set PAGELLM_LLAMA_CPP_BIN)")
         cmd = [binary, "-m", llama["model"], "-t", str(llama["threads"]), "--parallel", str(llama["parallel"]),
                "-c", str(llama["parallel"] * llama["ctx_per_slot"]), "--host", "127.0.0.1", "--port", str(port),
-               "--cont-batching", "--no-webui"]
+               "--cont-batching", "--no-webui", "--metrics"]
     else:
         cmd = [sys.executable, "-m", "pagellm", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--disable-access-log", "--kv-policy", policy, *engine_args]
@@ -264,15 +264,64 @@ def warm_up(url: str, model: str, timeout_s: float) -> None:
         raise RuntimeError(f"the warm-up request to {url} failed: {rec.error}")
 
 
-def bench_target(url: str, cfg: ServeConfig, show_progress: bool, label: str | None = None) -> dict:
-    """`label` names the target in the progress bar (its policy, for a launched server)."""
+# What a server's /metrics says about its work: engine steps and tokens computed (pagellm's
+# iteration histogram, llama-server's decode calls and token totals), and pagellm's model cost.
+SERVER_COUNTERS = {
+    "steps": ("pagellm:iteration_tokens_total_count", "llamacpp:n_decode_total"),
+    "tokens": ("pagellm:iteration_tokens_total_sum", ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total")),
+    "flops_per_token": ("pagellm:model_flops_per_token",),
+    "weight_bytes_per_step": ("pagellm:model_weight_bytes_per_step",),
+}
+
+
+def server_counters(url: str) -> dict:
+    """SERVER_COUNTERS read from the server's /metrics now; {} when it has none."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    out = {}
+    for key, names in SERVER_COUNTERS.items():
+        for name in names:
+            parts = name if isinstance(name, tuple) else (name,)
+            if all(p in samples for p in parts):
+                out[key] = sum(samples[p] for p in parts)
+                break
+    return out
+
+
+def rate_roofline(before: dict, after: dict, duration_s: float, limits: dict | None, cost: dict | None) -> dict | None:
+    """The GFLOP/s and weight GB/s the server achieved over one rate, from its counters' growth."""
+    cost = {k: after[k] for k in ("flops_per_token", "weight_bytes_per_step") if k in after} or cost
+    if not cost or "tokens" not in after or "tokens" not in before or duration_s <= 0:
+        return None
+    steps = after["steps"] - before["steps"] if "steps" in after and "steps" in before else None
+    return {"steps": steps, "tokens_computed": after["tokens"] - before["tokens"],
+            **roofline.achieved(cost, after["tokens"] - before["tokens"], steps, duration_s, limits)}
+
+
+def bench_target(url: str, cfg: ServeConfig, show_progress: bool, label: str | None = None,
+                 limits: dict | None = None, cost: dict | None = None) -> dict:
+    """`label` names the target in the progress bar (its policy, for a launched server). `cost`
+    (FLOPs per token, weight bytes per step) stands in for a server that does not report its own."""
     model = get_model(url)
     warm_up(url, model, cfg.timeout_s)
     work = make_requests(cfg)
     rows = []
     for rate in report.progress(cfg.rates, desc=f"bench serve {label or url}", enable=show_progress, unit="rate"):
+        before = server_counters(url)
         records = asyncio.run(run_rate(url, model, work, rate, cfg.seed, cfg.timeout_s, cfg.max_concurrency))
-        rows.append(summarize(records, rate))
+        row = summarize(records, rate)
+        row["roofline"] = rate_roofline(before, server_counters(url), row["duration_s"], limits, cost)
+        rows.append(row)
     return {"url": url, "model": model, "rates": rows}
 
 
@@ -281,32 +330,40 @@ def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: lis
                     llama: dict | None = None) -> dict:
     targets: dict = {}
     skipped: dict = {}
+    limits = roofline.machine_limits()
+    cost = None  # a pagellm server's model cost, for a llama-server on the same file
     for label, url in urls:
         check_loopback(url)
-        targets[label] = bench_target(url.rstrip("/"), cfg, show_progress, label)
-    for policy in policies:
+        targets[label] = bench_target(url.rstrip("/"), cfg, show_progress, label, limits)
+    # pagellm first: its reported model cost serves llama-server's roofline too.
+    for policy in sorted(policies, key=lambda p: p == LLAMA_SERVER):
         log_path = os.path.join(out_dir, f"serve-{policy}.log")
         proc, url = launch(policy, engine_args, log_path, llama)
         try:
             wait_ready(url, proc, ready_timeout_s)
-            targets[policy] = {**bench_target(url, cfg, show_progress, policy), "launched": True,
+            if policy != LLAMA_SERVER and cost is None:
+                counters = server_counters(url)
+                cost = {k: counters[k] for k in ("flops_per_token", "weight_bytes_per_step") if k in counters} or None
+            targets[policy] = {**bench_target(url, cfg, show_progress, policy, limits, cost), "launched": True,
                                "engine_args": proc.args[1:] if policy == LLAMA_SERVER else engine_args}
         except (RuntimeError, TimeoutError) as e:
             skipped[policy] = f"{e} (log: {log_path})"
         finally:
             stop(proc)
-    return {"config": asdict(cfg), "targets": targets, "skipped": skipped}
+    return {"config": asdict(cfg), "machine_limits": limits, "machine_limits_after": roofline.machine_limits(),
+            "targets": targets, "skipped": skipped}
 
 
 def print_tables(results: dict) -> None:
     headers = ["target", "rate req/s", "done", "failed", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "e2e p50 s",
-               "e2e p99 s", "norm lat s/tok", "tok/s"]
+               "e2e p99 s", "norm lat s/tok", "tok/s", "GFLOP/s", "weight GB/s"]
     rows = []
     for label, t in results["targets"].items():
         for r in t["rates"]:
             rows.append([label, r["rate"], r["completed"], r["failed"], r["ttft_s"]["p50"], r["ttft_s"]["p99"],
                          r["tpot_s"]["p50"], r["e2e_s"]["p50"], r["e2e_s"]["p99"], r["normalized_latency_s"]["mean"],
-                         r["throughput_tok_s"]])
+                         r["throughput_tok_s"], (r.get("roofline") or {}).get("gflops"),
+                         (r.get("roofline") or {}).get("weight_gbps")])
     print(report.format_table(headers, rows))
     for k, why in results["skipped"].items():
         print(f"skipped {k}: {why}")

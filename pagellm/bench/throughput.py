@@ -211,7 +211,7 @@ def run_pagellm(work: list[Work], policy: str, cfg: ThroughputConfig, profile: b
         "num_preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.kv.num_blocks,
         "block_size": engine.kv.block_size, "phases": _phase_breakdown(timer),
         # Every prompt token and every generated token but the last went through the model once.
-        "roofline": roofline.achieved(roofline.model_cost(engine.runner.model),
+        "roofline": roofline.achieved(engine.model_cost(),
                                       sum(len(w.prompt) for w in work) + gen - len(work), len(batch_sizes), wall,
                                       limits, options.get("dtype", "float32")),
     }

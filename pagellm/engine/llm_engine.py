@@ -271,6 +271,12 @@ class LLMEngine:
         holds, its KV heads, and its peak memory so far."""
         return self.runner.memory_report()
 
+    def model_cost(self) -> dict:
+        """The model's FLOPs per computed token and weight bytes streamed per step, all ranks
+        together (CausalLM.compute_cost): what a roofline divides by time."""
+        ranks = self.memory_report()
+        return {k: sum(r[k] for r in ranks) for k in ("flops_per_token", "weight_bytes_per_step")}
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the engine cannot step afterwards. Also
         done at garbage collection and interpreter exit."""

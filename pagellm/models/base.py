@@ -89,6 +89,31 @@ class CausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return self.logits(hidden, head)
 
+    def compute_cost(self) -> dict:
+        """This rank's work: FLOPs per token computed (2 x the multiply-adds of its linear layers,
+        top-k experts and head; attention's score products left out) and the weight bytes a step
+        streams (those layers' weights in their stored form, GGUF blocks at their size; the
+        embedding table only when it is the tied head). The roofline's numerators."""
+        from pagellm.layers.linear import LinearBase
+        from pagellm.layers.moe import FusedMoE
+
+        def nbytes(module: nn.Module) -> int:
+            # recurse: a GGUF layer keeps its blocks in a ParameterList of segments.
+            return sum(p.numel() * p.element_size() for p in module.parameters())
+
+        macs = streamed = 0
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                macs += module.in_features * module.out_features
+                streamed += nbytes(module)
+            elif isinstance(module, FusedMoE):
+                macs += module.top_k * (module.w13[0].numel() + module.w2[0].numel())
+                streamed += nbytes(module)  # a decode batch of B tokens reads min(E, ~B*k) experts: an upper bound
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        macs += head.num_local * self.cfg.hidden_size
+        streamed += nbytes(head)
+        return {"flops_per_token": 2 * macs, "weight_bytes_per_step": streamed}
+
     # ---- weights -----------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor feeds, before fusing; None to skip it."""

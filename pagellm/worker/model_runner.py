@@ -332,7 +332,7 @@ def rank_memory(runner: ModelRunner, rank: int) -> dict:
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     report = {"rank": rank, "device": str(runner.device), "weight_bytes": weights, "kv_cache_bytes": kv,
-              "num_kv_heads": runner.model.num_kv_heads,
+              "num_kv_heads": runner.model.num_kv_heads, **runner.model.compute_cost(),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if runner.device.type == "cuda":
         report["peak_device_bytes"] = torch.cuda.max_memory_allocated(runner.device)

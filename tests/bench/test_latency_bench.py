@@ -45,13 +45,12 @@ def test_model_cost_counts_what_transformers_counts(tiny_llama_dir):
     import transformers
 
     from pagellm import LLM
-    from pagellm.bench.roofline import model_cost
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     multiplied = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
     if not hf.config.tie_word_embeddings:
         multiplied -= hf.get_input_embeddings().weight.numel()
     llm = LLM(tiny_llama_dir, dtype="float32", device="cpu")
-    cost = model_cost(llm.engine.runner.model)
+    cost = llm.engine.model_cost()
     assert cost["flops_per_token"] == 2 * multiplied
     assert cost["weight_bytes_per_step"] == 4 * multiplied

@@ -76,6 +76,8 @@ def test_serve_bench_tiny(tmp_path, stand_in_server):
         assert r["tpot_s"]["p50"] > 0 and r["normalized_latency_s"]["mean"] > 0
         assert r["output_tokens"] == sum(min(5, b["max_tokens"]) for b in _Handler.seen[1:7])
         assert r["throughput_tok_s"] > 0
+        assert r["roofline"] is None  # the stand-in reports no counters
+    assert data["machine_limits"]["memory_gbps"] > 0
     # One warm-up request goes first and is not counted; then 6 per rate.
     assert len(_Handler.seen) == 1 + 2 * 6 and _Handler.seen[0]["max_tokens"] == 2
     body = _Handler.seen[1]
@@ -108,3 +110,7 @@ def test_serve_bench_launches_real_servers_per_policy(tmp_path, tiny_llama_dir):
         assert target["launched"] is True
         (row,) = target["rates"]
         assert row["completed"] == 4 and row["failed"] == 0 and row["output_tokens"] == expected_tokens
+        # The server's counters: every output token but each request's last was computed, and the prompts.
+        roof = row["roofline"]
+        assert roof["steps"] >= 4 and roof["tokens_computed"] >= expected_tokens
+        assert roof["gflops"] > 0 and roof["weight_gbps"] > 0 and 0 < roof["share_of_memory_bandwidth"]

@@ -323,6 +323,11 @@ def test_metrics_count_exactly(server, client):
     assert metric_value(text, "pagellm:kv_cache_free_blocks", **labels) == stats["free_blocks"]
     assert metric_value(text, "pagellm:cache_config_info", block_size="16",
                         num_gpu_blocks=str(stats["total_blocks"]), enable_prefix_caching="True") == 1
+    # The model's cost, for a roofline from the outside: 2 FLOPs a weight, and (Q4_1 blocks, a Q8_0
+    # head) between half a byte and a float32's 4 bytes per weight.
+    flops = metric_value(text, "pagellm:model_flops_per_token", **labels)
+    weight_bytes = metric_value(text, "pagellm:model_weight_bytes_per_step", **labels)
+    assert flops / 2 * 0.5 < weight_bytes < flops / 2 * 4
 
 
 def test_metrics(server, client):

@@ -157,7 +157,7 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
     names = args.served_model_name or [default_model_name(llm_engine.model_path)]
     metrics = ServerMetrics(names[0], max_model_len=llm_engine.max_model_len,
                             max_num_batched_tokens=llm_engine.config.max_num_batched_tokens,
-                            cache_info=cache_config_info(llm_engine))
+                            cache_info=cache_config_info(llm_engine), model_cost=llm_engine.model_cost())
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     metrics.bind(engine.stats)
     per_request = args.max_seqs_per_request or max(1, args.max_num_seqs // 2)

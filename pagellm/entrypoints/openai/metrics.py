@@ -112,7 +112,7 @@ class ServerMetrics:
     """The server's registry, and the engine observer that feeds it."""
 
     def __init__(self, model_name: str, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
-                 cache_info: dict | None = None) -> None:
+                 cache_info: dict | None = None, model_cost: dict | None = None) -> None:
         # No `*_created` series: like vLLM, which turns them off too (the switch is process-wide).
         disable_created_metrics()
         self.model_name = model_name
@@ -169,6 +169,14 @@ class ServerMetrics:
                      sorted((cache_info or {}).keys()), registry=reg)
         if cache_info:
             info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
+        # The roofline's numerators: with iteration_tokens_total's count (steps) and sum (tokens)
+        # they give the GFLOP/s and weight GB/s a load achieved.
+        for key, doc in (("flops_per_token", "FLOPs one computed token costs the model's linear layers and head "
+                                             "(2 x their multiply-adds)."),
+                         ("weight_bytes_per_step", "Bytes of weights one engine step streams (linear layers and "
+                                                   "head, in their stored form).")):
+            if model_cost and key in model_cost:
+                Gauge(f"pagellm:model_{key}", doc, name, registry=reg).labels(model_name).set(model_cost[key])
         self._requests: dict[str, _Progress] = {}
         # Plain totals for the dashboard (read from the event loop; ints are safe to share).
         self.total_prompt_tokens = 0

@@ -296,24 +296,33 @@ constexpr int kMaxRows = 8;
 constexpr int64_t kRowsPerPass = 48;
 constexpr int64_t kPassFloats = 196608;
 
-// Where a block's float32 values come from. Blocks: widened by the format's dequant (an
-// indirect call; the accumulators survive it in memory, a small cost next to the unpacking).
-// DenseF32 / DenseBF16: read in place or widened inline, so the accumulators stay in registers
-// over the whole row, which matters for dense weights at larger batches (compute-bound).
+// Where a block's float32 values come from. Blocks: widened by the format's dequant through a
+// pointer (an indirect call; the accumulators survive it in memory). Inlined<D>: the same dequant
+// called directly, so it inlines and a 32-value block goes from its bytes to the FMAs in
+// registers: at one row of x the call and the round trip through memory cost more than the
+// unpacking itself (a decode step's products ran at ~4 GB/s through the pointer). Same values,
+// same order of FMAs: the same bits either way. DenseF32: read in place.
+// kDense: tiled as dense rows (few rows of x, several of W) rather than as blocks to unpack once
+// for up to kMaxRows rows of x.
 struct Blocks {
+  static constexpr bool kDense = false;
   static const float* values(const Format& f, const uint8_t* block, float* tmp) { return block_values(f, block, tmp); }
 };
+template <void (*Dequant)(const uint8_t*, float*), bool Dense = false>
+struct Inlined {
+  static constexpr bool kDense = Dense;
+  static const float* values(const Format&, const uint8_t* block, float* tmp) {
+    Dequant(block, tmp);
+    return tmp;
+  }
+};
 struct DenseF32 {
+  static constexpr bool kDense = true;
   static const float* values(const Format&, const uint8_t* block, float*) {
     return reinterpret_cast<const float*>(block);
   }
 };
-struct DenseBF16 {
-  static const float* values(const Format&, const uint8_t* block, float* tmp) {
-    VEC(dequant_bf16)(block, tmp);  // a direct call, inlined
-    return tmp;
-  }
-};
+using DenseBF16 = Inlined<VEC(dequant_bf16), true>;
 
 // Rows [n0, n1) of y = x @ W^T for x: [M, K] float32, M <= kMaxRows, NR rows of W at a time.
 // Two accumulators per (row of W, row of x), alternating over 16-value chunks, and NR rows of W
@@ -380,7 +389,7 @@ void rows_in_groups(const float* x, int64_t K, const uint8_t* w, int64_t row_byt
 template <typename Src>
 void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t row_bytes, const Format& f,
                    float* yp, int64_t N, int64_t n0, int64_t n1) {
-  constexpr bool dense = !std::is_same_v<Src, Blocks>;
+  constexpr bool dense = Src::kDense;
   const int64_t group = dense ? 4 : kMaxRows;
   for (int64_t m0 = 0; m0 < M; m0 += group) {
     const float* xm = xp + m0 * K;
@@ -428,12 +437,18 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
         for (int64_t n = p0; n < p1; ++n) widen_row(f, wp + n * row_bytes, K, buf.data() + (n - p0) * K);
         multiply_rows<DenseF32>(xp, M, K, reinterpret_cast<const uint8_t*>(buf.data()), K * 4, dense, yp + p0, N, 0,
                                 p1 - p0);
-      } else if (qtype == F32) {
-        multiply_rows<DenseF32>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1);
-      } else if (qtype == BF16) {
-        multiply_rows<DenseBF16>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1);
       } else {
-        multiply_rows<Blocks>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1);
+        switch (qtype) {
+          case F32: multiply_rows<DenseF32>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          case BF16: multiply_rows<DenseBF16>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          case Q4_0: multiply_rows<Inlined<VEC(dequant_q4_0)>>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          case Q4_1: multiply_rows<Inlined<VEC(dequant_q4_1)>>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          case Q8_0: multiply_rows<Inlined<VEC(dequant_q8_0)>>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          case Q4_K: multiply_rows<Inlined<VEC(dequant_q4_k)>>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          case Q5_K: multiply_rows<Inlined<VEC(dequant_q5_k)>>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          case Q6_K: multiply_rows<Inlined<VEC(dequant_q6_k)>>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;
+          default: multiply_rows<Blocks>(xp, M, K, wp, row_bytes, f, yp, N, p0, p1); break;  // F16
+        }
       }
     }
   });

@@ -3,7 +3,9 @@ the files the quantized-weights benchmarks run on where no checkpoint can be dow
 
     python benchmarks/make_gguf_shape.py --shape llama-3.2-1b --types Q4_K_M Q8_0 --out /data/shapes
 
-1. config.json of the shape (pagellm.model.synthetic.LLAMA_SHAPES) and a byte-level tokenizer;
+1. config.json of the shape (pagellm.model.synthetic.LLAMA_SHAPES) with the bundled SmolLM2's
+   tokenizer (a byte-level BPE the converter recognises; its 49,152 tokens are padded to the
+   shape's vocabulary);
 2. random bfloat16 weights (normal, std 0.02), written tensor by tensor to safetensors shards,
    so an 8B shape never sits in memory whole;
 3. llama.cpp's convert_hf_to_gguf.py to an F16 GGUF, then llama-quantize to each --types entry
@@ -48,36 +50,38 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_random_weights(model_dir: Path, seed: int) -> None:
+    """Normal(0, 0.02) bfloat16 weights (norms 1), shard by shard, with the shards' index."""
     cfg = json.loads((model_dir / "config.json").read_text())
     gen = torch.Generator().manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(model_dir / name), metadata={"format": "pt"})
+        weight_map.update({t: name for t in shard})
+        shard.clear()
+
     for name, shape in tensor_shapes(cfg).items():
         if len(shape) == 1:
             t = torch.ones(shape, dtype=torch.bfloat16)
         else:
             t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-        if size + t.numel() * 2 > SHARD_BYTES and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.numel() * 2
-        if size >= SHARD_BYTES:
-            _flush(model_dir, shards)
-    _flush(model_dir, shards, last=True)
+        if shard and sum(x.numel() * 2 for x in shard.values()) + t.numel() * 2 > SHARD_BYTES:
+            flush()
+        shard[name] = t
+    flush()
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _flush(model_dir: Path, shards: list[dict], last: bool = False) -> None:
-    """Write the newest shard to disk and drop its tensors (an index is written at the end)."""
-    index_path = model_dir / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else {"metadata": {}, "weight_map": {}}
-    k = len({*index["weight_map"].values()}) + 1
-    if shards[-1]:
-        name = f"model-{k:05d}.safetensors"
-        save_file(shards[-1], str(model_dir / name), metadata={"format": "pt"})
-        index["weight_map"].update({t: name for t in shards[-1]})
-        shards[-1].clear()
-    index_path.write_text(json.dumps(index, indent=1))
+def write_smollm2_tokenizer(model_dir: Path) -> None:
+    import transformers
+
+    from pagellm.model.bundled import default_model_path
+
+    path = default_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok.save_pretrained(model_dir)
 
 
 def main() -> None:
@@ -97,6 +101,7 @@ def main() -> None:
     f16 = out / f"{args.shape}-random-F16.gguf"
     if not f16.exists():
         write_dummy_model_dir(model_dir, args.shape, max_position_embeddings=8192)
+        write_smollm2_tokenizer(model_dir)
         write_random_weights(model_dir, args.seed)
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f16",

@@ -33,7 +33,14 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor
     num_decodes: int
     block_size: int
+    # With several KV groups (sliding-window layers, core/kv/groups.py): every group's slot
+    # mapping [groups, num_tokens] and block tables [groups, num_seqs, max_blocks]; the two
+    # fields above are group 0's. None with one group.
+    group_slot_mappings: torch.Tensor | None = None
+    group_block_tables: torch.Tensor | None = None
 
+    # for_group()'s results, built once per step rather than once per layer.
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # query_token_keys()'s result, computed once per step rather than once per layer.
     _token_keys: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
@@ -48,6 +55,19 @@ class AttentionMetadata:
             keys = self.seq_lens_tensor.to(ql.device)[seq] - ql[seq] + 1 + within
             self._token_keys = (seq, keys)
         return self._token_keys
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group `group` reads: this step's tokens through that group's
+        slot mapping and block tables."""
+        if group == 0 or self.group_block_tables is None:
+            return self
+        meta = self._groups.get(group)
+        if meta is None:
+            meta = AttentionMetadata(self.group_slot_mappings[group], self.group_block_tables[group], self.query_lens,
+                                     self.seq_lens, self.seq_lens_tensor, self.num_decodes, self.block_size)
+            meta._token_keys = self.query_token_keys()  # shared: positions do not depend on the group
+            self._groups[group] = meta
+        return meta
 
     @property
     def num_seqs(self) -> int:

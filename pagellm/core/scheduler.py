@@ -20,9 +20,14 @@ from pagellm.core.step_plan import PlannedSeq, SampleSpec, StepPlan
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    block_table: list[int]
+    block_tables: tuple[list[int], ...]  # one per KV group (core/kv/groups.py)
     # Sibling sequences forked from this one this step: they sample from its logits.
     forks: list[Request] = field(default_factory=list)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table (the only one unless some layers slide)."""
+        return self.block_tables[0]
 
     @property
     def start(self) -> int:
@@ -58,7 +63,7 @@ class SchedulerOutput:
             samplers = [SampleSpec(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
                         for r in (req, *s.forks)] if s.samples else []
             end = s.start + s.num_new_tokens
-            seq = PlannedSeq(req.request_id, req.token_slice(s.start, end), s.start, s.block_table, samplers,
+            seq = PlannedSeq(req.request_id, req.token_slice(s.start, end), s.start, s.block_tables, samplers,
                              req.group_id)
             if req.prompt_logprobs_pending:
                 # Positions first .. last - 1 predict prompt tokens first + 1 .. last (the last
@@ -114,7 +119,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.group_tables(req.request_id)))
                 budget -= n
                 i += 1
                 continue
@@ -153,7 +158,7 @@ class Scheduler:
             req.first_scheduled_time = time.time()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        return ScheduledRequest(req, n, self.kv.block_table(req.request_id))
+        return ScheduledRequest(req, n, self.kv.group_tables(req.request_id))
 
     def _fork(self, s: ScheduledRequest) -> list[Request]:
         """Fork the siblings of a request whose prompt this step completes. They share

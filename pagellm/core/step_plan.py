@@ -1,7 +1,7 @@
 """The step plan: what the model runner must do this step, as plain data.
 
 The scheduler decides; the plan carries the decision to the runner without any scheduler
-object: each sequence's tokens to compute, their first position, its block table, and who
+object: each sequence's tokens to compute, their first position, its block tables, and who
 samples from its last position. The runner (and, through it, every tensor-parallel rank)
 reads nothing else.
 """
@@ -35,7 +35,7 @@ class PlannedSeq:
     request_id: str
     token_ids: list[int]   # the tokens this step computes (a prefill chunk, or one decode token)
     start: int             # the position of token_ids[0]
-    block_table: list[int]
+    block_tables: tuple[list[int], ...]  # one per KV group (one unless some layers slide)
     samplers: list[SampleSpec] = field(default_factory=list)  # empty while a prefill is unfinished
     # The user's request this sequence belongs to (n > 1 and beams fork sequences `<id>#<i>`).
     user_request_id: str = ""
@@ -60,5 +60,5 @@ class StepPlan:
     def subset(self, seqs: list[PlannedSeq]) -> StepPlan:
         """A plan for some of the sequences only, with only the copies into their own blocks:
         copying again into a block another subset has written since would erase its new token."""
-        owned = {b for s in seqs for b in s.block_table}
+        owned = {b for s in seqs for table in s.block_tables for b in table}
         return StepPlan(seqs, [(src, dst) for src, dst in self.block_copies if dst in owned])

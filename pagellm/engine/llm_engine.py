@@ -67,7 +67,8 @@ class LLMEngine:
             self.runner = start_tensor_parallel(config, source, self.device, self.dtype, self.max_model_len)
         else:
             self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed,
-                                      weight_format=source.weight_format, batch_invariant=config.batch_invariant)
+                                      weight_format=source.weight_format, batch_invariant=config.batch_invariant,
+                                      sliding_kv=config.kv_policy == "paged")
         try:
             if source.weights is None:
                 self.runner.init_dummy_weights(config.seed)
@@ -81,8 +82,11 @@ class LLMEngine:
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
+        # Sliding-window layers in their own KV groups (one group under tensor parallelism for now).
         self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
-                                  enable_prefix_caching=config.enable_prefix_caching)
+                                  enable_prefix_caching=config.enable_prefix_caching,
+                                  windows=self.runner.kv_groups.windows,
+                                  max_chunk_tokens=config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -20,6 +20,8 @@ class Attention(nn.Module):
         # gpt-oss's learned per-head sink logits; the backends take them, no family here has them yet.
         self.sinks: torch.Tensor | None = None
         self.options = AttentionOptions(scale if scale is not None else head_dim ** -0.5, sliding_window, softcap)
+        # The KV group whose block tables this layer reads (set by the model runner, core/kv/groups.py).
+        self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -27,6 +29,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        meta = meta.for_group(self.kv_group)
         with phase(self.backend.timer, "attention"):
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.options.scale,
                                      options=self.options, sinks=self.sinks)

@@ -13,6 +13,7 @@ import torch
 
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.core.kv.groups import plan_kv_groups
 from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.kernels import cpu as cpu_kernels
@@ -103,9 +104,11 @@ class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend | None = None, seed: int = 0,
                  tp: TensorParallelGroup | None = None, weight_format: str = "dense",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, sliding_kv: bool = False) -> None:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
-        `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py)."""
+        `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
+        `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
+        blocks the KV manager frees, core/kv/hybrid.py); otherwise every layer is in one group."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -118,6 +121,11 @@ class ModelRunner:
             raise ValueError(f"batch-invariant mode does not cover mixture-of-experts models yet ({arch.architecture}: "
                              f"each expert multiplies the tokens routed to it, a batch-dependent set)")
         self.model.eval()
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        windows = [m.options.sliding_window if sliding_kv else None for m in layers]
+        self.kv_groups = plan_kv_groups(windows, max_model_len)
+        for attn, group in zip(layers, self.kv_groups.layer_group):
+            attn.kv_group = group
         if device.type == "cpu":
             cpu_kernels.available()  # built (once) at start-up, not on the first request
         self.sampler = Sampler(seed=seed, device=device)
@@ -142,9 +150,10 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
+        """K and V of one block id: `kv_groups.slots` layers (all of them with one group)."""
         a = self.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_hidden_layers * block_size * self.model.num_kv_heads * a.head_dim * elem
+        return 2 * self.kv_groups.slots * block_size * self.model.num_kv_heads * a.head_dim * elem
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None:
@@ -171,19 +180,21 @@ class ModelRunner:
                              f"{self.bytes_per_block(block_size)} bytes) but {self.device} has {free / gib:.2f} GiB "
                              f"available; lower kv_cache_memory (e.g. 0.5 of free memory) or num_kv_blocks")
         shape = self.backend.kv_cache_shape(num_blocks, block_size, self.model.num_kv_heads, a.head_dim)
-        # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN is NaN.
-        self.kv_caches = [
+        # Zeroed, not empty: attention reads padding slots (and the KV manager's null block) under a
+        # mask, and 0 * NaN is NaN. One pair per slot, shared by one layer of each KV group.
+        self._kv_slots = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(a.num_hidden_layers)
+            for _ in range(self.kv_groups.slots)
         ]
+        self.kv_caches = [self._kv_slots[slot] for slot in self.kv_groups.layer_slot]
         self.block_size = block_size
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give each new block the contents of the shared one it replaces."""
         src = torch.tensor([a for a, _ in copies], device=self.device)
         dst = torch.tensor([b for _, b in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self._kv_slots:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
@@ -267,10 +278,12 @@ class ModelRunner:
 
     def _prepare(self, seqs: list[PlannedSeq], block_copies: list[tuple[int, int]]) -> StepInputs:
         bs = self.block_size
+        groups = self.kv_groups.num_groups
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, tables, rows, prompt_rows = [], [], [], [], []
+        slots: list[list[int]] = [[] for _ in range(groups)]
+        query_lens, seq_lens, rows, prompt_rows = [], [], [], []
+        tables: list[list[list[int]]] = [[] for _ in range(groups)]
         num_decodes = 0
         for s in seqs:
             start, n = s.start, len(s.token_ids)
@@ -279,26 +292,31 @@ class ModelRunner:
             end = start + n
             tokens.extend(s.token_ids)
             positions.extend(range(start, end))
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            for g, table in enumerate(s.block_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                tables[g].append(table)
             query_lens.append(n)
             seq_lens.append(end)
-            tables.append(table)
             rows.extend([len(tokens) - 1] * len(s.samplers))
             if s.prompt_targets:
                 first = len(tokens) - n + s.prompt_logprob_start - start
                 prompt_rows.extend(range(first, first + len(s.prompt_targets)))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        # Every group's tables have one length per sequence: one width for all.
+        width = max(len(t) for t in tables[0])
+        padded = [[t + [0] * (width - len(t)) for t in group] for group in tables]
         dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            slot_mapping=slot_mapping[0],
+            block_tables=block_tables[0],
             query_lens=query_lens,
             seq_lens=seq_lens,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             num_decodes=num_decodes,
             block_size=bs,
+            group_slot_mappings=slot_mapping if groups > 1 else None,
+            group_block_tables=block_tables if groups > 1 else None,
         )
         return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows)

@@ -24,7 +24,7 @@ def test_a_hand_written_plan_gives_transformers_tokens(tiny_llama_dir):
 
     def step(token_ids: list[int], start: int, sample: bool) -> None:
         samplers = [SampleSpec("a", greedy, prompt, list(out))] if sample else []
-        result = runner.execute(StepPlan([PlannedSeq("a", token_ids, start, table, samplers)]), set())
+        result = runner.execute(StepPlan([PlannedSeq("a", token_ids, start, (table,), samplers)]), set())
         assert result.request_ids == (["a"] if sample else [])
         if sample:
             out.append(result.sampled.token_ids[0])

@@ -6,22 +6,27 @@ measured against. `make_kv_manager` picks one by policy name.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from pagellm.config import KV_POLICIES
 from pagellm.core.kv.contiguous import ContiguousKVManager
+from pagellm.core.kv.hybrid import HybridKVManager
 from pagellm.core.kv.interface import KVManager
 from pagellm.core.kv.paged import KVCacheManager
 from pagellm.core.request import Request
 
-__all__ = ["KVManager", "KVCacheManager", "ContiguousKVManager", "make_kv_manager", "KV_POLICIES"]
+__all__ = ["KVManager", "KVCacheManager", "HybridKVManager", "ContiguousKVManager", "make_kv_manager", "KV_POLICIES"]
 
 
 def make_kv_manager(policy: str, num_blocks: int, block_size: int, max_model_len: int,
-                    final_len: Callable[[Request], int] | None = None, **paged_kwargs) -> KVManager:
+                    final_len: Callable[[Request], int] | None = None, windows: Sequence[int | None] = (None,),
+                    max_chunk_tokens: int = 2048, **paged_kwargs) -> KVManager:
     """The KV manager for an allocation policy, one of KV_POLICIES. `paged_kwargs` (e.g.
-    enable_prefix_caching) go to the paged manager; `final_len` to the contiguous ones."""
+    enable_prefix_caching) go to the paged manager; `final_len` to the contiguous ones. `windows`:
+    the KV groups' windows (core/kv/groups.py); a sliding one makes the paged manager hybrid."""
     if policy == "paged":
+        if any(w is not None for w in windows):
+            return HybridKVManager(num_blocks, block_size, windows, max_chunk_tokens=max_chunk_tokens, **paged_kwargs)
         return KVCacheManager(num_blocks, block_size, **paged_kwargs)
     if policy.startswith("contiguous-") and policy in KV_POLICIES:
         return ContiguousKVManager(num_blocks, block_size, max_model_len, policy.removeprefix("contiguous-"),

@@ -57,6 +57,15 @@ class KVManager(ABC):
         """The physical blocks that hold the request's computed and scheduled tokens, in order."""
 
     @property
+    def num_groups(self) -> int:
+        """KV groups: block tables per request (more than one when some layers slide)."""
+        return 1
+
+    def group_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in each KV group, in group order."""
+        return (self.block_table(request_id),)
+
+    @property
     @abstractmethod
     def block_tables(self) -> dict[str, list[int]]:
         """Every request's blocks (what it holds, which may be more than `block_table`)."""

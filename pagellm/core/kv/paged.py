@@ -31,6 +31,20 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = N
     return h.digest()
 
 
+def request_block_hashes(request: Request, block_size: int, num_full_blocks: int) -> list[bytes]:
+    """The hashes of the request's first `num_full_blocks` full blocks, computed once each and
+    kept on the request (forks inherit them)."""
+    hashes = request.block_hashes
+    tokens = None
+    while len(hashes) < num_full_blocks:
+        if tokens is None:
+            tokens = request.all_token_ids
+        i = len(hashes)
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * block_size:(i + 1) * block_size],
+                                 request.cache_salt))
+    return hashes
+
+
 class KVCacheManager(KVManager):
     """PagedAttention's manager: block tables over one pool, blocks shared by reference."""
 
@@ -81,15 +95,7 @@ class KVCacheManager(KVManager):
 
     # ---- prefix caching -------------------------------------------------------------------
     def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
-        hashes = request.block_hashes
-        bs = self.block_size
-        tokens = None
-        while len(hashes) < num_full_blocks:
-            if tokens is None:
-                tokens = request.all_token_ids
-            i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], request.cache_salt))
-        return hashes
+        return request_block_hashes(request, self.block_size, num_full_blocks)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest chain of cached blocks that starts the request's tokens, and how

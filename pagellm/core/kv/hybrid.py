@@ -1,0 +1,263 @@
+"""PagedAttention for models with sliding-window layers: one block table per group of layers,
+and the blocks that slid out of a window given back to the pool.
+
+Layers are grouped by attention kind (full, or sliding with window W), every group with the same
+number of layers (kv/groups.py plans that); all groups draw blocks from one pool, and a block
+holds the K/V of one group's layers at a time (the runner's KV tensors are shared by one layer of
+each group). A request keeps one table per group, all of the same length (logical block i is
+tokens i*block_size .. (i+1)*block_size - 1 in every group). In a sliding group, a token at
+position p reads only positions p - W + 1 .. p, so the blocks wholly before the window of the
+next token to compute go back to the pool (or to the prefix cache's LRU, if cached) and their
+entries point at NULL_BLOCK, a block that is never handed out and stays zero: kernels that read
+a whole table under a mask read zeros there. A sliding request thus holds about
+ceil(W / block_size) + 1 blocks per sliding group however long it runs.
+
+Prefix caching: a group's cached blocks are found by the chained block hash qualified with the
+group; a prefix of k blocks is a hit only if every full group holds all k and every sliding
+group holds the ones inside the window of the prefix's end.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pagellm.core.block_pool import BlockPool
+from pagellm.core.kv.interface import KVManager, cdiv
+from pagellm.core.kv.paged import request_block_hashes
+from pagellm.core.request import Request
+
+# The block that released and skipped table entries point at; allocated at start, never freed.
+NULL_BLOCK = 0
+
+
+class HybridKVManager(KVManager):
+    """Per-group block tables over one pool; sliding groups release what slid out."""
+
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None],
+                 enable_prefix_caching: bool = True, max_chunk_tokens: int = 2048) -> None:
+        """`windows`: per group, None (full attention) or its window W >= 1. `max_chunk_tokens`:
+        the most tokens a sequence computes in one step (how far a sliding group's blocks reach)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must be a non-empty list of None or ints >= 1, got {windows}")
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 with sliding windows (one is the null block), got {num_blocks}")
+        self.block_size = block_size
+        self.windows = list(windows)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_chunk_tokens = max_chunk_tokens
+        self.pool = BlockPool(num_blocks)
+        (null,) = self.pool.allocate(1)
+        assert null == NULL_BLOCK
+        self._tables: dict[str, list[list[int]]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks requests can hold: the pool less the null block."""
+        return self.pool.num_blocks - 1
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` holds at once, all groups together."""
+        full = cdiv(num_tokens, self.block_size)
+        return sum(full if w is None else min(full, cdiv(w - 1 + self.max_chunk_tokens, self.block_size) + 1)
+                   for w in self.windows)
+
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        return block_hash + bytes([group])
+
+    def _first_needed(self, group: int, position: int) -> int:
+        """The first logical block a token at `position` reads in `group`."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, position - w + 1) // self.block_size
+
+    # ---- tables ----------------------------------------------------------------------------------
+    def group_tables(self, request_id: str) -> tuple[list[int], ...]:
+        tables = self._tables.get(request_id)
+        return tuple(tables) if tables else tuple([] for _ in self.windows)
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The first group's table (the runner reads every group's through group_tables)."""
+        return self.group_tables(request_id)[0]
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's blocks, all groups, without the null entries."""
+        return {rid: [b for t in tables for b in t if b != NULL_BLOCK] for rid, tables in self._tables.items()}
+
+    def ref_counts(self) -> list[int]:
+        return list(self.pool.ref_cnt)
+
+    def cached_flags(self) -> list[bool]:
+        return [c == 0 and h is not None for c, h in zip(self.pool.ref_cnt, self.pool.block_hash)]
+
+    def group_usage(self) -> list[int]:
+        """Blocks held per group (shared blocks counted once per group)."""
+        return [len({t[g][i] for t in self._tables.values() for i in range(len(t[g])) if t[g][i] != NULL_BLOCK})
+                for g in range(self.num_groups)]
+
+    def snapshot(self) -> dict:
+        """The block map's data, every pool block drawn (the null block among them, held), and the
+        groups with the blocks each holds."""
+        return {**super().snapshot(), "num_blocks": self.pool.num_blocks,
+                "groups": [{"window": w, "used_blocks": n} for w, n in zip(self.windows, self.group_usage())]}
+
+    def check_integrity(self) -> None:
+        """The paged manager's invariants, per group: reference counts equal the tables'
+        references (plus the manager's own on the null block); no block appears twice in one
+        table or in two groups; a request's tables have one length; copies go to held blocks."""
+        self.pool.check_integrity()
+        held = [0] * self.pool.num_blocks
+        held[NULL_BLOCK] = 1
+        group_of: dict[int, int] = {}
+        for rid, tables in self._tables.items():
+            assert len(tables) == self.num_groups, f"{rid} has {len(tables)} tables for {self.num_groups} groups"
+            assert len({len(t) for t in tables}) == 1, f"{rid}'s tables differ in length: {[len(t) for t in tables]}"
+            for g, table in enumerate(tables):
+                real = [b for b in table if b != NULL_BLOCK]
+                assert len(set(real)) == len(real), f"{rid}'s table of group {g} holds a block twice: {table}"
+                if self.windows[g] is None:
+                    assert len(real) == len(table), f"{rid}: a full-attention group's table has null entries"
+                for b in real:
+                    held[b] += 1
+                    assert group_of.setdefault(b, g) == g, f"block {b} is held by groups {group_of[b]} and {g}"
+        wrong = [(b, c, h) for b, (c, h) in enumerate(zip(self.pool.ref_cnt, held)) if c != h]
+        assert not wrong, f"ref counts differ from the tables' references (block, ref_cnt, held): {wrong[:5]}"
+        owned = {b for tables in self._tables.values() for t in tables for b in t if b != NULL_BLOCK}
+        assert all(dst in owned for _, dst in self.pending_copies), f"a copy into an unowned block: " \
+            f"{self.pending_copies}"
+
+    # ---- prefix caching ---------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """The longest cached prefix every group can serve: per group, its blocks (null before a
+        sliding group's window), and how many tokens they let the request skip (at least its
+        last token is left to compute)."""
+        if not self.enable_prefix_caching or request.num_computed_tokens:
+            return [], 0
+        bs, n = self.block_size, request.num_tokens
+        hashes = request_block_hashes(request, bs, n // bs)
+        found = [[self.pool.lookup(self._key(g, h)) for h in hashes] for g in range(self.num_groups)]
+        # The longest chain every full group holds whole.
+        k = len(hashes)
+        for g, w in enumerate(self.windows):
+            if w is None:
+                k = min(k, next((i for i, b in enumerate(found[g]) if b is None), len(hashes)))
+        # Per sliding group, run[i]: cached blocks in a row ending at block i.
+        runs = {}
+        for g, w in enumerate(self.windows):
+            if w is not None:
+                run, r = [], 0
+                for b in found[g]:
+                    r = r + 1 if b is not None else 0
+                    run.append(r)
+                runs[g] = run
+        while k > 0:
+            computed = min(k * bs, n - 1)
+            if all(runs[g][k - 1] >= k - self._first_needed(g, computed) for g in runs):
+                break
+            k -= 1
+        if k == 0:
+            return [], 0
+        computed = min(k * bs, n - 1)
+        blocks = []
+        for g, w in enumerate(self.windows):
+            first = self._first_needed(g, computed)
+            blocks.append([NULL_BLOCK] * first + found[g][first:k])
+        return blocks, computed
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_cached
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Index, in every group, the blocks its computed tokens have filled (those still held)."""
+        if not self.enable_prefix_caching:
+            return
+        tables = self._tables.get(request.request_id)
+        if not tables:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
+        start = request.num_hashed_blocks
+        if full <= start:
+            return
+        hashes = request_block_hashes(request, self.block_size, full)
+        for g, table in enumerate(tables):
+            for i in range(start, full):
+                if table[i] != NULL_BLOCK:
+                    self.pool.cache(table[i], self._key(g, hashes[i]))
+        request.num_hashed_blocks = full
+
+    # ---- growth, sliding, sharing, release ------------------------------------------------------------
+    def _release_slid_out(self, tables: list[list[int]], position: int) -> None:
+        """Give back, in each sliding group, the blocks before the window of `position`."""
+        for g, table in enumerate(tables):
+            for i in range(min(self._first_needed(g, position), len(table))):
+                if table[i] != NULL_BLOCK:
+                    self.pool.free([table[i]])
+                    table[i] = NULL_BLOCK
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[Sequence[int]] = ()) -> bool:
+        """Room for the request's next `num_new_tokens` in every group (after `computed_blocks`,
+        get_computed_blocks' per-group prefix, at admission). First gives back what slid out of
+        the windows (a release that stands even when the rest fails: those blocks are never read
+        again). Then all or nothing: False, changing nothing more, when the pool lacks blocks;
+        shared blocks about to be written are copied first (copy-on-write, `pending_copies`)."""
+        bs = self.block_size
+        rid = request.request_id
+        tables = self._tables.get(rid)
+        if computed_blocks:
+            assert tables is None, "a cached prefix is only taken at admission"
+            tables = [list(t) for t in computed_blocks]
+        elif tables is None:
+            tables = [[] for _ in self.windows]
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        if rid in self._tables:
+            self._release_slid_out(tables, start)
+        taken = [b for t in computed_blocks for b in t if b != NULL_BLOCK]
+        revived = sum(1 for b in taken if self.pool.ref_cnt[b] == 0)
+        extra = {b: 1 for b in taken}
+        first, last = start // bs, min(cdiv(end, bs), len(tables[0]))
+        shared = [(g, i) for g, t in enumerate(tables) for i in range(first, last)
+                  if self.pool.ref_cnt[t[i]] + extra.get(t[i], 0) > 1]
+        grow = max(0, cdiv(end, bs) - len(tables[0]))
+        if revived + len(shared) + grow * self.num_groups > self.pool.num_free_blocks:
+            return False
+        if taken:
+            self.pool.incref(taken)
+        for g, i in shared:
+            (new,) = self.pool.allocate(1)
+            self.pending_copies.append((tables[g][i], new))
+            self.pool.free([tables[g][i]])
+            tables[g][i] = new
+        if grow:
+            for table in tables:
+                table.extend(self.pool.allocate(grow))
+        self._tables[rid] = tables
+        return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of every group by reference."""
+        tables = [list(t) for t in self._tables.get(parent.request_id, [[] for _ in self.windows])]
+        self.pool.incref(b for t in tables for b in t if b != NULL_BLOCK)
+        self._tables[child.request_id] = tables
+        child.block_hashes = list(parent.block_hashes)
+        child.num_hashed_blocks = parent.num_hashed_blocks
+
+    def free(self, request: Request) -> None:
+        """Drop the request's reference to each of its blocks, each group's tail first."""
+        tables = self._tables.pop(request.request_id, None)
+        for table in tables or ():
+            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)

@@ -1,0 +1,201 @@
+"""The hybrid KV manager (one block table per group of layers, sliding groups giving back what
+slid out), driven by hypothesis against a shadow of what each physical block holds: add (with
+prefix-cache hits), step, fork, preempt and recompute, free; after every operation the
+bookkeeping invariants hold, every cached block holds the tokens its hash stands for, every
+sequence reads back its own tokens inside each group's window, and a sliding group's footprint
+stays bounded by its window."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from pagellm.core.kv.groups import plan_kv_groups
+from pagellm.core.kv.hybrid import NULL_BLOCK, HybridKVManager
+from pagellm.core.kv.interface import cdiv
+from pagellm.core.request import Request
+from pagellm.sampling_params import SamplingParams
+
+MAX_STEP = 14  # the most tokens one operation computes for a sequence
+
+
+class Shadow:
+    """What each slot of each physical block holds, written as a model runner writes: block
+    copies first, then the step's tokens through each group's table."""
+
+    def __init__(self, kv: HybridKVManager) -> None:
+        self.kv = kv
+        self.slots: dict[tuple[int, int], int] = {}
+        self.hash_tokens: dict[bytes, list[int]] = {}
+        # Per sequence, the first position its last allocation made room for.
+        self.last_start: dict[str, int] = {}
+
+    def run_step(self, req: Request, n: int) -> None:
+        for src, dst in self.kv.take_copies():
+            for off in range(self.kv.block_size):
+                if (src, off) in self.slots:
+                    self.slots[(dst, off)] = self.slots[(src, off)]
+                else:
+                    self.slots.pop((dst, off), None)
+        bs, tokens = self.kv.block_size, req.all_token_ids
+        for table in self.kv.group_tables(req.request_id):
+            for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                assert table[p // bs] != NULL_BLOCK, "a token written into the null block"
+                self.slots[(table[p // bs], p % bs)] = tokens[p]
+        self.last_start[req.request_id] = req.num_computed_tokens
+        req.num_computed_tokens += n
+        self.kv.cache_full_blocks(req)
+        for i, h in enumerate(req.block_hashes[:req.num_hashed_blocks]):
+            self.hash_tokens.setdefault(h, tokens[i * bs:(i + 1) * bs])
+
+
+def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> None:
+    kv.check_integrity()
+    bs = kv.block_size
+    for key, b in kv.pool.cached.items():
+        # The group's key is the block hash and a group byte.
+        assert [shadow.slots.get((b, o)) for o in range(bs)] == shadow.hash_tokens[key[:-1]]
+    for rid, req in reqs.items():
+        tokens, nxt = req.all_token_ids, req.num_computed_tokens
+        for g, (w, table) in enumerate(zip(kv.windows, kv.group_tables(rid))):
+            first = 0 if w is None else max(0, nxt - w + 1)
+            # Every position the next token reads is there, and holds this sequence's token.
+            for p in range(first, nxt):
+                assert shadow.slots.get((table[p // bs], p % bs)) == tokens[p], (rid, g, p)
+            if w is not None:
+                # What slid out of the window of the last allocation's first token is given back.
+                released = max(0, shadow.last_start[rid] - w + 1) // bs
+                assert all(b == NULL_BLOCK for b in table[:released]), (rid, g, released, table)
+                held = sum(b != NULL_BLOCK for b in table)
+                assert held <= cdiv(w - 1 + MAX_STEP, bs) + 1, (rid, g, held, table)
+
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, MAX_STEP)),
+    st.tuples(st.just("step"), st.integers(0, 9), st.integers(1, 6)),
+    st.tuples(st.just("fork"), st.integers(0, 9), st.integers(0, 9)),
+    st.tuples(st.just("preempt"), st.integers(0, 9), st.just(0)),
+    st.tuples(st.just("free"), st.integers(0, 9), st.just(0)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_blocks=st.integers(3, 40), block_size=st.sampled_from([1, 2, 4]),
+       windows=st.sampled_from([(None, 3), (5,), (None, 2, 7), (4, 4)]), ops=st.lists(op, max_size=80),
+       prefixes=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=MAX_STEP), min_size=4, max_size=4))
+def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, ops, prefixes):
+    kv = HybridKVManager(num_blocks, block_size, windows, max_chunk_tokens=MAX_STEP)
+    shadow = Shadow(kv)
+    reqs: dict[str, Request] = {}
+    next_id, token = 0, 100
+
+    def admit(req: Request) -> bool:
+        blocks, cached = kv.get_computed_blocks(req)
+        req.num_computed_tokens = cached
+        n = req.num_tokens - cached
+        if n > MAX_STEP or not kv.allocate_slots(req, n, blocks):
+            req.num_computed_tokens = 0
+            kv.free(req)  # a prefix too long to recompute in one step: not admitted
+            return False
+        shadow.run_step(req, n)
+        return True
+
+    for kind, a, b in ops:
+        live = sorted(reqs)
+        if kind == "add":
+            # Prompts from a few shared prefixes (tiny alphabet), so cache hits are common.
+            req = Request(f"r{next_id}", prefixes[a][:b] or [1], SamplingParams())
+            next_id += 1
+            if admit(req):
+                reqs[req.request_id] = req
+        elif kind == "step" and live:
+            req = reqs[live[a % len(live)]]
+            for _ in range(b):
+                req.output_token_ids.append(token)
+                token += 1
+            n = req.num_tokens - req.num_computed_tokens
+            if kv.allocate_slots(req, n):
+                shadow.run_step(req, n)
+            else:
+                del req.output_token_ids[-b:]
+        elif kind == "fork" and live:
+            parent = reqs[live[a % len(live)]]
+            child = parent.fork(f"r{next_id}", 1, parent.sampling_params)
+            next_id += 1
+            kv.fork(parent, child)
+            reqs[child.request_id] = child
+            shadow.last_start[child.request_id] = shadow.last_start[parent.request_id]
+        elif kind == "preempt" and live:
+            # Recompute: all blocks back, then the whole sequence again from its cached prefix.
+            req = reqs.pop(live[a % len(live)])
+            kv.free(req)
+            req.num_computed_tokens = 0
+            if admit(req):
+                reqs[req.request_id] = req
+        elif kind == "free" and live:
+            kv.free(reqs.pop(live[a % len(live)]))
+        _check(kv, reqs, shadow)
+    for req in reqs.values():
+        kv.free(req)
+    assert kv.pool.num_free_blocks == kv.num_blocks
+    assert kv.pool.ref_cnt[NULL_BLOCK] == 1 and sum(kv.pool.ref_cnt) == 1
+
+
+def test_a_long_sliding_sequence_holds_its_window_only():
+    """2,000 tokens decoded one at a time through a window of 64: the sliding group holds
+    ceil(64 / 16) + 1 blocks at most, the full group all of them."""
+    kv = HybridKVManager(200, 16, [None, 64], max_chunk_tokens=16)
+    req = Request("a", list(range(16)), SamplingParams())
+    assert kv.allocate_slots(req, 16)
+    req.num_computed_tokens = 16
+    peak = 0
+    for t in range(2000):
+        req.output_token_ids.append(t)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        full, sliding = kv.group_tables("a")
+        peak = max(peak, sum(b != NULL_BLOCK for b in sliding))
+        assert NULL_BLOCK not in full
+    assert peak == cdiv(64, 16) + 1
+    assert len(full) == cdiv(2016, 16)
+    kv.check_integrity()
+
+
+def test_prefix_hits_agree_across_groups():
+    """A prefix is a hit only as far as every group can serve it: a sliding group needs just the
+    blocks inside the window of the prefix's end; a full group needs all of them."""
+    kv = HybridKVManager(64, 4, [None, 8], max_chunk_tokens=64)
+    a = Request("a", list(range(40)), SamplingParams())
+    assert kv.allocate_slots(a, 40)
+    a.num_computed_tokens = 40
+    kv.cache_full_blocks(a)
+    b = Request("b", list(range(40)) + [99], SamplingParams())
+    blocks, cached = kv.get_computed_blocks(b)
+    assert cached == 40
+    full, sliding = blocks
+    assert full == kv.group_tables("a")[0][:10]
+    # The window of position 40 starts at 33: blocks 8 and 9 (tokens 32-39) from the cache, the rest null.
+    assert sliding[:8] == [NULL_BLOCK] * 8 and sliding[8:] == kv.group_tables("a")[1][8:10]
+    kv.free(a)  # group by group, each tail first: the full group's last block is the LRU's oldest
+    plain = kv.pool.num_free_blocks - kv.pool.num_cached_free_blocks
+    kv.pool.allocate(plain + 1)  # evicts it
+    blocks, cached = kv.get_computed_blocks(b)
+    # Nine full blocks left: a hit of 36 tokens, whose window (29-35) the sliding group still holds.
+    assert cached == 36 and len(blocks[0]) == 9 and blocks[1][:7] == [NULL_BLOCK] * 7
+    kv.pool.reset_cache()
+    assert kv.get_computed_blocks(b) == ([], 0)
+
+
+def test_group_plan_shares_tensors_evenly():
+    # Gemma-3-like: five sliding layers per full one (12 layers): groups of 2 layers each.
+    windows = [None if i % 6 == 5 else 1024 for i in range(12)]
+    plan = plan_kv_groups(windows, 32768)
+    assert plan.slots == 2 and plan.windows == (None, 1024, 1024, 1024, 1024, 1024)
+    assert [plan.layer_group[i] for i in (5, 11)] == [0, 0]
+    assert sorted(zip(plan.layer_group, plan.layer_slot)) == sorted({(g, s) for g, s in zip(plan.layer_group,
+                                                                                            plan.layer_slot)})
+    # A window as long as the longest sequence slides nothing out: one group.
+    assert plan_kv_groups(windows, 1024).windows == (None,)
+    assert plan_kv_groups([None] * 4, 100) == plan_kv_groups([None] * 4, 100)
+    assert plan_kv_groups([None] * 4, 100).slots == 4
+    # Uneven counts: 3 sliding, 2 full -> groups of 2, the last sliding group half empty.
+    uneven = plan_kv_groups([8, None, 8, None, 8], 64)
+    assert uneven.slots == 2 and uneven.windows == (None, 8, 8)

@@ -63,7 +63,8 @@ class EngineConfig:
                          limit="'auto', 'cpu' or 'cuda[:N]'")
     block_size: int = option(16, "tokens per KV block", check=lambda v: 1 <= v <= 1024,
                              limit="an integer in [1, 1024]")
-    num_kv_blocks: int | None = option(None, "KV blocks in the pool (default: from --kv-cache-memory)",
+    num_kv_blocks: int | None = option(None, "KV blocks in the pool, each block_size tokens of every layer "
+                                       "(default: from --kv-cache-memory)",
                                        check=lambda v: v >= 1, limit="an integer >= 1")
     # Bytes (an int > 1) or a fraction of the memory free at start-up (a float in (0, 1]).
     kv_cache_memory: float | int | None = option(

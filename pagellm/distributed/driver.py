@@ -229,7 +229,7 @@ class DriverModelRunner(ModelRunner):
 
         def build() -> None:
             ModelRunner.__init__(self, spec.arch, workers.device, spec.dtype, spec.max_model_len, seed=spec.seed,
-                                 tp=workers.tp, weight_format=spec.weight_format)
+                                 tp=workers.tp, weight_format=spec.weight_format, sliding_kv=spec.sliding_kv)
             warm_up_kernels(workers.device)
 
         workers.call("init", (spec,), build)
@@ -279,7 +279,8 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource, device: tor
     check_tensor_parallel(source.arch, config.tensor_parallel_size)
     workers = WorkerGroup.start(config.tensor_parallel_size, device.type)
     spec = WorkerSpec(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
-                      config.quantization if device.type == "cpu" else "none", source.weight_format)
+                      config.quantization if device.type == "cpu" else "none", source.weight_format,
+                      sliding_kv=config.kv_policy == "paged")
     try:
         return DriverModelRunner(workers, spec)
     except BaseException:

@@ -43,6 +43,7 @@ class WorkerSpec:
     seed: int
     quantization: str = "auto"
     weight_format: str = "dense"
+    sliding_kv: bool = False  # sliding-window layers in their own KV groups (core/kv/groups.py)
 
 
 def pack(obj: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -104,7 +105,7 @@ class Worker:
         self.spec = spec
         torch.manual_seed(spec.seed)
         self.runner = ModelRunner(spec.arch, self.device, spec.dtype, spec.max_model_len, seed=spec.seed, tp=self.tp,
-                                  weight_format=spec.weight_format)
+                                  weight_format=spec.weight_format, sliding_kv=spec.sliding_kv)
         warm_up_kernels(self.device)
 
     def load_weights(self) -> None:

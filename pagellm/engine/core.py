@@ -190,6 +190,7 @@ class EngineCore:
             "used_blocks": kv.num_used_blocks,
             "block_size": kv.block_size,
             "kv_cache_usage": kv.usage(),
+            "kv_groups": kv.group_stats(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

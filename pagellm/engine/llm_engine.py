@@ -74,15 +74,20 @@ class LLMEngine:
                 self.runner.init_dummy_weights(config.seed)
             else:
                 self.runner.load_weights(_with_progress(source.weights(), source.path))
-            num_blocks = config.num_kv_blocks or self.runner.num_blocks_for_budget(
-                config.block_size, config.kv_cache_memory)
+            if config.num_kv_blocks:
+                # Blocks of every layer, as without KV groups: the same memory whatever the model's
+                # windows. A block id of a KV group holds only that group's layers, so more ids fit.
+                groups = self.runner.kv_groups
+                num_blocks = config.num_kv_blocks * len(groups.layer_group) // groups.slots
+            else:
+                num_blocks = self.runner.num_blocks_for_budget(config.block_size, config.kv_cache_memory)
             self.runner.allocate_kv_cache(num_blocks, config.block_size)
             if not config.enforce_eager:
                 self.runner.capture_cuda_graphs(config.max_num_seqs)
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
-        # Sliding-window layers in their own KV groups (one group under tensor parallelism for now).
+        # Sliding-window layers in their own KV groups, whose slid-out blocks go back (core/kv/hybrid.py).
         self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
                                   enable_prefix_caching=config.enable_prefix_caching,
                                   windows=self.runner.kv_groups.windows,

@@ -30,6 +30,18 @@ def test_memory_bench_tiny(tmp_path):
     assert p["paged-16"]["token_share_of_reserved"] > 0.9
     assert {t["target"].split(":")[0] for t in data["targets"]} >= {"contiguous-max"}
     assert stem.with_suffix(".png").stat().st_size > 1000
+    # Sliding windows: a window's request holds about its window, full caching its whole context.
+    win = data["windows"]
+    for name, by_context in win["shapes"].items():
+        for context, r in by_context.items():
+            hybrid, full = r["hybrid"], r["full"]
+            assert full["blocks_held"] == -(-(int(context) + 1) // win["block_size"])
+            assert hybrid["bytes_per_request"] < full["bytes_per_request"]
+            assert hybrid["requests_in_budget"] >= full["requests_in_budget"]
+            assert full["requests_in_budget"] == win["budget_bytes"] // full["bytes_per_request"]
+    mistral = win["shapes"]["mistral-like"]
+    # All layers slide by 4,096: what one request holds does not grow with its context.
+    assert mistral["8192"]["hybrid"]["blocks_held"] == mistral["32768"]["hybrid"]["blocks_held"] == 4096 // 16 + 1
 
 
 def test_workloads_match_the_paper_means():

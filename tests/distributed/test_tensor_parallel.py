@@ -239,10 +239,14 @@ def test_families_on_two_ranks_match_one(family, tmp_path_factory):
     from tests.models.families import build
 
     path = str(build(family, tmp_path_factory.mktemp(family)))
-    ref, ref_stats, ref_beams = _run(LLM(path, **ENGINE))
+    one = LLM(path, **ENGINE)
+    ref, ref_stats, ref_beams = _run(one)
     with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
         got, stats, beams = _run(llm)
-    assert stats["num_preemptions"] == ref_stats["num_preemptions"] > 0
+    assert stats["num_preemptions"] == ref_stats["num_preemptions"]
+    # Sliding-window layers give back a block as they take one: in this pool only the families
+    # without them run short and preempt.
+    assert ref_stats["num_preemptions"] > 0 or one.engine.runner.kv_groups.hybrid
     _assert_same(ref, got)
     for a, b in zip(ref_beams, beams, strict=True):
         assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]

@@ -39,9 +39,10 @@ def family(request, tmp_path_factory):
 # test_phi3_long_context).
 ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 
-# The pool of the chunked test: too small for every request at once. Mistral's layers all slide
-# (window 16), so its sequences give back what slid out and need a smaller pool to be preempted.
-CHUNKED_POOL = {"mistral": 20}
+# The pool of the chunked test: too small for every request at once. Families with sliding-window
+# layers give back what slid out (and a block of a group holds only that group's layers), so they
+# need a smaller pool to be preempted.
+CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "gemma2": 20, "gemma3": 20}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
 
@@ -96,3 +97,42 @@ def test_generate_command_serves_the_family(family, capsys):
     text = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].text
     assert printed == f"{text}\n"  # the prompt's header line goes to stderr
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_sliding_layers_give_back_what_slid_out(name, tmp_path):
+    """A generation far past the window in a pool too small to cache it whole: the sliding layers'
+    blocks go back as the window moves, and the tokens still equal transformers'. Beside it, a
+    second request shares the prompt's cached prefix."""
+    path = str(build(name, tmp_path / name))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    prompt = _prompts(7, [30])[0]
+    new = 90
+    expected = hf_greedy_logprobs(hf, prompt, new)
+    # Blocks of 4: the whole sequence (120 tokens) takes 30 per group. Mistral has one group, all
+    # sliding: 20 blocks could not cache it whole. Gemma 3 has a full group (30) and a sliding one.
+    llm = LLM(path, block_size=4, num_kv_blocks={"mistral": 20, "gemma3": 48}[name], max_num_batched_tokens=16)
+    kv = llm.engine.kv
+    window = min(w for w in kv.windows if w is not None)
+    sliding = [g for g, w in enumerate(kv.windows) if w is not None]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
+    llm.engine.add_request("a", {"prompt_token_ids": prompt}, params)
+    peak = 0
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += [o for o in llm.engine.step() if o.finished]
+        for g in sliding:
+            table = kv.group_tables("a")[g]
+            peak = max(peak, sum(b != 0 for b in table))
+    assert_matches(tokens_and_logprobs(outs), [expected])
+    assert peak <= -(-(window - 1 + 16) // 4) + 1
+    assert llm.stats()["used_blocks"] == 0
+    # In a pool that keeps them, the prompt's cached blocks serve a second prompt that extends it:
+    # the full group from block 0, the sliding ones only inside the window of the prefix's end.
+    llm = LLM(path, block_size=4, num_kv_blocks=200)
+    _gen(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    longer = prompt + [5, 6]
+    got = _gen(llm, [longer], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
+    assert got[0].num_cached_tokens == 28  # 7 full blocks of the 30-token prompt
+    assert_matches(tokens_and_logprobs(got), [hf_greedy_logprobs(hf, longer, 8)])

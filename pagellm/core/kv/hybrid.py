@@ -50,6 +50,8 @@ class HybridKVManager(KVManager):
         (null,) = self.pool.allocate(1)
         assert null == NULL_BLOCK
         self._tables: dict[str, list[list[int]]] = {}
+        # Blocks held per group, kept as blocks are taken and given back (stats read it every step).
+        self._held = [0] * len(self.windows)
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -101,16 +103,12 @@ class HybridKVManager(KVManager):
     def cached_flags(self) -> list[bool]:
         return [c == 0 and h is not None for c, h in zip(self.pool.ref_cnt, self.pool.block_hash)]
 
-    def group_usage(self) -> list[int]:
-        """Blocks held per group (shared blocks counted once per group)."""
-        return [len({t[g][i] for t in self._tables.values() for i in range(len(t[g])) if t[g][i] != NULL_BLOCK})
-                for g in range(self.num_groups)]
+    def group_stats(self) -> list[dict]:
+        return [{"window": w, "used_blocks": n} for w, n in zip(self.windows, self._held)]
 
     def snapshot(self) -> dict:
-        """The block map's data, every pool block drawn (the null block among them, held), and the
-        groups with the blocks each holds."""
-        return {**super().snapshot(), "num_blocks": self.pool.num_blocks,
-                "groups": [{"window": w, "used_blocks": n} for w, n in zip(self.windows, self.group_usage())]}
+        """The block map's data, every pool block drawn (the null block among them, held)."""
+        return {**super().snapshot(), "num_blocks": self.pool.num_blocks}
 
     def check_integrity(self) -> None:
         """The paged manager's invariants, per group: reference counts equal the tables'
@@ -133,6 +131,8 @@ class HybridKVManager(KVManager):
                     assert group_of.setdefault(b, g) == g, f"block {b} is held by groups {group_of[b]} and {g}"
         wrong = [(b, c, h) for b, (c, h) in enumerate(zip(self.pool.ref_cnt, held)) if c != h]
         assert not wrong, f"ref counts differ from the tables' references (block, ref_cnt, held): {wrong[:5]}"
+        held_per_group = [len({b for b, g in group_of.items() if g == k}) for k in range(self.num_groups)]
+        assert held_per_group == self._held, f"blocks held per group {self._held}, counted {held_per_group}"
         owned = {b for tables in self._tables.values() for t in tables for b in t if b != NULL_BLOCK}
         assert all(dst in owned for _, dst in self.pending_copies), f"a copy into an unowned block: " \
             f"{self.pending_copies}"
@@ -199,12 +199,26 @@ class HybridKVManager(KVManager):
         request.num_hashed_blocks = full
 
     # ---- growth, sliding, sharing, release ------------------------------------------------------------
+    def _take(self, group: int, n: int) -> list[int]:
+        self._held[group] += n
+        return self.pool.allocate(n)
+
+    def _revive(self, group: int, blocks: list[int]) -> None:
+        """One more reference to each block (a cached prefix, or a fork's)."""
+        self._held[group] += sum(1 for b in blocks if self.pool.ref_cnt[b] == 0)
+        self.pool.incref(blocks)
+
+    def _give_back(self, group: int, blocks) -> None:
+        for b in blocks:
+            self.pool.free([b])
+            self._held[group] -= self.pool.ref_cnt[b] == 0
+
     def _release_slid_out(self, tables: list[list[int]], position: int) -> None:
         """Give back, in each sliding group, the blocks before the window of `position`."""
         for g, table in enumerate(tables):
             for i in range(min(self._first_needed(g, position), len(table))):
                 if table[i] != NULL_BLOCK:
-                    self.pool.free([table[i]])
+                    self._give_back(g, [table[i]])
                     table[i] = NULL_BLOCK
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -235,23 +249,24 @@ class HybridKVManager(KVManager):
         grow = max(0, cdiv(end, bs) - len(tables[0]))
         if revived + len(shared) + grow * self.num_groups > self.pool.num_free_blocks:
             return False
-        if taken:
-            self.pool.incref(taken)
+        for g, table in enumerate(computed_blocks):
+            self._revive(g, [b for b in table if b != NULL_BLOCK])
         for g, i in shared:
-            (new,) = self.pool.allocate(1)
+            (new,) = self._take(g, 1)
             self.pending_copies.append((tables[g][i], new))
-            self.pool.free([tables[g][i]])
+            self._give_back(g, [tables[g][i]])
             tables[g][i] = new
         if grow:
-            for table in tables:
-                table.extend(self.pool.allocate(grow))
+            for g, table in enumerate(tables):
+                table.extend(self._take(g, grow))
         self._tables[rid] = tables
         return True
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of every group by reference."""
         tables = [list(t) for t in self._tables.get(parent.request_id, [[] for _ in self.windows])]
-        self.pool.incref(b for t in tables for b in t if b != NULL_BLOCK)
+        for g, table in enumerate(tables):
+            self._revive(g, [b for b in table if b != NULL_BLOCK])
         self._tables[child.request_id] = tables
         child.block_hashes = list(parent.block_hashes)
         child.num_hashed_blocks = parent.num_hashed_blocks
@@ -259,5 +274,5 @@ class HybridKVManager(KVManager):
     def free(self, request: Request) -> None:
         """Drop the request's reference to each of its blocks, each group's tail first."""
         tables = self._tables.pop(request.request_id, None)
-        for table in tables or ():
-            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
+        for g, table in enumerate(tables or ()):
+            self._give_back(g, [b for b in reversed(table) if b != NULL_BLOCK])

@@ -45,6 +45,10 @@ class KVManager(ABC):
         """Free blocks that still hold a reusable cached prefix."""
         return 0
 
+    def group_stats(self) -> list[dict]:
+        """Per KV group: its window (None: full attention) and the blocks it holds."""
+        return [{"window": None, "used_blocks": self.num_used_blocks}]
+
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 

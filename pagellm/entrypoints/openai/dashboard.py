@@ -63,6 +63,7 @@ def build_state(snapshot: dict, stats: dict, metrics: ServerMetrics, model_name:
             "free_blocks": stats.get("free_blocks", 0),
             "used_blocks": stats.get("used_blocks", 0),
             "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+            "kv_groups": stats.get("kv_groups", []),
             "num_running": stats.get("num_running", 0),
             "num_waiting": stats.get("num_waiting", 0),
             "num_unstarted": num_unstarted,

@@ -15,11 +15,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence, as [length, KVH, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+    """Cached tokens start .. length - 1 of one sequence (`start` a multiple of the block size), as
+    [length - start, KVH, D]. A sliding window starts past the blocks it no longer reads (the KV
+    manager may have given them back)."""
     bs = cache.shape[1]
     nb = -(-length // bs)
-    return cache[block_table[:nb]].flatten(0, 1)[:length]
+    return cache[block_table[start // bs:nb]].flatten(0, 1)[:length - start]
 
 
 # Batch-invariant mode cuts long contexts into runs of this many keys, at fixed positions.
@@ -111,11 +113,15 @@ class TorchAttentionBackend(AttentionBackend):
         ql = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
         if options is not None or sinks is not None:
-            keys = k if ctx == ql else gather_kv(k_cache, block_table, ctx)
-            vals = v if ctx == ql else gather_kv(v_cache, block_table, ctx)
+            # With a window, read from the block holding the first query's first visible key.
+            window = options.sliding_window if options is not None else None
+            first = 0 if window is None or ctx == ql else max(0, ctx - ql - window + 1) // k_cache.shape[1] * \
+                k_cache.shape[1]
+            keys = k if ctx == ql else gather_kv(k_cache, block_table, ctx, first)
+            vals = v if ctx == ql else gather_kv(v_cache, block_table, ctx, first)
             h, kvh = q.shape[1], keys.shape[1]
             qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-            kpos = torch.arange(ctx, device=q.device)[None, :]
+            kpos = torch.arange(first, ctx, device=q.device)[None, :]
             mask = kpos <= qpos
             if options is not None and options.sliding_window is not None:
                 mask &= kpos > qpos - options.sliding_window

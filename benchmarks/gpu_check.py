@@ -7,7 +7,8 @@
 Writes benchmarks/results/gpu_check-<date>-<machine>.json after every part, so a part that
 fails or runs out of time still leaves the others' figures. Parts, in order of importance:
 
-1. kernel_tests: pytest on tests/attention and tests/worker/test_cuda_graphs.py, compiled on the GPU.
+1. kernel_tests: pytest on tests/attention and tests/worker/test_cuda_graphs.py, compiled on the GPU;
+   gguf_kernel_tests: tests/kernels/test_triton_gguf.py (the Triton GGUF product), compiled.
 2. copy_bandwidth: a device-to-device copy, bytes read plus written per second.
 3. decode_bandwidth: the paged decode kernel at B=64, context 4096, 32 query heads, 8 KV heads,
    head dim 128, bf16, block sizes 16 and 32, in K/V bytes read per second, against torch's
@@ -226,11 +227,12 @@ def machine_name(device: torch.device, cpu_smoke: bool) -> str:
 
 
 # ---- 1. kernel tests ---------------------------------------------------------------------------------
-def kernel_tests(budget: float, cpu_smoke: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/attention",
-           "tests/worker/test_cuda_graphs.py"]
-    if cpu_smoke:
-        cmd += ["-k", "choose_num_splits or batch_size_ladder"]
+def kernel_tests(budget: float, cpu_smoke: bool, paths: tuple[str, ...] = ("tests/attention",
+                                                                             "tests/worker/test_cuda_graphs.py"),
+                 smoke_filter: str | None = "choose_num_splits or batch_size_ladder") -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+    if cpu_smoke and smoke_filter:
+        cmd += ["-k", smoke_filter]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget - 5)
     out = proc.stdout + proc.stderr
@@ -599,6 +601,9 @@ def main() -> int:
     splits = [2] if smoke else [1, 2, 4, 8]
     parts = [
         ("kernel_tests", 150, kernel_tests, 150, smoke),
+        # The Triton GGUF product (Q8_0, Q4_0, Q4_1) compiled, against gguf-py's dequantization;
+        # needs the real gguf package (its wheel carried in .whl/).
+        ("gguf_kernel_tests", 40, kernel_tests, 40, smoke, ("tests/kernels/test_triton_gguf.py",), None),
         ("copy_bandwidth", 20, copy_part),
         ("decode_bandwidth", 90, decode_bandwidth, device, decode_shape, [4, 16] if smoke else [16, 32], sweep,
          splits, 3 if smoke else 30),
@@ -612,9 +617,12 @@ def main() -> int:
                       {"pagellm": 60, "hf_generate": 45 * hf, "hf_generate_batch": 60 * hf}, bandwidth, False))
         parts.append(("e2e_1b", 45 + hf * 70, e2e, device, "1b", 256, 64, 512, 128,
                       {"pagellm": 45, "hf_generate": 30 * hf, "hf_generate_batch": 40 * hf}, bandwidth, False))
+    if stubbed:
+        skip.add("gguf_kernel_tests")
     for name, budget, fn, *fargs in parts:
         if name in skip:
-            report.doc["parts"][name] = {"status": "skipped", "error": "--skip"}
+            report.doc["parts"][name] = {"status": "skipped", "error": "--skip" if name in args.skip.split(",")
+                                         else "no gguf package (carry its wheel in .whl/)"}
             continue
         report.run(name, budget, fn, *fargs)
     report.write()

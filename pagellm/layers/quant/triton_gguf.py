@@ -1,0 +1,85 @@
+"""GGUF blocks multiplied on a GPU by a Triton kernel that dequantizes as it multiplies.
+
+y = x @ W^T for W in its GGUF blocks ([N rows, row_bytes] uint8): each program takes a
+[BLOCK_M, BLOCK_N] tile of y and walks K one 32-value block at a time, widening the block's
+quants and its float16 scale(s) in registers and feeding them to a `tl.dot` in x's dtype with a
+float32 accumulator. W never exists dense in memory. Formats: Q8_0 (d * q), Q4_0 (d * (q - 8))
+and Q4_1 (d * q + m), ggml's layouts; the K-quants (256-value super-blocks) are not here yet.
+
+Tested under Triton's interpreter on CPU tensors against gguf-py's dequantization
+(tests/kernels/test_triton_gguf.py) and compiled for sm_90 by tests/attention/compile_for_hopper.py;
+not yet measured on a GPU, so the engine still dequantizes GGUF files at load on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ggml type id -> (code in the kernel, bytes per 32-value block)
+TYPES = {8: (0, 34), 2: (1, 18), 3: (2, 20)}  # Q8_0, Q4_0, Q4_1
+
+
+@triton.jit
+def _half_at(ptr, offs, mask):
+    """The little-endian float16 at byte offsets `offs`, as float32."""
+    lo = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + offs + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gguf_matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, stride_xm, stride_ym,
+                        FORMAT: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, 32)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // 32):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kb * 32 + j[None, :], mask=m_ok[:, None], other=0.0)
+        base = rn.to(tl.int64) * row_bytes + kb * BLOCK_BYTES  # [BLOCK_N] byte offset of each row's block
+        d = _half_at(w_ptr, base, n_ok)
+        if FORMAT == 0:  # Q8_0: d, then 32 int8 quants
+            q = tl.load(w_ptr + base[:, None] + 2 + j[None, :], mask=n_ok[:, None], other=0)
+            w = d[:, None] * q.to(tl.int8, bitcast=True).to(tl.float32)
+        else:  # Q4_0 / Q4_1: value j is the low nibble of byte j (j < 16), the high of byte j - 16
+            qoff = 2 if FORMAT == 1 else 4
+            byte = tl.load(w_ptr + base[:, None] + qoff + (j % 16)[None, :], mask=n_ok[:, None], other=0)
+            nib = tl.where(j[None, :] < 16, byte & 0x0F, byte >> 4).to(tl.float32)
+            if FORMAT == 1:
+                w = d[:, None] * (nib - 8.0)
+            else:
+                m = _half_at(w_ptr, base + 2, n_ok)
+                w = d[:, None] * nib + m[:, None]
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32, input_precision=PRECISION)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def supported(qtype: int) -> bool:
+    return int(qtype) in TYPES
+
+
+def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """x [M, cols] @ W^T for W in blocks of `qtype` (Q8_0, Q4_0, Q4_1): [M, rows] in x's dtype."""
+    if not supported(qtype):
+        raise ValueError(f"GGUF type {qtype} has no Triton kernel (Q8_0, Q4_0 and Q4_1 do)")
+    code, block_bytes = TYPES[int(qtype)]
+    if cols % 32 or data.shape[1] != cols // 32 * block_bytes:
+        raise ValueError(f"{data.shape[1]} bytes per row do not hold {cols} values of type {qtype}")
+    x = x.contiguous()
+    M, N = x.shape[0], data.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    block_m = 16 if M <= 16 else 32
+    block_n = 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _gguf_matmul_kernel[grid](x, data, y, M, N, cols, data.shape[1], x.stride(0), y.stride(0),
+                              FORMAT=code, BLOCK_BYTES=block_bytes, BLOCK_M=block_m, BLOCK_N=block_n,
+                              # float32 models multiply in float32 (no TF32 rounding), as on the CPU.
+                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return y

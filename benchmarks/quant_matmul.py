@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
-import time
 
 import numpy as np
 import torch
@@ -27,7 +25,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from pagellm.bench.roofline import machine_limits
+from pagellm.bench.roofline import machine_limits, median_seconds
 from pagellm.layers.quant import gguf as q
 from pagellm.layers.quant.int_weights import Int4LinearMethod, Int8LinearMethod
 
@@ -42,13 +40,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def timed(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Median milliseconds."""
+    return median_seconds(fn, repeat) * 1e3
 
 
 def int_layer(method, dense: torch.Tensor) -> torch.nn.Module:

@@ -14,7 +14,8 @@ import statistics
 import time
 
 
-def _median_seconds(fn, repeat: int) -> float:
+def median_seconds(fn, repeat: int) -> float:
+    """The median of `repeat` timed calls, after one untimed."""
     fn()
     times = []
     for _ in range(repeat):
@@ -34,12 +35,12 @@ def machine_limits(threads: int | None = None, buffer_mib: int = 512, gemm_n: in
         torch.set_num_threads(threads)
     try:
         big = torch.ones(buffer_mib << 18)  # float32: 4 bytes each
-        out = {"memory_gbps": big.numel() * 4 / _median_seconds(big.sum, repeat) / 1e9}
+        out = {"memory_gbps": big.numel() * 4 / median_seconds(big.sum, repeat) / 1e9}
         del big
         for dtype in (torch.float32, torch.bfloat16):
             a = torch.randn(gemm_n, gemm_n).to(dtype)
             out[f"gemm_gflops_{str(dtype).removeprefix('torch.')}"] = \
-                2 * gemm_n ** 3 / _median_seconds(lambda: a @ a, 3) / 1e9
+                2 * gemm_n ** 3 / median_seconds(lambda: a @ a, 3) / 1e9
         out["threads"] = torch.get_num_threads()
         return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
     finally:

@@ -13,38 +13,24 @@ from pagellm.core.kv.hybrid import NULL_BLOCK, HybridKVManager
 from pagellm.core.kv.interface import cdiv
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
+from tests.core.test_sharing_invariants import Shadow as SharingShadow
 
 MAX_STEP = 14  # the most tokens one operation computes for a sequence
 
 
-class Shadow:
-    """What each slot of each physical block holds, written as a model runner writes: block
-    copies first, then the step's tokens through each group's table."""
+class Shadow(SharingShadow):
+    """The paged test's shadow of the blocks (it writes through every group's table), which also
+    remembers where each sequence's last allocation started."""
 
     def __init__(self, kv: HybridKVManager) -> None:
-        self.kv = kv
-        self.slots: dict[tuple[int, int], int] = {}
-        self.hash_tokens: dict[bytes, list[int]] = {}
-        # Per sequence, the first position its last allocation made room for.
+        super().__init__(kv)
         self.last_start: dict[str, int] = {}
 
-    def run_step(self, req: Request, n: int) -> None:
-        for src, dst in self.kv.take_copies():
-            for off in range(self.kv.block_size):
-                if (src, off) in self.slots:
-                    self.slots[(dst, off)] = self.slots[(src, off)]
-                else:
-                    self.slots.pop((dst, off), None)
-        bs, tokens = self.kv.block_size, req.all_token_ids
+    def on_step(self, req: Request, n: int) -> None:
         for table in self.kv.group_tables(req.request_id):
             for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
-                assert table[p // bs] != NULL_BLOCK, "a token written into the null block"
-                self.slots[(table[p // bs], p % bs)] = tokens[p]
+                assert table[p // self.kv.block_size] != NULL_BLOCK, "a token written into the null block"
         self.last_start[req.request_id] = req.num_computed_tokens
-        req.num_computed_tokens += n
-        self.kv.cache_full_blocks(req)
-        for i, h in enumerate(req.block_hashes[:req.num_hashed_blocks]):
-            self.hash_tokens.setdefault(h, tokens[i * bs:(i + 1) * bs])
 
 
 def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> None:

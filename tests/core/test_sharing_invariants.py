@@ -11,12 +11,16 @@ from pagellm.sampling_params import SamplingParams
 
 class Shadow:
     """What each slot of each physical block holds, written only as a model runner would:
-    block copies first, then the step's tokens through the block table."""
+    block copies first, then the step's tokens through the block table (each KV group's, for
+    the hybrid manager: tests/core/test_hybrid_kv.py)."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.slots: dict[tuple[int, int], int] = {}
         self.hash_tokens: dict[bytes, list[int]] = {}
+
+    def on_step(self, req: Request, n: int) -> None:
+        """Called with each request a step writes (its next n tokens), before it advances."""
 
     def run_step(self, req: Request, n: int) -> None:
         for src, dst in self.kv.take_copies():
@@ -25,10 +29,11 @@ class Shadow:
                     self.slots[(dst, off)] = self.slots[(src, off)]
                 else:
                     self.slots.pop((dst, off), None)
-        table, bs = self.kv.block_table(req.request_id), self.kv.block_size
-        tokens = req.all_token_ids
-        for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
-            self.slots[(table[p // bs], p % bs)] = tokens[p]
+        bs, tokens = self.kv.block_size, req.all_token_ids
+        for table in self.kv.group_tables(req.request_id):  # one table, or one per KV group
+            for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                self.slots[(table[p // bs], p % bs)] = tokens[p]
+        self.on_step(req, n)
         req.num_computed_tokens += n
         self.kv.cache_full_blocks(req)
         for i, h in enumerate(req.block_hashes[:req.num_hashed_blocks]):

@@ -227,9 +227,6 @@ class ContiguousKVManager(KVManager):
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         return [], 0
 
-    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
-        pass
-
     def cache_full_blocks(self, request: Request) -> None:
         pass
 

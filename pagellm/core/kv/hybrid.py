@@ -175,11 +175,6 @@ class HybridKVManager(KVManager):
             blocks.append([NULL_BLOCK] * first + found[g][first:k])
         return blocks, computed
 
-    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
-        if self.enable_prefix_caching:
-            self.prefix_queries += num_tokens
-            self.prefix_hits += num_cached
-
     def cache_full_blocks(self, request: Request) -> None:
         """Index, in every group, the blocks its computed tokens have filled (those still held)."""
         if not self.enable_prefix_caching:

@@ -26,6 +26,7 @@ class KVManager(ABC):
     # Prefix-cache accounting: prompt tokens looked up, and of those, found cached.
     prefix_queries: int = 0
     prefix_hits: int = 0
+    enable_prefix_caching: bool = False
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -79,8 +80,11 @@ class KVManager(ABC):
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks that start the request's tokens, and how many tokens they let it skip."""
 
-    @abstractmethod
-    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None: ...
+    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count one admitted request's lookup (not the failed attempts before it)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_cached
 
     @abstractmethod
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:

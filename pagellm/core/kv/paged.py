@@ -114,12 +114,6 @@ class KVCacheManager(KVManager):
             blocks.append(b)
         return blocks, min(len(blocks) * self.block_size, request.num_tokens - 1)
 
-    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
-        """Count one admitted request's lookup (not the failed attempts before it)."""
-        if self.enable_prefix_caching:
-            self.prefix_queries += num_tokens
-            self.prefix_hits += num_cached
-
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks that its computed tokens have filled."""
         if not self.enable_prefix_caching:

@@ -53,13 +53,18 @@ def achieved(cost: dict, tokens: int, steps: int | None, seconds: float, limits:
     weight bytes per step; left out when the steps are unknown) over `seconds`, and each as a
     share of the measured limit."""
     gflops = cost["flops_per_token"] * tokens / seconds / 1e9
-    out = {"gflops": round(gflops, 2), "flops_per_token": cost["flops_per_token"]}
+    out = {"gflops": _sig(gflops), "flops_per_token": cost["flops_per_token"]}
     gemm = (limits or {}).get(f"gemm_gflops_{dtype}") or (limits or {}).get("gemm_gflops_float32")
     if gemm:
-        out["share_of_gemm_rate"] = round(gflops / gemm, 4)
+        out["share_of_gemm_rate"] = _sig(gflops / gemm)
     if steps is not None and "weight_bytes_per_step" in cost:
         gbps = cost["weight_bytes_per_step"] * steps / seconds / 1e9
-        out.update(weight_gbps=round(gbps, 2), weight_bytes_per_step=cost["weight_bytes_per_step"])
+        out.update(weight_gbps=_sig(gbps), weight_bytes_per_step=cost["weight_bytes_per_step"])
         if (limits or {}).get("memory_gbps"):
-            out["share_of_memory_bandwidth"] = round(gbps / limits["memory_gbps"], 4)
+            out["share_of_memory_bandwidth"] = _sig(gbps / limits["memory_gbps"])
     return out
+
+
+def _sig(x: float) -> float:
+    """Four significant digits: what the timings support, whatever the model's size."""
+    return float(f"{x:.4g}")

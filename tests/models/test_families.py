@@ -127,7 +127,10 @@ def test_sliding_layers_give_back_what_slid_out(name, tmp_path):
             peak = max(peak, sum(b != 0 for b in table))
     assert_matches(tokens_and_logprobs(outs), [expected])
     assert peak <= -(-(window - 1 + 16) // 4) + 1
-    assert llm.stats()["used_blocks"] == 0
+    stats = llm.stats()
+    assert stats["used_blocks"] == 0
+    assert [g["window"] for g in stats["kv_groups"]] == list(kv.windows)
+    assert all(g["used_blocks"] == 0 for g in stats["kv_groups"])
     # In a pool that keeps them, the prompt's cached blocks serve a second prompt that extends it:
     # the full group from block 0, the sliding ones only inside the window of the prefix's end.
     llm = LLM(path, block_size=4, num_kv_blocks=200)

@@ -348,7 +348,8 @@ def rank_memory(runner: ModelRunner, rank: int) -> dict:
     import resource
 
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    # Layers of different KV groups share tensors: count each tensor once.
+    kv = sum(t.numel() * t.element_size() for t in {id(t): t for pair in runner.kv_caches for t in pair}.values())
     report = {"rank": rank, "device": str(runner.device), "weight_bytes": weights, "kv_cache_bytes": kv,
               "num_kv_heads": runner.model.num_kv_heads, **runner.model.compute_cost(),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

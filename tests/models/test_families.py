@@ -130,6 +130,9 @@ def test_sliding_layers_give_back_what_slid_out(name, tmp_path):
     stats = llm.stats()
     assert stats["used_blocks"] == 0
     assert [g["window"] for g in stats["kv_groups"]] == list(kv.windows)
+    # The pool's bytes, each tensor counted once though layers of different groups share it.
+    runner = llm.engine.runner
+    assert llm.engine.memory_report()[0]["kv_cache_bytes"] == (kv.num_blocks + 1) * runner.bytes_per_block(4)
     assert all(g["used_blocks"] == 0 for g in stats["kv_groups"])
     # In a pool that keeps them, the prompt's cached blocks serve a second prompt that extends it:
     # the full group from block 0, the sliding ones only inside the window of the prefix's end.

@@ -601,7 +601,7 @@ def main() -> int:
     splits = [2] if smoke else [1, 2, 4, 8]
     parts = [
         ("kernel_tests", 150, kernel_tests, 150, smoke),
-        # The Triton GGUF product (Q8_0, Q4_0, Q4_1) compiled, against gguf-py's dequantization;
+        # The Triton GGUF product (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) compiled, against gguf-py's dequantization;
         # needs the real gguf package (its wheel carried in .whl/).
         ("gguf_kernel_tests", 40, kernel_tests, 40, smoke, ("tests/kernels/test_triton_gguf.py",), None),
         ("copy_bandwidth", 20, copy_part),

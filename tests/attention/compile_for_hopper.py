@@ -72,10 +72,11 @@ def cases(full: bool):
             yield ("combine" + (" sinks" if sinks else ""), dt), K._combine_kernel, \
                 {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dt}", "sinks_ptr": "*fp32"}, \
                 {}, dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=32, HAS_SINKS=sinks), 4, 1
-        for qtype, (code, block_bytes) in triton_gguf.TYPES.items():
+        for qtype, (code, block_bytes, block_values) in triton_gguf.TYPES.items():
             yield (f"gguf matmul type={qtype}", dt), triton_gguf._gguf_matmul_kernel, \
                 {"x_ptr": f"*{dt}", "w_ptr": "*u8", "y_ptr": f"*{dt}"}, {}, \
-                dict(FORMAT=code, BLOCK_BYTES=block_bytes, BLOCK_M=16, BLOCK_N=64, PRECISION=prec), 4, 2
+                dict(FORMAT=code, BLOCK_BYTES=block_bytes, BLOCK_VALUES=block_values, BLOCK_M=16, BLOCK_N=64,
+                     PRECISION=prec), 4, 2
 
 
 def main() -> int:

@@ -138,6 +138,29 @@ def test_chat_n_stream(client):
     assert all(texts.values())
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_each_choice_finishes_once_when_siblings_end_apart(client, endpoint):
+    """n = 2 samples that stop at different steps (a stop string one meets first): the one that
+    ends first gets one chunk with its finish_reason, not one more with every later output."""
+    def create(**kw):
+        if endpoint == "chat":
+            return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, **kw)
+        return client.completions.create(model=MODEL_NAME, prompt="Once upon a time", **kw)
+
+    params = dict(max_tokens=24, n=2, temperature=1.0, stop=[" the", "."])
+    for seed in range(20):  # a seed whose two samples end at different lengths
+        whole = create(seed=seed, **params)
+        texts = [c.message.content if endpoint == "chat" else c.text for c in whole.choices]
+        if len({len(t) for t in texts}) == 2:
+            break
+    else:
+        pytest.fail("no seed made the samples end apart")
+    ends = []
+    for chunk in create(seed=seed, stream=True, **params):
+        ends += [c.index for c in chunk.choices if c.finish_reason]
+    assert sorted(ends) == [0, 1]
+
+
 def test_several_prompts_and_token_ids(client, server):
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)

@@ -158,6 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
         sent_tokens: dict[int, int] = {}
+        ended: set[int] = set()  # choices whose finish_reason has been sent
         prompt_tokens = cached = 0
 
         def usage() -> dict:
@@ -186,6 +187,8 @@ class OpenAIServingChat(OpenAIServing):
             prompt_tokens = len(out.prompt_token_ids)
             cached = getattr(out, "num_cached_tokens", 0) or 0
             for c in out.outputs:
+                if c.index in ended:
+                    continue  # its last chunk is sent; later outputs of the request still list it
                 done_tokens = sent_tokens.get(c.index, 0)
                 finished = c.finish_reason is not None
                 delta, finish_reason = deltas[c.index].advance(c.text, finished, c.finish_reason)
@@ -198,6 +201,8 @@ class OpenAIServingChat(OpenAIServing):
                 lps = c.logprobs[done_tokens:] if c.logprobs is not None else None
                 yield chunk(c.index, delta or {"content": ""}, c, self.logprobs(req, new_ids, lps),
                             list(new_ids) if req.return_token_ids else None, finish_reason)
+                if finished:
+                    ended.add(c.index)
         if include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                        "model": self.model_name, "choices": [], "usage": usage()})

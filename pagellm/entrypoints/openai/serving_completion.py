@@ -124,6 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and req.stream_options.continuous_usage_stats
         sent_text: dict[tuple[int, int], int] = {}
         sent_tokens: dict[tuple[int, int], int] = {}
+        ended: set[tuple[int, int]] = set()  # choices whose finish_reason has been sent
         # Where the next token's text starts: the text of the tokens sent so far, which runs ahead
         # of the text sent while a possible stop string is held back.
         next_offset: dict[tuple[int, int], int] = {}
@@ -138,6 +139,8 @@ class OpenAIServingCompletion(OpenAIServing):
             cached[i] = getattr(out, "num_cached_tokens", 0) or 0
             for c in out.outputs:
                 key = (i, c.index)
+                if key in ended:
+                    continue  # its last chunk is sent; later outputs of the request still list it
                 first = key not in sent_text
                 done_text, done_tokens = sent_text.get(key, 0), sent_tokens.get(key, 0)
                 delta = c.text[done_text:]
@@ -162,6 +165,8 @@ class OpenAIServingCompletion(OpenAIServing):
                          "model": self.model_name, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = usage()
+                if c.finish_reason is not None:
+                    ended.add(key)
                 yield sse(chunk)
         if include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,

@@ -96,6 +96,7 @@ def run_pagellm(cfg: LatencyConfig, options: dict, limits: dict) -> dict:
         "tg_ms_per_step": 1e3 * tg_s / cfg.output_len,
         "pp_runs_s": prefill, "tg_runs_s": decode,
         "weight_bytes": engine.memory_report()[0]["weight_bytes"],
+        "model_cost": cost,
         "roofline_pp": roofline.achieved(cost, B * cfg.input_len, 1, pp_s, limits, dtype),
         "roofline_tg": roofline.achieved(cost, B * cfg.output_len, cfg.output_len, tg_s, limits, dtype),
     }
@@ -157,7 +158,7 @@ def run_latency_bench(cfg: LatencyConfig) -> dict:
         systems[name] = run_pagellm(cfg, options, limits)
         systems[name]["loadavg_after"] = os.getloadavg()[0]
         if options.get("quantization") is None and gguf_cost is None:
-            gguf_cost = {k: systems[name]["roofline_tg"][k] for k in ("flops_per_token", "weight_bytes_per_step")}
+            gguf_cost = systems[name]["model_cost"]
     if LLAMA_BENCH in cfg.systems:
         if not model_path.lower().endswith(".gguf"):
             skipped[LLAMA_BENCH] = "llama-bench needs a GGUF model"

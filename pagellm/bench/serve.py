@@ -298,9 +298,15 @@ def server_counters(url: str) -> dict:
     return out
 
 
+def reported_cost(counters: dict) -> dict | None:
+    """The model cost a pagellm server reports in its /metrics (FLOPs per token, weight bytes per
+    step); None for a server that reports none."""
+    return {k: counters[k] for k in ("flops_per_token", "weight_bytes_per_step") if k in counters} or None
+
+
 def rate_roofline(before: dict, after: dict, duration_s: float, limits: dict | None, cost: dict | None) -> dict | None:
     """The GFLOP/s and weight GB/s the server achieved over one rate, from its counters' growth."""
-    cost = {k: after[k] for k in ("flops_per_token", "weight_bytes_per_step") if k in after} or cost
+    cost = reported_cost(after) or cost
     if not cost or "tokens" not in after or "tokens" not in before or duration_s <= 0:
         return None
     steps = after["steps"] - before["steps"] if "steps" in after and "steps" in before else None
@@ -342,8 +348,7 @@ def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: lis
         try:
             wait_ready(url, proc, ready_timeout_s)
             if policy != LLAMA_SERVER and cost is None:
-                counters = server_counters(url)
-                cost = {k: counters[k] for k in ("flops_per_token", "weight_bytes_per_step") if k in counters} or None
+                cost = reported_cost(server_counters(url))
             targets[policy] = {**bench_target(url, cfg, show_progress, policy, limits, cost), "launched": True,
                                "engine_args": proc.args[1:] if policy == LLAMA_SERVER else engine_args}
         except (RuntimeError, TimeoutError) as e:

@@ -181,7 +181,7 @@ class Scheduler:
         was preempted, the child waits to be recomputed like it."""
         child = parent.fork(child_id, index, params)
         self.requests[child_id] = child
-        if parent.request_id in self.kv.block_tables:
+        if self.kv.holds(parent.request_id):
             self.kv.fork(parent, child)
             self.running.append(child)
         else:

@@ -151,9 +151,8 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block id: `kv_groups.slots` layers (all of them with one group)."""
-        a = self.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.kv_groups.slots * block_size * self.model.num_kv_heads * a.head_dim * elem
+        return self.kv_groups.bytes_per_block(block_size, self.model.num_kv_heads, self.arch.head_dim, elem)
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None:

@@ -92,6 +92,9 @@ class HybridKVManager(KVManager):
         """The first group's table (the runner reads every group's through group_tables)."""
         return self.group_tables(request_id)[0]
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._tables  # block_tables builds every request's flat list
+
     @property
     def block_tables(self) -> dict[str, list[int]]:
         """Every request's blocks, all groups, without the null entries."""

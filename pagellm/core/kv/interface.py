@@ -70,6 +70,10 @@ class KVManager(ABC):
         """The request's block table in each KV group, in group order."""
         return (self.block_table(request_id),)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request holds blocks now."""
+        return request_id in self.block_tables
+
     @property
     @abstractmethod
     def block_tables(self) -> dict[str, list[int]]:

@@ -94,9 +94,6 @@ class KVCacheManager(KVManager):
             f"{self.pending_copies}"
 
     # ---- prefix caching -------------------------------------------------------------------
-    def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
-        return request_block_hashes(request, self.block_size, num_full_blocks)
-
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest chain of cached blocks that starts the request's tokens, and how
         many tokens they let it skip. Takes no references (allocate_slots does).
@@ -107,7 +104,7 @@ class KVCacheManager(KVManager):
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return [], 0
         blocks = []
-        for h in self._hashes(request, request.num_tokens // self.block_size):
+        for h in request_block_hashes(request, self.block_size, request.num_tokens // self.block_size):
             b = self.pool.lookup(h)
             if b is None:
                 break
@@ -125,7 +122,7 @@ class KVCacheManager(KVManager):
         start = request.num_hashed_blocks
         if full <= start:
             return
-        hashes = self._hashes(request, full)
+        hashes = request_block_hashes(request, self.block_size, full)
         for i in range(start, full):
             self.pool.cache(table[i], hashes[i])
         request.num_hashed_blocks = full

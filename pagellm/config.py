@@ -18,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # How weights are stored and multiplied; see pagellm.layers.quant.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# How K/V are stored (pagellm.attention.kv_format): "auto" as --dtype; "fp8" is fp8_e4m3, as in vLLM.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
 # request as before paging (the baselines of `pagellm bench`; see pagellm.core.kv.contiguous).
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
@@ -84,6 +86,10 @@ class EngineConfig:
                                        "Q5_K and Q6_K matrices in their blocks (CPU); none dequantizes every weight "
                                        "to --dtype at load; int8 (per channel) and int4 (groups of 128) quantize a "
                                        "safetensors model's linear layers at load (CPU)", choices=QUANTIZATIONS)
+    kv_cache_dtype: str = option("auto", "how the KV cache stores K/V: auto (as --dtype), float32, bfloat16, "
+                                         "float16, or 8 bits per value with a float16 scale per token and head: "
+                                         "int8, fp8 (= fp8_e4m3), fp8_e5m2 (about half bfloat16's bytes)",
+                                 choices=KV_CACHE_DTYPES)
     seed: int = option(0, "seed of unseeded sampling and of random (dummy) weights")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of earlier prompts' shared prefixes")
     kv_policy: str = option("paged", "paged KV blocks, or a contiguous region reserved per request (the "

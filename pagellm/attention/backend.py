@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.attention.kv_format import KVFormat
 from pagellm.timing import PhaseTimer
 
 
@@ -103,10 +104,15 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     # Where the attention phase is timed, when a benchmark attaches a timer (pagellm.timing).
     timer: PhaseTimer | None = None
+    # How K/V rows are stored (attention/kv_format.py), set by the model runner; None: as the
+    # cache tensors' dtype, which is then q's.
+    kv_format: KVFormat | None = None
+    # Whether this backend stores and reads the 8-bit formats.
+    reads_8bit_kv: bool = False
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_dim)
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        row = head_dim if self.kv_format is None else self.kv_format.row_size(head_dim)
+        return (num_blocks, block_size, num_kv_heads, row)
 
     @abstractmethod
     def forward(

@@ -5,14 +5,30 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from pagellm.attention.kv_format import KVFormat
 from pagellm.kernels import cpu
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store each new token's K/V in its slot (block_id * block_size + offset)."""
-    kvh, d = k.shape[1:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             kv_format: KVFormat | None = None) -> None:
+    """Store each new token's K/V in its slot (block_id * block_size + offset), in `kv_format`
+    (None: as the cache's dtype)."""
+    if kv_format is not None and kv_format.quantized and cpu.usable(k) and k_cache.device.type == "cpu":
+        cpu.store_kv_8bit(k, v, k_cache, v_cache, slots, kv_format)
+        return
+    kvh, row = k_cache.shape[2:]
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        cache.view(-1, kvh, row).index_copy_(0, slots, x.to(cache.dtype) if kv_format is None else kv_format.encode(x))
+
+
+def read_kv(rows: torch.Tensor, kv_format: KVFormat | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows (from gather_kv or a block-table index) as values of `dtype`."""
+    return rows.to(dtype) if kv_format is None else kv_format.decode(rows, dtype)
+
+
+def stored_kv(cache: torch.Tensor, slots: torch.Tensor, kv_format: KVFormat | None, dtype: torch.dtype) -> torch.Tensor:
+    """The rows write_kv just put at `slots`, as attention reads them: [T, KVH, D]."""
+    return read_kv(cache.view(-1, *cache.shape[2:])[slots], kv_format, dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
@@ -30,7 +46,7 @@ INVARIANT_RUN = 256
 
 class TorchAttentionBackend(AttentionBackend):
     """`compiled_decode`: read K/V in place with the compiled CPU kernel for decodes
-    (None: whenever it is available and the cache is float32 or bfloat16 on the CPU). False keeps
+    (None: whenever it is available and the cache is float32, bfloat16 or 8-bit on the CPU). False keeps
     the pure-torch path, the reference that every other path is tested against.
 
     `batch_invariant`: every query token, decode or prefill, goes through the compiled kernel on
@@ -40,23 +56,30 @@ class TorchAttentionBackend(AttentionBackend):
     (SDPA's prefill tiles by the prompt's length, and the decode kernel splits contexts by the
     batch's load: both change a token's sums with what runs beside it.)"""
 
+    reads_8bit_kv = True
+
     def __init__(self, compiled_decode: bool | None = None, batch_invariant: bool = False) -> None:
         self.compiled_decode = compiled_decode
         self.batch_invariant = batch_invariant
 
     def _use_compiled(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return self.compiled_decode is not False and cpu.decode_usable(q, k_cache)
+        return self.compiled_decode is not False and cpu.decode_usable(q, k_cache, self.kv_format)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 options: AttentionOptions | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        fmt = self.kv_format
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
+        if meta.num_seqs > meta.num_decodes and fmt is not None and (fmt.quantized or fmt.dtype != q.dtype):
+            # Prompts attend to their own K/V as the cache holds them (see attention/kv_format.py).
+            k = stored_kv(k_cache, meta.slot_mapping, fmt, q.dtype)
+            v = stored_kv(v_cache, meta.slot_mapping, fmt, q.dtype)
         if options is not None and options.plain:
             options = None
         if self.batch_invariant:
             token_seq, key_lens = meta.query_token_keys()
             return cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, key_lens, scale,
                                        options.sliding_window if options else None,
-                                       options.softcap if options else None, sinks, token_seq, INVARIANT_RUN)
+                                       options.softcap if options else None, sinks, token_seq, INVARIANT_RUN, fmt)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -64,31 +87,32 @@ class TorchAttentionBackend(AttentionBackend):
                 window = options.sliding_window if options else None
                 softcap = options.softcap if options else None
                 out[:nd] = cpu.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens_tensor[:nd], scale, window, softcap, sinks)
+                                               meta.seq_lens_tensor[:nd], scale, window, softcap, sinks,
+                                               kv_format=fmt)
             else:
-                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, options, sinks)
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, options, sinks, fmt)
         start = nd
         for i in range(nd, meta.num_seqs):
             ql, ctx = meta.query_lens[i], meta.seq_lens[i]
             end = start + ql
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
-                                           meta.block_tables[i], ctx, scale, options, sinks)
+                                           meta.block_tables[i], ctx, scale, options, sinks, fmt)
             start = end
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, kv_format: KVFormat | None = None) -> torch.Tensor:
         """One query token per sequence, all sequences in one batched product."""
         nd = meta.num_decodes
         bs = meta.block_size
         max_len = max(meta.seq_lens[:nd])
         nb = -(-max_len // bs)
         tables = meta.block_tables[:nd, :nb]
-        kvh, d = k_cache.shape[2:]
+        kvh, d = k_cache.shape[2], q.shape[2]
         # [B, KVH, L, D]; padding slots hold finite values (the cache starts zeroed).
-        keys = k_cache[tables].view(nd, nb * bs, kvh, d).transpose(1, 2)
-        vals = v_cache[tables].view(nd, nb * bs, kvh, d).transpose(1, 2)
+        keys = read_kv(k_cache[tables], kv_format, q.dtype).view(nd, nb * bs, kvh, d).transpose(1, 2)
+        vals = read_kv(v_cache[tables], kv_format, q.dtype).view(nd, nb * bs, kvh, d).transpose(1, 2)
         h = q.shape[1]
         # The G query heads that share a KV head ride in the "query length" dimension,
         # so each K/V block is read once per KV head rather than once per query head.
@@ -109,7 +133,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, block_table, ctx: int, scale: float,
-                 options: AttentionOptions | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 options: AttentionOptions | None = None, sinks: torch.Tensor | None = None,
+                 kv_format: KVFormat | None = None) -> torch.Tensor:
         ql = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
         if options is not None or sinks is not None:
@@ -117,8 +142,8 @@ class TorchAttentionBackend(AttentionBackend):
             window = options.sliding_window if options is not None else None
             first = 0 if window is None or ctx == ql else max(0, ctx - ql - window + 1) // k_cache.shape[1] * \
                 k_cache.shape[1]
-            keys = k if ctx == ql else gather_kv(k_cache, block_table, ctx, first)
-            vals = v if ctx == ql else gather_kv(v_cache, block_table, ctx, first)
+            keys = k if ctx == ql else read_kv(gather_kv(k_cache, block_table, ctx, first), kv_format, q.dtype)
+            vals = v if ctx == ql else read_kv(gather_kv(v_cache, block_table, ctx, first), kv_format, q.dtype)
             h, kvh = q.shape[1], keys.shape[1]
             qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
             kpos = torch.arange(first, ctx, device=q.device)[None, :]
@@ -136,8 +161,8 @@ class TorchAttentionBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Part of the context is already cached (a later chunk, a cached prefix).
-            kh = gather_kv(k_cache, block_table, ctx).transpose(0, 1).unsqueeze(0)
-            vh = gather_kv(v_cache, block_table, ctx).transpose(0, 1).unsqueeze(0)
+            kh = read_kv(gather_kv(k_cache, block_table, ctx), kv_format, q.dtype).transpose(0, 1).unsqueeze(0)
+            vh = read_kv(gather_kv(v_cache, block_table, ctx), kv_format, q.dtype).transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(ctx - ql, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)

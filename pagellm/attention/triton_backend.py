@@ -25,6 +25,7 @@ from pagellm.attention.triton_kernels import (
 
 class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
+    reads_8bit_kv = True
 
     def __init__(self, decode_config: KernelConfig | None = None, prefill_config: KernelConfig | None = None,
                  num_splits: int | None = None) -> None:
@@ -42,17 +43,19 @@ class TritonAttentionBackend(AttentionBackend):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         window = options.sliding_window if options is not None else None
         softcap = (options.softcap or None) if options is not None else None
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        fmt = self.kv_format if self.kv_format is not None and self.kv_format.quantized else None
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale,
                          out=out[:nd], num_splits=self.num_splits, config=self.decode_config,
-                         sliding_window=window, softcap=softcap, sinks=sinks)
+                         sliding_window=window, softcap=softcap, sinks=sinks, kv_format=fmt)
         if meta.num_seqs > nd:
             cfg = self.prefill_config or default_prefill_config(q.device, q.shape[-1])
             paged_prefill(q[nd:], k_cache, v_cache, meta.block_tables, self._prefill_tiles(meta, cfg, q.device),
-                          scale, out=out[nd:], config=cfg, sliding_window=window, softcap=softcap, sinks=sinks)
+                          scale, out=out[nd:], config=cfg, sliding_window=window, softcap=softcap, sinks=sinks,
+                          kv_format=fmt)
         return out
 
     def _prefill_tiles(self, meta: AttentionMetadata, cfg: KernelConfig, device: torch.device) -> torch.Tensor:

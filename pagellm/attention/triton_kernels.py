@@ -32,6 +32,13 @@ soft-cap applies to the natural-scale score and the capped score then converts t
 and sink logits (natural) are multiplied by log2(e) as they are read.
 Block ids and slots are widened to int64 before they multiply a stride: one layer's pool can
 exceed 2**31 elements on a large GPU.
+
+8-bit caches (attention/kv_format.py; constexpr QUANT: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2; 0 plain)
+are uint8 [num_blocks, block_size, num_kv_heads, head_dim + 2]: each row's codes, then its
+float16 scale. `store_kv` computes the scale and the codes (rounded to nearest even with integer
+and float32 operations, not the GPU's fp8 conversions: Triton's interpreter truncates those, and
+the bytes must be the ones KVFormat.encode gives in torch); the attention kernels widen the codes
+of each tile as they load it and multiply by the row's scale, in registers.
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.attention.kv_format import KVFormat
+
 _LOG2E = 1.4426950408889634
 
 
@@ -49,29 +58,89 @@ _LOG2E = 1.4426950408889634
 # Store
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _rne(x):
+    """x rounded to the nearest integer, ties to even (for |x| < 2**22): adding 1.5 * 2**23 leaves
+    no fraction bits in the float32 sum, which rounds to nearest even; taking it away is exact."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _encode_rows(x, row_mask, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """Rows x [R, DIM_PAD] (float32; padding 0) as 8-bit codes (uint8) and each row's float16
+    scale, as KVFormat.encode computes them: scale = clamp(max|row| / QMAX, 2**-14, 65504) in
+    float16, code = x / scale rounded to nearest even (int8) or to the nearest fp8 value."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.minimum(tl.maximum(amax / QMAX, 6.103515625e-05), 65504.0).to(tl.float16)
+    y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if QUANT == 1:
+        code = _rne(y).to(tl.int32) & 0xFF
+    else:
+        if QUANT == 2:  # e4m3: 3 mantissa bits, exponent bias 7
+            MANT: tl.constexpr = 3
+            REBIAS: tl.constexpr = 960  # (127 - 7) << 3
+            SUB_UNITS: tl.constexpr = 512.0  # 1 / the smallest subnormal, 2**-9
+            MIN_NORMAL: tl.constexpr = 0.015625
+        else:  # e5m2: 2 mantissa bits, exponent bias 15
+            MANT: tl.constexpr = 2
+            REBIAS: tl.constexpr = 448  # (127 - 15) << 2
+            SUB_UNITS: tl.constexpr = 65536.0
+            MIN_NORMAL: tl.constexpr = 6.103515625e-05
+        bits = y.to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        # A normal value: drop 23 - MANT mantissa bits rounding to nearest even (a carry moves
+        # into the exponent, as it should), then rebias the exponent.
+        normal = ((mag + ((1 << (22 - MANT)) - 1) + ((mag >> (23 - MANT)) & 1)) >> (23 - MANT)) - REBIAS
+        # A subnormal: whole units of the smallest one (clamped first, so normal values, which
+        # this does not serve, stay within int32).
+        sub = _rne(tl.minimum(tl.abs(y), MIN_NORMAL) * SUB_UNITS).to(tl.int32)
+        code = tl.where(tl.abs(y) < MIN_NORMAL, sub, normal) | ((bits >> 24) & 0x80)
+    code = tl.where(row_mask, code, 0)
+    return code.to(tl.uint8), scale
+
+
+@triton.jit
+def _store_rows(x, cache_ptr, dst, mask, head_mask, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+                QMAX: tl.constexpr):
+    if QUANT == 0:
+        tl.store(cache_ptr + dst, x, mask=mask)
+    else:
+        code, scale = _encode_rows(x.to(tl.float32), mask, QUANT, QMAX)
+        tl.store(cache_ptr + dst, code, mask=mask)
+        # The scale's two bytes after the codes (little-endian, as torch's view writes them).
+        bits = scale.to(tl.int16, bitcast=True).to(tl.int32)
+        row = dst - tl.arange(0, dst.shape[1])[None, :]  # [heads, 1]: each row's first byte
+        tl.store(cache_ptr + row + HEAD_DIM, (bits & 0xFF).to(tl.uint8)[:, None], mask=head_mask)
+        tl.store(cache_ptr + row + HEAD_DIM + 1, ((bits >> 8) & 0xFF).to(tl.uint8)[:, None], mask=head_mask)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     block_size,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    QUANT: tl.constexpr, QMAX: tl.constexpr,
 ):
     # One program per token: all of its KV heads in one [heads, dim] tile.
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, DIM_PAD)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (slot >= 0)
+    head_mask = (h < NUM_KV_HEADS) & (slot >= 0)
+    mask = head_mask & (d < HEAD_DIM)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
-    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    _store_rows(k, k_cache_ptr, dst, mask, head_mask, HEAD_DIM, QUANT, QMAX)
+    _store_rows(v, v_cache_ptr, dst, mask, head_mask, HEAD_DIM, QUANT, QMAX)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k, v [T, KVH, D] into the caches at `slot_mapping` [T]; slots < 0 are skipped."""
+             slot_mapping: torch.Tensor, kv_format: KVFormat | None = None) -> None:
+    """Write k, v [T, KVH, D] into the caches at `slot_mapping` [T]; slots < 0 are skipped.
+    `kv_format` 8-bit: the caches are uint8 rows of codes and a scale (None: values as they are)."""
     num_tokens, kvh, d = k.shape
     if num_tokens == 0:
         return
@@ -83,22 +152,52 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1],
         NUM_KV_HEADS=kvh, HEAD_DIM=d, HEADS_PAD=triton.next_power_of_2(kvh), DIM_PAD=triton.next_power_of_2(d),
+        **_quant_flags(kv_format),
     )
+
+
+def _quant_flags(kv_format: KVFormat | None) -> dict:
+    if kv_format is None or not kv_format.quantized:
+        return {"QUANT": 0, "QMAX": 0.0}
+    return {"QUANT": kv_format.kernel_code, "QMAX": kv_format.qmax}
 
 
 # ---------------------------------------------------------------------------------------------
 # Decode
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _decode_rows(cache_ptr, row, valid, d, mask, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """8-bit rows starting at `row` [BLOCK_N] as float32 values [BLOCK_N, DIM_PAD]: codes widened
+    (fp8 through float16, whose fields they fit), times the row's float16 scale."""
+    c = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0)
+    if QUANT == 1:
+        x = c.to(tl.int8, bitcast=True).to(tl.float32)
+    elif QUANT == 2:  # e4m3's fields placed in a float16's read 2**8 too small (see the CPU kernel)
+        c16 = c.to(tl.int16)
+        x = (((c16 & 0x80) << 8) | ((c16 & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:  # e5m2 is a float16's top byte
+        x = (c.to(tl.int16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = tl.load(cache_ptr + row + HEAD_DIM, mask=valid, other=0).to(tl.int16)
+    hi = tl.load(cache_ptr + row + HEAD_DIM + 1, mask=valid, other=0).to(tl.int16)
+    scale = ((hi << 8) | lo).to(tl.float16, bitcast=True).to(tl.float32)
+    return x * scale[:, None]
+
+
+@triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size, stride_cb, stride_cs,
-                  head_offset):
+                  head_offset, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
     """K and V ([BLOCK_N, DIM_PAD]) of positions `pos` of one sequence, read through its block
-    table row `table`: a tile may span several pages, so each position looks up its block."""
+    table row `table`: a tile may span several pages, so each position looks up its block.
+    8-bit caches (QUANT > 0) come back as float32 values."""
     block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
     row = block * stride_cb + (pos % block_size) * stride_cs + head_offset
     mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
+    if QUANT == 0:
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
+    else:
+        k = _decode_rows(k_cache_ptr, row, valid, d, mask, HEAD_DIM, QUANT)
+        v = _decode_rows(v_cache_ptr, row, valid, d, mask, HEAD_DIM, QUANT)
     return k, v
 
 
@@ -122,6 +221,8 @@ def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION: tl.
     that is c * tanh(scale * q.k / c) in log2 units. MAY_BE_EMPTY: some row may have every score
     of this tile (and of all before it) masked, so its running max is still -inf; exponents are
     then taken against 0 instead, which keeps them 0 rather than NaN."""
+    k = k.to(q.dtype)  # 8-bit tiles come widened to float32
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if HAS_SOFTCAP:
         s = _tanh(s) * softcap
@@ -151,6 +252,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    QUANT: tl.constexpr, QMAX: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -192,7 +294,7 @@ def _decode_kernel(
         pos = start + n
         valid = pos < hi
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
-                             stride_cb, stride_cs, kvh * stride_ch)
+                             stride_cb, stride_cs, kvh * stride_ch, HEAD_DIM, QUANT)
         keep = valid
         if HAS_WINDOW:
             keep = keep & (pos >= win_start)
@@ -348,14 +450,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  num_splits: int | None = None, config: KernelConfig | None = None, *,
                  sliding_window: int | None = None, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, kv_format: KVFormat | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [B, H, D]; block_tables: [B, W]; seq_lens: [B] (context length including the token just
     stored; 0 gives a zero output). `num_splits` None picks from the shapes. Writes `out`
     [B, H, D] (may be a strided view) and returns it. No host synchronisation: capturable, with
     or without options. `sliding_window` (None: the whole context), `softcap` (None or 0: none)
-    and `sinks` ([H] natural-log logits, any float dtype) as in `AttentionOptions`.
+    and `sinks` ([H] natural-log logits, any float dtype) as in `AttentionOptions`. `kv_format`:
+    an 8-bit format for uint8 caches (None: the caches hold values).
     """
     b, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -394,7 +497,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *part_strides,
         GROUP=group, GROUP_PAD=group_pad(group), HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_N=cfg.block_n, DIRECT=direct, PRECISION=_precision(q.dtype), **opts.flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_quant_flags(kv_format), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _combine_kernel[(b, h)](
@@ -428,6 +531,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    QUANT: tl.constexpr, QMAX: tl.constexpr,
 ):
     tile = tiles_ptr + tl.program_id(0) * 5  # _TILE_FIELDS
     head = tl.program_id(1)
@@ -464,7 +568,7 @@ def _prefill_kernel(
         pos = start + n
         valid = pos < hi
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
-                             stride_cb, stride_cs, kvh * stride_ch)
+                             stride_cb, stride_cs, kvh * stride_ch, HEAD_DIM, QUANT)
         keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             keep = keep & (pos[None, :] > q_pos[:, None] - sliding_window)
@@ -503,7 +607,8 @@ def prefill_tiles(block_table_rows: list[int], query_lens: list[int], seq_lens: 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   tiles: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                   config: KernelConfig | None = None, *, sliding_window: int | None = None,
-                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  kv_format: KVFormat | None = None) -> torch.Tensor:
     """Causal attention of the prefill tokens q [T, H, D] over their paged contexts.
 
     `tiles` comes from `prefill_tiles` with the same `config.block_m`; every query token's K/V
@@ -531,7 +636,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=dot_pad(d),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), **opts.flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_quant_flags(kv_format), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -19,6 +19,10 @@ distributions whose location is solved so that the clipped means match ShareGPT
 are assumptions. Every request sets max_tokens to its output length with ignore_eos,
 so the oracle policy knows each final length exactly. Arrivals are Poisson.
 
+KV cache formats (bench/kv_cache.py): at the bytes of the token budget in bfloat16, for the
+bundled SmolLM2's and Llama-3-8B's KV shapes, how many tokens each format's real row size fits
+and how many requests the scheduler then runs at once.
+
 Sliding windows (bench/windows.py): KV bytes per generating request at 8k and 32k context for a
 Mistral-like and a Gemma-3-like shape, the hybrid manager against full caching, and how many such
 requests fit 16 GiB.
@@ -35,6 +39,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 from pagellm.bench import report
+from pagellm.bench.kv_cache import capacity_rows, print_capacity_rows
 from pagellm.bench.windows import print_window_rows, window_rows
 from pagellm.core.kv import ContiguousKVManager, KVCacheManager, make_kv_manager
 from pagellm.core.request import Request
@@ -333,8 +338,25 @@ def run_memory_bench(cfg: MemoryBenchConfig, show_progress: bool = True, workers
             "policies": {policy_label(p, b): done[(wname, p, b)] for p, b in cfg.policies},
         }
     results["windows"] = window_rows()
-    results["targets"] = check_targets(results) + results["windows"]["targets"]
+    results["kv_formats"] = kv_format_rows(cfg)
+    results["targets"] = check_targets(results) + results["windows"]["targets"] + results["kv_formats"]["targets"]
     return results
+
+
+def kv_format_rows(cfg: MemoryBenchConfig) -> dict:
+    """KV cache formats (bench/kv_cache.py): the same bytes as `budget_slots` bfloat16 tokens of a
+    real model shape, in each format's real bytes per token; ShareGPT-like requests all waiting at
+    the start, so the number admitted at once is set by memory alone (up to max_num_seqs)."""
+    lengths = sample_lengths(WORKLOADS["sharegpt"], cfg.num_requests["sharegpt"], cfg.seed, cfg.max_model_len)
+
+    def peak(slots: int) -> dict:
+        res = simulate("paged", 16, lengths, [0.0] * len(lengths), budget_slots=slots,
+                       max_model_len=cfg.max_model_len, cost=cfg.cost, max_num_seqs=cfg.max_num_seqs,
+                       max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed)
+        return {"peak_requests": res.peak_batch, "mean_batch": res.mean_batch,
+                "num_preemptions": res.num_preemptions, "sim_time_s": res.sim_time_s}
+
+    return capacity_rows(peak, cfg.budget_slots)
 
 
 def _config_dict(cfg: MemoryBenchConfig) -> dict:
@@ -378,6 +400,8 @@ def print_tables(results: dict) -> None:
         print(report.format_table(headers, rows))
     if "windows" in results:
         print_window_rows(results["windows"])
+    if "kv_formats" in results:
+        print_capacity_rows(results["kv_formats"])
     for t in results.get("targets", []):
         print(f"{'MET ' if t['met'] else 'MISSED'}  {t['target']}: {t['value']:.3g}")
 

@@ -50,7 +50,7 @@ def _fill(kv, rid: str, tokens: int, chunk: int) -> bool:
 
 def _manager(shape: WindowShape, hybrid: bool, num_blocks: int, block_size: int, context: int, chunk: int):
     plan = plan_kv_groups(shape.layers if hybrid else [None] * len(shape.layers), context + 1)
-    bytes_per_block = plan.bytes_per_block(block_size, shape.kv_heads, shape.head_dim, shape.dtype_bytes)
+    bytes_per_block = plan.bytes_per_block(block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes)
     if plan.hybrid:
         kv = HybridKVManager(num_blocks, block_size, plan.windows, enable_prefix_caching=False,
                              max_chunk_tokens=chunk)

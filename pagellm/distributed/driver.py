@@ -229,7 +229,8 @@ class DriverModelRunner(ModelRunner):
 
         def build() -> None:
             ModelRunner.__init__(self, spec.arch, workers.device, spec.dtype, spec.max_model_len, seed=spec.seed,
-                                 tp=workers.tp, weight_format=spec.weight_format, sliding_kv=spec.sliding_kv)
+                                 tp=workers.tp, weight_format=spec.weight_format, sliding_kv=spec.sliding_kv,
+                                 kv_cache_dtype=spec.kv_cache_dtype)
             warm_up_kernels(workers.device)
 
         workers.call("init", (spec,), build)
@@ -280,7 +281,7 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource, device: tor
     workers = WorkerGroup.start(config.tensor_parallel_size, device.type)
     spec = WorkerSpec(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
                       config.quantization if device.type == "cpu" else "none", source.weight_format,
-                      sliding_kv=config.kv_policy == "paged")
+                      sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype)
     try:
         return DriverModelRunner(workers, spec)
     except BaseException:

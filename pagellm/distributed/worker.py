@@ -44,6 +44,7 @@ class WorkerSpec:
     quantization: str = "auto"
     weight_format: str = "dense"
     sliding_kv: bool = False  # sliding-window layers in their own KV groups (core/kv/groups.py)
+    kv_cache_dtype: str = "auto"  # how K/V are stored (attention/kv_format.py)
 
 
 def pack(obj: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -105,7 +106,8 @@ class Worker:
         self.spec = spec
         torch.manual_seed(spec.seed)
         self.runner = ModelRunner(spec.arch, self.device, spec.dtype, spec.max_model_len, seed=spec.seed, tp=self.tp,
-                                  weight_format=spec.weight_format, sliding_kv=spec.sliding_kv)
+                                  weight_format=spec.weight_format, sliding_kv=spec.sliding_kv,
+                                  kv_cache_dtype=spec.kv_cache_dtype)
         warm_up_kernels(self.device)
 
     def load_weights(self) -> None:

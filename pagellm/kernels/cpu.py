@@ -18,10 +18,14 @@ import os
 import time
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm import envs
+
+if TYPE_CHECKING:
+    from pagellm.attention.kv_format import KVFormat
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -89,26 +93,37 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and available()
 
 
-def decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_attention serves this step: CPU tensors, a float32 or bfloat16 cache, built."""
-    return k_cache.device.type == "cpu" and k_cache.dtype in _DTYPES and usable(q)
+def decode_usable(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None = None) -> bool:
+    """Whether paged_attention serves this step: CPU tensors, a float32, bfloat16 or 8-bit cache, built."""
+    plain = kv_format is None or not kv_format.quantized
+    return k_cache.device.type == "cpu" and (k_cache.dtype in _DTYPES or not plain) and usable(q)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
-                    token_seq: torch.Tensor | None = None, fixed_run: int = 0) -> torch.Tensor:
-    """q: [B, H, D] on the CPU, B query tokens; a float32 or bfloat16 cache. Returns [B, H, D] in q's dtype.
+                    token_seq: torch.Tensor | None = None, fixed_run: int = 0,
+                    kv_format: KVFormat | None = None) -> torch.Tensor:
+    """q: [B, H, D] on the CPU, B query tokens; a float32 or bfloat16 cache, or an 8-bit one of
+    `kv_format` (attention/kv_format.py). Returns [B, H, D] in q's dtype.
 
     Query b reads the first `seq_lens[b]` keys of block-table row `token_seq[b]` (None: row b, one
     decode token per sequence). The arithmetic is float32 either way: a bfloat16 cache is widened
-    as it is read. With a sliding window W only the last W keys are read; `softcap` caps each
-    score (Gemma 2); `sinks` [H] join each head's softmax denominator (gpt-oss). `fixed_run` > 0
+    as it is read, 8-bit codes are widened and scaled by their row's scale. With a sliding window
+    W only the last W keys are read; `softcap` caps each score (Gemma 2); `sinks` [H] join each head's softmax denominator (gpt-oss). `fixed_run` > 0
     splits long contexts at fixed positions (batch-invariant mode); 0 splits by the batch's load.
     """
     out = _load().paged_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
-                                  softcap or 0.0, sinks, token_seq, fixed_run)
+                                  softcap or 0.0, sinks, token_seq, fixed_run,
+                                  kv_format.kernel_code if kv_format is not None else 0)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def store_kv_8bit(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor, kv_format: KVFormat) -> None:
+    """Write k, v [T, KVH, D] into uint8 caches of `kv_format`'s rows at `slots` [T]: the same
+    bytes as `kv_format.encode`, in one pass instead of a dozen torch ops per layer."""
+    _load().store_kv_8bit(k, v, k_cache, v_cache, slots, kv_format.kernel_code)
 
 
 def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -56,3 +56,17 @@ def write_dummy_model_dir(path: str | Path, shape: str | dict = "tiny", **overri
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_byte_tokenizer(path, cfg["vocab_size"])
     return str(path)
+
+
+def write_random_model_dir(path: str | Path, shape: str | dict = "tiny", std: float = 0.3, seed: int = 0) -> str:
+    """A Llama of this shape with random weights saved as safetensors, plus a byte tokenizer.
+    std 0.3 (the tests' choice) makes attention sharp, so outputs depend on positions and context;
+    transformers' default 0.02 gives almost uniform attention that hides K/V errors."""
+    import torch
+    import transformers
+
+    path = Path(write_dummy_model_dir(path, shape))
+    cfg = transformers.AutoConfig.from_pretrained(str(path), initializer_range=std)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(path), safe_serialization=True)
+    return str(path)

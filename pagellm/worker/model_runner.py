@@ -13,6 +13,7 @@ import torch
 
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_format import resolve_kv_format
 from pagellm.core.kv.groups import plan_kv_groups
 from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.distributed.group import TensorParallelGroup
@@ -104,15 +105,21 @@ class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend | None = None, seed: int = 0,
                  tp: TensorParallelGroup | None = None, weight_format: str = "dense",
-                 batch_invariant: bool = False, sliding_kv: bool = False) -> None:
+                 batch_invariant: bool = False, sliding_kv: bool = False, kv_cache_dtype: str = "auto") -> None:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
-        blocks the KV manager frees, core/kv/hybrid.py); otherwise every layer is in one group."""
+        blocks the KV manager frees, core/kv/hybrid.py); otherwise every layer is in one group.
+        `kv_cache_dtype`: how K/V are stored (attention/kv_format.py; auto: as `dtype`)."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
         self.backend = backend or select_backend(device, batch_invariant=batch_invariant)
+        self.kv_format = resolve_kv_format(kv_cache_dtype, dtype)
+        if self.kv_format.quantized and not self.backend.reads_8bit_kv:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not read by the {type(self.backend).__name__} "
+                             f"yet (8-bit KV runs on the CPU backend so far); use kv_cache_dtype 'auto'")
+        self.backend.kv_format = self.kv_format
         self.max_model_len = max_model_len
         self.cuda_graphs: CUDAGraphRunner | None = None
         with torch.device(device), linear_methods(weight_format, dtype, batch_invariant):
@@ -151,8 +158,8 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block id: `kv_groups.slots` layers (all of them with one group)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.kv_groups.bytes_per_block(block_size, self.model.num_kv_heads, self.arch.head_dim, elem)
+        return self.kv_groups.bytes_per_block(block_size, self.model.num_kv_heads,
+                                              self.kv_format.bytes_per_row(self.arch.head_dim))
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None:
@@ -182,8 +189,8 @@ class ModelRunner:
         # Zeroed, not empty: attention reads padding slots (and the KV manager's null block) under a
         # mask, and 0 * NaN is NaN. One pair per slot, shared by one layer of each KV group.
         self._kv_slots = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device))
             for _ in range(self.kv_groups.slots)
         ]
         self.kv_caches = [self._kv_slots[slot] for slot in self.kv_groups.layer_slot]

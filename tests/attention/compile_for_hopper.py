@@ -35,6 +35,7 @@ def compile_kernel(fn, pointers: dict[str, str], scalars: dict[str, str], conste
 OPTIONS = [dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False),
            dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True)]
 OPTION_SCALARS = {"qk_scale": "fp32", "softcap": "fp32"}
+PLAIN = dict(QUANT=0, QMAX=0.0)  # caches that hold values (not 8-bit codes)
 
 
 def _opts_name(opts: dict) -> str:
@@ -46,7 +47,7 @@ def cases(full: bool):
         prec = "ieee" if dt == "fp32" else "tf32"
         kv = {"k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}"}
         yield ("store", dt), K._store_kv_kernel, {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64", **kv}, {}, \
-            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128), 4, 1
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, **PLAIN), 4, 1
         # Llama shapes in bf16; the tests' small shapes in fp32.
         shapes = [(4, 128), (1, 64), (2, 8)] if dt == "bf16" else [(2, 16), (4, 32)]
         configs = [(64, 4, 2)] + ([(32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)] if full else [])
@@ -62,16 +63,33 @@ def cases(full: bool):
                                                "sinks_ptr": "*fp32", **kv}, \
                             OPTION_SCALARS, dict(GROUP=group, GROUP_PAD=K.group_pad(group), HEAD_DIM=d,
                                                  DIM_PAD=K.dot_pad(d), BLOCK_N=bn, DIRECT=direct, PRECISION=prec,
-                                                 **opts), warps, stages
+                                                 **opts, **PLAIN), warps, stages
                 yield (f"prefill group={group} d={d}{_opts_name(opts)}", dt), K._prefill_kernel, \
                     {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "tiles_ptr": "*i32", "out_ptr": f"*{dt}",
                      "sinks_ptr": "*fp32", **kv}, \
                     OPTION_SCALARS, dict(GROUP=group, HEAD_DIM=d, DIM_PAD=K.dot_pad(d), BLOCK_M=64, BLOCK_N=64,
-                                         PRECISION=prec, **opts), 4, 2
+                                         PRECISION=prec, **opts, **PLAIN), 4, 2
         for sinks in (False, True):
             yield ("combine" + (" sinks" if sinks else ""), dt), K._combine_kernel, \
                 {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dt}", "sinks_ptr": "*fp32"}, \
                 {}, dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=32, HAS_SINKS=sinks), 4, 1
+        if dt == "bf16":  # 8-bit KV caches (uint8 rows of codes and a scale), Llama-3-8B's heads
+            u8 = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
+            for quant, qmax in ((1, 127.0), (2, 448.0), (3, 57344.0)):
+                flags = dict(QUANT=quant, QMAX=qmax)
+                yield (f"store kv={quant}", dt), K._store_kv_kernel, \
+                    {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64", **u8}, {}, \
+                    dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, **flags), 4, 1
+                yield (f"decode group=4 d=128 kv={quant}", dt), K._decode_kernel, \
+                    {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "seq_lens_ptr": "*i64", "out_ptr": f"*{dt}",
+                     "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32", **u8}, OPTION_SCALARS, \
+                    dict(GROUP=4, GROUP_PAD=K.group_pad(4), HEAD_DIM=128, DIM_PAD=128, BLOCK_N=64, DIRECT=False,
+                         PRECISION=prec, **OPTIONS[0], **flags), 4, 2
+                yield (f"prefill group=4 d=128 kv={quant}", dt), K._prefill_kernel, \
+                    {"q_ptr": f"*{dt}", "block_tables_ptr": "*i64", "tiles_ptr": "*i32", "out_ptr": f"*{dt}",
+                     "sinks_ptr": "*fp32", **u8}, OPTION_SCALARS, \
+                    dict(GROUP=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_M=64, BLOCK_N=64, PRECISION=prec, **OPTIONS[0],
+                         **flags), 4, 2
         for qtype, (code, block_bytes, block_values) in triton_gguf.TYPES.items():
             yield (f"gguf matmul type={qtype}", dt), triton_gguf._gguf_matmul_kernel, \
                 {"x_ptr": f"*{dt}", "w_ptr": "*u8", "y_ptr": f"*{dt}"}, {}, \

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagellm.attention.backend import AttentionMetadata, AttentionOptions
+from pagellm.attention.kv_format import resolve_kv_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 
 
@@ -39,6 +40,23 @@ def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
 @pytest.mark.parametrize("d", [8, 64])  # 64: the compiled kernel's unrolled path; 8: its generic one
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
 def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
+    run_mixed_batch(block_size, heads, compiled, d, variant, None)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "bfloat16"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled-decode"])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
+def test_stored_formats_match_naive_on_what_the_cache_holds(block_size, compiled, d, variant, kv_cache_dtype):
+    """8-bit (and bfloat16) caches: every path, prompts included, attends to the values the cache
+    holds (attention/kv_format.py), so the reference is exact attention over K/V rounded through
+    the format; the compiled kernel reads the codes in place and must agree to float rounding.
+    The stored rows are the bytes KVFormat.encode gives (the C++ store matches torch's)."""
+    run_mixed_batch(block_size, (8, 2), compiled, d, variant, resolve_kv_format(kv_cache_dtype, torch.float32))
+
+
+def run_mixed_batch(block_size, heads, compiled, d, variant, fmt):
     rng = random.Random(block_size * 10 + heads[0])
     torch.manual_seed(block_size)
     h, kvh = heads
@@ -47,18 +65,25 @@ def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
     # prefills, chunks on top of a cached part, and a one-token prompt.
     shapes = [(rng.randint(1, 40), 1) for _ in range(3)] + [(0, 1), (0, 13), (9, 7), (20, 1 + block_size)]
     shapes.sort(key=lambda s: s[1] != 1)
-    k_cache = torch.zeros(num_blocks, block_size, kvh, d)
+    backend = TorchAttentionBackend(compiled_decode=compiled)
+    backend.kv_format = fmt
+    k_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, kvh, d),
+                          dtype=torch.float32 if fmt is None else fmt.storage_dtype)
     v_cache = torch.zeros_like(k_cache)
+    stored = (lambda x: x) if fmt is None else fmt.encode  # a row as the cache keeps it
+    read = (lambda x: x) if fmt is None else (lambda x: fmt.decode(fmt.encode(x)))  # and as attention sees it
     free = list(range(num_blocks))
     rng.shuffle(free)
     full_k, full_v, tables, qs, ks, vs, slots = [], [], [], [], [], [], []
     for cached, new in shapes:
         ctx = cached + new
-        k_all, v_all = torch.randn(ctx, kvh, d), torch.randn(ctx, kvh, d)
+        # Rows of unequal sizes, so that per-row scales differ.
+        k_all = torch.randn(ctx, kvh, d) * torch.rand(ctx, kvh, 1) * 4
+        v_all = torch.randn(ctx, kvh, d) * torch.rand(ctx, kvh, 1) * 4
         table = [free.pop() for _ in range(-(-ctx // block_size))]
         for p in range(cached):  # what earlier steps wrote
-            k_cache[table[p // block_size], p % block_size] = k_all[p]
-            v_cache[table[p // block_size], p % block_size] = v_all[p]
+            k_cache[table[p // block_size], p % block_size] = stored(k_all[p])
+            v_cache[table[p // block_size], p % block_size] = stored(v_all[p])
         slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, ctx)]
         full_k.append(k_all), full_v.append(v_all), tables.append(table)
         qs.append(torch.randn(new, h, d)), ks.append(k_all[cached:]), vs.append(v_all[cached:])
@@ -69,7 +94,6 @@ def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
         query_lens=[n for _, n in shapes], seq_lens=seq_lens, seq_lens_tensor=torch.tensor(seq_lens),
         num_decodes=sum(n == 1 for _, n in shapes), block_size=block_size)
     scale = d ** -0.5
-    backend = TorchAttentionBackend(compiled_decode=compiled)
     if compiled:
         from pagellm.kernels import cpu as cpu_kernels
 
@@ -79,9 +103,11 @@ def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
     sinks = torch.randn(h) if variant == "sinks" else None
     options = AttentionOptions(scale, window, softcap)
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale, options, sinks)
-    expected = torch.cat([naive(q, k, v, scale, window, softcap, sinks) for q, k, v in zip(qs, full_k, full_v)])
+    expected = torch.cat([naive(q, read(k), read(v), scale, window, softcap, sinks)
+                          for q, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # Every new token's K/V landed in its slot.
-    for (cached, new), table, k_all in zip(shapes, tables, full_k):
+    for (cached, new), table, k_all, v_all in zip(shapes, tables, full_k, full_v):
         for p in range(cached, cached + new):
-            assert torch.equal(k_cache[table[p // block_size], p % block_size], k_all[p])
+            assert torch.equal(k_cache[table[p // block_size], p % block_size], stored(k_all[p]))
+            assert torch.equal(v_cache[table[p // block_size], p % block_size], stored(v_all[p]))

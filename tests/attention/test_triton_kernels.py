@@ -14,6 +14,7 @@ import torch
 import triton  # noqa: E402,F401  (a test dependency on Linux: missing, these tests must fail)
 
 from pagellm.attention.backend import AttentionMetadata, AttentionOptions  # noqa: E402
+from pagellm.attention.kv_format import resolve_kv_format  # noqa: E402
 from pagellm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagellm.attention.triton_kernels import (  # noqa: E402
@@ -346,3 +347,36 @@ def test_option_arguments_are_checked():
         paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, seq_lens, 0.25, sliding_window=0)
     with pytest.raises(ValueError, match="sinks"):
         paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, seq_lens, 0.25, sinks=torch.zeros(2, device=DEVICE))
+
+
+# ---- 8-bit KV caches --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("variant,window,head_dim", [("plain", None, 16), ("all", 9, 16), ("plain", None, 24)])
+def test_backend_with_8bit_kv_matches_torch_backend(kv_cache_dtype, variant, window, head_dim):
+    """uint8 caches of codes and scales: store_kv writes the bytes KVFormat.encode gives in torch
+    (rows of mixed sizes, some values subnormal in fp8), and decode (split in two) and prefill
+    read them back as the torch backend does: the same outputs, which equal exact attention over
+    the values the format holds."""
+    fmt = resolve_kv_format(kv_cache_dtype, torch.float32)
+    shapes = [(12, 1), (0, 1), (33, 1), (0, 11), (9, 7), (4, 3)]
+    heads, block_size = (8, 2), 4
+    scale = head_dim ** -0.5
+    opts = layer_options(variant, heads[0], window)
+    options = AttentionOptions(scale, opts["window"], opts["softcap"])
+    outs, caches = {}, {}
+    for name, backend in (("torch", TorchAttentionBackend(compiled_decode=False)),
+                          ("triton", TritonAttentionBackend(num_splits=2))):
+        backend.kv_format = fmt
+        b = make_batch(shapes, heads, head_dim, block_size, torch.float32, seed=5)
+        # Rows of unequal sizes (per-row scales differ), a few values far below their row's largest.
+        sizes = torch.rand(b.k_new.shape[0], heads[1], 1, generator=torch.Generator().manual_seed(1)) * 8
+        b.k_new, b.v_new = b.k_new * sizes.to(DEVICE), b.v_new * 1e-3
+        b.k_new[..., ::4] *= 1e-5  # fp8 e4m3 subnormals
+        b.v_new[..., 1::4] *= 1e-9  # e5m2 subnormals
+        b.k_cache, b.v_cache = fmt.encode(b.k_cache), fmt.encode(b.v_cache)
+        outs[name] = backend.forward(b.q, b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta(), scale, options,
+                                     opts["sinks"])
+        caches[name] = (b.k_cache, b.v_cache)
+    assert torch.equal(caches["triton"][0], caches["torch"][0])
+    assert torch.equal(caches["triton"][1], caches["torch"][1])
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-3, rtol=1e-3)

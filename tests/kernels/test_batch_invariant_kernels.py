@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from pagellm.attention.kv_format import resolve_kv_format
 from pagellm.attention.torch_backend import INVARIANT_RUN
 from pagellm.kernels import cpu
 from pagellm.layers.invariant import check_in_features, invariant_linear
@@ -75,12 +76,14 @@ def reference_attention(q, k_cache, v_cache, table, n, scale):
     return torch.einsum("hk,khd->hd", p, v)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_a_tokens_attention_does_not_depend_on_how_it_is_batched(cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
+def test_a_tokens_attention_does_not_depend_on_how_it_is_batched(kv_cache_dtype):
     torch.manual_seed(4)
+    fmt = resolve_kv_format(kv_cache_dtype, torch.float32)
     h, kvh, d, bs, nb = 6, 2, 64, 16, 160
-    k_cache = (torch.randn(nb, bs, kvh, d) * 2).to(cache_dtype)
-    v_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
+    k_cache = fmt.encode(torch.randn(nb, bs, kvh, d) * 2)
+    v_cache = fmt.encode(torch.randn(nb, bs, kvh, d))
+    k_values, v_values = fmt.decode(k_cache), fmt.decode(v_cache)  # what the reference attends to
     tables = torch.stack([torch.randperm(nb)[:70] for _ in range(3)])
     length = 2 * INVARIANT_RUN + 37  # several fixed runs, and a partial one
     queries = torch.randn(length, h, d)  # sequence 0's query at every position
@@ -93,11 +96,11 @@ def test_a_tokens_attention_does_not_depend_on_how_it_is_batched(cache_dtype):
         seq = torch.tensor([1 + i % 2 for i in range(other)] + rows)
         lens = torch.tensor([100 + 300 * (i % 2) for i in range(other)] + [p + 1 for p in positions])
         return cpu.paged_attention(qs, k_cache, v_cache, tables, lens, scale, token_seq=seq,
-                                   fixed_run=INVARIANT_RUN)[other:]
+                                   fixed_run=INVARIANT_RUN, kv_format=fmt)[other:]
 
     whole = run([0] * length, list(range(length)), 0)  # the prompt prefilled at once
     for i in (0, 17, INVARIANT_RUN, length - 1):
-        torch.testing.assert_close(whole[i].double(), reference_attention(queries[i], k_cache, v_cache, tables[0],
+        torch.testing.assert_close(whole[i].double(), reference_attention(queries[i], k_values, v_values, tables[0],
                                                                           i + 1, scale), rtol=0, atol=2e-5)
     chunk = list(range(300, 350))  # a later chunk, beside two decodes
     assert torch.equal(run([0] * len(chunk), chunk, 2), whole[300:350])

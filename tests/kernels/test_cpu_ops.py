@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention.kv_format import resolve_kv_format
 from pagellm.kernels import cpu
 from pagellm.layers.rotary import RotaryEmbedding, apply_rope, default_inverse_frequencies, rotate_qk
 
@@ -162,9 +163,19 @@ def test_bad_inputs_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="cos must be a CPU tensor of BFloat16"):
         cpu.rotary_embedding_(q.bfloat16(), k.bfloat16(), torch.randn(5, 8), torch.randn(5, 8))
     kc = torch.randn(4, 4, 2, 8)
-    with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must be CPU tensors of one dtype"):
         cpu.paged_attention(torch.randn(1, 4, 8), kc, kc.bfloat16(), torch.zeros(1, 1, dtype=torch.long),
                          torch.ones(1, dtype=torch.long), 1.0)
+    int8 = resolve_kv_format("int8", torch.float32)
+    with pytest.raises(RuntimeError, match="kv_format 1 does not match a cache of Float"):
+        cpu.paged_attention(torch.randn(1, 4, 8), kc, kc, torch.zeros(1, 1, dtype=torch.long),
+                            torch.ones(1, dtype=torch.long), 1.0, kv_format=int8)
+    codes = int8.encode(kc)
+    with pytest.raises(RuntimeError, match="disagree on head shapes"):  # rows of 8 + 2 bytes, q of 16
+        cpu.paged_attention(torch.randn(1, 4, 16), codes, codes, torch.zeros(1, 1, dtype=torch.long),
+                            torch.ones(1, dtype=torch.long), 1.0, kv_format=int8)
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache's 16"):
+        cpu.store_kv_8bit(torch.randn(1, 2, 8), torch.randn(1, 2, 8), codes, codes.clone(), torch.tensor([64]), int8)
 
 
 def test_build_is_keyed_by_its_source(tmp_path, monkeypatch):

@@ -24,9 +24,10 @@ class KVGroupPlan:
     def num_groups(self) -> int:
         return len(self.windows)
 
-    def bytes_per_block(self, block_size: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
-        """K and V of one block id: `block_size` tokens of the `slots` layers it holds."""
-        return 2 * self.slots * block_size * kv_heads * head_dim * elem_bytes
+    def bytes_per_block(self, block_size: int, kv_heads: int, row_bytes: int) -> int:
+        """K and V of one block id: `block_size` tokens of the `slots` layers it holds, `row_bytes`
+        per token per KV head (head_dim values, and a scale in 8-bit formats)."""
+        return 2 * self.slots * block_size * kv_heads * row_bytes
 
     @property
     def hybrid(self) -> bool:

@@ -172,7 +172,7 @@ def cache_config_info(engine: LLMEngine) -> dict:
     """The labels of pagellm:cache_config_info, as vLLM's names them."""
     cfg = engine.config
     return {"block_size": cfg.block_size, "num_gpu_blocks": engine.kv.num_blocks,
-            "cache_dtype": str(engine.dtype).removeprefix("torch."), "enable_prefix_caching": cfg.enable_prefix_caching,
+            "cache_dtype": engine.runner.kv_format.name, "enable_prefix_caching": cfg.enable_prefix_caching,
             "kv_policy": cfg.kv_policy}
 
 

@@ -6,7 +6,13 @@
 //   first (a write and a second read of all K/V); reading the blocks where they lie
 //   moves a third of the bytes and skips the padding. A bfloat16 cache is widened to
 //   float32 as it is read (a 16-bit shift), so it moves half the bytes of a float32 one
-//   with the same float32 arithmetic. With AVX-512, a block's 16 query-key dot products
+//   with the same float32 arithmetic. An 8-bit cache (int8, fp8 e4m3 or e5m2; see
+//   pagellm/attention/kv_format.py) stores each token's row of one KV head as D one-byte codes
+//   and a float16 scale: the codes are widened as they are read and the scale multiplies the
+//   row's dot product (K) or its softmax weight (V), so the values are never written out in a
+//   wider type. (Widening a block once into float32 rows for all G query heads measured slower:
+//   the kernel is bound by the bytes it moves through the caches, not by the widening.) With
+//   AVX-512, a block's 16 query-key dot products
 //   are reduced together and the softmax's exp is vectorized (scores16, exp16); other
 //   CPUs run the portable loops.
 // - rotary_embedding_: rotate-half RoPE applied in place to q and k, one pass instead
@@ -31,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,6 +51,39 @@ inline float widen(uint16_t x) {
   return f;
 }
 
+// One-byte codes of an 8-bit cache; each row of D codes is followed by its float16 scale.
+struct I8 { int8_t bits; };
+struct E4M3 { uint8_t bits; };  // fp8: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+struct E5M2 { uint8_t bits; };  // fp8: the top byte of a float16
+template <typename T> constexpr bool kQuantized = sizeof(T) == 1;
+
+inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+// fp8 codes widen through float16, which the CPU converts in one instruction: e5m2 is a
+// float16's top byte; e4m3's exponent and mantissa bits, moved into a float16's fields, read as
+// a float16 2^(15 - 7) times too small (subnormals included), and that exact factor joins the
+// row's scale (row_scale) rather than costing a product per element.
+inline float widen(I8 c) { return static_cast<float>(c.bits); }
+inline float widen(E4M3 c) {
+  return half_bits_to_float(static_cast<uint16_t>(((c.bits & 0x80) << 8) | ((c.bits & 0x7F) << 7)));
+}
+inline float widen(E5M2 c) { return half_bits_to_float(static_cast<uint16_t>(c.bits << 8)); }
+
+// The scale of the row of D elements at `row` (1 for float32 and bfloat16 rows), times the
+// factor its widened codes lack (256 for e4m3).
+template <typename T>
+inline float row_scale(const T* row, int64_t D) {
+  if constexpr (kQuantized<T>) {
+    uint16_t h;
+    std::memcpy(&h, reinterpret_cast<const uint8_t*>(row) + D, sizeof h);
+    return half_bits_to_float(h) * (std::is_same_v<T, E4M3> ? 256.f : 1.f);
+  } else {
+    return 1.f;
+  }
+}
+// Elements between two KV heads' rows: D, plus the two bytes of the scale for 8-bit codes.
+template <typename T>
+constexpr int64_t head_stride(int64_t D) { return kQuantized<T> ? D + 2 : D; }
+
 // A run of one sequence's context, [begin, end), attended by all its query heads.
 struct WorkItem {
   int64_t seq, begin, end, part;  // part: row in the partial-results buffer, -1 if the run is the whole context
@@ -56,6 +96,20 @@ inline __m512 load16(const uint16_t* p) {
   const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
+inline __m512 load16(const I8* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const E4M3* p) {
+  // Each byte sign-extended to 16 bits and shifted left by 7: exponent and mantissa land at bits
+  // 13..7, the sign at bit 15 (and a copy at bit 14, cleared).
+  const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(x, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+}
+inline __m512 load16(const E5M2* p) {
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  return _mm512_cvtph_ps(h);
+}
+
 
 // The 16 horizontal sums of v[0..15], as one vector in token order: a transpose-and-add tree
 // (15 adds and 30 shuffles) instead of 16 separate reductions of about 8 instructions each.
@@ -92,7 +146,12 @@ inline void scores16(const float* q, const T* k, int64_t row, int64_t n, float s
       v[t] = _mm512_setzero_ps();
     }
   }
-  const __m512 r = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale));
+  __m512 r = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale));
+  if constexpr (kQuantized<T>) {  // each token's row scale
+    alignas(64) float rs[16] = {};
+    for (int t = 0; t < n; ++t) rs[t] = row_scale(k + t * row, DT);
+    r = _mm512_mul_ps(r, _mm512_load_ps(rs));
+  }
   _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1), r);
 }
 
@@ -128,7 +187,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
                 const T* kp, const T* vp, const int64_t* table, float scale, float softcap, const float* sinks,
                 float* out, float* part_acc, float* part_ml, std::vector<float>& buf) {
   const int64_t D = DT > 0 ? DT : Drt;
-  const int64_t G = H / KVH, row = KVH * D;
+  const int64_t G = H / KVH, HS = head_stride<T>(D), row = KVH * HS;
   buf.assign(static_cast<size_t>(H * D + 2 * H + H * BS), 0.f);
   float* acc = buf.data();
   float* m = acc + H * D;
@@ -156,20 +215,21 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
       for (int64_t h = 0; h < KVH; ++h)
         for (int64_t g = 0; g < G; ++g)
           for (int64_t u = 0; u < nt; u += 16)
-            scores16<DT, T>(q + (h * G + g) * DT, kb + u * row + h * DT, row, std::min<int64_t>(16, nt - u), scale,
+            scores16<DT, T>(q + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, nt - u), scale,
                             s + (h * G + g) * BS + u);
     } else
 #endif
     {
       for (int64_t t = 0; t < nt; ++t) {
         for (int64_t h = 0; h < KVH; ++h) {
-          const T* k = kb + t * row + h * D;
+          const T* k = kb + t * row + h * HS;
+          const float ks = row_scale(k, D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qh = q + (h * G + g) * D;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t i = 0; i < D; ++i) dot += qh[i] * widen(k[i]);
-            s[(h * G + g) * BS + t] = dot * scale;
+            s[(h * G + g) * BS + t] = dot * scale * ks;
           }
         }
       }
@@ -211,20 +271,33 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
       for (int64_t g = 0; g < G; ++g) {
         float* a = acc + (h * G + g) * D;
         const float* p = s + (h * G + g) * BS;
+#if defined(__AVX512F__)
+        if constexpr (kQuantized<T> && DT > 0 && DT % 16 == 0) {
+          // Codes widened 16 at a time; the row's scale folds into its softmax weight.
+          __m512 al[DT / 16];
+          for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_loadu_ps(a + 16 * c);
+          for (int64_t t = 0; t < nt; ++t) {
+            const T* v = vb + t * row + h * HS;
+            const __m512 pt = _mm512_set1_ps(p[t] * row_scale(v, DT));
+            for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_fmadd_ps(pt, load16(v + 16 * c), al[c]);
+          }
+          for (int c = 0; c < DT / 16; ++c) _mm512_storeu_ps(a + 16 * c, al[c]);
+        } else
+#endif
         if constexpr (DT > 0) {
           float al[DT];
           for (int64_t i = 0; i < DT; ++i) al[i] = a[i];
           for (int64_t t = 0; t < nt; ++t) {
-            const T* v = vb + t * row + h * DT;
-            const float pt = p[t];
+            const T* v = vb + t * row + h * HS;
+            const float pt = p[t] * row_scale(v, DT);
 #pragma omp simd
             for (int64_t i = 0; i < DT; ++i) al[i] += pt * widen(v[i]);
           }
           for (int64_t i = 0; i < DT; ++i) a[i] = al[i];
         } else {
           for (int64_t t = 0; t < nt; ++t) {
-            const T* v = vb + t * row + h * D;
-            const float pt = p[t];
+            const T* v = vb + t * row + h * HS;
+            const float pt = p[t] * row_scale(v, D);
 #pragma omp simd
             for (int64_t i = 0; i < D; ++i) a[i] += pt * widen(v[i]);
           }
@@ -287,7 +360,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   seq_lens = seq_lens.to(torch::kLong).contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "q and the KV cache disagree on head shapes");
+  TORCH_CHECK(k_cache.size(3) == head_stride<T>(D) && H % KVH == 0, "q and the KV cache disagree on head shapes");
   const int64_t max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -365,16 +438,21 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 
 // window: keys in the last `window` positions only (0: all); softcap: scores capped as
 // softcap * tanh(score / softcap) (0: none); sinks: None, or [H] float32 logits, one per query
-// head, that join each softmax's denominator and attend to nothing (gpt-oss).
+// head, that join each softmax's denominator and attend to nothing (gpt-oss). kv_format: 0 for
+// a float32 or bfloat16 cache (its dtype says which), or the 8-bit format of a uint8 cache of
+// [num_blocks, block_size, KVH, D + 2] rows: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
                               double softcap, c10::optional<torch::Tensor> sinks,
-                              c10::optional<torch::Tensor> token_seq, int64_t fixed_run) {
+                              c10::optional<torch::Tensor> token_seq, int64_t fixed_run, int64_t kv_format) {
   check_cpu_dtype(q, "q", torch::kFloat);
   const auto kv = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv &&
-                  (kv == torch::kFloat || kv == torch::kBFloat16),
-              "k_cache and v_cache must both be float32 or both bfloat16 CPU tensors");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv,
+              "k_cache and v_cache must be CPU tensors of one dtype");
+  TORCH_CHECK(kv_format == 0 ? (kv == torch::kFloat || kv == torch::kBFloat16)
+                             : (kv_format <= 3 && kv == torch::kByte),
+              "kv_format ", kv_format, " does not match a cache of ", kv,
+              " (0: float32 or bfloat16; 1-3: uint8 rows of 8-bit codes and a scale)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0), "seq_lens must have one entry per query");
   torch::Tensor sink_values;
@@ -395,11 +473,79 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   } else {
     TORCH_CHECK(block_tables.size(0) >= q.size(0), "block_tables needs a row per query");
   }
+  switch (kv_format) {
+    case 1:
+      return paged_attention_impl<I8>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
+                                      fixed_run);
+    case 2:
+      return paged_attention_impl<E4M3>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
+                                        fixed_run);
+    case 3:
+      return paged_attention_impl<E5M2>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
+                                        fixed_run);
+    default:
+      break;
+  }
   if (kv == torch::kBFloat16)
     return paged_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
                                           fixed_run);
   return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
                                      fixed_run);
+}
+
+// Encoding one K/V row into 8-bit codes and its float16 scale, as KVFormat.encode does in torch
+// (same float32 operations and the same roundings, so the two agree bit for bit).
+inline uint8_t encode_code(I8*, float x) {
+  return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, x)))));
+}
+inline uint8_t encode_code(E4M3*, float x) { return c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, x))).x; }
+inline uint8_t encode_code(E5M2*, float x) { return c10::Float8_e5m2(std::min(57344.f, std::max(-57344.f, x))).x; }
+
+template <typename T>
+void store_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots, float qmax) {
+  const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2), HS = D + 2;
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = cache.data_ptr<uint8_t>();
+  const int64_t slots_total = cache.size(0) * cache.size(1);
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " is outside the cache's ", slots_total);
+  at::parallel_for(0, T_ * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / KVH, h = i % KVH;
+      const float* row = xp + i * D;
+      float amax = 0.f;
+      for (int64_t j = 0; j < D; ++j) amax = std::max(amax, std::fabs(row[j]));
+      const c10::Half scale(std::min(65504.f, std::max(6.103515625e-05f, amax / qmax)));  // floor: 2^-14
+      const float sf = static_cast<float>(scale);
+      uint8_t* dst = cp + (slots[t] * KVH + h) * HS;
+      for (int64_t j = 0; j < D; ++j) dst[j] = encode_code(static_cast<T*>(nullptr), row[j] / sf);
+      std::memcpy(dst + D, &scale.x, sizeof scale.x);
+    }
+  });
+}
+
+// k, v: [T, KVH, D] (float32 or bfloat16; computed in float32); k_cache, v_cache: uint8
+// [num_blocks, block_size, KVH, D + 2]; slots: [T] (int64), each in the cache. kv_format as in
+// paged_attention (1 int8, 2 fp8 e4m3, 3 fp8 e5m2).
+void store_kv_8bit(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slots, int64_t kv_format) {
+  TORCH_CHECK(kv_format >= 1 && kv_format <= 3, "kv_format must be 1, 2 or 3, got ", kv_format);
+  check_float_cpu(k, "k");
+  check_float_cpu(v, "v");
+  for (const auto* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == torch::kByte && c->is_contiguous() && c->dim() == 4 &&
+                    c->size(2) == k.size(1) && c->size(3) == k.size(2) + 2,
+                "the caches must be contiguous uint8 [blocks, block_size, ", k.size(1), ", ", k.size(2) + 2, "]");
+  TORCH_CHECK(k.sizes() == v.sizes() && slots.dim() == 1 && slots.size(0) == k.size(0),
+              "k, v and slots disagree on the number of tokens");
+  const auto kf = k.to(torch::kFloat).contiguous(), vf = v.to(torch::kFloat).contiguous();
+  const auto sl = slots.to(torch::kLong).contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  switch (kv_format) {
+    case 1: store_rows<I8>(kf, k_cache, sp, 127.f); store_rows<I8>(vf, v_cache, sp, 127.f); break;
+    case 2: store_rows<E4M3>(kf, k_cache, sp, 448.f); store_rows<E4M3>(vf, v_cache, sp, 448.f); break;
+    default: store_rows<E5M2>(kf, k_cache, sp, 57344.f); store_rows<E5M2>(vf, v_cache, sp, 57344.f); break;
+  }
 }
 
 // Element types of the element-wise kernels: float, or bfloat16 computed in float and rounded
@@ -526,7 +672,8 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention of query tokens (CPU; float32 q, float32 or bfloat16 K/V)");
+  m.def("paged_attention", &paged_attention, "paged attention of query tokens (CPU; float32 q, float32, bfloat16 or 8-bit K/V)");
+  m.def("store_kv_8bit", &store_kv_8bit, "write K/V rows as 8-bit codes and a float16 scale (CPU)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, as the reference rounds it (CPU)");

@@ -90,6 +90,15 @@ class EngineConfig:
                                          "float16, or 8 bits per value with a float16 scale per token and head: "
                                          "int8, fp8 (= fp8_e4m3), fp8_e5m2 (about half bfloat16's bytes)",
                                  choices=KV_CACHE_DTYPES)
+    kv_offload_dir: str | None = option(None, "a directory on local disk for the prefix cache's second tier: "
+                                              "blocks evicted from the pool are written there (checksummed) and "
+                                              "read back on a later prefix hit instead of recomputed (paged "
+                                              "policy, prefix caching on, one rank, no sliding-window layers)")
+    kv_offload_size: int = option(4 << 30, "bytes of --kv-offload-dir the tier may fill (e.g. 8G); past that it "
+                                           "drops its least recently used blocks", check=lambda v: v > 1,
+                                  limit="a byte count (e.g. 512M, 8G)", parse=bytes_or_fraction)
+    kv_offload_persist: bool = option(False, "keep the tier's file at shutdown and reuse it at the next start "
+                                             "(a restarted server keeps its warm prefixes)")
     seed: int = option(0, "seed of unseeded sampling and of random (dummy) weights")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of earlier prompts' shared prefixes")
     kv_policy: str = option("paged", "paged KV blocks, or a contiguous region reserved per request (the "

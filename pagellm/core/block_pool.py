@@ -7,7 +7,7 @@ dimension of every layer's K and V cache tensors.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -42,6 +42,9 @@ class BlockPool:
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
+        # Told (block id, hash) when a cached block is evicted to be reused, while it still holds
+        # its contents: a second tier keeps them (core/kv/tiered.py).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,16 +130,18 @@ class BlockPool:
     def _free_list(self, block_id: int) -> OrderedDict[int, None]:
         return self._free_plain if self.block_hash[block_id] is None else self._free_cached
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int, keep: bool = True) -> None:
         h = self.block_hash[block_id]
         if h is not None:
             del self.cached[h]
             self.block_hash[block_id] = None
             self.num_evictions += 1
+            if keep and self.on_evict is not None:
+                self.on_evict(block_id, h)
 
     def reset_cache(self) -> None:
         """Forget every cached prefix held by free blocks."""
         while self._free_cached:
             block_id, _ = self._free_cached.popitem(last=False)
-            self._evict(block_id)
+            self._evict(block_id, keep=False)
             self._free_plain[block_id] = None

@@ -46,6 +46,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # (src, dst) physical block copies to make before the forward pass (copy-on-write).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Moves between the pool and a second tier (core/kv/tiered.py), made before anything else.
+    tier_ops: list = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -139,6 +141,7 @@ class Scheduler:
             if s.samples and s.request.pending_forks:
                 s.forks = self._fork(s)
         out.block_copies = self.kv.take_copies()
+        out.tier_ops = self.kv.take_tier_ops()
         return out
 
     def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:

@@ -51,6 +51,8 @@ class EngineCore:
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
         # Structured outputs (engine/structured_outputs.py): set by the engine on first use.
         self.grammars = None
+        # The KV manager's second tier, whose moves the runner makes each step (core/kv/tiered.py).
+        self.kv_tier = None
 
     # ---- sequences: what the layers above may do between steps ----------------------------
     def add(self, seq: Request) -> None:
@@ -77,6 +79,9 @@ class EngineCore:
     def step(self) -> CoreStep:
         with phase(self.timer, "schedule"):
             sched = self.scheduler.schedule()
+        if sched.tier_ops:  # even when nothing runs: promoted blocks are in the pool's index now
+            with phase(self.timer, "kv_tier"):
+                self.runner.apply_tier_ops(sched.tier_ops, self.kv_tier)
         if sched.is_empty:
             return CoreStep()
         try:
@@ -200,4 +205,6 @@ class EngineCore:
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generation_tokens": self.num_generation_tokens,
             "num_step_failures": self.num_step_failures,
+            "kv_offload": None if self.kv_tier is None else {
+                **self.kv_tier.stats(), "demoted_blocks": kv.num_demoted, "promoted_blocks": kv.num_promoted},
         }

@@ -41,6 +41,7 @@ PROMPT_HEAD_TOKENS, PROMPT_HEAD_CHARS = 24, 80
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.kv_tier = None  # the KV cache's second tier (--kv-offload-dir), if any
         started = time.monotonic()
         device = resolve_device(config.device)
         # The quantized kernels are CPU code; a GPU gets a GGUF file dequantized (Triton kernels: to come).
@@ -84,20 +85,24 @@ class LLMEngine:
             self.runner.allocate_kv_cache(num_blocks, config.block_size)
             if not config.enforce_eager:
                 self.runner.capture_cuda_graphs(config.max_num_seqs)
+            if config.kv_offload_dir is not None:
+                self.kv, self.kv_tier = self._tiered_kv(config, num_blocks)
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
-        # Sliding-window layers in their own KV groups, whose slid-out blocks go back (core/kv/hybrid.py).
-        self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
-                                  enable_prefix_caching=config.enable_prefix_caching,
-                                  windows=self.runner.kv_groups.windows,
-                                  max_chunk_tokens=config.max_num_batched_tokens)
+        if self.kv_tier is None:
+            # Sliding-window layers in their own KV groups, whose slid-out blocks go back (core/kv/hybrid.py).
+            self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
+                                      enable_prefix_caching=config.enable_prefix_caching,
+                                      windows=self.runner.kv_groups.windows,
+                                      max_chunk_tokens=config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.core = EngineCore(self.runner, self.kv, self.scheduler, self.eos_token_ids)
+        self.core.kv_tier = self.kv_tier
         logger.info("ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d", time.monotonic() - started,
                     num_blocks, config.block_size, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -287,9 +292,35 @@ class LLMEngine:
         return {k: sum(r[k] for r in ranks) for k in ("flops_per_token", "weight_bytes_per_step")}
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards. Also
-        done at garbage collection and interpreter exit."""
+        """Stop the tensor-parallel workers, if any, and close the KV tier (writing what it has
+        queued); the engine cannot step afterwards. Also done at garbage collection and
+        interpreter exit."""
+        if self.kv_tier is not None:
+            if self.kv_tier.persist and self.kv_tier.is_open:
+                # The pool's cached blocks join the tier, so a restart finds every warm prefix.
+                for block, key in self.kv.cached_blocks():
+                    self.kv_tier.store(key, self.runner.read_block(block), wait=True)
+            self.kv_tier.close()
         self.runner.shutdown()
+
+    def _tiered_kv(self, config: EngineConfig, num_blocks: int):
+        """The paged manager with a second tier on disk (core/kv/tiered.py, worker/kv_tier.py)."""
+        from pagellm.core.kv.tiered import TieredKVManager
+        from pagellm.worker.kv_tier import DiskKVTier, model_fingerprint
+
+        unsupported = [why for why, bad in (
+            ("kv_policy 'paged'", config.kv_policy != "paged"),
+            ("enable_prefix_caching (the tier keeps blocks by their prefix hash)", not config.enable_prefix_caching),
+            ("tensor_parallel_size 1 (each rank would need its own tier)", config.tensor_parallel_size > 1),
+            ("a model without sliding-window layers", self.runner.kv_groups.hybrid)) if bad]
+        if unsupported:
+            raise ValueError(f"kv_offload_dir needs {', '.join(unsupported)}")
+        block_bytes = self.runner.bytes_per_block(config.block_size)
+        fingerprint = model_fingerprint(self.model_path, self.arch.hf_config or vars(self.arch),
+                                        self.runner.kv_format.name, config.block_size, block_bytes)
+        tier = DiskKVTier(config.kv_offload_dir, config.kv_offload_size, block_bytes, fingerprint,
+                          persist=config.kv_offload_persist)
+        return TieredKVManager(num_blocks, config.block_size, tier), tier
 
     def kv_snapshot(self) -> dict:
         """Who holds which physical block right now: the data behind a block map."""

@@ -204,6 +204,34 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+    # ---- a second tier (core/kv/tiered.py, worker/kv_tier.py) -----------------------------------
+    def read_block(self, block: int) -> torch.Tensor:
+        """One block id's K/V bytes (every slot tensor pair), as a new uint8 CPU tensor."""
+        parts = [t[block].reshape(-1).view(torch.uint8) for pair in self._kv_slots for t in pair]
+        return torch.cat(parts).cpu()
+
+    def write_block(self, block: int, payload: torch.Tensor) -> None:
+        """Put bytes from read_block back into block id `block`."""
+        payload = payload.to(self.device)
+        start = 0
+        for pair in self._kv_slots:
+            for t in pair:
+                dst = t[block].reshape(-1).view(torch.uint8)
+                dst.copy_(payload[start:start + dst.numel()])
+                start += dst.numel()
+        if start != payload.numel():
+            raise ValueError(f"a KV tier payload of {payload.numel()} bytes for blocks of {start}")
+
+    @torch.inference_mode()
+    def apply_tier_ops(self, ops: list, tier) -> None:
+        """Make the KV manager's moves, in order: demotions copy a block out to `tier`, promotions
+        write a loaded payload in."""
+        for op in ops:
+            if op.kind == "demote":
+                tier.store(op.key, self.read_block(op.block))
+            else:
+                self.write_block(op.block, op.payload)
+
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Record decode steps for a ladder of batch sizes (CUDA only; after the KV
         cache is allocated, which must never be reallocated afterwards)."""

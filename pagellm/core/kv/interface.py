@@ -111,6 +111,11 @@ class KVManager(ABC):
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def take_tier_ops(self) -> list:
+        """Block moves to and from a second tier, in order, to make before the block copies and
+        the next forward pass (core/kv/tiered.py); none without a tier."""
+        return []
+
     # ---- inspection ------------------------------------------------------------------------------
     @abstractmethod
     def ref_counts(self) -> list[int]:

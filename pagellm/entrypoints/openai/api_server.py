@@ -57,6 +57,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
             yield
         finally:
             await engine.shutdown()
+            engine.engine.shutdown()  # the engine's own resources: its KV tier's file, tensor-parallel ranks
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
 

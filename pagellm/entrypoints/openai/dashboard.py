@@ -74,6 +74,10 @@ def build_state(snapshot: dict, stats: dict, metrics: ServerMetrics, model_name:
             "cached_blocks": stats.get("cached_blocks", sum(flags)),
             "shared_blocks": sum(1 for r in snapshot["ref_cnt"] if r > 1),
             "max_model_len": stats.get("max_model_len"),
+            # The second tier, if any: blocks held and moved (--kv-offload-dir).
+            "kv_offload": None if not stats.get("kv_offload") else {
+                k: stats["kv_offload"][k] for k in ("blocks", "capacity_blocks", "demoted_blocks", "promoted_blocks",
+                                                    "corrupt", "bytes_written", "bytes_read")},
         },
         "counters": {
             "prompt_tokens": metrics.total_prompt_tokens,

@@ -101,6 +101,23 @@ class _EngineCollector(Collector):
                      "Prefix cache queries (as the engine counts them).", s.get("prefix_cache_queries", 0))
         yield family(CounterMetricFamily, "pagellm:prefix_cache_hits",
                      "Prefix cache hits (as the engine counts them).", s.get("prefix_cache_hits", 0))
+        tier = s.get("kv_offload")
+        if tier:  # the prefix cache's second tier (--kv-offload-dir)
+            yield family(GaugeMetricFamily, "pagellm:kv_offload_blocks", "KV blocks held by the second tier.",
+                         tier["blocks"])
+            yield family(GaugeMetricFamily, "pagellm:kv_offload_capacity_blocks",
+                         "KV blocks the second tier can hold.", tier["capacity_blocks"])
+            for name, key, doc in (
+                    ("kv_offload_demoted_blocks", "demoted_blocks", "Blocks evicted from the pool to the second tier."),
+                    ("kv_offload_promoted_blocks", "promoted_blocks",
+                     "Blocks brought back from the second tier on a prefix hit instead of recomputed."),
+                    ("kv_offload_misses", "misses", "Second-tier lookups that found nothing usable."),
+                    ("kv_offload_corrupt_entries", "corrupt",
+                     "Second-tier entries refused on load (checksum, key or model fingerprint wrong, file cut short)."),
+                    ("kv_offload_write_errors", "write_errors", "Blocks the second tier failed to write."),
+                    ("kv_offload_bytes_written", "bytes_written", "Bytes written to the second tier."),
+                    ("kv_offload_bytes_read", "bytes_read", "Bytes read back from the second tier.")):
+                yield family(CounterMetricFamily, f"pagellm:{name}", doc, tier[key])
         yield family(CounterMetricFamily, "pagellm:engine_step_failures",
                      "Engine steps whose batch raised; the requests that caused it failed, the others carried on.",
                      s.get("num_step_failures", 0))

@@ -1,0 +1,111 @@
+"""The prefix cache's second tier on disk, through the engine: contexts that outgrow the pool
+come back from the tier instead of being recomputed, with the tokens of a run without it; a tier
+file corrupted or truncated while the engine runs costs recomputation, never wrong tokens; a
+persisted tier warms a restarted engine; what it cannot serve is refused at start-up."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+ENGINE = dict(block_size=4, num_kv_blocks=40)
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+def _rounds() -> list[list[dict]]:
+    """Six 60-token documents (15 blocks each, 90 blocks against a pool of 40), asked about twice:
+    the second round's contexts were evicted from the pool by the time they come back."""
+    rng = random.Random(0)
+    docs = [[rng.randrange(3, 320) for _ in range(60)] for _ in range(6)]
+    return [[{"prompt_token_ids": d + [rng.randrange(3, 320) for _ in range(5)]} for d in docs] for _ in range(2)]
+
+
+def _run(llm: LLM, prompts: list[dict]) -> list:
+    outs = []
+    for p in prompts:  # one at a time, as turns of separate conversations arrive
+        outs += llm.generate([p], PARAMS, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                           o.outputs[0].token_ids)]) for o in outs]
+
+
+def _assert_same(want, got) -> None:
+    for (wt, wl), (gt, gl) in zip(want, got, strict=True):
+        assert gt == wt
+        assert gl == pytest.approx(wl, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, **ENGINE)
+    first, second = _rounds()
+    out = _run(llm, first), _run(llm, second), llm.stats()
+    llm.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_evicted_prefixes_come_back_from_the_tier(tiny_llama_dir, tmp_path, reference, kv_cache_dtype):
+    first, second = _rounds()
+    plain = LLM(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype, **ENGINE)
+    want = _run(plain, first) + _run(plain, second)
+    without = plain.stats()["prompt_tokens_computed"]
+    plain.shutdown()
+    llm = LLM(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype, kv_offload_dir=str(tmp_path), **ENGINE)
+    got = _run(llm, first) + _run(llm, second)
+    stats = llm.stats()
+    _assert_same(want, got)
+    tier = stats["kv_offload"]
+    assert tier["demoted_blocks"] > 0 and tier["promoted_blocks"] >= 6 * 14 and tier["corrupt"] == 0
+    # Each second-round prompt recomputes only its last, partial block (and a token of the last
+    # full one), not its 60-token document.
+    assert stats["prompt_tokens_computed"] <= without - 6 * 14 * 4
+    path = tier["path"]
+    llm.shutdown()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_a_damaged_tier_file_costs_recomputation_not_tokens(tiny_llama_dir, tmp_path, reference, damage):
+    want_first, want_second, _ = reference
+    first, second = _rounds()
+    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), **ENGINE)
+    _assert_same(want_first, _run(llm, first))
+    tier = llm.engine.kv_tier
+    tier.flush()
+    if damage == "corrupt":  # every slot's payload overwritten while the engine runs
+        with open(tier.path, "r+b") as f:
+            for slot in range(tier.num_slots):
+                f.seek(slot * tier.slot_bytes + 4096)
+                f.write(os.urandom(64))
+    else:
+        os.truncate(tier.path, 0)
+    _assert_same(want_second, _run(llm, second))
+    # Every damaged entry read was refused (blocks demoted after the damage still come back).
+    assert llm.stats()["kv_offload"]["corrupt"] > 0
+    llm.shutdown()
+
+
+def test_a_persisted_tier_warms_a_restarted_engine(tiny_llama_dir, tmp_path, reference):
+    want_first, want_second, ref_stats = reference
+    first, second = _rounds()
+    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_persist=True, **ENGINE)
+    _assert_same(want_first, _run(llm, first))
+    llm.shutdown()
+    again = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_persist=True, **ENGINE)
+    _assert_same(want_second, _run(again, second))
+    stats = again.stats()
+    assert stats["kv_offload"]["promoted_blocks"] >= 6 * 14
+    assert stats["prompt_tokens_computed"] < ref_stats["prompt_tokens_computed"] / 2
+    again.shutdown()
+
+
+def test_what_the_tier_cannot_serve_is_refused(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="kv_offload_dir needs enable_prefix_caching"):
+        LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offload_dir needs kv_policy 'paged'"):
+        LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_policy="contiguous-max")
+    with pytest.raises(ValueError, match="kv_offload_size must be a byte count"):
+        LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=0.5)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    from pagellm.bench import fuzz, grammar, kv_cache, latency, memory, serve, sharing, throughput
+    from pagellm.bench import fuzz, grammar, kv_cache, latency, memory, offload, serve, sharing, throughput
 
     bench = sub.add_parser("bench", help="benchmarks: memory, throughput, latency, serve, sharing, fuzz, grammar, "
-                                         "kv-cache (results in benchmarks/results/)")
+                                         "kv-cache, kv-offload (results in benchmarks/results/)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for module in (memory, throughput, latency, serve, sharing, fuzz, grammar, kv_cache):
+    for module in (memory, throughput, latency, serve, sharing, fuzz, grammar, kv_cache, offload):
         module.add_parser(bench_sub)

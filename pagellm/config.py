@@ -18,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # How weights are stored and multiplied; see pagellm.layers.quant.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# What preemption does with a victim's KV blocks (pagellm.core.scheduler).
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 # How K/V are stored (pagellm.attention.kv_format): "auto" as --dtype; "fp8" is fp8_e4m3, as in vLLM.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
@@ -99,6 +101,11 @@ class EngineConfig:
                                   limit="a byte count (e.g. 512M, 8G)", parse=bytes_or_fraction)
     kv_offload_persist: bool = option(False, "keep the tier's file at shutdown and reuse it at the next start "
                                              "(a restarted server keeps its warm prefixes)")
+    preemption_mode: str = option("recompute", "what preempting a request does with its KV: recompute (free the "
+                                               "blocks; a cached prefix may survive), swap (write them to the "
+                                               "--kv-offload-dir tier and read them back when it resumes), auto "
+                                               "(swap when moving the bytes is measured to cost less than "
+                                               "recomputing the tokens)", choices=PREEMPTION_MODES)
     seed: int = option(0, "seed of unseeded sampling and of random (dummy) weights")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of earlier prompts' shared prefixes")
     kv_policy: str = option("paged", "paged KV blocks, or a contiguous region reserved per request (the "

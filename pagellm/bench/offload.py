@@ -113,6 +113,52 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def swap_vs_recompute(args: argparse.Namespace, block_sizes: list[int], context: int, rounds: int = 3) -> dict:
+    """The PagedAttention paper's comparison (its Figure 19) on this machine: for one request of
+    `context` tokens, the time to bring its KV back by swapping (every block written to the disk
+    tier and read back into the pool: DiskKVTier and the runner's block copies, as swap_out and a
+    resume use them) against recomputing it (one prefill of the context), per block size.
+    Medians of `rounds`."""
+    from pagellm import SamplingParams
+
+    rng = random.Random(args.seed)
+    prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(context)]}
+    rows = {}
+    for bs in block_sizes:
+        tier_dir = tempfile.mkdtemp(prefix="pagellm-swap-")
+        llm = _engine(argparse.Namespace(**{**vars(args), "block_size": bs,
+                                            "num_kv_blocks": -(-context // bs) * 2 + 4,
+                                            "max_model_len": context + 8}),
+                      kv_offload_dir=tier_dir, kv_offload_size=args.kv_offload_size)
+        engine = llm.engine
+        recompute, out_s, in_s = [], [], []
+        for r in range(rounds):
+            engine.kv.pool.reset_cache()  # a cold pool: the prefill computes every token
+            started = time.perf_counter()
+            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+            recompute.append(time.perf_counter() - started)
+            blocks = engine.kv.cached_blocks()
+            tier = engine.kv_tier
+            salted = [(b, bytes([r]) + key[1:]) for b, key in blocks]  # fresh keys: every round writes
+            started = time.perf_counter()
+            for b, key in salted:
+                tier.store(key, engine.runner.read_block(b), wait=True)
+            tier.flush()
+            out_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for b, key in salted:
+                engine.runner.write_block(b, tier.load(key))
+            in_s.append(time.perf_counter() - started)
+        num_blocks = len(blocks)
+        llm.shutdown()
+        os.rmdir(tier_dir)
+        rows[str(bs)] = {"blocks": num_blocks, "block_bytes": engine.runner.bytes_per_block(bs),
+                         "recompute_s": statistics.median(recompute), "swap_out_s": statistics.median(out_s),
+                         "swap_in_s": statistics.median(in_s),
+                         "swap_s": statistics.median(o + i for o, i in zip(out_s, in_s))}
+    return {"context": context, "rounds": rounds, "block_sizes": rows}
+
+
 def print_tables(out: dict) -> None:
     print(f"pool: {out['pool_tokens']} tokens; the conversations' final contexts: {out['final_context_tokens']} "
           f"tokens ({out['final_contexts_over_pool']:.1f}x the pool)")
@@ -122,6 +168,15 @@ def print_tables(out: dict) -> None:
             for name, p in out["passes"].items()]
     print(report.format_table(["pass", "requests", "prompt tokens", "recomputed", "share", "mean TTFT ms",
                                "median TTFT ms", "blocks from tier", "outputs equal"], rows))
+    if "swap_vs_recompute" in out:
+        s = out["swap_vs_recompute"]
+        print(f"\nbringing back a {s['context']}-token request's KV: swap (disk tier, out and in) against "
+              f"recompute (one prefill), medians of {s['rounds']}")
+        rows = [(bs, r["blocks"], r["block_bytes"], f"{1e3 * r['swap_out_s']:.0f}", f"{1e3 * r['swap_in_s']:.0f}",
+                 f"{1e3 * r['swap_s']:.0f}", f"{1e3 * r['recompute_s']:.0f}")
+                for bs, r in s["block_sizes"].items()]
+        print(report.format_table(["block size", "blocks", "block bytes", "swap out ms", "swap in ms", "swap ms",
+                                   "recompute ms"], rows))
     for t in out["targets"]:
         print(f"{'MET ' if t['met'] else 'MISSED'}  {t['target']}: {t['value']:.3g}")
 
@@ -141,6 +196,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=1536)
     p.add_argument("--kv-offload-dir", default=None, help="default: a temporary directory, removed afterwards")
     p.add_argument("--kv-offload-size", type=int, default=1 << 30)
+    p.add_argument("--swap-block-sizes", type=int, nargs="*", default=[8, 16, 32, 64, 128],
+                   help="block sizes of the swap-versus-recompute comparison (none: skip it)")
+    p.add_argument("--swap-context", type=int, default=1024, help="tokens of the request swapped or recomputed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/kv-offload-<date>)")
     p.set_defaults(func=main)
@@ -148,6 +206,9 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     out = {**report.metadata("kv-offload"), **run(args)}
+    if args.swap_block_sizes:
+        out["swap_vs_recompute"] = swap_vs_recompute(args, args.swap_block_sizes, args.swap_context)
+        out["load"]["loadavg_after_swap"] = os.getloadavg()
     json_path, _ = report.output_paths("kv-offload", args.out)
     report.write_json(json_path, out)
     print_tables(out)

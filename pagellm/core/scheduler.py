@@ -1,4 +1,4 @@
-"""Iteration-level (continuous batching) scheduling with preemption by recomputation.
+"""Iteration-level (continuous batching) scheduling with preemption by recomputation or by swapping.
 
 Each step the scheduler picks the requests that run and how many of their tokens each
 computes: the running requests first (a decode is one token, an unfinished prefill its
@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from pagellm.core.kv import KVManager
 from pagellm.core.request import Request, RequestStatus
@@ -84,8 +85,15 @@ RECENT_PREEMPTIONS = 32
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str = "recompute") -> None:
+        """`preemption_mode`: "recompute" frees a victim's blocks (its cached prefix may survive);
+        "swap" sends them to the KV manager's second tier first; "auto" swaps when `swap_cheaper`
+        (set by the engine from measured rates) says moving the bytes beats recomputing the tokens."""
         self.kv = kv
+        self.preemption_mode = preemption_mode
+        self.swap_cheaper: Callable[[int, int], bool] = lambda num_tokens, num_blocks: False
+        self.num_swaps = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -194,7 +202,13 @@ class Scheduler:
         return child
 
     def _preempt(self, req: Request) -> None:
-        """Free all of a request's blocks and queue it first to recompute them later."""
+        """Free all of a request's blocks and queue it first to compute them again later (or, swapped,
+        to bring them back from the second tier)."""
+        swap = self.preemption_mode == "swap" or (
+            self.preemption_mode == "auto"
+            and self.swap_cheaper(req.num_computed_tokens, len(self.kv.block_table(req.request_id))))
+        if swap and self.kv.swap_out(req):
+            self.num_swaps += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING

@@ -10,6 +10,7 @@ of the batch until the requests that fail alone are found (`_execute`).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 from pagellm.core.kv import KVManager
@@ -47,12 +48,16 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.timer: PhaseTimer | None = None
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through a forward pass
+        self.num_tokens_computed = 0  # every token that went through one (recomputation included)
         self.num_generation_tokens = 0
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
         # Structured outputs (engine/structured_outputs.py): set by the engine on first use.
         self.grammars = None
         # The KV manager's second tier, whose moves the runner makes each step (core/kv/tiered.py).
         self.kv_tier = None
+        # Seconds per computed token, a moving average over steps: what recomputing costs
+        # (preemption_mode "auto"). None until a step has run.
+        self.seconds_per_token: float | None = None
 
     # ---- sequences: what the layers above may do between steps ----------------------------
     def add(self, seq: Request) -> None:
@@ -84,8 +89,9 @@ class EngineCore:
                 self.runner.apply_tier_ops(sched.tier_ops, self.kv_tier)
         if sched.is_empty:
             return CoreStep()
+        started = time.perf_counter()
         try:
-            return self._run(sched)
+            step = self._run(sched)
         except EngineFatalError:
             raise
         except Exception as e:  # a bug after the model ran: these sequences' state is unknown
@@ -93,6 +99,9 @@ class EngineCore:
             self.num_step_failures += 1
             groups = sorted({s.request.group_id for s in sched.scheduled})
             return CoreStep(failures=self._abort_groups({gid: (e, "step_error") for gid in groups}))
+        sample = (time.perf_counter() - started) / sched.num_batched_tokens
+        self.seconds_per_token = sample if self.seconds_per_token is None else 0.8 * self.seconds_per_token + 0.2 * sample
+        return step
 
     def _run(self, sched: SchedulerOutput) -> CoreStep:
         forked = [child for s in sched.scheduled for child in s.forks]
@@ -138,6 +147,7 @@ class EngineCore:
         for s in sched.scheduled:
             self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                                                    - s.start)
+            self.num_tokens_computed += s.num_new_tokens
         updated = self.scheduler.update_after_step(sched, sampled)
         self.num_generation_tokens += len(sampled)
         return CoreStep(result.sampled, rows, updated, held, forked, failures)
@@ -199,12 +209,15 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swaps": self.scheduler.num_swaps,
             "cached_blocks": kv.num_cached_free_blocks,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "tokens_computed": self.num_tokens_computed,
             "generation_tokens": self.num_generation_tokens,
             "num_step_failures": self.num_step_failures,
             "kv_offload": None if self.kv_tier is None else {
-                **self.kv_tier.stats(), "demoted_blocks": kv.num_demoted, "promoted_blocks": kv.num_promoted},
+                **self.kv_tier.stats(), "demoted_blocks": kv.num_demoted, "promoted_blocks": kv.num_promoted,
+                "swapped_out_requests": kv.num_swapped_out},
         }

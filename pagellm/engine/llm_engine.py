@@ -96,7 +96,12 @@ class LLMEngine:
                                       enable_prefix_caching=config.enable_prefix_caching,
                                       windows=self.runner.kv_groups.windows,
                                       max_chunk_tokens=config.max_num_batched_tokens)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        if config.preemption_mode != "recompute" and self.kv_tier is None:
+            raise ValueError(f"preemption_mode {config.preemption_mode!r} moves KV blocks to the second tier: it "
+                             f"needs kv_offload_dir")
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preemption_mode)
+        self.scheduler.swap_cheaper = self._swap_is_cheaper
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -302,6 +307,15 @@ class LLMEngine:
                     self.kv_tier.store(key, self.runner.read_block(block), wait=True)
             self.kv_tier.close()
         self.runner.shutdown()
+
+    def _swap_is_cheaper(self, num_tokens: int, num_blocks: int) -> bool:
+        """preemption_mode "auto": writing and reading back `num_blocks` blocks against computing
+        `num_tokens` tokens again, at the rates measured so far (recompute until both are known)."""
+        per_token = self.core.seconds_per_token
+        per_byte = None if self.kv_tier is None else self.kv_tier.seconds_per_byte
+        if per_token is None or per_byte is None:
+            return False
+        return 2 * num_blocks * self.kv_tier.block_bytes * per_byte < num_tokens * per_token
 
     def _tiered_kv(self, config: EngineConfig, num_blocks: int):
         """The paged manager with a second tier on disk (core/kv/tiered.py, worker/kv_tier.py)."""

@@ -24,6 +24,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -88,6 +89,9 @@ class DiskKVTier:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pending: dict[bytes, torch.Tensor] = {}  # demoted, not yet on disk
         self.hits = self.misses = self.corrupt = self.dropped = self.write_errors = 0
+        # Seconds per byte moved to or from the disk, a moving average (None until measured): what
+        # swapping costs, for preemption_mode "auto".
+        self.seconds_per_byte: float | None = None
         self.bytes_written = self.bytes_read = 0
         if reuse:
             self._read_index()
@@ -126,7 +130,9 @@ class DiskKVTier:
             if slot is None:
                 self.misses += 1
                 return None
+            started = time.perf_counter()
             data = self._read_slot(slot)
+            self._time_io(time.perf_counter() - started, self.slot_bytes)
             if data is None or data[0] != key:
                 self._drop(key, slot)
                 self.corrupt += 1
@@ -202,6 +208,10 @@ class DiskKVTier:
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
         logger.info("KV tier %s: %d blocks kept from the last run", self.path, len(self._index))
 
+    def _time_io(self, seconds: float, num_bytes: int) -> None:
+        sample = seconds / num_bytes
+        self.seconds_per_byte = sample if self.seconds_per_byte is None else 0.8 * self.seconds_per_byte + 0.2 * sample
+
     def _drop(self, key: bytes, slot: int) -> None:
         del self._index[key]
         self._free.append(slot)
@@ -230,9 +240,12 @@ class DiskKVTier:
         try:
             # The payload first, then the header that makes it valid: a write cut short leaves a
             # slot whose checksum fails, a miss.
+            started = time.perf_counter()
             os.pwrite(self._fd, data, slot * self.slot_bytes + _HEADER_BYTES)
             os.pwrite(self._fd, header, slot * self.slot_bytes)
             ok = True
+            with self._lock:
+                self._time_io(time.perf_counter() - started, len(data))
         except OSError as e:
             if self.write_errors == 0:
                 logger.warning("KV tier %s: a write failed (%s); blocks that fail to write are dropped",

@@ -67,3 +67,36 @@ def test_moves_in_order_keep_every_block_true_to_its_hash(tmp_path):
     assert _serve(kv, blocks, tier, "a3", a) == 7
     assert kv.num_promoted == 12 and tier.stats()["corrupt"] == 0
     tier.close()
+
+
+def test_a_swapped_request_gets_every_computed_block_back(tmp_path):
+    """Swapped out with 7 tokens computed (3 full blocks of 2 and 1 token in a 4th) and an 8th
+    sampled, then pushed out of the pool entirely: on resume all 4 blocks come back from the tier
+    (the partial one under its own key, never indexed as a full block) and only the 8th token is
+    left to compute."""
+    tier = DiskKVTier(str(tmp_path), DiskKVTier.slot_size(16) * 64, 16, bytes(16))
+    kv = TieredKVManager(num_blocks=4, block_size=BS, tier=tier)
+    blocks = Blocks(4)
+    req = Request("a", list(range(10, 17)), SamplingParams())
+    assert kv.allocate_slots(req, 7)
+    blocks.apply(kv.take_tier_ops(), tier)
+    held = {b: bytes([i]) * 16 for i, b in enumerate(kv.block_table("a"))}  # what the forward pass wrote
+    for b, content in held.items():
+        blocks.held[b] = content
+    req.num_computed_tokens = 7
+    kv.cache_full_blocks(req)
+    req.append_token(17)
+    assert kv.swap_out(req) and kv.num_swapped_out == 1
+    kv.free(req)
+    req.num_computed_tokens = 0
+    blocks.apply(kv.take_tier_ops(), tier)
+    _serve(kv, blocks, tier, "other", list(range(50, 58)))  # takes all 4 blocks
+    computed, skipped = kv.get_computed_blocks(req)
+    assert skipped == 7 and len(computed) == 4
+    req.num_computed_tokens = skipped
+    assert kv.allocate_slots(req, 1, computed)
+    blocks.apply(kv.take_tier_ops(), tier)
+    assert [blocks.held[b] for b in kv.block_table("a")] == list(held.values())
+    assert sum(1 for b in computed if kv.pool.block_hash[b] is None) == 1  # the partial block
+    kv.check_integrity()
+    tier.close()

@@ -109,3 +109,45 @@ def test_what_the_tier_cannot_serve_is_refused(tiny_llama_dir, tmp_path):
         LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_policy="contiguous-max")
     with pytest.raises(ValueError, match="kv_offload_size must be a byte count"):
         LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=0.5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_swapped_requests_resume_from_the_tier_with_the_tokens_of_recomputation(tiny_llama_dir, tmp_path,
+                                                                                kv_cache_dtype):
+    """Six sequences that grow to 14 blocks each in a pool of 40 preempt one another; swapped, a
+    victim's blocks (its last, partial one included) come back from the tier when it resumes, so
+    its context is not computed again; the tokens are those of preemption by recomputation."""
+    rng = random.Random(4)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(rng.randrange(9, 20))]} for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+
+    def run(**kw):
+        llm = LLM(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype, **{**ENGINE, **kw})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        llm.shutdown()
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)])
+                for o in outs], stats
+
+    want, roomy = run(num_kv_blocks=256)  # no preemption
+    recomputed, recompute = run(kv_offload_dir=str(tmp_path / "r"))
+    got, swap = run(kv_offload_dir=str(tmp_path / "s"), preemption_mode="swap")
+    _assert_same(want, recomputed)
+    _assert_same(want, got)
+    assert roomy["num_preemptions"] == 0
+    assert recompute["num_preemptions"] > 0 and recompute["num_swaps"] == 0
+    assert swap["num_swaps"] == swap["num_preemptions"] > 0
+    assert swap["kv_offload"]["swapped_out_requests"] == swap["num_swaps"]
+    # A swapped victim computes no token twice: exactly the forward passes of a run that never
+    # preempts. Recomputation computes what its victims' blocks held again.
+    assert swap["tokens_computed"] == roomy["tokens_computed"] < recompute["tokens_computed"]
+    auto_out, auto = run(kv_offload_dir=str(tmp_path / "a"), preemption_mode="auto")
+    _assert_same(want, auto_out)
+    assert auto["num_preemptions"] > 0
+
+
+def test_swapping_needs_the_tier(tiny_llama_dir):
+    with pytest.raises(ValueError, match="preemption_mode 'swap' moves KV blocks to the second tier: it needs "
+                                         "kv_offload_dir"):
+        LLM(tiny_llama_dir, preemption_mode="swap")

@@ -111,6 +111,11 @@ class KVManager(ABC):
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def swap_out(self, request: Request) -> bool:
+        """Preemption by swapping: send the request's computed blocks to a second tier before they
+        are freed, so that it resumes from them. False: this manager has no tier (recompute)."""
+        return False
+
     def take_tier_ops(self) -> list:
         """Block moves to and from a second tier, in order, to make before the block copies and
         the next forward pass (core/kv/tiered.py); none without a tier."""

@@ -21,11 +21,21 @@ is a miss and the block is recomputed, never served wrong.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagellm.core.kv.paged import KVCacheManager, request_block_hashes
 from pagellm.core.request import Request
+
+
+def partial_block_key(parent: bytes | None, tokens: list[int], salt: str | None) -> bytes:
+    """The tier key of a block holding only `tokens` (fewer than a block's worth) after the
+    chain ending in `parent`: content-addressed like a full block's hash, and never equal to one."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"partial:" + (parent or b"salt:" + (salt or "").encode()))
+    h.update(b",".join(str(t).encode() for t in tokens))
+    return h.digest()
 
 
 class BlockTier(Protocol):
@@ -58,6 +68,7 @@ class TieredKVManager(KVCacheManager):
         self.pool.on_evict = self._demote
         self.num_demoted = 0  # blocks sent to the tier
         self.num_promoted = 0  # blocks brought back from it
+        self.num_swapped_out = 0  # requests preempted by swapping (swap_out)
 
     def _demote(self, block: int, key: bytes) -> None:
         self.pending_tier_ops.append(TierOp("demote", block, key))
@@ -71,30 +82,69 @@ class TieredKVManager(KVCacheManager):
         ops, self.pending_tier_ops = self.pending_tier_ops, []
         return ops
 
+    def swap_out(self, request: Request) -> bool:
+        """Preemption by swapping (before `free`): every block the request has computed goes to
+        the tier now, the last one under partial_block_key if it is not full, so that when the
+        request is admitted again get_computed_blocks brings all of its K/V back."""
+        table = self._tables.get(request.request_id)
+        done = request.num_computed_tokens
+        if not table or not done:
+            return False
+        bs = self.block_size
+        hashes = request_block_hashes(request, bs, done // bs)
+        for i, h in enumerate(hashes):
+            self.pending_tier_ops.append(TierOp("demote", table[i], h))
+        if done % bs:
+            tokens = request.all_token_ids[len(hashes) * bs:done]
+            key = partial_block_key(hashes[-1] if hashes else None, tokens, request.cache_salt)
+            self.pending_tier_ops.append(TierOp("demote", table[len(hashes)], key))
+        self.num_demoted += len(hashes) + (1 if done % bs else 0)
+        self.num_swapped_out += 1
+        return True
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The pool's cached prefix, continued block by block from the pool or the tier. Blocks
-        promoted from the tier stay in the pool's index even if the request is not admitted now."""
+        """The pool's cached prefix, continued block by block from the pool or the tier, and a
+        swapped-out request's last, partial block. Full blocks promoted from the tier stay in the
+        pool's index even if the request is not admitted now."""
         if request.num_computed_tokens:
             return [], 0
-        hashes = request_block_hashes(request, self.block_size, request.num_tokens // self.block_size)
+        bs = self.block_size
+        hashes = request_block_hashes(request, bs, request.num_tokens // bs)
         blocks: list[int] = []
+        partial = 0
         try:
             for h in hashes:
                 b = self.pool.lookup(h)
                 if b is None:
-                    if self.pool.num_free_blocks == 0:
+                    b = self._promote(h)
+                    if b is None:
                         break
-                    payload = self.tier.load(h)
-                    if payload is None:
-                        break
-                    (b,) = self.pool.allocate(1)  # may evict (and demote) another cached block
-                    self.pending_tier_ops.append(TierOp("promote", b, h, payload))
                     self.pool.cache(b, h)
-                    self.num_promoted += 1
                 else:
                     # Held while later promotions allocate, so that none of them evicts it.
                     self.pool.incref([b])
                 blocks.append(b)
+            k = len(blocks)
+            if k == (request.num_tokens - 1) // bs and (request.num_tokens - 1) % bs:
+                # A request swapped out mid-block: its partial block is in the tier under the key of
+                # the tokens it held (all but the last, which was still to be computed).
+                tokens = request.all_token_ids[k * bs:request.num_tokens - 1]
+                b = self._promote(partial_block_key(hashes[k - 1] if k else None, tokens, request.cache_salt))
+                if b is not None:
+                    blocks.append(b)
+                    partial = len(tokens)
         finally:
-            self.pool.free(reversed(blocks))  # back to ref 0: cached and free, as the pool's hits are
-        return blocks, min(len(blocks) * self.block_size, request.num_tokens - 1)
+            self.pool.free(reversed(blocks))  # back to ref 0: free, and cached if full, as the pool's hits are
+        return blocks, min((len(blocks) - 1) * bs + partial if partial else len(blocks) * bs, request.num_tokens - 1)
+
+    def _promote(self, key: bytes) -> int | None:
+        """A pool block that will hold the tier's block `key` before the step runs, or None."""
+        if self.pool.num_free_blocks == 0:
+            return None
+        payload = self.tier.load(key)
+        if payload is None:
+            return None
+        (b,) = self.pool.allocate(1)  # may evict (and demote) another cached block
+        self.pending_tier_ops.append(TierOp("promote", b, key, payload))
+        self.num_promoted += 1
+        return b

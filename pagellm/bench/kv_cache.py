@@ -263,8 +263,7 @@ def print_tables(out: dict) -> None:
         rows = [(n, f"{r['median_ms']:.2f}", f"{r['gb_per_s']:.1f}", f"{r.get('speed_vs_bfloat16', 0):.2f}x")
                 for n, r in a["formats"].items()]
         print(report.format_table(["format", "ms", "GB/s", "vs bfloat16"], rows))
-    for t in out["targets"]:
-        print(f"{'MET ' if t['met'] else 'MISSED'}  {t['target']}: {t['value']:.3g}")
+    report.print_targets(out["targets"])
 
 
 def add_parser(sub) -> None:

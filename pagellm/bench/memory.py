@@ -402,8 +402,7 @@ def print_tables(results: dict) -> None:
         print_window_rows(results["windows"])
     if "kv_formats" in results:
         print_capacity_rows(results["kv_formats"])
-    for t in results.get("targets", []):
-        print(f"{'MET ' if t['met'] else 'MISSED'}  {t['target']}: {t['value']:.3g}")
+    report.print_targets(results.get("targets", []))
 
 
 def plot(results: dict, path) -> None:

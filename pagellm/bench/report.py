@@ -101,6 +101,12 @@ def metadata(name: str, argv: Sequence[str] | None = None, extra_versions: Seque
     }
 
 
+def print_targets(targets: Iterable[dict], value_format: str = "{:.3g}") -> None:
+    """One line per target of an issue: MET or MISSED, what it asks, the value measured."""
+    for t in targets:
+        print(f"{'MET ' if t['met'] else 'MISSED'}  {t['target']}: {value_format.format(t['value'])}")
+
+
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
 

@@ -542,8 +542,7 @@ def print_tables(results: dict) -> None:
         print(f"\npagellm-paged, where a step's time goes ({ph['steps']} steps):")
         print(report.format_table(["phase", "ms/step", "share"],
                                   [[k, v, f"{ph['share'][k]:.1%}"] for k, v in ph["ms_per_step"].items()]))
-    for t in results["targets"]:
-        print(f"{'MET ' if t['met'] else 'MISSED'}  {t['target']}: {t['value']:.2f}x")
+    report.print_targets(results["targets"], "{:.2f}x")
 
 
 def plot(results: dict, path) -> None:

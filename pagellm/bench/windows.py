@@ -102,5 +102,4 @@ def print_window_rows(rows: dict) -> None:
 
     print(report.format_table(["shape", "context", "hybrid", "full caching", "share", "fit (hybrid)",
                                "fit (full)"], table))
-    for t in rows["targets"]:
-        print(f"{'MET ' if t['met'] else 'MISSED'}  {t['target']}: {t['value']:.3g}")
+    report.print_targets(rows["targets"])

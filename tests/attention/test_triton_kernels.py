@@ -317,12 +317,14 @@ def test_prefill_with_options_matches_naive(variant, window):
         assert_options_matter(out, scale, b, opts)
 
 
-@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 9)])
-def test_backend_with_options_matches_torch_backend_on_mixed_batch(variant, window):
-    """The Triton backend serves window, soft-cap and sink layers itself, as the torch reference
-    does: decodes (split in two), a fresh prompt, a chunk over a cached part and a cached prefix."""
+def run_both_backends(variant: str, window: int | None, head_dim: int = 16, kv_format=None):
+    """The torch backend (the reference) and the Triton backend (decodes split in two) on one mixed
+    batch: decodes, a fresh prompt, a chunk over a cached part and a cached prefix, with a layer's
+    options. With an 8-bit `kv_format` the caches hold codes and scales, and the new rows are of
+    unequal sizes (per-row scales differ) with values far below their row's largest (fp8
+    subnormals). Returns (outputs, caches) by backend name, the batch, the options and the scale."""
     shapes = [(12, 1), (0, 1), (33, 1), (0, 11), (9, 7), (4, 3)]
-    heads, head_dim, block_size = (8, 2), 16, 4
+    heads, block_size = (8, 2), 4
     scale = head_dim ** -0.5
     opts = layer_options(variant, heads[0], window)
     options = AttentionOptions(scale, opts["window"], opts["softcap"])
@@ -330,9 +332,23 @@ def test_backend_with_options_matches_torch_backend_on_mixed_batch(variant, wind
     for name, backend in (("torch", TorchAttentionBackend(compiled_decode=False)),
                           ("triton", TritonAttentionBackend(num_splits=2))):
         b = make_batch(shapes, heads, head_dim, block_size, torch.float32, seed=5)
+        if kv_format is not None:
+            backend.kv_format = kv_format
+            sizes = torch.rand(b.k_new.shape[0], heads[1], 1, generator=torch.Generator().manual_seed(1)) * 8
+            b.k_new, b.v_new = b.k_new * sizes.to(DEVICE), b.v_new * 1e-3
+            b.k_new[..., ::4] *= 1e-5  # fp8 e4m3 subnormals
+            b.v_new[..., 1::4] *= 1e-9  # e5m2 subnormals
+            b.k_cache, b.v_cache = kv_format.encode(b.k_cache), kv_format.encode(b.v_cache)
         outs[name] = backend.forward(b.q, b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta(), scale, options,
                                      opts["sinks"])
         caches[name] = (b.k_cache, b.v_cache)
+    return outs, caches, b, opts, scale
+
+
+@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 9)])
+def test_backend_with_options_matches_torch_backend_on_mixed_batch(variant, window):
+    """The Triton backend serves window, soft-cap and sink layers itself, as the torch reference does."""
+    outs, caches, b, opts, scale = run_both_backends(variant, window)
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(outs["triton"].double(), b.expected(scale, **opts), atol=1e-3, rtol=1e-3)
     assert_options_matter(outs["triton"], scale, b, opts)
@@ -357,26 +373,8 @@ def test_backend_with_8bit_kv_matches_torch_backend(kv_cache_dtype, variant, win
     (rows of mixed sizes, some values subnormal in fp8), and decode (split in two) and prefill
     read them back as the torch backend does: the same outputs, which equal exact attention over
     the values the format holds."""
-    fmt = resolve_kv_format(kv_cache_dtype, torch.float32)
-    shapes = [(12, 1), (0, 1), (33, 1), (0, 11), (9, 7), (4, 3)]
-    heads, block_size = (8, 2), 4
-    scale = head_dim ** -0.5
-    opts = layer_options(variant, heads[0], window)
-    options = AttentionOptions(scale, opts["window"], opts["softcap"])
-    outs, caches = {}, {}
-    for name, backend in (("torch", TorchAttentionBackend(compiled_decode=False)),
-                          ("triton", TritonAttentionBackend(num_splits=2))):
-        backend.kv_format = fmt
-        b = make_batch(shapes, heads, head_dim, block_size, torch.float32, seed=5)
-        # Rows of unequal sizes (per-row scales differ), a few values far below their row's largest.
-        sizes = torch.rand(b.k_new.shape[0], heads[1], 1, generator=torch.Generator().manual_seed(1)) * 8
-        b.k_new, b.v_new = b.k_new * sizes.to(DEVICE), b.v_new * 1e-3
-        b.k_new[..., ::4] *= 1e-5  # fp8 e4m3 subnormals
-        b.v_new[..., 1::4] *= 1e-9  # e5m2 subnormals
-        b.k_cache, b.v_cache = fmt.encode(b.k_cache), fmt.encode(b.v_cache)
-        outs[name] = backend.forward(b.q, b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta(), scale, options,
-                                     opts["sinks"])
-        caches[name] = (b.k_cache, b.v_cache)
+    outs, caches, _, _, _ = run_both_backends(variant, window, head_dim,
+                                              resolve_kv_format(kv_cache_dtype, torch.float32))
     assert torch.equal(caches["triton"][0], caches["torch"][0])
     assert torch.equal(caches["triton"][1], caches["torch"][1])
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-3, rtol=1e-3)

@@ -1,0 +1,103 @@
+"""Which engine replica serves a request: the policies of `--router-policy`.
+
+The prefix cache pays only when requests that share a prefix reach the replica that holds it. The
+cache-aware policy remembers, per replica, the chained block hashes of the prompts it sent there
+(the prefix cache's own keys, core/kv/paged.py; bounded, least recently used first) and sends a
+request to the replica that has seen the longest run of its leading blocks, unless that replica is
+overloaded against the least loaded one, which then gets it (as SGLang's cache-aware router does:
+an absolute and a relative threshold on the load gap). A request no replica has seen goes to the
+least loaded. Load is the router's own count of requests in flight on each replica. The router is
+bookkeeping only: the replica set that owns the replicas calls `route`, `finished` and `remove`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from pagellm.core.kv.paged import hash_block
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_loaded")
+
+
+class NoReplicaError(RuntimeError):
+    """Every replica is out of rotation."""
+
+
+class Router:
+    def __init__(self, num_replicas: int, policy: str = "cache_aware", block_size: int = 16,
+                 max_blocks_per_replica: int = 1 << 16, balance_abs: int = 4, balance_rel: float = 1.5) -> None:
+        """`balance_abs`, `balance_rel`: the best-matching replica is skipped when it has more than
+        `balance_abs` requests in flight beyond the least loaded one and more than `balance_rel`
+        times as many."""
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {policy!r}")
+        if num_replicas < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
+        self.policy = policy
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_replica
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.alive = list(range(num_replicas))
+        self.in_flight = [0] * num_replicas
+        self._seen: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._next = 0
+        self.num_routed = [0] * num_replicas
+        self.num_prefix_routed = 0  # requests sent where their prefix was seen
+
+    def route(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """The replica for a request with these prompt tokens; counts it in flight there."""
+        if not self.alive:
+            raise NoReplicaError("no engine replica is serving (all are out of rotation)")
+        if self.policy == "round_robin":
+            chosen = self.alive[self._next % len(self.alive)]
+            self._next += 1
+        elif self.policy == "least_loaded":
+            chosen = self._least_loaded()
+        else:
+            chosen = self._cache_aware(token_ids, salt)
+        self.in_flight[chosen] += 1
+        self.num_routed[chosen] += 1
+        return chosen
+
+    def finished(self, replica: int) -> None:
+        """A request routed to `replica` is done (finished, aborted or failed)."""
+        self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+
+    def remove(self, replica: int) -> None:
+        """Take a replica out of rotation (it died); what it had seen is forgotten."""
+        if replica in self.alive:
+            self.alive.remove(replica)
+        self._seen[replica].clear()
+        self.in_flight[replica] = 0
+
+    def _least_loaded(self) -> int:
+        return min(self.alive, key=lambda r: (self.in_flight[r], r))
+
+    def _cache_aware(self, token_ids: Sequence[int], salt: str | None) -> int:
+        hashes, parent = [], None
+        for i in range(len(token_ids) // self.block_size):
+            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt)
+            hashes.append(parent)
+        least = self._least_loaded()
+        best, match = least, 0
+        for r in self.alive:
+            seen = self._seen[r]
+            n = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
+            if n > match or (n == match and n > 0 and self.in_flight[r] < self.in_flight[best]):
+                best, match = r, n
+        gap = self.in_flight[best] - self.in_flight[least]
+        overloaded = gap > self.balance_abs and self.in_flight[best] > self.balance_rel * self.in_flight[least]
+        chosen = least if match == 0 or overloaded else best
+        if chosen == best and match:
+            self.num_prefix_routed += 1
+        seen = self._seen[chosen]
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.max_blocks:
+            seen.popitem(last=False)
+        return chosen
+
+    def stats(self) -> dict:
+        return {"policy": self.policy, "alive": list(self.alive), "in_flight": list(self.in_flight),
+                "routed": list(self.num_routed), "prefix_routed": self.num_prefix_routed}

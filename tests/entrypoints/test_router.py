@@ -1,0 +1,66 @@
+"""The replica router's policies (entrypoints/router.py), without replicas: requests that share a
+prefix go where it was seen; an overloaded replica is passed over; a dead one is out of rotation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagellm.entrypoints.router import NoReplicaError, Router
+
+
+def _prompt(system: int, user: int, n: int = 40) -> list[int]:
+    rng = random.Random(system)
+    head = [rng.randrange(3, 30000) for _ in range(n)]  # the shared system prompt
+    return head + [user + 100, user + 200, user + 300]
+
+
+def test_shared_prefixes_land_on_one_replica_and_new_ones_spread():
+    router = Router(2, "cache_aware", block_size=16)
+    first = {s: router.route(_prompt(s, 0)) for s in range(4)}
+    for r in first.values():
+        router.finished(r)
+    assert sorted(first.values()) == [0, 0, 1, 1]  # unseen prefixes go to the least loaded
+    for user in range(1, 6):
+        for s in range(4):
+            assert router.route(_prompt(s, user)) == first[s]
+            router.finished(first[s])
+    assert router.num_prefix_routed == 20
+
+
+def test_round_robin_ignores_prefixes_and_least_loaded_counts_in_flight():
+    rr = Router(3, "round_robin")
+    assert [rr.route(_prompt(1, u)) for u in range(6)] == [0, 1, 2, 0, 1, 2]
+    ll = Router(3, "least_loaded")
+    assert [ll.route([1, 2, 3]) for _ in range(3)] == [0, 1, 2]
+    ll.finished(1)
+    assert ll.route([1, 2, 3]) == 1
+
+
+def test_an_overloaded_replica_is_passed_over():
+    router = Router(2, "cache_aware", block_size=16, balance_abs=2, balance_rel=1.5)
+    home = router.route(_prompt(7, 0))
+    for u in (1, 2):  # home's lead grows to 3 in flight against 0
+        assert router.route(_prompt(7, u)) == home
+    # A lead of 3: over the absolute gap (2) and the relative one (1.5x): the other replica gets it.
+    assert router.route(_prompt(7, 9)) == 1 - home
+    assert router.in_flight[1 - home] == 1
+
+
+def test_dead_replicas_leave_the_rotation():
+    router = Router(2, "cache_aware", block_size=16)
+    home = router.route(_prompt(3, 0))
+    router.remove(home)
+    assert router.route(_prompt(3, 1)) == 1 - home
+    router.remove(1 - home)
+    with pytest.raises(NoReplicaError, match="no engine replica is serving"):
+        router.route(_prompt(3, 2))
+    with pytest.raises(ValueError, match="router_policy must be one of"):
+        Router(2, "random")
+
+
+def test_remembered_blocks_are_bounded():
+    router = Router(1, "cache_aware", block_size=4, max_blocks_per_replica=10)
+    for s in range(5):
+        router.route(_prompt(s, 0, n=40))
+    assert len(router._seen[0]) == 10

@@ -319,9 +319,33 @@ def decode_bandwidth(device: torch.device, shape: dict, block_sizes: list[int], 
         best = max((r for r in entry["runs"] if "gb_per_s" in r), key=lambda r: r["gb_per_s"], default=None)
         entry["best"] = best
         result[f"paged_block_{bs}"] = entry
+        if bs == block_sizes[-1]:
+            result["kv_8bit"] = decode_8bit(qp, k_cache, v_cache, tables, seq_lens, scale, out, device, iters,
+                                            entry["default"]["median_ms"])
         del k_cache, v_cache, tables
         cleanup()
     return result
+
+
+def decode_8bit(q, k_cache, v_cache, tables, seq_lens, scale, out, device, iters, plain_ms: float) -> dict:
+    """The same decode over 8-bit caches (attention/kv_format.py): half the bytes of bfloat16, so
+    at least as fast is the target; error against the plain kernel over the values the format keeps."""
+    from pagellm.attention.kv_format import resolve_kv_format
+    from pagellm.attention.triton_kernels import paged_decode
+
+    res: dict = {"plain_ms": plain_ms}
+    for name in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        fmt = resolve_kv_format(name, q.dtype)
+        kc, vc = fmt.encode(k_cache), fmt.encode(v_cache)
+        paged_decode(q, kc, vc, tables, seq_lens, scale, out=out, kv_format=fmt)
+        got = out.float().clone()
+        paged_decode(q, fmt.decode(kc, q.dtype), fmt.decode(vc, q.dtype), tables, seq_lens, scale, out=out)
+        ms = median_ms(lambda: paged_decode(q, kc, vc, tables, seq_lens, scale, out=out, kv_format=fmt), device,
+                       warmup=3, iters=iters)
+        res[name] = {"median_ms": round(ms, 4), "speed_vs_plain": round(plain_ms / ms, 3),
+                     "kv_bytes": 2 * kc.numel(), "max_abs_err_vs_decoded": float((got - out.float()).abs().max())}
+        del kc, vc
+    return res
 
 
 # ---- 4. end to end -------------------------------------------------------------------------------------

@@ -21,21 +21,11 @@ is a miss and the block is recomputed, never served wrong.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagellm.core.kv.paged import KVCacheManager, request_block_hashes
+from pagellm.core.kv.paged import KVCacheManager, hash_block, request_block_hashes
 from pagellm.core.request import Request
-
-
-def partial_block_key(parent: bytes | None, tokens: list[int], salt: str | None) -> bytes:
-    """The tier key of a block holding only `tokens` (fewer than a block's worth) after the
-    chain ending in `parent`: content-addressed like a full block's hash, and never equal to one."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"partial:" + (parent or b"salt:" + (salt or "").encode()))
-    h.update(b",".join(str(t).encode() for t in tokens))
-    return h.digest()
 
 
 class BlockTier(Protocol):
@@ -84,8 +74,9 @@ class TieredKVManager(KVCacheManager):
 
     def swap_out(self, request: Request) -> bool:
         """Preemption by swapping (before `free`): every block the request has computed goes to
-        the tier now, the last one under partial_block_key if it is not full, so that when the
-        request is admitted again get_computed_blocks brings all of its K/V back."""
+        the tier now, so that when it is admitted again get_computed_blocks brings all of its K/V
+        back. A last block that is not full goes under hash_block of the tokens it holds: fewer
+        than a full block's, so its key is never a full block's."""
         table = self._tables.get(request.request_id)
         done = request.num_computed_tokens
         if not table or not done:
@@ -96,7 +87,7 @@ class TieredKVManager(KVCacheManager):
             self.pending_tier_ops.append(TierOp("demote", table[i], h))
         if done % bs:
             tokens = request.all_token_ids[len(hashes) * bs:done]
-            key = partial_block_key(hashes[-1] if hashes else None, tokens, request.cache_salt)
+            key = hash_block(hashes[-1] if hashes else None, tokens, request.cache_salt)
             self.pending_tier_ops.append(TierOp("demote", table[len(hashes)], key))
         self.num_demoted += len(hashes) + (1 if done % bs else 0)
         self.num_swapped_out += 1
@@ -129,7 +120,7 @@ class TieredKVManager(KVCacheManager):
                 # A request swapped out mid-block: its partial block is in the tier under the key of
                 # the tokens it held (all but the last, which was still to be computed).
                 tokens = request.all_token_ids[k * bs:request.num_tokens - 1]
-                b = self._promote(partial_block_key(hashes[k - 1] if k else None, tokens, request.cache_salt))
+                b = self._promote(hash_block(hashes[k - 1] if k else None, tokens, request.cache_salt))
                 if b is not None:
                     blocks.append(b)
                     partial = len(tokens)

@@ -12,10 +12,13 @@ over GGUF-quantized weights, is a second extension built the same way (see layer
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,20 +56,44 @@ def _already_built(name: str) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: str) -> Iterator[None]:
+    """Hold the build directory while torch builds or loads the extension, and clear a lock that
+    a dead builder left behind.
+
+    torch's own lock is a file that exists while someone builds; a builder killed mid-build (a
+    test run stopped with Ctrl-C) leaves it, and every later process then waits for it forever.
+    An flock is released by the kernel when its holder dies, so whoever holds ours is the only
+    pagellm process building this extension: a torch lock file it finds is stale and goes."""
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "pagellm.flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # a live builder holds it for the length of its build
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                logger.warning("pagellm: removing %s, left by a build that did not finish", stale)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=None)
 def _build(source: Path, what: str):
     if not envs.cpu_kernels_enabled():
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         name = build_name(source)
         built = _already_built(name)
         if not built:  # say why the first start takes a while
             logger.warning("pagellm: building the %s (once per version of their source; about 30 s)", what)
         start = time.monotonic()
-        module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        with build_lock(_get_build_directory(name, verbose=False)):
+            module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
         if not built:
             logger.warning("pagellm: %s built in %.0f s", what, time.monotonic() - start)
         return module

@@ -187,3 +187,21 @@ def test_build_is_keyed_by_its_source(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "_SOURCE", other)
     assert cpu.build_name() != ours and cpu.build_name().startswith("pagellm_cpu_ops_")
     assert cpu.build_name(cpu._QUANT_SOURCE).startswith("pagellm_quant_ops_")
+
+
+def test_build_lock_clears_a_dead_builders_lock_and_excludes_live_ones(tmp_path):
+    """A torch lock file left by a killed build would make every later start wait forever;
+    under our flock it is known stale and removed, and while one process holds the flock
+    another cannot (it waits for the build instead)."""
+    import fcntl
+
+    build_dir = tmp_path / "ext"
+    build_dir.mkdir()
+    (build_dir / "lock").touch()  # what a builder killed mid-build leaves
+    with cpu.build_lock(str(build_dir)):
+        assert not (build_dir / "lock").exists()
+        with open(build_dir / "pagellm.flock", "a") as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(build_dir / "pagellm.flock", "a") as other:  # released on exit
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

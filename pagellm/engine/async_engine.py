@@ -120,6 +120,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.model_path = engine.model_path
         self.max_waiting_requests = max_waiting_requests
         self._observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -157,6 +158,10 @@ class AsyncLLMEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
         self._fail(list(self._streams), EngineDeadError("the engine has shut down"))
+
+    def close(self) -> None:
+        """Release the engine's own resources (its KV tier's file, tensor-parallel ranks), after shutdown."""
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:

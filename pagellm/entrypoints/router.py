@@ -15,12 +15,13 @@ from collections import OrderedDict
 from typing import Sequence
 
 from pagellm.core.kv.paged import hash_block
+from pagellm.engine.async_engine import EngineDeadError
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 
-class NoReplicaError(RuntimeError):
-    """Every replica is out of rotation."""
+class NoReplicaError(EngineDeadError):
+    """Every replica is out of rotation (the server answers 503, as for a dead engine)."""
 
 
 class Router:

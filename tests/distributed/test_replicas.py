@@ -39,7 +39,7 @@ def replicas(tiny_llama_dir):
     rs = ReplicaSet(dict(OPTIONS, model=tiny_llama_dir), 2, "cache_aware", threads_per_replica=1)
     pids = list(rs.pids)
     yield rs
-    rs.shutdown()
+    rs.close()
     # Ray started here, so it is stopped here, and the replicas' processes are gone.
     assert not ray.is_initialized()
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
@@ -55,7 +55,8 @@ def test_two_replicas_give_one_engine_s_outputs_and_keep_prefixes_together(repli
     stats = replicas.router.stats()
     assert sorted(stats["routed"]) == [6, 6]  # the 4 prefixes spread 2 and 2
     assert stats["prefix_routed"] == 8  # every later user of a prefix went where it was seen
-    hits = sum(s["prefix_cache_hits"] for s in asyncio.run(replicas.stats()))
+    asyncio.run(replicas.poll_stats())
+    hits = sum(r["stats"]["prefix_cache_hits"] for r in replicas.stats()["replicas"])
     assert hits >= 8 * 24 - 8 * 4  # each of those found its system prompt's full blocks cached
 
 

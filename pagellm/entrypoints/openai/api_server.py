@@ -57,7 +57,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
             yield
         finally:
             await engine.shutdown()
-            engine.engine.shutdown()  # the engine's own resources: its KV tier's file, tensor-parallel ranks
+            engine.close()  # the engine's own resources: its KV tier's file, tensor-parallel ranks, replicas
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
 
@@ -89,6 +89,12 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
             error = engine.dead_error
             raise OpenAIError(503, f"the engine is not running{f': {error!r}' if error else ''}",
                               code="engine_unavailable")
+        replicas = engine.stats().get("replicas")
+        if replicas is not None:  # --data-parallel-size: which replicas serve
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse({"replicas": [{k: r[k] for k in ("replica", "alive", "pid", "in_flight")}
+                                              for r in replicas]})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -98,7 +104,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pagellm", "root": engine.engine.model_path,
+            {"id": name, "object": "model", "created": created, "owned_by": "pagellm", "root": engine.model_path,
              "parent": None, "max_model_len": engine.max_model_len, "permission": []}
             for name in config.served_model_names]}
 
@@ -154,12 +160,15 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.openai.cli_args import default_model_name
 
-    llm_engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-    names = args.served_model_name or [default_model_name(llm_engine.model_path)]
-    metrics = ServerMetrics(names[0], max_model_len=llm_engine.max_model_len,
-                            max_num_batched_tokens=llm_engine.config.max_num_batched_tokens,
-                            cache_info=cache_config_info(llm_engine), model_cost=llm_engine.model_cost())
-    engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
+    if args.data_parallel_size > 1:
+        engine, metrics, names = _replica_server(args)
+    else:
+        llm_engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+        names = args.served_model_name or [default_model_name(llm_engine.model_path)]
+        metrics = ServerMetrics(names[0], max_model_len=llm_engine.max_model_len,
+                                max_num_batched_tokens=llm_engine.config.max_num_batched_tokens,
+                                cache_info=cache_config_info(llm_engine), model_cost=llm_engine.model_cost())
+        engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     metrics.bind(engine.stats)
     per_request = args.max_seqs_per_request or max(1, args.max_num_seqs // 2)
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
@@ -167,6 +176,28 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
                           max_seqs_per_request=min(per_request, args.max_num_seqs),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return build_app(engine, metrics, config), engine, config
+
+
+def _replica_server(args: argparse.Namespace):
+    """--data-parallel-size N: N engine replicas on Ray behind the router (distributed/replicas.py)."""
+    from pagellm.config import engine_kwargs
+    from pagellm.distributed.replicas import ReplicaSet
+    from pagellm.entrypoints.openai.cli_args import default_model_name
+
+    options = engine_kwargs(args)
+    replicas = ReplicaSet(options, args.data_parallel_size, args.router_policy, ray_address=args.ray_address,
+                          max_waiting_requests=args.max_waiting_requests)
+    names = args.served_model_name or [default_model_name(replicas.model_path)]
+    first = replicas.stats()["replicas"][0]["stats"]
+    cfg = replicas.config
+    metrics = ServerMetrics(names[0], max_model_len=replicas.max_model_len,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            cache_info={"block_size": cfg.block_size, "num_gpu_blocks": first["total_blocks"],
+                                        "cache_dtype": cfg.kv_cache_dtype,
+                                        "enable_prefix_caching": cfg.enable_prefix_caching,
+                                        "kv_policy": cfg.kv_policy, "data_parallel_size": args.data_parallel_size})
+    replicas._observer = metrics
+    return replicas, metrics, names
 
 
 def cache_config_info(engine: LLMEngine) -> dict:
@@ -183,11 +214,12 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     app, engine, config = build_server(args)
     stats = engine.stats()
-    core = engine.engine
-    logger.info("serving %s as %r on http://%s:%d (%s on %s; KV pool: %d blocks of %d tokens, max_model_len %d); "
-                "block map at /dashboard", core.model_path, config.served_model_names[0], args.host, args.port,
-                str(core.dtype).removeprefix("torch."), core.device, stats["total_blocks"], stats["block_size"],
-                engine.max_model_len)
+    logger.info("serving %s as %r on http://%s:%d (%s; KV pool: %d blocks of %d tokens, max_model_len %d); "
+                "block map at /dashboard", engine.model_path, config.served_model_names[0], args.host, args.port,
+                f"{args.data_parallel_size} replicas on Ray, router {args.router_policy}"
+                if args.data_parallel_size > 1 else
+                f"{str(engine.engine.dtype).removeprefix('torch.')} on {engine.engine.device}",
+                stats["total_blocks"], stats["block_size"], engine.max_model_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
     return 0

@@ -44,6 +44,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: Qwen, "
                         "Hermes, SmolLM3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS][...])")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each a whole engine in its own Ray actor, behind a router (default: 1, "
+                        "no Ray)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379) so that replicas land on its machines "
+                        "(default: a local Ray instance, started and stopped with the server)")
+    g.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],
+                   help="which replica serves a request: cache_aware (the one that has seen the longest run of "
+                        "its leading KV blocks, unless overloaded), round_robin, least_loaded (default: "
+                        "cache_aware)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's logging (default: info: each request, and throughput every 5 s)")
     g.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
@@ -105,6 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral): "
               "the format the model writes tool calls in", file=sys.stderr)
+        return 2
+    if args.data_parallel_size < 1:
+        print(f"pagellm serve: --data-parallel-size must be >= 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
     if args.max_waiting_requests < 0:
         print(f"pagellm serve: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)

@@ -101,6 +101,26 @@ class _EngineCollector(Collector):
                      "Prefix cache queries (as the engine counts them).", s.get("prefix_cache_queries", 0))
         yield family(CounterMetricFamily, "pagellm:prefix_cache_hits",
                      "Prefix cache hits (as the engine counts them).", s.get("prefix_cache_hits", 0))
+        replicas = s.get("replicas")
+        if replicas is not None:  # --data-parallel-size: each replica's own, beside the totals above
+            per = {name: GaugeMetricFamily(f"pagellm:replica_{name}", doc, labels=["model_name", "replica"])
+                   for name, doc in (("up", "1 while the engine replica serves, 0 once it died."),
+                                     ("requests_in_flight", "Requests the router has routed to the replica and not "
+                                                            "seen finish."),
+                                     ("num_requests_running", "Requests in the replica's running batch."),
+                                     ("num_requests_waiting", "Requests waiting in the replica's queue."),
+                                     ("kv_cache_usage_perc", "Fraction of the replica's KV cache blocks in use."),
+                                     ("prefix_cache_hits", "The replica's prefix cache hits (tokens)."))}
+            for r in replicas:
+                label = labels + [str(r["replica"])]
+                st = r["stats"] or {}
+                per["up"].add_metric(label, 1 if r["alive"] else 0)
+                per["requests_in_flight"].add_metric(label, r["in_flight"])
+                per["num_requests_running"].add_metric(label, st.get("num_running", 0))
+                per["num_requests_waiting"].add_metric(label, st.get("num_waiting", 0))
+                per["kv_cache_usage_perc"].add_metric(label, st.get("kv_cache_usage", 0.0))
+                per["prefix_cache_hits"].add_metric(label, st.get("prefix_cache_hits", 0))
+            yield from per.values()
         tier = s.get("kv_offload")
         if tier:  # the prefix cache's second tier (--kv-offload-dir)
             yield family(GaugeMetricFamily, "pagellm:kv_offload_blocks", "KV blocks held by the second tier.",

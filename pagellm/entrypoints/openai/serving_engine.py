@@ -207,7 +207,7 @@ class OpenAIServing:
                      f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, p))
                  for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        streams = [r for r in results if isinstance(r, RequestStream)]
+        streams = [r for r in results if not isinstance(r, BaseException)]  # RequestStream, or a replica's
         self._fail_together(results, streams)
         return streams
 

@@ -1,0 +1,66 @@
+"""`pagellm serve --data-parallel-size 2`: two engine replicas on a local Ray instance behind the
+cache-aware router, through the official client. Completions equal one engine's; a system
+prompt's later users reach its replica's prefix cache; /health and /metrics report each replica;
+a replica killed mid-run leaves the rotation and the server keeps serving; stopping the server
+leaves no Ray process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import psutil
+
+from pagellm import LLM, SamplingParams
+from tests.entrypoints.server_utils import RemoteServer, metric_value
+
+ENGINE = ["--block-size", "4", "--num-kv-blocks", "128"]
+SYSTEMS = ["You answer questions about rivers and mountains. ", "You write short letters to friends. ",
+           "You describe gardens in the morning light. ", "You list facts about islands and the sea. "]
+
+
+def _ray_processes() -> list[str]:
+    names = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "raylet" in cmd or "gcs_server" in cmd or cmd.startswith("ray::"):
+            names.append(cmd[:80])
+    return names
+
+
+def test_replicas_serve_route_report_and_survive_a_death(tiny_llama_dir):
+    prompts = [s + q for q in ("one?", "two?", "three?") for s in SYSTEMS]  # 4 system prompts x 3 users
+    want = [o.outputs[0].text for o in LLM(tiny_llama_dir, block_size=4, num_kv_blocks=128).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
+    server = RemoteServer(["--model", tiny_llama_dir, "--served-model-name", "m", *ENGINE,
+                           "--data-parallel-size", "2", "--router-policy", "cache_aware"])
+    try:
+        client = server.client()
+
+        def ask(p: str) -> str:
+            return client.completions.create(model="m", prompt=p, max_tokens=8, temperature=0).choices[0].text
+
+        assert [ask(p) for p in prompts] == want
+        health = httpx.get(server.url + "/health", timeout=10).json()["replicas"]
+        assert [r["alive"] for r in health] == [True, True]
+        time.sleep(1.5)  # the replicas' stats are polled each second
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        for r in (0, 1):
+            assert metric_value(text, "pagellm:replica_up", model_name="m", replica=str(r)) == 1
+        hits = sum(metric_value(text, "pagellm:replica_prefix_cache_hits", model_name="m", replica=str(r))
+                   for r in (0, 1))
+        assert hits >= 8 * 36  # the 8 later users each found their system prompt's blocks cached
+        # A replica dies: the server notices, takes it out of rotation, and keeps answering.
+        os.kill(health[0]["pid"], signal.SIGKILL)
+        assert [ask(p) for p in prompts] == want
+        health = httpx.get(server.url + "/health", timeout=10).json()["replicas"]
+        assert [r["alive"] for r in health] == [False, True]
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert metric_value(text, "pagellm:replica_up", model_name="m", replica="0") == 0
+    finally:
+        server.close()
+    deadline = time.monotonic() + 20
+    while _ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _ray_processes(), _ray_processes()

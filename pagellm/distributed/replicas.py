@@ -281,6 +281,7 @@ class ReplicaSet:
         for i in list(self.router.alive):
             try:
                 self._replica_stats[i] = await self.replicas[i].stats.remote()
+                self.router.report_kv_usage(i, self._replica_stats[i].get("kv_cache_usage", 0.0))
             except ray.exceptions.RayActorError as e:
                 self._died(i, e)
 

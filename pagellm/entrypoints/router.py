@@ -5,9 +5,12 @@ cache-aware policy remembers, per replica, the chained block hashes of the promp
 (the prefix cache's own keys, core/kv/paged.py; bounded, least recently used first) and sends a
 request to the replica that has seen the longest run of its leading blocks, unless that replica is
 overloaded against the least loaded one, which then gets it (as SGLang's cache-aware router does:
-an absolute and a relative threshold on the load gap). A request no replica has seen goes to the
-least loaded. Load is the router's own count of requests in flight on each replica. The router is
-bookkeeping only: the replica set that owns the replicas calls `route`, `finished` and `remove`.
+an absolute and a relative threshold on the load gap), or its KV cache is nearly full while the
+least loaded one's is not (a request sent there would queue or preempt for blocks). A request no
+replica has seen goes to the least loaded. Load is the router's own count of requests in flight on
+each replica (exact and immediate), then the KV usage each replica last reported. The router is
+bookkeeping only: the replica set that owns the replicas calls `route`, `finished`, `remove` and
+`report_kv_usage`.
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ class NoReplicaError(EngineDeadError):
 
 class Router:
     def __init__(self, num_replicas: int, policy: str = "cache_aware", block_size: int = 16,
-                 max_blocks_per_replica: int = 1 << 16, balance_abs: int = 4, balance_rel: float = 1.5) -> None:
+                 max_blocks_per_replica: int = 1 << 16, balance_abs: int = 4, balance_rel: float = 1.5,
+                 kv_high: float = 0.9, kv_gap: float = 0.2) -> None:
         """`balance_abs`, `balance_rel`: the best-matching replica is skipped when it has more than
         `balance_abs` requests in flight beyond the least loaded one and more than `balance_rel`
-        times as many."""
+        times as many. `kv_high`, `kv_gap`: or when its KV usage is at least `kv_high` and the
+        least loaded one's is lower by more than `kv_gap`."""
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {policy!r}")
         if num_replicas < 1:
@@ -38,8 +43,10 @@ class Router:
         self.block_size = block_size
         self.max_blocks = max_blocks_per_replica
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.kv_high, self.kv_gap = kv_high, kv_gap
         self.alive = list(range(num_replicas))
         self.in_flight = [0] * num_replicas
+        self.kv_usage = [0.0] * num_replicas
         self._seen: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._next = 0
         self.num_routed = [0] * num_replicas
@@ -64,6 +71,10 @@ class Router:
         """A request routed to `replica` is done (finished, aborted or failed)."""
         self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
 
+    def report_kv_usage(self, replica: int, usage: float) -> None:
+        """The fraction of its KV blocks a replica last reported in use."""
+        self.kv_usage[replica] = usage
+
     def remove(self, replica: int) -> None:
         """Take a replica out of rotation (it died); what it had seen is forgotten."""
         if replica in self.alive:
@@ -72,7 +83,7 @@ class Router:
         self.in_flight[replica] = 0
 
     def _least_loaded(self) -> int:
-        return min(self.alive, key=lambda r: (self.in_flight[r], r))
+        return min(self.alive, key=lambda r: (self.in_flight[r], self.kv_usage[r], r))
 
     def _cache_aware(self, token_ids: Sequence[int], salt: str | None) -> int:
         hashes, parent = [], None
@@ -87,7 +98,9 @@ class Router:
             if n > match or (n == match and n > 0 and self.in_flight[r] < self.in_flight[best]):
                 best, match = r, n
         gap = self.in_flight[best] - self.in_flight[least]
-        overloaded = gap > self.balance_abs and self.in_flight[best] > self.balance_rel * self.in_flight[least]
+        overloaded = ((gap > self.balance_abs and self.in_flight[best] > self.balance_rel * self.in_flight[least])
+                      or (self.kv_usage[best] >= self.kv_high
+                          and self.kv_usage[least] < self.kv_usage[best] - self.kv_gap))
         chosen = least if match == 0 or overloaded else best
         if chosen == best and match:
             self.num_prefix_routed += 1
@@ -101,4 +114,5 @@ class Router:
 
     def stats(self) -> dict:
         return {"policy": self.policy, "alive": list(self.alive), "in_flight": list(self.in_flight),
+                "kv_usage": list(self.kv_usage),
                 "routed": list(self.num_routed), "prefix_routed": self.num_prefix_routed}

@@ -47,6 +47,24 @@ def test_an_overloaded_replica_is_passed_over():
     assert router.in_flight[1 - home] == 1
 
 
+def test_a_replica_with_a_nearly_full_kv_cache_is_passed_over():
+    router = Router(2, "cache_aware", block_size=16, kv_high=0.9, kv_gap=0.2)
+    home = router.route(_prompt(3, 0))
+    router.finished(home)
+    router.report_kv_usage(home, 0.95)
+    router.report_kv_usage(1 - home, 0.8)  # full too, within the gap: the prefix still wins
+    assert router.route(_prompt(3, 1)) == home
+    router.finished(home)
+    router.report_kv_usage(1 - home, 0.5)
+    assert router.route(_prompt(3, 2)) == 1 - home
+    router.finished(1 - home)
+    # Equal requests in flight: the least loaded is the one with more free KV.
+    assert Router(2, "least_loaded")._least_loaded() == 0
+    ll = Router(2, "least_loaded")
+    ll.report_kv_usage(0, 0.7)
+    assert ll.route([1, 2, 3]) == 1
+
+
 def test_dead_replicas_leave_the_rotation():
     router = Router(2, "cache_aware", block_size=16)
     home = router.route(_prompt(3, 0))

@@ -7,7 +7,7 @@ request to the replica that has seen the longest run of its leading blocks, unle
 overloaded against the least loaded one, which then gets it (as SGLang's cache-aware router does:
 an absolute and a relative threshold on the load gap), or its KV cache is nearly full while the
 least loaded one's is not (a request sent there would queue or preempt for blocks). A request no
-replica has seen goes to the least loaded. Load is the router's own count of requests in flight on
+replica has seen goes to the least loaded (ties: the one sent the fewest blocks). Load is the router's own count of requests in flight on
 each replica (exact and immediate), then the KV usage each replica last reported. The router is
 bookkeeping only: the replica set that owns the replicas calls `route`, `finished`, `remove` and
 `report_kv_usage`.
@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from pagellm.config import ROUTER_POLICIES
 from pagellm.core.kv.paged import hash_block
 from pagellm.engine.async_engine import EngineDeadError
-
-ROUTER_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 
 class NoReplicaError(EngineDeadError):
@@ -83,7 +82,10 @@ class Router:
         self.in_flight[replica] = 0
 
     def _least_loaded(self) -> int:
-        return min(self.alive, key=lambda r: (self.in_flight[r], self.kv_usage[r], r))
+        # Ties (an idle pool: nothing in flight anywhere) go to the replica that has been sent the
+        # fewest blocks, as SGLang's router picks the smallest tree: else at low load every new
+        # prefix lands on replica 0, whose cache then holds them all while the others idle.
+        return min(self.alive, key=lambda r: (self.in_flight[r], self.kv_usage[r], len(self._seen[r]), r))
 
     def _cache_aware(self, token_ids: Sequence[int], salt: str | None) -> int:
         hashes, parent = [], None

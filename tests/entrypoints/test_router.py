@@ -28,6 +28,17 @@ def test_shared_prefixes_land_on_one_replica_and_new_ones_spread():
     assert router.num_prefix_routed == 20
 
 
+def test_at_low_load_new_prefixes_still_spread():
+    # Each request finishes before the next arrives: in-flight counts tie at 0 every time, and
+    # the replica that holds fewer prefixes gets the new one.
+    router = Router(2, "cache_aware", block_size=16)
+    homes = []
+    for s in range(4):
+        homes.append(router.route(_prompt(s, 0)))
+        router.finished(homes[-1])
+    assert sorted(homes) == [0, 0, 1, 1]
+
+
 def test_round_robin_ignores_prefixes_and_least_loaded_counts_in_flight():
     rr = Router(3, "round_robin")
     assert [rr.route(_prompt(1, u)) for u in range(6)] == [0, 1, 2, 0, 1, 2]

@@ -25,6 +25,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8
 # How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
 # request as before paging (the baselines of `pagellm bench`; see pagellm.core.kv.contiguous).
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+# Which engine replica serves a request under --data-parallel-size (pagellm.entrypoints.router).
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 
 def bytes_or_fraction(text: str) -> float | int:

@@ -15,6 +15,14 @@ quantized GGUF serving: the same `--model` file, `--threads` threads, and `--par
 `--max-concurrency` (built by benchmarks/build_llama_cpp.sh; PAGELLM_LLAMA_CPP_BIN names
 another build's bin directory).
 
+`--workload shared-prefix` is the workload of a replica router: `--num-systems K` system
+prompts (`--system-prompt-len` tokens each) shared by all users, each request one of them
+(chosen at random) followed by its own question; every rate draws new system prompts, so no
+rate starts with another's cache. The prefix-cache hit rate per rate comes from the server's
+/metrics (pagellm:prefix_cache_{queries,hits}). `--router-policy P` (repeatable) launches each
+POLICY once per router policy (`--router-policy P` added to `--engine-args`, which should give
+`--data-parallel-size N`), so cache_aware and round_robin are measured at the same load.
+
 `--max-concurrency N` keeps at most N requests in flight (the rest wait their turn, as
 vLLM's benchmark does); with `--rates inf` every request is sent at once, so the server runs
 N streams until the work is done.
@@ -40,6 +48,7 @@ from urllib.parse import urlparse
 
 from pagellm import envs
 from pagellm.bench import report, roofline
+from pagellm.config import ROUTER_POLICIES
 
 
 
@@ -53,6 +62,15 @@ class ServeConfig:
     seed: int = 0
     timeout_s: float = 600.0
     max_concurrency: int | None = None
+    num_systems: int = 4  # the shared-prefix workload's system prompts
+    system_prompt_len: int = 384
+
+
+# Tokens of each user's own question after the shared system prompt (shared-prefix workload).
+QUESTION_LEN = 32
+# Replicas report their stats to the server once a second: wait that long before reading its counters.
+REPLICA_STATS_LAG_S = 1.5
+WORKLOADS = ("alpaca", "sharegpt", "shared-prefix")
 
 
 @dataclass
@@ -77,19 +95,24 @@ def check_loopback(url: str) -> None:
     raise ValueError(f"--url must point at this machine (127.0.0.0/8, ::1 or localhost), got {url!r}")
 
 
-def make_requests(cfg: ServeConfig) -> list[tuple[str, int]]:
-    """(prompt text, max_tokens) per request; lengths from the memory bench's workloads,
-    clipped for a CPU server. A word is about 1.3 tokens; usage reports the true count."""
-    from pagellm.bench.memory import WORKLOADS, sample_lengths
+def _words(rng: random.Random, tokens: int) -> str:
+    """About `tokens` tokens of common words (a word is about 1.3 tokens; usage reports the true count)."""
+    return " ".join(rng.choice(report.COMMON_WORDS) for _ in range(max(1, round(tokens / 1.3))))
 
-    lengths = sample_lengths(WORKLOADS[cfg.workload], cfg.num_requests, cfg.seed, 2048)
+
+def make_requests(cfg: ServeConfig, round_index: int = 0) -> list[tuple[str, int]]:
+    """(prompt text, max_tokens) per request; lengths from the memory bench's workloads, clipped
+    for a CPU server. For shared-prefix, each `round_index` (rate) has its own system prompts."""
+    if cfg.workload == "shared-prefix":
+        rng = random.Random(cfg.seed * 1000 + round_index)
+        systems = [_words(rng, cfg.system_prompt_len) for _ in range(cfg.num_systems)]
+        return [(f"{rng.choice(systems)}\n\nQ: {_words(rng, QUESTION_LEN)}", cfg.max_output)
+                for _ in range(cfg.num_requests)]
+    from pagellm.bench.memory import WORKLOADS as LENGTHS, sample_lengths
+
+    lengths = sample_lengths(LENGTHS[cfg.workload], cfg.num_requests, cfg.seed, 2048)
     rng = random.Random(cfg.seed)
-    out = []
-    for p, o in lengths:
-        n_words = max(1, round(min(p, cfg.max_prompt) / 1.3))
-        text = " ".join(rng.choice(report.COMMON_WORDS) for _ in range(n_words))
-        out.append((text, max(1, min(o, cfg.max_output))))
-    return out
+    return [(_words(rng, min(p, cfg.max_prompt)), max(1, min(o, cfg.max_output))) for p, o in lengths]
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int, rec: RequestRecord) -> None:
@@ -193,6 +216,17 @@ def get_model(url: str, timeout: float = 10.0) -> str:
     return r.json()["data"][0]["id"]
 
 
+def num_replicas(url: str) -> int:
+    """The engine replicas a pagellm server lists in /health (0: a single engine, or another server)."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/health", timeout=10)
+        return len(r.json().get("replicas", [])) if r.status_code == 200 and r.content else 0
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return 0
+
+
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
     import httpx
 
@@ -271,6 +305,8 @@ SERVER_COUNTERS = {
     "tokens": ("pagellm:iteration_tokens_total_sum", ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total")),
     "flops_per_token": ("pagellm:model_flops_per_token",),
     "weight_bytes_per_step": ("pagellm:model_weight_bytes_per_step",),
+    "prefix_queries": ("pagellm:prefix_cache_queries_total",),
+    "prefix_hits": ("pagellm:prefix_cache_hits_total",),
 }
 
 
@@ -304,6 +340,15 @@ def reported_cost(counters: dict) -> dict | None:
     return {k: counters[k] for k in ("flops_per_token", "weight_bytes_per_step") if k in counters} or None
 
 
+def prefix_hit_rate(before: dict, after: dict) -> float | None:
+    """The share of prompt tokens the prefix cache served over one rate (None: the server has no
+    such counters, or computed no prompt)."""
+    if not all("prefix_queries" in c and "prefix_hits" in c for c in (before, after)):
+        return None
+    queries = after["prefix_queries"] - before["prefix_queries"]
+    return (after["prefix_hits"] - before["prefix_hits"]) / queries if queries > 0 else None
+
+
 def rate_roofline(before: dict, after: dict, duration_s: float, limits: dict | None, cost: dict | None) -> dict | None:
     """The GFLOP/s and weight GB/s the server achieved over one rate, from its counters' growth."""
     cost = reported_cost(after) or cost
@@ -320,20 +365,27 @@ def bench_target(url: str, cfg: ServeConfig, show_progress: bool, label: str | N
     (FLOPs per token, weight bytes per step) stands in for a server that does not report its own."""
     model = get_model(url)
     warm_up(url, model, cfg.timeout_s)
-    work = make_requests(cfg)
+    lag = REPLICA_STATS_LAG_S if num_replicas(url) else 0.0
     rows = []
-    for rate in report.progress(cfg.rates, desc=f"bench serve {label or url}", enable=show_progress, unit="rate"):
+    rates = report.progress(cfg.rates, desc=f"bench serve {label or url}", enable=show_progress, unit="rate")
+    for i, rate in enumerate(rates):
+        work = make_requests(cfg, i)
+        time.sleep(lag)
         before = server_counters(url)
         records = asyncio.run(run_rate(url, model, work, rate, cfg.seed, cfg.timeout_s, cfg.max_concurrency))
         row = summarize(records, rate)
-        row["roofline"] = rate_roofline(before, server_counters(url), row["duration_s"], limits, cost)
+        time.sleep(lag)
+        after = server_counters(url)
+        row["roofline"] = rate_roofline(before, after, row["duration_s"], limits, cost)
+        row["prefix_cache_hit_rate"] = prefix_hit_rate(before, after)
         rows.append(row)
     return {"url": url, "model": model, "rates": rows}
 
 
 def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: list[str], engine_args: list[str],
                     out_dir: str, show_progress: bool = True, ready_timeout_s: float = 600.0,
-                    llama: dict | None = None) -> dict:
+                    llama: dict | None = None, router_policies: list[str] | None = None) -> dict:
+    """`router_policies`: launch each pagellm policy once per router policy (label POLICY/ROUTER)."""
     targets: dict = {}
     skipped: dict = {}
     limits = roofline.machine_limits()
@@ -342,41 +394,84 @@ def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: lis
         check_loopback(url)
         targets[label] = bench_target(url.rstrip("/"), cfg, show_progress, label, limits)
     # pagellm first: its reported model cost serves llama-server's roofline too.
-    for policy in sorted(policies, key=lambda p: p == LLAMA_SERVER):
-        log_path = os.path.join(out_dir, f"serve-{policy}.log")
-        proc, url = launch(policy, engine_args, log_path, llama)
+    runs = [(p, None) for p in policies if p == LLAMA_SERVER or not router_policies]
+    runs += [(p, r) for p in policies if p != LLAMA_SERVER for r in router_policies or ()]
+    for policy, router in sorted(runs, key=lambda run: run[0] == LLAMA_SERVER):
+        label = f"{policy}/{router}" if router else policy
+        args = [*engine_args, "--router-policy", router] if router else engine_args
+        log_path = os.path.join(out_dir, f"serve-{label.replace('/', '-')}.log")
+        proc, url = launch(policy, args, log_path, llama)
         try:
             wait_ready(url, proc, ready_timeout_s)
             if policy != LLAMA_SERVER and cost is None:
                 cost = reported_cost(server_counters(url))
-            targets[policy] = {**bench_target(url, cfg, show_progress, policy, limits, cost), "launched": True,
-                               "engine_args": proc.args[1:] if policy == LLAMA_SERVER else engine_args}
+            targets[label] = {**bench_target(url, cfg, show_progress, label, limits, cost), "launched": True,
+                              "engine_args": proc.args[1:] if policy == LLAMA_SERVER else args}
         except (RuntimeError, TimeoutError) as e:
-            skipped[policy] = f"{e} (log: {log_path})"
+            skipped[label] = f"{e} (log: {log_path})"
         finally:
             stop(proc)
-    return {"config": asdict(cfg), "machine_limits": limits, "machine_limits_after": roofline.machine_limits(),
-            "targets": targets, "skipped": skipped}
+    out = {"config": asdict(cfg), "machine_limits": limits, "machine_limits_after": roofline.machine_limits(),
+           "targets": targets, "skipped": skipped}
+    if router_policies:
+        out["router_targets"] = router_targets(targets, cfg.num_systems)
+    return out
+
+
+# Issue 21: with K = replicas x 2 system prompts, the cache-aware router's prefix-cache hit rate is
+# at least 1.8x round-robin's at the same load.
+ROUTER_HIT_RATE_TARGET = 1.8
+
+
+def router_targets(targets: dict, num_systems: int) -> list[dict]:
+    """Per launched policy and rate: cache_aware's hit rate (and mean TTFT) against round_robin's."""
+    out = []
+    for label, t in targets.items():
+        policy, _, router = label.partition("/")
+        other = targets.get(f"{policy}/round_robin")
+        if router != "cache_aware" or other is None:
+            continue
+        for mine, theirs in zip(t["rates"], other["rates"]):
+            ours, base = mine["prefix_cache_hit_rate"], theirs["prefix_cache_hit_rate"]
+            ratio = ours / base if ours is not None and base else None
+            out.append({"target": f"{policy} at {mine['rate']} req/s, K = {num_systems}: cache_aware prefix-cache "
+                                  f"hit rate >= {ROUTER_HIT_RATE_TARGET}x round_robin's "
+                                  f"({_fmt_pct(ours)} vs {_fmt_pct(base)}; mean TTFT "
+                                  f"{_fmt_s(mine['ttft_s']['mean'])} vs {_fmt_s(theirs['ttft_s']['mean'])})",
+                        "value": ratio if ratio is not None else float("nan"),
+                        "met": ratio is not None and ratio >= ROUTER_HIT_RATE_TARGET})
+    return out
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f} s"
 
 
 def print_tables(results: dict) -> None:
     headers = ["target", "rate req/s", "done", "failed", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "e2e p50 s",
-               "e2e p99 s", "norm lat s/tok", "tok/s", "GFLOP/s", "weight GB/s"]
+               "e2e p99 s", "norm lat s/tok", "tok/s", "prefix hit %", "GFLOP/s", "weight GB/s"]
     rows = []
     for label, t in results["targets"].items():
         for r in t["rates"]:
             rows.append([label, r["rate"], r["completed"], r["failed"], r["ttft_s"]["p50"], r["ttft_s"]["p99"],
                          r["tpot_s"]["p50"], r["e2e_s"]["p50"], r["e2e_s"]["p99"], r["normalized_latency_s"]["mean"],
-                         r["throughput_tok_s"], (r.get("roofline") or {}).get("gflops"),
+                         r["throughput_tok_s"], _fmt_pct(r.get("prefix_cache_hit_rate")),
+                         (r.get("roofline") or {}).get("gflops"),
                          (r.get("roofline") or {}).get("weight_gbps")])
     print(report.format_table(headers, rows))
     for k, why in results["skipped"].items():
         print(f"skipped {k}: {why}")
+    report.print_targets(results.get("router_targets", []), "{:.2f}x")
 
 
 def plot(results: dict, path) -> None:
     plt = report.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    hits = any(r.get("prefix_cache_hit_rate") is not None for t in results["targets"].values() for r in t["rates"])
+    fig, axes = plt.subplots(1, 4 if hits else 3, figsize=(20 if hits else 15, 4.5))
     for i, (label, t) in enumerate(results["targets"].items()):
         rates = [r["rate"] for r in t["rates"]]
         color = f"C{i}"  # one color per target in every panel; p99 dashed beside its p50
@@ -386,8 +481,12 @@ def plot(results: dict, path) -> None:
         axes[1].plot(rates, [r["ttft_s"]["p99"] for r in t["rates"]], marker="x", ls="--", color=color,
                      label=f"{label} p99")
         axes[2].plot(rates, [r["throughput_tok_s"] for r in t["rates"]], marker="o", color=color, label=label)
+        if hits:
+            axes[3].plot(rates, [100 * (r.get("prefix_cache_hit_rate") or 0.0) for r in t["rates"]], marker="o",
+                         color=color, label=label)
     for ax, title, ylabel in ((axes[0], "normalized latency vs rate", "s / output token"),
-                              (axes[1], "time to first token", "s"), (axes[2], "throughput", "output tokens/s")):
+                              (axes[1], "time to first token", "s"), (axes[2], "throughput", "output tokens/s"),
+                              *(((axes[3], "prefix cache hit rate", "% of prompt tokens"),) if hits else ())):
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
@@ -413,7 +512,15 @@ def add_parser(sub) -> None:
                    help="requests in flight at most (default: no limit); llama-server gets as many slots")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates (req/s)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
-    p.add_argument("--workload", choices=["alpaca", "sharegpt"], default="alpaca")
+    p.add_argument("--workload", choices=WORKLOADS, default="alpaca",
+                   help="request lengths as in alpaca or sharegpt, or shared-prefix: --num-systems system prompts "
+                        "shared by all users")
+    p.add_argument("--num-systems", type=int, default=4, help="shared-prefix: system prompts (default 4)")
+    p.add_argument("--system-prompt-len", type=int, default=384,
+                   help="shared-prefix: tokens per system prompt, approximately (default 384)")
+    p.add_argument("--router-policy", action="append", default=[], choices=ROUTER_POLICIES,
+                   help="launch each POLICY once per router policy (--engine-args should give "
+                        "--data-parallel-size N); repeatable")
     p.add_argument("--max-prompt", type=int, default=512, help="clip prompts (tokens, approximately)")
     p.add_argument("--max-output", type=int, default=128, help="clip outputs (tokens)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
@@ -428,6 +535,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("give --url URL (a running server) or --launch POLICY (start one here)")
     if any(r <= 0 for r in args.rates) or args.num_requests < 1:
         raise ValueError("--rates must be > 0 and --num-requests >= 1")
+    if args.num_systems < 1 or args.system_prompt_len < 1:
+        raise ValueError("--num-systems and --system-prompt-len must be >= 1")
+    if args.router_policy and not args.launch:
+        raise ValueError("--router-policy applies to launched servers: give --launch POLICY")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     urls = []
@@ -436,7 +547,8 @@ def main(args: argparse.Namespace) -> int:
         urls.append((label, rest) if rest and "://" not in label else (u, u))
     cfg = ServeConfig(rates=sorted(args.rates), num_requests=args.num_requests, workload=args.workload,
                       max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed, timeout_s=args.timeout,
-                      max_concurrency=args.max_concurrency)
+                      max_concurrency=args.max_concurrency, num_systems=args.num_systems,
+                      system_prompt_len=args.system_prompt_len)
     engine_args = args.engine_args.split()
     if args.model:
         engine_args = [args.model, *engine_args]
@@ -452,9 +564,12 @@ def main(args: argparse.Namespace) -> int:
         llama = {"model": model, "threads": args.threads or torch.get_num_threads(),
                  "parallel": args.max_concurrency or 16, "ctx_per_slot": args.max_prompt + args.max_output + 64}
     json_path, png_path = report.output_paths("serve", args.out)
-    results = {**report.metadata("serve", extra_versions=("httpx",)),
+    load = {"loadavg_start": os.getloadavg()}  # the cores must be idle for figures worth comparing
+    results = {**report.metadata("serve", extra_versions=("httpx",)), "load": load,
                **run_serve_bench(cfg, urls, list(dict.fromkeys(args.launch)), engine_args,
-                                 tempfile.gettempdir(), show_progress=not args.no_progress, llama=llama)}
+                                 tempfile.gettempdir(), show_progress=not args.no_progress, llama=llama,
+                                 router_policies=list(dict.fromkeys(args.router_policy)))}
+    load["loadavg_end"] = os.getloadavg()
     print_tables(results)
     report.write_json(json_path, results)
     plot(results, png_path)

@@ -114,3 +114,15 @@ def test_serve_bench_launches_real_servers_per_policy(tmp_path, tiny_llama_dir):
         roof = row["roofline"]
         assert roof["steps"] >= 4 and roof["tokens_computed"] >= expected_tokens
         assert roof["gflops"] > 0 and roof["weight_gbps"] > 0 and 0 < roof["share_of_memory_bandwidth"]
+
+
+def test_shared_prefix_workload_shares_k_system_prompts_per_rate():
+    cfg = ServeConfig(workload="shared-prefix", num_requests=40, num_systems=3, system_prompt_len=64, max_output=8)
+    first, second = make_requests(cfg, 0), make_requests(cfg, 1)
+    systems = {p.split("\n\nQ: ")[0] for p, _ in first}
+    assert len(systems) == 3 and all(len(s.split()) >= 40 for s in systems)
+    assert len({p for p, _ in first}) == 40  # each user asks their own question
+    assert all(n == 8 for _, n in first)
+    # A new rate starts with new system prompts, so it cannot hit the previous rate's cache.
+    assert systems.isdisjoint({p.split("\n\nQ: ")[0] for p, _ in second})
+    assert make_requests(cfg, 0) == first

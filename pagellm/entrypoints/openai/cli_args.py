@@ -6,6 +6,7 @@ import os
 import re
 
 from pagellm import envs
+from pagellm.config import ROUTER_POLICIES
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -50,7 +51,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. 10.0.0.1:6379) so that replicas land on its machines "
                         "(default: a local Ray instance, started and stopped with the server)")
-    g.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],
+    g.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                    help="which replica serves a request: cache_aware (the one that has seen the longest run of "
                         "its leading KV blocks, unless overloaded), round_robin, least_loaded (default: "
                         "cache_aware)")

@@ -3,7 +3,8 @@
 The prefix cache pays only when requests that share a prefix reach the replica that holds it. The
 cache-aware policy remembers, per replica, the chained block hashes of the prompts it sent there
 (the prefix cache's own keys, core/kv/paged.py; bounded, least recently used first) and sends a
-request to the replica that has seen the longest run of its leading blocks, unless that replica is
+request to the replica that has seen the longest run of its leading blocks (at least half of them:
+a shorter match, such as a chat template's header, says little), unless that replica is
 overloaded against the least loaded one, which then gets it (as SGLang's cache-aware router does:
 an absolute and a relative threshold on the load gap), or its KV cache is nearly full while the
 least loaded one's is not (a request sent there would queue or preempt for blocks). A request no
@@ -29,11 +30,13 @@ class NoReplicaError(EngineDeadError):
 class Router:
     def __init__(self, num_replicas: int, policy: str = "cache_aware", block_size: int = 16,
                  max_blocks_per_replica: int = 1 << 16, balance_abs: int = 4, balance_rel: float = 1.5,
-                 kv_high: float = 0.9, kv_gap: float = 0.2) -> None:
+                 kv_high: float = 0.9, kv_gap: float = 0.2, min_match: float = 0.5) -> None:
         """`balance_abs`, `balance_rel`: the best-matching replica is skipped when it has more than
         `balance_abs` requests in flight beyond the least loaded one and more than `balance_rel`
         times as many. `kv_high`, `kv_gap`: or when its KV usage is at least `kv_high` and the
-        least loaded one's is lower by more than `kv_gap`."""
+        least loaded one's is lower by more than `kv_gap`. `min_match`: a match shorter than this
+        share of the prompt's blocks does not count (a chat template's header, which every prompt
+        starts with, would otherwise pull every request to the first replica that saw one)."""
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {policy!r}")
         if num_replicas < 1:
@@ -43,6 +46,7 @@ class Router:
         self.max_blocks = max_blocks_per_replica
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.kv_high, self.kv_gap = kv_high, kv_gap
+        self.min_match = min_match
         self.alive = list(range(num_replicas))
         self.in_flight = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas
@@ -103,9 +107,9 @@ class Router:
         overloaded = ((gap > self.balance_abs and self.in_flight[best] > self.balance_rel * self.in_flight[least])
                       or (self.kv_usage[best] >= self.kv_high
                           and self.kv_usage[least] < self.kv_usage[best] - self.kv_gap))
-        chosen = least if match == 0 or overloaded else best
-        if chosen == best and match:
-            self.num_prefix_routed += 1
+        by_prefix = match > 0 and match >= self.min_match * len(hashes) and not overloaded
+        chosen = best if by_prefix else least
+        self.num_prefix_routed += by_prefix
         seen = self._seen[chosen]
         for h in hashes:
             seen[h] = None

@@ -39,6 +39,21 @@ def test_at_low_load_new_prefixes_still_spread():
     assert sorted(homes) == [0, 0, 1, 1]
 
 
+def test_a_short_common_header_does_not_pull_everything_to_one_replica():
+    # Every prompt opens with the same 2-block header (a chat template's), then its own text.
+    header = list(range(3, 35))
+    router = Router(2, "cache_aware", block_size=16, min_match=0.5)
+    homes = []
+    for s in range(4):
+        homes.append(router.route(header + _prompt(s, 0, n=64)))
+        router.finished(homes[-1])
+    assert sorted(homes) == [0, 0, 1, 1]
+    assert router.num_prefix_routed == 0
+    for s in range(4):  # header and system prompt together (all 6 full blocks) still route
+        assert router.route(header + _prompt(s, 1, n=64)) == homes[s]
+        router.finished(homes[s])
+
+
 def test_round_robin_ignores_prefixes_and_least_loaded_counts_in_flight():
     rr = Router(3, "round_robin")
     assert [rr.route(_prompt(1, u)) for u in range(6)] == [0, 1, 2, 0, 1, 2]

@@ -51,6 +51,10 @@ def test_replicas_serve_route_report_and_survive_a_death(tiny_llama_dir):
         hits = sum(metric_value(text, "pagellm:replica_prefix_cache_hits", model_name="m", replica=str(r))
                    for r in (0, 1))
         assert hits >= 8 * 36  # the 8 later users each found their system prompt's blocks cached
+        routed = [metric_value(text, "pagellm:replica_requests_routed_total", model_name="m", replica=str(r))
+                  for r in (0, 1)]
+        assert sorted(routed) == [6, 6]  # two system prompts (and their 3 users) per replica
+        assert metric_value(text, "pagellm:router_prefix_routed_total", model_name="m") == 8
         # A replica dies: the server notices, takes it out of rotation, and keeps answering.
         os.kill(health[0]["pid"], signal.SIGKILL)
         assert [ask(p) for p in prompts] == want

@@ -121,6 +121,15 @@ class _EngineCollector(Collector):
                 per["kv_cache_usage_perc"].add_metric(label, st.get("kv_cache_usage", 0.0))
                 per["prefix_cache_hits"].add_metric(label, st.get("prefix_cache_hits", 0))
             yield from per.values()
+            router = s.get("router") or {}
+            routed = CounterMetricFamily("pagellm:replica_requests_routed", "Requests the router sent to the "
+                                         "replica (retries included).", labels=["model_name", "replica"])
+            for i, n in enumerate(router.get("routed", [])):
+                routed.add_metric(labels + [str(i)], n)
+            yield routed
+            yield family(CounterMetricFamily, "pagellm:router_prefix_routed",
+                         "Requests the cache-aware router sent to a replica that had seen their prefix.",
+                         router.get("prefix_routed", 0))
         tier = s.get("kv_offload")
         if tier:  # the prefix cache's second tier (--kv-offload-dir)
             yield family(GaugeMetricFamily, "pagellm:kv_offload_blocks", "KV blocks held by the second tier.",

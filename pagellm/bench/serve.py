@@ -203,6 +203,8 @@ def summarize(records: list[RequestRecord], rate: float) -> dict:
         "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if r.error})[:5],
         "ttft_s": stats(ttft), "tpot_s": stats(tpot), "e2e_s": stats(e2e), "normalized_latency_s": stats(norm),
         "output_tokens": out_tokens, "duration_s": span,
+        "prompt_tokens_mean": (sum(r.prompt_tokens for r in ok if r.prompt_tokens is not None)
+                               / max(1, sum(1 for r in ok if r.prompt_tokens is not None))) if ok else None,
         "throughput_tok_s": out_tokens / span if span else 0.0,
         "throughput_req_s": len(ok) / span if span else 0.0,
     }

@@ -41,8 +41,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("pagellm generate: give --prompt or prompts on standard input, one a line", file=sys.stderr)
         return 2
+    params = sampling_params(args)  # a bad sampling option fails now, not after the model loads
     llm = LLM(**engine_kwargs(args))
-    outputs = llm.generate(prompts, sampling_params(args), use_tqdm=len(prompts) > 1)
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for out in outputs:
         if len(outputs) > 1:
             print(f"--- {out.prompt!r}")
@@ -57,8 +58,8 @@ Ctrl-C while a reply streams stops that reply; at the prompt it quits"""
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagellm.engine.llm_engine import LLMEngine
 
+    params = sampling_params(args)  # a bad sampling option fails now, not after the model loads
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-    params = sampling_params(args)
     tok = engine.tokenizer
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = list(system)

@@ -5,13 +5,6 @@ import subprocess
 import sys
 
 
-def test_chat_answers_paris():
-    proc = subprocess.run([sys.executable, "-m", "pagellm", "chat", "--max-tokens", "40", "--kv-cache-memory", "128M"],
-                          input="What is the capital of France?\n", capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
-
-
 def test_generate_prompts_from_stdin():
     proc = subprocess.run([sys.executable, "-m", "pagellm", "generate", "--max-tokens", "8", "--kv-cache-memory", "64M"],
                           input="The capital of France is\nThe capital of Germany is\n",
@@ -24,13 +17,16 @@ def test_generate_prompts_from_stdin():
 
 
 def test_bad_option_is_a_clear_error(tiny_llama_dir):
-    proc = subprocess.run([sys.executable, "-m", "pagellm", "generate", "--model", tiny_llama_dir,
-                           "--prompt", "hello", "--temperature", "-1"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert "temperature" in proc.stderr and "Traceback" not in proc.stderr
+    for command in (["generate", "--prompt", "hello"], ["chat"]):
+        proc = subprocess.run([sys.executable, "-m", "pagellm", *command, "--model", tiny_llama_dir,
+                               "--temperature", "-1"], capture_output=True, text=True, timeout=300, input="")
+        assert proc.returncode == 2
+        assert "temperature" in proc.stderr and "Traceback" not in proc.stderr
+        assert "pagellm: loading " not in proc.stderr  # refused before the model loads
 
 
 def test_chat_commands():
+    # Answers (Paris), the commands, and a message too long for the pool refused alone.
     script = "/help\nWhat is the capital of France?\n" + "very long " * 2000 + "\n/reset\n/exit\nnever read\n"
     proc = subprocess.run([sys.executable, "-m", "pagellm", "chat", "--max-tokens", "20", "--kv-cache-memory", "64M"],
                           input=script, capture_output=True, text=True, timeout=300)

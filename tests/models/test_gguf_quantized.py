@@ -104,7 +104,7 @@ def test_mixed_types_match_the_dequantized_model(mixed_gguf):
 
 
 def test_bundled_q4_1_model_matches_its_dequantized_self():
-    """64 prompts x 64 tokens on the bundled SmolLM2 (Q4_1 matrices, a Q8_0 embedding and tied head)."""
+    """32 prompts x 48 tokens on the bundled SmolLM2 (Q4_1 matrices, a Q8_0 embedding and tied head)."""
     quantized = LLM(quantization="auto", max_model_len=256, **FEW_ROWS)
     reference = LLM(quantization="none", max_model_len=256)
     words = ("the a of to in is was for on with he she it they we you that this what when where why how "
@@ -112,8 +112,8 @@ def test_bundled_q4_1_model_matches_its_dequantized_self():
     rng = random.Random(0)
     tok = quantized.get_tokenizer()
     prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(2, 12))).capitalize())
-               for _ in range(64)]
-    agreement, worst = _compare(quantized, reference, prompts, 64)
+               for _ in range(32)]
+    agreement, worst = _compare(quantized, reference, prompts, 48)
     assert agreement >= MIN_AGREEMENT
     assert 0 < worst <= LOGPROB_ATOL
 

@@ -181,7 +181,17 @@ class ReplicaSet:
         self._observer = observer
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            try:
+                ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            except ConnectionError as e:
+                if ray_address is None:
+                    raise
+                # Ray >= 2.59 turns token authentication on for clusters started with `ray start`,
+                # but not for a client joining one: the bare error does not say so.
+                raise ConnectionError(
+                    f"could not join the Ray cluster at --ray-address {ray_address} ({e}). If the cluster uses "
+                    "token authentication (the default of `ray start` since Ray 2.59), set RAY_AUTH_MODE=token "
+                    "here too, with its token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from None
         threads = threads_per_replica or max(1, (os.cpu_count() or 1) // num_replicas)
         actor = _replica_class()
         self.replicas = [actor.options(num_cpus=0).remote(options, threads, max_waiting_requests)

@@ -84,6 +84,9 @@ def _replica_class():
         async def stats(self) -> dict:
             return self.engine.stats()
 
+        def cache_config(self) -> dict:
+            return self.engine.engine.cache_config()
+
         async def call(self, fn: Callable) -> Any:
             self._start()
             return await self.engine.call(fn)
@@ -102,8 +105,10 @@ def _replica_class():
 class ReplicaStream:
     """One request's outputs from its replica; the interface of async_engine.RequestStream."""
 
-    def __init__(self, owner: ReplicaSet, request_id: str, prompt: Any, params: Any, replica: int, outputs) -> None:
+    def __init__(self, owner: ReplicaSet, request_id: str, prompt: Any, token_ids: list[int], params: Any,
+                 replica: int, outputs) -> None:
         self._owner, self.request_id, self._prompt, self._params = owner, request_id, prompt, params
+        self._token_ids = token_ids  # what the router routes by, kept for a retry elsewhere
         self.replica, self._outputs = replica, outputs
         self.finished = False
         self.streamed = False
@@ -131,7 +136,8 @@ class ReplicaStream:
                                            f"{self.request_id!r}") from None
                 # Nothing reached the client: the request starts again on another replica.
                 self._owner.router.finished(self.replica)
-                self.replica, self._outputs = await self._owner._start(self.request_id, self._prompt, self._params)
+                self.replica, self._outputs = await self._owner._start(self.request_id, self._prompt,
+                                                                       self._token_ids, self._params)
             except ray.exceptions.RayTaskError as e:
                 self._end()
                 raise e.as_instanceof_cause() from None
@@ -178,7 +184,7 @@ class ReplicaSet:
         self.tokenizer = source.tokenizer
         self.model_path = source.path
         self.max_model_len = resolve_max_model_len(self.config.max_model_len, source.arch.max_position_embeddings)
-        self._observer = observer
+        self.observer = observer
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             try:
@@ -200,6 +206,7 @@ class ReplicaSet:
         try:
             self.pids = ray.get([r.ready.remote() for r in self.replicas])
             self._replica_stats: list[dict | None] = ray.get([r.stats.remote() for r in self.replicas])
+            self.cache_config: dict = ray.get(self.replicas[0].cache_config.remote())  # each replica's the same
         except BaseException:
             self.close()
             raise
@@ -215,11 +222,10 @@ class ReplicaSet:
         text = prompt["prompt"] if isinstance(prompt, dict) else prompt
         return self.tokenizer.encode(text)
 
-    async def _start(self, request_id: str, prompt: Any, params: Any):
+    async def _start(self, request_id: str, prompt: Any, token_ids: list[int], params: Any):
         """(replica, its output generator) once a live replica accepted the request."""
         import ray
 
-        token_ids = self._token_ids(prompt)
         while True:
             replica = self.router.route(token_ids)  # raises NoReplicaError when none is left
             outputs = self.replicas[replica].generate.options(num_returns="streaming").remote(
@@ -240,10 +246,11 @@ class ReplicaSet:
     async def add_request(self, request_id: str, prompt: Any, params: Any) -> ReplicaStream:
         """Hand a request to a replica; returns once it accepted it. Raises what its engine raises
         (ValueError, QueueFullError), or NoReplicaError when no replica is left."""
-        replica, outputs = await self._start(request_id, prompt, params)
-        stream = ReplicaStream(self, request_id, prompt, params, replica, outputs)
+        token_ids = self._token_ids(prompt)  # once: routing, a retry elsewhere and the metrics use it
+        replica, outputs = await self._start(request_id, prompt, token_ids, params)
+        stream = ReplicaStream(self, request_id, prompt, token_ids, params, replica, outputs)
         self._streams.add(stream)
-        self._observe("on_added", request_id, params, len(self._token_ids(prompt)))
+        self._observe("on_added", request_id, params, len(token_ids))
         return stream
 
     async def generate(self, request_id: str, prompt: Any, params: Any) -> AsyncIterator[RequestOutput]:
@@ -271,8 +278,8 @@ class ReplicaSet:
             self._dead = NoReplicaError("every engine replica has died")
 
     def _observe(self, hook: str, *args: Any) -> None:
-        if self._observer is not None:
-            getattr(self._observer, hook)(*args)
+        if self.observer is not None:
+            getattr(self.observer, hook)(*args)
 
     # ---- what the server asks of an engine -----------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

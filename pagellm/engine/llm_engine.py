@@ -290,6 +290,14 @@ class LLMEngine:
         holds, its KV heads, and its peak memory so far."""
         return self.runner.memory_report()
 
+    def cache_config(self) -> dict:
+        """The KV cache's settings as vLLM's cache config names them (the labels of the server's
+        pagellm:cache_config_info)."""
+        cfg = self.config
+        return {"block_size": cfg.block_size, "num_gpu_blocks": self.kv.num_blocks,
+                "cache_dtype": self.runner.kv_format.name, "enable_prefix_caching": cfg.enable_prefix_caching,
+                "kv_policy": cfg.kv_policy}
+
     def model_cost(self) -> dict:
         """The model's FLOPs per computed token and weight bytes streamed per step, all ranks
         together (CausalLM.compute_cost): what a roofline divides by time."""

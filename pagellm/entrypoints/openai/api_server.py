@@ -6,7 +6,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,9 +23,6 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
-
-if TYPE_CHECKING:
-    from pagellm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagellm.server")
 
@@ -167,7 +163,7 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
         names = args.served_model_name or [default_model_name(llm_engine.model_path)]
         metrics = ServerMetrics(names[0], max_model_len=llm_engine.max_model_len,
                                 max_num_batched_tokens=llm_engine.config.max_num_batched_tokens,
-                                cache_info=cache_config_info(llm_engine), model_cost=llm_engine.model_cost())
+                                cache_info=llm_engine.cache_config(), model_cost=llm_engine.model_cost())
         engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     metrics.bind(engine.stats)
     per_request = args.max_seqs_per_request or max(1, args.max_num_seqs // 2)
@@ -188,24 +184,11 @@ def _replica_server(args: argparse.Namespace):
     replicas = ReplicaSet(options, args.data_parallel_size, args.router_policy, ray_address=args.ray_address,
                           max_waiting_requests=args.max_waiting_requests)
     names = args.served_model_name or [default_model_name(replicas.model_path)]
-    first = replicas.stats()["replicas"][0]["stats"]
-    cfg = replicas.config
     metrics = ServerMetrics(names[0], max_model_len=replicas.max_model_len,
-                            max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            cache_info={"block_size": cfg.block_size, "num_gpu_blocks": first["total_blocks"],
-                                        "cache_dtype": cfg.kv_cache_dtype,
-                                        "enable_prefix_caching": cfg.enable_prefix_caching,
-                                        "kv_policy": cfg.kv_policy, "data_parallel_size": args.data_parallel_size})
-    replicas._observer = metrics
+                            max_num_batched_tokens=replicas.config.max_num_batched_tokens,
+                            cache_info={**replicas.cache_config, "data_parallel_size": args.data_parallel_size})
+    replicas.observer = metrics
     return replicas, metrics, names
-
-
-def cache_config_info(engine: LLMEngine) -> dict:
-    """The labels of pagellm:cache_config_info, as vLLM's names them."""
-    cfg = engine.config
-    return {"block_size": cfg.block_size, "num_gpu_blocks": engine.kv.num_blocks,
-            "cache_dtype": engine.runner.kv_format.name, "enable_prefix_caching": cfg.enable_prefix_caching,
-            "kv_policy": cfg.kv_policy}
 
 
 def run_server(args: argparse.Namespace) -> int:

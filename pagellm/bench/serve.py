@@ -193,6 +193,7 @@ def summarize(records: list[RequestRecord], rate: float) -> dict:
     norm = [(r.done - r.sent) / r.output_tokens for r in ok if r.output_tokens]
     span = (max(r.done for r in ok) - min(r.sent for r in records)) if ok else 0.0
     out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]  # as usage reported them
 
     def stats(xs: list[float]) -> dict:
         return {"mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9),
@@ -203,8 +204,7 @@ def summarize(records: list[RequestRecord], rate: float) -> dict:
         "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if r.error})[:5],
         "ttft_s": stats(ttft), "tpot_s": stats(tpot), "e2e_s": stats(e2e), "normalized_latency_s": stats(norm),
         "output_tokens": out_tokens, "duration_s": span,
-        "prompt_tokens_mean": (sum(r.prompt_tokens for r in ok if r.prompt_tokens is not None)
-                               / max(1, sum(1 for r in ok if r.prompt_tokens is not None))) if ok else None,
+        "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
         "throughput_tok_s": out_tokens / span if span else 0.0,
         "throughput_req_s": len(ok) / span if span else 0.0,
     }

@@ -8,9 +8,9 @@ a shorter match, such as a chat template's header, says little), unless that rep
 overloaded against the least loaded one, which then gets it (as SGLang's cache-aware router does:
 an absolute and a relative threshold on the load gap), or its KV cache is nearly full while the
 least loaded one's is not (a request sent there would queue or preempt for blocks). A request no
-replica has seen goes to the least loaded (ties: the one sent the fewest blocks). Load is the router's own count of requests in flight on
-each replica (exact and immediate), then the KV usage each replica last reported. The router is
-bookkeeping only: the replica set that owns the replicas calls `route`, `finished`, `remove` and
+replica has seen goes to the least loaded (ties: the one sent the fewest blocks). Load is the
+router's own count of requests in flight on each replica (exact and immediate), then the KV usage
+each replica last reported. The router is bookkeeping only: the replica set that owns the replicas calls `route`, `finished`, `remove` and
 `report_kv_usage`.
 """
 from __future__ import annotations

@@ -45,15 +45,15 @@ def build_name(source: Path | None = None) -> str:
     return f"pagellm_{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}"
 
 
-def _already_built(name: str) -> bool:
-    """Whether torch has this extension built (only the log line depends on it: the check reads
-    a private torch helper, so any failure here counts as built and stays quiet)."""
+def _build_directory(name: str) -> str | None:
+    """Where torch builds this extension (None if its private helper for that is gone: then the
+    build runs without our lock, and the log line below says nothing)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+        return _get_build_directory(name, verbose=False)
     except Exception:
-        return True
+        return None
 
 
 @contextlib.contextmanager
@@ -84,14 +84,15 @@ def _build(source: Path, what: str):
     if not envs.cpu_kernels_enabled():
         return None
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
         name = build_name(source)
-        built = _already_built(name)
+        build_dir = _build_directory(name)
+        built = build_dir is None or os.path.exists(os.path.join(build_dir, f"{name}.so"))
         if not built:  # say why the first start takes a while
             logger.warning("pagellm: building the %s (once per version of their source; about 30 s)", what)
         start = time.monotonic()
-        with build_lock(_get_build_directory(name, verbose=False)):
+        with build_lock(build_dir) if build_dir else contextlib.nullcontext():
             module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
         if not built:

@@ -111,8 +111,12 @@ class _EngineCollector(Collector):
                                      ("num_requests_waiting", "Requests waiting in the replica's queue."),
                                      ("kv_cache_usage_perc", "Fraction of the replica's KV cache blocks in use."),
                                      ("prefix_cache_hits", "The replica's prefix cache hits (tokens)."))}
+            routed_counts = s["router"]["routed"]  # ReplicaSet.stats() gives both
+            routed = CounterMetricFamily("pagellm:replica_requests_routed", "Requests the router sent to the "
+                                         "replica (retries included).", labels=["model_name", "replica"])
             for r in replicas:
                 label = labels + [str(r["replica"])]
+                routed.add_metric(label, routed_counts[r["replica"]])
                 st = r["stats"] or {}
                 per["up"].add_metric(label, 1 if r["alive"] else 0)
                 per["requests_in_flight"].add_metric(label, r["in_flight"])
@@ -121,15 +125,10 @@ class _EngineCollector(Collector):
                 per["kv_cache_usage_perc"].add_metric(label, st.get("kv_cache_usage", 0.0))
                 per["prefix_cache_hits"].add_metric(label, st.get("prefix_cache_hits", 0))
             yield from per.values()
-            router = s.get("router") or {}
-            routed = CounterMetricFamily("pagellm:replica_requests_routed", "Requests the router sent to the "
-                                         "replica (retries included).", labels=["model_name", "replica"])
-            for i, n in enumerate(router.get("routed", [])):
-                routed.add_metric(labels + [str(i)], n)
             yield routed
             yield family(CounterMetricFamily, "pagellm:router_prefix_routed",
                          "Requests the cache-aware router sent to a replica that had seen their prefix.",
-                         router.get("prefix_routed", 0))
+                         s["router"]["prefix_routed"])
         tier = s.get("kv_offload")
         if tier:  # the prefix cache's second tier (--kv-offload-dir)
             yield family(GaugeMetricFamily, "pagellm:kv_offload_blocks", "KV blocks held by the second tier.",

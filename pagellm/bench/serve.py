@@ -517,8 +517,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="alpaca",
                    help="request lengths as in alpaca or sharegpt, or shared-prefix: --num-systems system prompts "
                         "shared by all users")
-    p.add_argument("--num-systems", type=int, default=4, help="shared-prefix: system prompts (default 4)")
-    p.add_argument("--system-prompt-len", type=int, default=384,
+    p.add_argument("--num-systems", type=int, default=None, help="shared-prefix: system prompts (default 4)")
+    p.add_argument("--system-prompt-len", type=int, default=None,
                    help="shared-prefix: tokens per system prompt, approximately (default 384)")
     p.add_argument("--router-policy", action="append", default=[], choices=ROUTER_POLICIES,
                    help="launch each POLICY once per router policy (--engine-args should give "
@@ -537,8 +537,13 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("give --url URL (a running server) or --launch POLICY (start one here)")
     if any(r <= 0 for r in args.rates) or args.num_requests < 1:
         raise ValueError("--rates must be > 0 and --num-requests >= 1")
-    if args.num_systems < 1 or args.system_prompt_len < 1:
-        raise ValueError("--num-systems and --system-prompt-len must be >= 1")
+    for flag, value in (("--num-systems", args.num_systems), ("--system-prompt-len", args.system_prompt_len)):
+        if value is not None and args.workload != "shared-prefix":
+            raise ValueError(f"{flag} shapes the shared-prefix workload; --workload is {args.workload!r}")
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    shared = {k: v for k, v in (("num_systems", args.num_systems), ("system_prompt_len", args.system_prompt_len))
+              if v is not None}
     if args.router_policy and not args.launch:
         raise ValueError("--router-policy applies to launched servers: give --launch POLICY")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -549,8 +554,7 @@ def main(args: argparse.Namespace) -> int:
         urls.append((label, rest) if rest and "://" not in label else (u, u))
     cfg = ServeConfig(rates=sorted(args.rates), num_requests=args.num_requests, workload=args.workload,
                       max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed, timeout_s=args.timeout,
-                      max_concurrency=args.max_concurrency, num_systems=args.num_systems,
-                      system_prompt_len=args.system_prompt_len)
+                      max_concurrency=args.max_concurrency, **shared)
     engine_args = args.engine_args.split()
     if args.model:
         engine_args = [args.model, *engine_args]

@@ -126,3 +126,11 @@ def test_shared_prefix_workload_shares_k_system_prompts_per_rate():
     # A new rate starts with new system prompts, so it cannot hit the previous rate's cache.
     assert systems.isdisjoint({p.split("\n\nQ: ")[0] for p, _ in second})
     assert make_requests(cfg, 0) == first
+
+
+@pytest.mark.parametrize("flag", ["--num-systems", "--system-prompt-len"])
+def test_shared_prefix_options_are_refused_for_other_workloads(flag, capsys):
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", flag, "2"]) == 2
+    assert f"{flag} shapes the shared-prefix workload; --workload is 'alpaca'" in capsys.readouterr().err
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--workload", "shared-prefix", flag, "0"]) == 2
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err

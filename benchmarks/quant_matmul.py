@@ -1,6 +1,7 @@
 """Per batch size, which product serves a quantized weight fastest on this CPU: for GGUF blocks
-the fused kernel (blocks streamed once, float32 FMA) or widened tiles through torch's GEMM (its
-results set FUSED_MAX_ROWS in pagellm/layers/quant/gguf.py); for `--quantization int8 | int4`
+the fused kernel (blocks streamed once, float32 FMA), widened tiles through torch's GEMM (its
+results set FUSED_MAX_ROWS in pagellm/layers/quant/gguf.py), or the int8-activation kernel
+(`q8act`: activations rounded to int8, VNNI dot products; sets INT8_MAX_ROWS); for `--quantization int8 | int4`
 torch's packed kernels; and the dense weight for scale. Each product's weight bytes over its
 time give its achieved GB/s, next to the memory bandwidth (a streaming sum) and the dense GEMM
 rate measured in the same run: how far from the limit is a number.
@@ -8,7 +9,8 @@ rate measured in the same run: how far from the limit is a number.
     python benchmarks/quant_matmul.py --out benchmarks/results/quant-matmul-DATE.json
 
 Shapes: the bundled SmolLM2-135M (gate/up, down, the 49152-row Q8_0 head) and a Llama-3.2-1B
-layer (gate/up, down). Weights are random, quantized with gguf-py; times are the median of
+layer (gate/up, down; and as a Q4_K_M file has them, Q4_K gate/up and Q6_K down). Weights are
+random, quantized with gguf-py (the K-quants: random valid blocks, which gguf-py cannot make); times are the median of
 `--repeat` calls, in milliseconds, with the load average recorded beside them.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
@@ -35,13 +38,30 @@ SHAPES = [  # (name, type, rows N, cols K)
     ("smollm2 head", T.Q8_0, 49152, 576),
     ("llama-1b gate_up", T.Q4_0, 16384, 2048),
     ("llama-1b down", T.Q8_0, 2048, 8192),
+    ("llama-1b gate_up", T.Q4_K, 16384, 2048),
+    ("llama-1b down", T.Q6_K, 2048, 8192),
 ]
+# Byte offsets of a K-quant block's float16 scales; its other bytes may be anything.
+K_QUANT_HALVES = {T.Q4_K: (0, 2), T.Q6_K: (208,)}
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def timed(fn, repeat: int) -> float:
     """Median milliseconds."""
     return median_seconds(fn, repeat) * 1e3
+
+
+def blocks_of(dense: torch.Tensor, qtype: T) -> torch.Tensor:
+    """`dense` quantized by gguf-py, or for a K-quant random valid blocks of its shape."""
+    if qtype not in K_QUANT_HALVES:
+        return torch.from_numpy(quantize(dense.numpy(), qtype))
+    values, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(dense.shape[0], dense.shape[1] // values, nbytes), dtype=np.uint8)
+    for off in K_QUANT_HALVES[qtype]:
+        scales = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(dense.shape[0], -1))
 
 
 def int_layer(method, dense: torch.Tensor) -> torch.nn.Module:
@@ -65,7 +85,7 @@ def main() -> None:
     print(json.dumps(limits_before), flush=True)
     for name, qtype, n, k in SHAPES:
         dense = torch.randn(n, k) * 0.05
-        blocks = torch.from_numpy(quantize(dense.numpy(), qtype))
+        blocks = blocks_of(dense, qtype)
         for dtype in (torch.float32, torch.bfloat16):
             w = dense.to(dtype)
             int8_method, int4_method = Int8LinearMethod(dtype), Int4LinearMethod(dtype)
@@ -79,14 +99,17 @@ def main() -> None:
                     tiled = timed(lambda: q.gguf_matmul(x, blocks, int(qtype), k), args.repeat)
                 finally:
                     q.FUSED_MAX_ROWS = saved
+                q8act = timed(lambda: kernels.gguf_matmul_int8(x, blocks, int(qtype), k), args.repeat)
                 dense_ms = timed(lambda: F.linear(x, w), args.repeat)
                 int8 = timed(lambda: int8_method.apply(int8_layer, x), args.repeat)
                 int4 = timed(lambda: int4_method.apply(int4_layer, x), args.repeat)
                 gbps = {  # weight bytes streamed per product / its time
-                    "fused_gbps": blocks.numel() / fused / 1e6, "int8_gbps": n * k / int8 / 1e6,
+                    "fused_gbps": blocks.numel() / fused / 1e6, "q8act_gbps": blocks.numel() / q8act / 1e6,
+                    "int8_gbps": n * k / int8 / 1e6,
                     "int4_gbps": n * k / 2 / int4 / 1e6, "dense_gbps": n * k * w.element_size() / dense_ms / 1e6}
                 rows.append({"shape": name, "type": qtype.name, "rows": n, "cols": k, "dtype": str(dtype)[6:],
                              "batch": m, "fused_ms": round(fused, 4), "tiled_ms": round(tiled, 4),
+                             "q8act_ms": round(q8act, 4),
                              "int8_ms": round(int8, 4), "int4_ms": round(int4, 4),
                              "dense_ms": round(dense_ms, 4), "weight_bytes": blocks.numel(),
                              **{key: round(v, 2) for key, v in gbps.items()},

@@ -281,7 +281,8 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource, device: tor
     workers = WorkerGroup.start(config.tensor_parallel_size, device.type)
     spec = WorkerSpec(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
                       config.quantization if device.type == "cpu" else "none", source.weight_format,
-                      sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype)
+                      sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype,
+                      activation_quantization=config.activation_quantization)
     try:
         return DriverModelRunner(workers, spec)
     except BaseException:

@@ -45,6 +45,7 @@ class WorkerSpec:
     weight_format: str = "dense"
     sliding_kv: bool = False  # sliding-window layers in their own KV groups (core/kv/groups.py)
     kv_cache_dtype: str = "auto"  # how K/V are stored (attention/kv_format.py)
+    activation_quantization: str = "none"  # "int8" / "int8x2": GGUF products round their activations
 
 
 def pack(obj: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -107,7 +108,8 @@ class Worker:
         torch.manual_seed(spec.seed)
         self.runner = ModelRunner(spec.arch, self.device, spec.dtype, spec.max_model_len, seed=spec.seed, tp=self.tp,
                                   weight_format=spec.weight_format, sliding_kv=spec.sliding_kv,
-                                  kv_cache_dtype=spec.kv_cache_dtype)
+                                  kv_cache_dtype=spec.kv_cache_dtype,
+                                  activation_quantization=spec.activation_quantization)
         warm_up_kernels(self.device)
 
     def load_weights(self) -> None:

@@ -69,7 +69,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed,
                                       weight_format=source.weight_format, batch_invariant=config.batch_invariant,
-                                      sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype)
+                                      sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype,
+                                      activation_quantization=config.activation_quantization)
         try:
             if source.weights is None:
                 self.runner.init_dummy_weights(config.seed)

@@ -105,12 +105,15 @@ class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend | None = None, seed: int = 0,
                  tp: TensorParallelGroup | None = None, weight_format: str = "dense",
-                 batch_invariant: bool = False, sliding_kv: bool = False, kv_cache_dtype: str = "auto") -> None:
+                 batch_invariant: bool = False, sliding_kv: bool = False, kv_cache_dtype: str = "auto",
+                 activation_quantization: str = "none") -> None:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
         blocks the KV manager frees, core/kv/hybrid.py); otherwise every layer is in one group.
-        `kv_cache_dtype`: how K/V are stored (attention/kv_format.py; auto: as `dtype`)."""
+        `kv_cache_dtype`: how K/V are stored (attention/kv_format.py; auto: as `dtype`).
+        `activation_quantization` "int8" / "int8x2": GGUF products round their activations to int8
+        codes (layers/quant/gguf.py)."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -122,7 +125,7 @@ class ModelRunner:
         self.backend.kv_format = self.kv_format
         self.max_model_len = max_model_len
         self.cuda_graphs: CUDAGraphRunner | None = None
-        with torch.device(device), linear_methods(weight_format, dtype, batch_invariant):
+        with torch.device(device), linear_methods(weight_format, dtype, batch_invariant, activation_quantization):
             self.model = build_model(arch, self.backend, max_model_len, tp).to(dtype)
         if batch_invariant and any(isinstance(m, FusedMoE) for m in self.model.modules()):
             raise ValueError(f"batch-invariant mode does not cover mixture-of-experts models yet ({arch.architecture}: "

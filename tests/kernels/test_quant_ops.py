@@ -1,7 +1,8 @@
 """The GGUF-blocks kernels against gguf-py's reference dequantization, for every type with a
 kernel: rows widened exactly, and products within float32 summation error, for batch sizes
 that cover the fused kernel's groupings (1, 2, odd, past 8 rows, a tail of W's rows) and the
-tiled path; and the fallback without the compiled kernels gives the same results."""
+tiled path; and the fallback without the compiled kernels gives the same results. The int8-
+activation kernel (VNNI) equals the exact product of the blocks with x rounded as it documents."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,6 +69,52 @@ def test_products_match_the_dense_product(qtype):
     ours = q.gguf_matmul(xb, w, int(qtype), cols)
     assert ours.dtype == torch.bfloat16
     assert torch.allclose(ours.float(), (xb.float() @ dense.T).bfloat16().float(), rtol=2e-2, atol=1e-2)
+
+
+def rounded_to_int8(x: torch.Tensor, two_codes: bool) -> torch.Tensor:
+    """x as the integer kernel rounds it: per 32 values, codes c = round(x * 127 / max|x|) (half to
+    even, as the CPU's conversion) times the scale max|x| / 127; with two codes, plus r / 128 for
+    r = round(128 * (x * 127 / max|x| - c)), what the first code left (x * (127 / max|x|) - c rounded
+    once, as the kernel's FMA does)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127 / amax as one division, like the kernel (torch's `127 / t` multiplies by a rounded reciprocal)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
+    codes = torch.round(blocks * inv)
+    if two_codes:
+        left = (blocks.double() * inv.double() - codes.double()).float()  # exact product, one rounding
+        codes = codes + torch.round(left * 128) / 128
+    return (codes * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_activation_products_are_the_rounded_activations_exact_product(qtype, activations, monkeypatch):
+    monkeypatch.setitem(q.INT8_MAX_ROWS, activations, 16)  # the kernel at every batch size tried here
+    rows, cols = 41, 512  # 41: pairs of W's rows for one row of x, then a tail
+    raw = random_blocks(qtype, rows, cols, seed=4)
+    dense = reference(raw, qtype, cols).double()
+    w = torch.from_numpy(raw)
+    torch.manual_seed(1)
+    for m in (1, 2, 3, 4, 6, 9):  # x in groups of up to 4 rows
+        x = torch.randn(m, cols)
+        x[0, 64:96] = 0  # an all-zero block: scale 0, no division by it
+        ours = q.gguf_matmul(x, w, int(qtype), cols, activations=activations)
+        expected = rounded_to_int8(x, activations == "int8x2").double() @ dense.T
+        assert (ours.double() - expected).abs().max() <= RTOL * expected.abs().max(), (qtype.name, m)
+        # and it is not the float32 product: the rounding is there to see
+        assert (ours.double() - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()
+    with pytest.raises(RuntimeError, match="not a multiple of 64"):
+        cpu.quant_kernels().gguf_matmul_int8(torch.randn(1, 32), torch.from_numpy(random_blocks(T.Q8_0, 2, 32)),
+                                             int(T.Q8_0), 32)
+
+
+def test_products_of_rows_past_the_integer_kernels_bound_are_the_float32_ones():
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 256, seed=5))
+    x = torch.randn(q.INT8_MAX_ROWS["int8x2"] + 1, 256)
+    assert torch.equal(q.gguf_matmul(x, raw, int(T.Q4_0), 256, activations="int8x2"),
+                       q.gguf_matmul(x, raw, int(T.Q4_0), 256))
 
 
 def test_the_fallback_without_compiled_kernels_gives_the_same_results(monkeypatch):

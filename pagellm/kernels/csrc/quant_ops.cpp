@@ -413,6 +413,229 @@ void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int
   }
 }
 
+
+// ---- int8 activations: integer dot products on AVX-512 VNNI ---------------------------------
+// What llama.cpp does on CPUs: each row of x is rounded to int8 codes with one float scale per 32
+// values (as a Q8_0 block), and a weight block's codes are multiplied by them with VPDPBUSD, 64
+// byte products a instruction summed 4 at a time into 16 int32 lanes. Nothing is widened to
+// float32 but those lane sums, so a decode step's products run near memory speed instead of
+// being bound by the unpacking. It rounds the activations, so it is not the dense product: the
+// Python side offers it as a mode (`gguf_activations="int8"`), measured against the exact one.
+//
+// Every type's value is an affine map of an unsigned code u: w = a * u + b, with a and b fixed
+// over runs of at least 4 values (a block, a sub-block, a 16-value Q6_K group). So over one
+// int32 lane (4 values, one activation scale dx, codes c):
+//     sum(w * x) = a * dx * sum(u * c) + b * dx * sum(c)
+// The kernel feeds VPDPBUSD the unsigned codes u (Q8_0's signed codes shifted by 128, Q6_K's by
+// 32, and so on), and per lane it keeps a (`dsc`) and b (`msc`); x brings, per lane, dx and
+// dx * sum(c) (`ActRows`). Each 64-value chunk of a weight row costs one VPDPBUSD, one convert and
+// two FMAs per row of x, after the unpacking.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define PAGELLM_INT8_ACTIVATIONS 1
+
+// x: [M, K] rounded: codes [M, K] int8, and per 4-value lane its scale and scaled code sum.
+// Two terms (`residual`): a second code per value for what the first left, on a 128 times finer
+// scale: x ~ d * (c + r / 128), r in [-64, 64]. A lane's dot is then sum(u * (128 c + r)), two
+// VPDPBUSD and a shift, and the activations carry ~15 bits against the block's largest value.
+struct ActRows {
+  std::vector<int8_t> codes, residual;
+  std::vector<float> lane_scale, lane_sum;
+};
+
+ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
+  ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
+            std::vector<float>(M * K / 4)};
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t i = 0; i < M * K; i += 32) {
+    const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 s = _mm512_set1_ps(inv);
+    const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i codes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r1)),
+                                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i), codes);
+    __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
+    float lane_d = d;
+    if (two_terms) {  // what rounding left, x * inv - c in [-1/2, 1/2] (one rounding: FMA), in steps of 1/128
+      const __m512 f = _mm512_set1_ps(128.f);
+      const __m512 e0 = _mm512_mul_ps(_mm512_fmsub_ps(v0, s, r0), f);
+      const __m512 e1 = _mm512_mul_ps(_mm512_fmsub_ps(v1, s, r1), f);
+      const __m256i res = _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(e1)),
+                                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(e0)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i), res);
+      sums = _mm256_dpbusd_epi32(_mm256_slli_epi32(sums, 7), ones, res);
+      lane_d = d / 128.f;
+    }
+    const __m256 dv = _mm256_set1_ps(lane_d);
+    _mm256_storeu_ps(a.lane_sum.data() + i / 4, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv));
+    _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
+  }
+  return a;
+}
+
+// One 64-value chunk of a weight row: the unsigned codes, and per lane a (dsc) and b (msc).
+struct Chunk {
+  __m512i u;
+  __m512 dsc, msc;
+};
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i and8(__m256i v, int m) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(m))); }
+inline __m256i shr(__m256i v, int s) { return _mm256_srli_epi16(v, s); }
+inline __m256i shl(__m256i v, int s) { return _mm256_slli_epi16(v, s); }
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m512 halves(float lo, float hi) { return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1); }
+// Float16 values at a (2 or 4 bytes) and b, widened together: [a0, (a1,) b0, (b1)].
+inline __m128 halves_at(const uint8_t* a, const uint8_t* b, int bytes) {
+  int32_t va = 0, vb = 0;
+  std::memcpy(&va, a, bytes);
+  std::memcpy(&vb, b, bytes);
+  return _mm_cvtph_ps(bytes == 2 ? _mm_insert_epi16(_mm_cvtsi32_si128(va), vb, 1)
+                                 : _mm_insert_epi32(_mm_cvtsi32_si128(va), vb, 1));
+}
+// Lanes 0..7 take value i of v, lanes 8..15 value j.
+inline __m512 spread(__m128 v, int i, int j) {
+  return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(j), 1),
+                               _mm512_castps128_ps512(v));
+}
+// Two 32-value blocks' 16 bytes of nibbles, at a and b, as 64 codes in value order: block a's low
+// nibbles (its values 0..15), its high nibbles (16..31), then block b's.
+inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  const __m512i lo_hi = join(and8(v, 0x0F), and8(shr(v, 4), 0x0F));  // [a lo, b lo, a hi, b hi]
+  return _mm512_shuffle_i64x2(lo_hi, lo_hi, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// The K-quants' per-sub-block scales, decoded once per super-block (a chunk is a quarter of one).
+struct SuperScales {
+  int64_t at = -1;  // super-block decoded
+  float d[8], m[8];
+};
+
+// Chunk c of a row: blocks 2c and 2c + 1 of the 32-value types, quarter c % 4 of super-block
+// c / 4 of the K-quants (whose scales `ss` caches).
+template <int64_t T>
+inline Chunk chunk(const uint8_t* row, int64_t c, SuperScales& ss) {
+  if constexpr (T == Q4_0) {
+    const uint8_t *a = row + 2 * c * 18, *b = a + 18;
+    const __m512 d = spread(halves_at(a, b, 2), 0, 1);
+    return {nibbles(a + 2, b + 2), d, _mm512_mul_ps(d, _mm512_set1_ps(-8.f))};
+  } else if constexpr (T == Q4_1) {
+    const uint8_t *a = row + 2 * c * 20, *b = a + 20;
+    const __m128 dm = halves_at(a, b, 4);  // [d_a, m_a, d_b, m_b]
+    return {nibbles(a + 4, b + 4), spread(dm, 0, 2), spread(dm, 1, 3)};
+  } else if constexpr (T == Q8_0) {
+    const uint8_t *a = row + 2 * c * 34, *b = a + 34;
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // signed code + 128
+    const __m512 d = spread(halves_at(a, b, 2), 0, 1);
+    return {join(_mm256_xor_si256(load32(a + 2), flip), _mm256_xor_si256(load32(b + 2), flip)), d,
+            _mm512_mul_ps(d, _mm512_set1_ps(-128.f))};
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const uint8_t* sb = row + (c / 4) * (T == Q4_K ? 144 : 176);
+    const int j = static_cast<int>(c % 4);
+    if (ss.at != c / 4) {  // the 8 six-bit scales and mins from their 12 bytes, as 32-bit words
+      ss.at = c / 4;
+      uint32_t w[3];
+      std::memcpy(w, sb + 4, 12);
+      const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+      const uint64_t scales = (w[0] & six) | static_cast<uint64_t>((w[2] & four) | (((w[0] >> 6) & two) << 4)) << 32;
+      const uint64_t mins = (w[1] & six) | static_cast<uint64_t>(((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)) << 32;
+      const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
+      _mm256_storeu_ps(ss.d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scales))),
+                                           _mm256_broadcastss_ps(dd)));
+      _mm256_storeu_ps(ss.m, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins))),
+                                           _mm256_set1_ps(-_mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)))));
+    }
+    const __m256i v = load32(sb + (T == Q4_K ? 16 : 48) + 32 * j);
+    __m256i lo = and8(v, 0x0F), hi = and8(shr(v, 4), 0x0F);
+    if constexpr (T == Q5_K) {
+      const __m256i h = load32(sb + 16);
+      lo = _mm256_or_si256(lo, shl(and8(shr(h, 2 * j), 1), 4));
+      hi = _mm256_or_si256(hi, shl(and8(shr(h, 2 * j + 1), 1), 4));
+    }
+    return {join(lo, hi), halves(ss.d[2 * j], ss.d[2 * j + 1]), halves(ss.m[2 * j], ss.m[2 * j + 1])};
+  } else {  // Q6_K: quarter j holds 16-value groups with scales sc[4j'..4j'+3] (see dequant_q6_k)
+    const uint8_t* sb = row + (c / 4) * 210;
+    const int j = static_cast<int>(c % 4), half = j / 2, part = j % 2;
+    const __m256i a = load32(sb + 64 * half), b = load32(sb + 64 * half + 32), h = load32(sb + 128 + 32 * half);
+    const __m256i lo = _mm256_or_si256(and8(shr(a, 4 * part), 0x0F), shl(and8(shr(h, 4 * part), 3), 4));
+    const __m256i hi = _mm256_or_si256(and8(shr(b, 4 * part), 0x0F), shl(and8(shr(h, 4 * part + 2), 3), 4));
+    int32_t four;
+    std::memcpy(&four, sb + 192 + 8 * half + 4 * part, 4);
+    const __m128i by4 = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(by4)), _mm512_set1_ps(half_at(sb + 208)));
+    return {join(lo, hi), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
+  }
+}
+
+// Rows m0.. of an ActRows, by pointer.
+struct ActView {
+  const int8_t *codes, *residual;
+  const float *scale, *sum;
+};
+
+// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time.
+template <int64_t T, int M, int NR, bool kTwo>
+void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+               int64_t n1) {
+  const int64_t chunks = K / 64;
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m512 acc[NR][M];
+    SuperScales ss[NR];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int r = 0; r < NR; ++r) {
+        const Chunk ch = chunk<T>(w + (n + r) * row_bytes, c, ss[r]);
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * K + 64 * c;
+          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ch.u, _mm512_loadu_si512(a.codes + at));
+          if constexpr (kTwo)
+            dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), ch.u, _mm512_loadu_si512(a.residual + at));
+          const __m512 dx = _mm512_loadu_ps(a.scale + at / 4);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ch.dsc, dx), acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum + at / 4), ch.msc, acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+}
+
+// Rows [n0, n1) of W into every row of x: x in groups of up to 4 rows; two rows of W at a time
+// for a single row of x (independent accumulator chains keep the FMA units busy).
+template <int64_t T, bool kTwo>
+void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
+                   int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
+                    a.lane_scale.data() + m0 * K / 4, a.lane_sum.data() + m0 * K / 4};
+    float* ym = y + m0 * N;
+    const int64_t paired = n0 + (n1 - n0) / 2 * 2;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1:
+        int8_rows<T, 1, 2, kTwo>(v, K, w, row_bytes, ym, N, n0, paired);
+        if (paired < n1) int8_rows<T, 1, 1, kTwo>(v, K, w, row_bytes, ym, N, paired, n1);
+        break;
+      case 2: int8_rows<T, 2, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
+      case 3: int8_rows<T, 3, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
+      default: int8_rows<T, 4, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
+    }
+  }
+}
+
+template <int64_t T>
+void int8_product(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
+                  int64_t n0, int64_t n1) {
+  if (a.residual.empty()) int8_multiply<T, false>(a, M, K, w, row_bytes, y, N, n0, n1);
+  else int8_multiply<T, true>(a, M, K, w, row_bytes, y, N, n0, n1);
+}
+#endif  // VNNI
 }  // namespace
 
 // x: [M, K] float32; w: [N, row_bytes] uint8 blocks. Returns x @ W^T: [M, N] float32.
@@ -461,6 +684,38 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
   return y;
 }
 
+// x @ W^T with x rounded to int8 per 32 values (the int8-activation mode; see above). K a
+// multiple of 64. Not summed in a batch-invariant order: each row's sums do not depend on M, but
+// the mode is not the exact product the invariant mode promises.
+torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w, int64_t qtype, int64_t K,
+                               bool two_terms) {
+#if defined(PAGELLM_INT8_ACTIVATIONS)
+  checked(w, qtype, K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "gguf_matmul_int8: x must be [M, ", K, "]");
+  TORCH_CHECK(K % 64 == 0, "gguf_matmul_int8: K = ", K, " is not a multiple of 64");
+  const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
+  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const ActRows a = quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    switch (qtype) {
+      case Q4_0: int8_product<Q4_0>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
+      case Q4_1: int8_product<Q4_1>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
+      case Q8_0: int8_product<Q8_0>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
+      case Q4_K: int8_product<Q4_K>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
+      case Q5_K: int8_product<Q5_K>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
+      case Q6_K: int8_product<Q6_K>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
+      default: TORCH_CHECK(false, "gguf_matmul_int8: GGUF type ", qtype, " has no integer kernel");
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "gguf_matmul_int8 needs AVX-512 VNNI, which this build lacks");
+#endif
+}
+
 // Rows `rows` (int64 [R]) of the quantized matrix as dense [R, K] rows of `dtype` (float32 or bfloat16).
 torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_t K, const torch::Tensor& rows_in,
                                    torch::ScalarType dtype) {
@@ -492,5 +747,12 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul", &gguf_matmul, "x @ W^T with W in GGUF blocks (CPU, float32; a few rows of x)");
+  m.def("gguf_matmul_int8", &gguf_matmul_int8, "x @ W^T with W in GGUF blocks and x rounded to int8 (CPU, VNNI)",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false);
+#if defined(PAGELLM_INT8_ACTIVATIONS)
+  m.attr("has_int8_activations") = true;
+#else
+  m.attr("has_int8_activations") = false;
+#endif
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)");
 }

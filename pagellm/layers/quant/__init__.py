@@ -26,11 +26,18 @@ def tiled_product(x: torch.Tensor, rows: int, cols: int,
     return out
 
 
-def linear_methods(weight_format: str, dtype: torch.dtype, batch_invariant: bool = False) -> AbstractContextManager:
+def linear_methods(weight_format: str, dtype: torch.dtype, batch_invariant: bool = False,
+                   activation_quantization: str = "none") -> AbstractContextManager:
     """The context to build a model in so that its layers keep weights of `weight_format`:
     "dense" (a tensor in the model's dtype), "gguf" (GGUF blocks, see quant/gguf.py), or "int8" /
     "int4" (quantized as they load, see quant/int_weights.py). `batch_invariant`: every product
-    sums in an order that does not depend on the batch (layers/invariant.py); dense and GGUF only."""
+    sums in an order that does not depend on the batch (layers/invariant.py); dense and GGUF only.
+    `activation_quantization` "int8" / "int8x2": GGUF products round their activations to int8
+    codes (quant/gguf.py)."""
+    if activation_quantization != "none":
+        from pagellm.layers.quant.gguf import check_activation_quantization
+
+        check_activation_quantization(activation_quantization, weight_format, batch_invariant)
     if weight_format == "dense":
         if batch_invariant:
             from pagellm.layers.invariant import BatchInvariantLinearMethod
@@ -40,7 +47,8 @@ def linear_methods(weight_format: str, dtype: torch.dtype, batch_invariant: bool
     if weight_format == "gguf":
         from pagellm.layers.quant.gguf import GGUFLinearMethod
 
-        return linear_method_for_new_layers(lambda: GGUFLinearMethod(dtype, batch_invariant))
+        return linear_method_for_new_layers(lambda: GGUFLinearMethod(dtype, batch_invariant,
+                                                                             activation_quantization))
     if weight_format in ("int8", "int4"):
         if batch_invariant:
             raise ValueError(f"batch-invariant mode does not cover quantization {weight_format!r} yet (torch's "

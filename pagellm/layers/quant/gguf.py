@@ -7,7 +7,9 @@ types (a Q4_K_M file keeps v in Q6_K and q, k in Q4_K): each run of rows of one 
 segment, multiplied on its own, and the segments' outputs are concatenated. Rows of a type
 with no kernel arrive dequantized (the loader warns) and form dense segments.
 
-Products (csrc/quant_ops.cpp): up to FUSED_MAX_ROWS rows of activations (decode steps) run
+Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
+INT8_MAX_ROWS rows round their activations to one int8 code per value (or two) and multiply them
+by the blocks with VNNI integer dot products, as llama.cpp does. Otherwise, up to FUSED_MAX_ROWS rows of activations (decode steps) run
 the fused kernel, which streams the blocks once and multiplies in float32; larger batches are
 compute-bound, and widen TILE_VALUES of the weight at a time for torch's GEMM (AMX/AVX-512 in
 bfloat16, so a bfloat16 model switches to tiles at fewer rows). Without a compiler the tiles are widened by gguf-py instead: slow, same results.
@@ -31,6 +33,10 @@ _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
 # Batches up to this many rows use the fused kernel, by activation dtype: past it, widened tiles
 # through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
 FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+# By activation_quantization: batches up to this many rows take the integer kernel, which beats the
+# float32 one there on every measured shape (benchmarks/quant_matmul.py): int8x2's second code costs
+# a second dot product per row of x, so it pays only while unpacking the blocks dominates.
+INT8_MAX_ROWS = {"int8": 16, "int8x2": 2}
 
 
 class GGUFBlocks:
@@ -87,13 +93,35 @@ def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tenso
     return torch.from_numpy(dense).to(device=data.device, dtype=dtype)
 
 
+def check_activation_quantization(mode: str, weight_format: str, batch_invariant: bool) -> None:
+    """Refuse `activation_quantization=mode` where it cannot run, naming why."""
+    if mode not in INT8_MAX_ROWS:
+        raise ValueError(f"activation_quantization must be one of none, {', '.join(INT8_MAX_ROWS)}, got {mode!r}")
+    if weight_format != "gguf":
+        raise ValueError(f"activation_quantization {mode!r} rounds the activations of a GGUF model's quantized "
+                         f"products; this model's weights are {weight_format!r} (serve a GGUF file on the CPU, "
+                         "with quantization 'auto')")
+    if batch_invariant:
+        raise ValueError(f"activation_quantization {mode!r} and batch_invariant exclude each other: the invariant "
+                         "mode multiplies in float32 in a fixed order")
+    kernels = cpu.quant_kernels()
+    if kernels is None or not kernels.has_int8_activations:
+        raise ValueError(f"activation_quantization {mode!r} needs the compiled CPU kernels on a CPU with AVX-512 "
+                         "VNNI; this machine or build has "
+                         + ("no compiled kernels" if kernels is None else "no AVX-512 VNNI"))
+
+
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
-                batch_invariant: bool = False) -> torch.Tensor:
+                batch_invariant: bool = False, activations: str = "none") -> torch.Tensor:
     """x [M, cols] @ W^T for W in blocks: [M, rows], in x's dtype. `batch_invariant`: the fused
-    kernel at every batch size, whose sums do not depend on M (layers/invariant.py)."""
+    kernel at every batch size, whose sums do not depend on M (layers/invariant.py).
+    `activations` "int8" / "int8x2": batches of up to INT8_MAX_ROWS rows round x to one / two int8
+    codes per value for the integer kernel (where cols is a multiple of its 64-value chunks)."""
     if batch_invariant:
         return invariant.kernels().gguf_matmul(x, data, qtype, cols).to(x.dtype)
     kernels = cpu.quant_kernels() if x.device.type == "cpu" else None
+    if activations != "none" and kernels is not None and x.shape[0] <= INT8_MAX_ROWS[activations] and cols % 64 == 0:
+        return kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2").to(x.dtype)
     if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):
         return kernels.gguf_matmul(x, data, qtype, cols).to(x.dtype)
     return tiled_product(x, data.shape[0], cols,
@@ -103,11 +131,13 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
 class GGUFLinearMethod(LinearMethod):
     """Weights kept in their GGUF blocks. `dtype`: the model's, for dense segments and for
     the embedding rows looked up from blocks. `batch_invariant`: products whose sums do not
-    depend on the batch (layers/invariant.py)."""
+    depend on the batch (layers/invariant.py). `activations` "int8" / "int8x2": small batches'
+    products round the activations to int8 codes (gguf_matmul)."""
 
-    def __init__(self, dtype: torch.dtype, batch_invariant: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, batch_invariant: bool = False, activations: str = "none") -> None:
         self.dtype = dtype
         self.batch_invariant = batch_invariant
+        self.activations = activations
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         if self.batch_invariant:
@@ -148,7 +178,8 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         cols = layer.gguf_shape[1]
         dense = invariant.invariant_linear if self.batch_invariant else F.linear
-        outs = [dense(x, w) if kind is None else gguf_matmul(x, w, kind, cols, self.batch_invariant)
+        outs = [dense(x, w) if kind is None else gguf_matmul(x, w, kind, cols, self.batch_invariant,
+                                                                        self.activations)
                 for kind, w in zip(layer.segment_types, layer.segments)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 

@@ -168,7 +168,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _load().silu_and_mul(x)
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of bfloat16 rows x: [T, H] with the reference's roundings (float32 statistics,
-    the normalized row rounded to bfloat16 before the weight multiplies it)."""
-    return _load().rms_norm_bf16(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 or bfloat16 rows x: [T, H] with the reference's roundings (float32
+    statistics, the normalized row rounded to x's dtype before the weight multiplies it)."""
+    return _load().rms_norm(x, weight, eps)

@@ -65,10 +65,17 @@ def test_bfloat16_element_wise_kernels_round_once_from_float32():
     rows = (torch.randn(13, 96) * 3).to(bf)
     xf = rows.float()
     reference = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(bf)
-    got = cpu.rms_norm_bf16(rows, norm.weight.data, 1e-5)
+    got = cpu.rms_norm(rows, norm.weight.data, 1e-5)
     assert got.dtype == bf
     torch.testing.assert_close(got.float(), reference.float(), rtol=2 ** -7, atol=0)
     torch.testing.assert_close(norm(rows).float(), reference.float(), rtol=2 ** -7, atol=0)  # the model uses it
+    # float32, and rows of any leading shape (per-head q/k norms): the reference's steps up to the
+    # order of the sum of squares.
+    norm32 = RMSNorm(96, 1e-6)
+    norm32.weight.data = torch.rand(96) + 0.5
+    heads = torch.randn(5, 3, 96) * 3
+    reference = norm32.weight * (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm32(heads), reference, rtol=1e-6, atol=0)
 
 
 def test_paged_attention_head_dim_128_through_scattered_blocks():

@@ -20,7 +20,7 @@
 //   Same arithmetic as the reference (x * cos + rotate_half(x) * sin, no fused
 //   multiply-add), so the results are bit-identical to it.
 // - silu_and_mul: silu(gate) * up of the MLP in one pass over [T, 2I].
-// - rms_norm_bf16: RMSNorm of bfloat16 rows in one pass (float32 runs torch's fused op).
+// - rms_norm: RMSNorm of float32 or bfloat16 rows in one pass.
 // The element-wise kernels take float32 or bfloat16; bfloat16 is computed in float32 and
 // rounded once per output.
 //
@@ -638,36 +638,46 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-// RMSNorm of bfloat16 rows as the reference computes it: the mean square and the scaling in
-// float32, the normalized row rounded to bfloat16, then multiplied by the weight (rounded
-// again). One pass instead of torch's six (an upcast, a square, a mean, rsqrt, two products).
-torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_cpu_dtype(x, "x", torch::kBFloat16);
-  check_cpu_dtype(weight, "weight", torch::kBFloat16);
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "x must be [T, H] for a weight of [H]");
-  x = x.contiguous();
-  weight = weight.contiguous();
-  const int64_t N = x.size(0), H = x.size(1);
-  auto out = torch::empty_like(x);
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const float feps = static_cast<float>(eps);
+// RMSNorm of rows as the reference computes it: the mean square and the scaling in float32,
+// the normalized row rounded to the model's dtype (a no-op in float32), then multiplied by the
+// weight (rounded again). One pass instead of torch's composite of about ten operations (an
+// upcast, a square, a mean, an add, rsqrt, products, casts), which costs more than the arithmetic
+// on a decode step's single rows. The sum of squares runs in another order than torch's, so
+// float32 results can differ from it in the last bits.
+template <typename T>
+void rms_norm_impl(const T* xp, const T* wp, T* op, int64_t N, int64_t H, float eps) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const at::BFloat16* r = xp + t * H;
-      at::BFloat16* o = op + t * H;
+      const T* r = xp + t * H;
+      T* o = op + t * H;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < H; ++i) ss += f32(r[i]) * f32(r[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) {
-        const float normed = f32(from_f32<at::BFloat16>(f32(r[i]) * inv));
-        o[i] = from_f32<at::BFloat16>(f32(wp[i]) * normed);
+        const float normed = f32(from_f32<T>(f32(r[i]) * inv));
+        o[i] = from_f32<T>(f32(wp[i]) * normed);
       }
     }
   });
+}
+
+// x: [T, H] float32 or bfloat16, weight: [H] of the same dtype.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_float_cpu(x, "x");
+  check_cpu_dtype(weight, "weight", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "x must be [T, H] for a weight of [H]");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  const float feps = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kBFloat16)
+    rms_norm_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                                out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), feps);
+  else
+    rms_norm_impl<float>(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+                         feps);
   return out;
 }
 
@@ -676,5 +686,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv_8bit", &store_kv_8bit, "write K/V rows as 8-bit codes and a float16 scale (CPU)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, as the reference rounds it (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");
 }

@@ -4,7 +4,8 @@ llama-bench reports `pp N` (one prompt of N tokens, tokens per second) and `tg N
 decoded one at a time, single stream). This runs the same two measurements on pagellm's engine
 and, with `llama-bench` among the systems, llama.cpp's own tool on the same GGUF file with the
 same threads, so the two sit in one JSON. Prompts are random token ids (as llama-bench's are);
-prefix caching is off so repeats recompute.
+prefix caching is off so repeats recompute. Systems are measured round by round (each once per
+round, `--repeat` rounds, medians reported), so a drift in the machine's speed reaches them all.
 
 Each system's figures come with the roofline (pagellm/bench/roofline.py): the machine's memory
 bandwidth and GEMM rate measured in the same run, and the GB/s of weights streamed and GFLOP/s
@@ -49,62 +50,74 @@ def _prompt(vocab_size: int, n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(min(256, vocab_size // 2), vocab_size) for _ in range(n)]
 
 
-def run_pagellm(cfg: LatencyConfig, options: dict, limits: dict) -> dict:
-    from pagellm.entrypoints.llm import LLM
-    from pagellm.sampling_params import SamplingParams
-    from pagellm.timing import PhaseTimer
+class PagellmRun:
+    """One pagellm system: its engine, built and warmed up once, measured one round at a time."""
 
-    llm = LLM(cfg.model, device="cpu", max_model_len=cfg.input_len + cfg.output_len + 8,
-              max_num_seqs=max(1, cfg.batch_size), max_num_batched_tokens=max(2048, cfg.input_len * cfg.batch_size),
-              enable_prefix_caching=False, seed=cfg.seed, **options)
-    engine = llm.engine
-    vocab = engine.runner.model.cfg.vocab_size
-    cost = engine.model_cost()
-    rng = random.Random(cfg.seed)
+    def __init__(self, cfg: LatencyConfig, options: dict) -> None:
+        from pagellm.entrypoints.llm import LLM
+        from pagellm.timing import PhaseTimer
 
-    def timed_steps(prompts: list[list[int]], max_tokens: int, timer=None) -> list[float]:
+        self.cfg, self.options = cfg, options
+        self.llm = LLM(cfg.model, device="cpu", max_model_len=cfg.input_len + cfg.output_len + 8,
+                       max_num_seqs=max(1, cfg.batch_size),
+                       max_num_batched_tokens=max(2048, cfg.input_len * cfg.batch_size),
+                       enable_prefix_caching=False, seed=cfg.seed, **options)
+        self.engine = self.llm.engine
+        self.vocab = self.engine.runner.model.cfg.vocab_size
+        self.rng = random.Random(cfg.seed)
+        self.prefill: list[float] = []
+        self.decode: list[float] = []
+        self.timer = PhaseTimer() if cfg.profile else None
+        # Warm-up: kernels compiled and allocators grown outside the measurement.
+        self._timed_steps([_prompt(self.vocab, 16, self.rng)], 4)
+
+    def _timed_steps(self, prompts: list[list[int]], max_tokens: int) -> list[float]:
+        from pagellm.sampling_params import SamplingParams
+
         for i, p in enumerate(prompts):
-            engine.add_request(f"lat-{time.monotonic_ns()}-{i}", {"prompt_token_ids": p},
-                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            self.engine.add_request(f"lat-{time.monotonic_ns()}-{i}", {"prompt_token_ids": p},
+                                    SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         times = []
-        while engine.has_unfinished_requests():
+        while self.engine.has_unfinished_requests():
             start = time.perf_counter()
-            engine.step()
+            self.engine.step()
             times.append(time.perf_counter() - start)
         return times
 
-    # Warm-up: kernels compiled and allocators grown outside the measurement.
-    timed_steps([_prompt(vocab, 16, rng)], 4)
-    B = cfg.batch_size
-    prefill, decode = [], []
-    timer = PhaseTimer() if cfg.profile else None
-    for _ in range(cfg.repeat):
+    def round(self) -> None:
+        cfg, B = self.cfg, self.cfg.batch_size
         # pp: every prompt in one step (max_num_batched_tokens covers them), one token sampled.
-        steps = timed_steps([_prompt(vocab, cfg.input_len, rng) for _ in range(B)], 1)
-        prefill.append(sum(steps))
+        steps = self._timed_steps([_prompt(self.vocab, cfg.input_len, self.rng) for _ in range(B)], 1)
+        self.prefill.append(sum(steps))
         # tg: a one-token prompt, then output_len single-token steps (the first step is its prefill).
-        engine.attach_timer(timer)
-        steps = timed_steps([_prompt(vocab, 1, rng) for _ in range(B)], cfg.output_len + 1)
-        engine.attach_timer(None)
-        decode.append(sum(steps[1:]))
-    pp_s, tg_s = statistics.median(prefill), statistics.median(decode)
-    dtype = options.get("dtype", "float32")
-    result = {
-        "options": options,
-        "pp_tokens_per_s": B * cfg.input_len / pp_s,
-        "tg_tokens_per_s": B * cfg.output_len / tg_s,
-        "tg_ms_per_step": 1e3 * tg_s / cfg.output_len,
-        "pp_runs_s": prefill, "tg_runs_s": decode,
-        "weight_bytes": engine.memory_report()[0]["weight_bytes"],
-        "model_cost": cost,
-        "roofline_pp": roofline.achieved(cost, B * cfg.input_len, 1, pp_s, limits, dtype),
-        "roofline_tg": roofline.achieved(cost, B * cfg.output_len, cfg.output_len, tg_s, limits, dtype),
-    }
-    if timer is not None:
-        # Only decode steps were timed, plus each run's one-token prefill step.
-        result["decode_phases"] = _phase_breakdown(timer)
-    llm.shutdown()
-    return result
+        self.engine.attach_timer(self.timer)
+        steps = self._timed_steps([_prompt(self.vocab, 1, self.rng) for _ in range(B)], cfg.output_len + 1)
+        self.engine.attach_timer(None)
+        self.decode.append(sum(steps[1:]))
+
+    def result(self, limits: dict) -> dict:
+        cfg, B = self.cfg, self.cfg.batch_size
+        cost = self.engine.model_cost()
+        pp_s, tg_s = statistics.median(self.prefill), statistics.median(self.decode)
+        dtype = self.options.get("dtype", "float32")
+        result = {
+            "options": self.options,
+            "pp_tokens_per_s": B * cfg.input_len / pp_s,
+            "tg_tokens_per_s": B * cfg.output_len / tg_s,
+            "tg_ms_per_step": 1e3 * tg_s / cfg.output_len,
+            "pp_runs_s": self.prefill, "tg_runs_s": self.decode,
+            "weight_bytes": self.engine.memory_report()[0]["weight_bytes"],
+            "model_cost": cost,
+            "roofline_pp": roofline.achieved(cost, B * cfg.input_len, 1, pp_s, limits, dtype),
+            "roofline_tg": roofline.achieved(cost, B * cfg.output_len, cfg.output_len, tg_s, limits, dtype),
+        }
+        if self.timer is not None:
+            # Only decode steps were timed, plus each run's one-token prefill step.
+            result["decode_phases"] = _phase_breakdown(self.timer)
+        return result
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
 
 
 def llama_bench_binary() -> str:
@@ -113,10 +126,10 @@ def llama_bench_binary() -> str:
     return os.path.join(envs.llama_cpp_bin(), LLAMA_BENCH)
 
 
-def run_llama_bench(cfg: LatencyConfig, model_path: str, cost: dict | None, limits: dict) -> dict:
-    """llama.cpp's llama-bench on the same file and threads: pp input_len and tg output_len."""
+def llama_bench_round(cfg: LatencyConfig, model_path: str) -> dict:
+    """One run of llama.cpp's llama-bench on the same file and threads: pp input_len and tg output_len."""
     cmd = [llama_bench_binary(), "-m", model_path, "-p", str(cfg.input_len), "-n", str(cfg.output_len),
-           "-t", str(cfg.threads), "-r", str(cfg.repeat), "-o", "json"]
+           "-t", str(cfg.threads), "-r", "1", "-o", "json"]
     if cfg.batch_size != 1:
         raise ValueError("llama-bench measures one stream; use --batch-size 1 with it")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -125,14 +138,20 @@ def run_llama_bench(cfg: LatencyConfig, model_path: str, cost: dict | None, limi
     rows = json.loads(proc.stdout)
     pp = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
     tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
-    result = {"command": cmd, "pp_tokens_per_s": pp["avg_ts"], "tg_tokens_per_s": tg["avg_ts"],
-              "tg_ms_per_step": 1e3 / tg["avg_ts"], "pp_stddev": pp["stddev_ts"], "tg_stddev": tg["stddev_ts"],
-              "build": {k: pp.get(k) for k in ("build_commit", "build_number", "cpu_info", "type_k", "n_threads")}}
+    return {"command": cmd, "pp": pp["avg_ts"], "tg": tg["avg_ts"],
+            "build": {k: pp.get(k) for k in ("build_commit", "build_number", "cpu_info", "type_k", "n_threads")}}
+
+
+def llama_bench_result(cfg: LatencyConfig, rounds: list[dict], cost: dict | None, limits: dict) -> dict:
+    """llama-bench's rounds as one system: the median of each figure, like pagellm's."""
+    pp, tg = statistics.median(r["pp"] for r in rounds), statistics.median(r["tg"] for r in rounds)
+    result = {"command": rounds[0]["command"], "pp_tokens_per_s": pp, "tg_tokens_per_s": tg,
+              "tg_ms_per_step": 1e3 / tg, "pp_runs_tokens_per_s": [r["pp"] for r in rounds],
+              "tg_runs_tokens_per_s": [r["tg"] for r in rounds], "build": rounds[0]["build"]}
     if cost:
         # The same blocks as pagellm's GGUF-native engine streams: its cost stands for llama.cpp's.
-        result["roofline_pp"] = roofline.achieved(cost, cfg.input_len, 1, cfg.input_len / pp["avg_ts"], limits)
-        result["roofline_tg"] = roofline.achieved(cost, cfg.output_len, cfg.output_len,
-                                                  cfg.output_len / tg["avg_ts"], limits)
+        result["roofline_pp"] = roofline.achieved(cost, cfg.input_len, 1, cfg.input_len / pp, limits)
+        result["roofline_tg"] = roofline.achieved(cost, cfg.output_len, cfg.output_len, cfg.output_len / tg, limits)
     return result
 
 
@@ -146,28 +165,43 @@ def run_latency_bench(cfg: LatencyConfig) -> dict:
     load = {"loadavg_start": os.getloadavg()}
     limits = roofline.machine_limits(cfg.threads)
     systems, skipped = {}, {}
-    gguf_cost = None
+    runs: dict[str, PagellmRun] = {}
     for name in cfg.systems:
         if name == LLAMA_BENCH:
             continue
         if not name.startswith("pagellm-"):
-            raise ValueError(f"unknown system {name!r}; choose pagellm-<policy>[-bf16][-dense] or {LLAMA_BENCH}")
+            raise ValueError(f"unknown system {name!r}; choose pagellm-<policy>[-bf16][-dense][-int8act]"
+                             f"[-int8x2act] or {LLAMA_BENCH}")
         policy, options = pagellm_system(name)
         if policy != "paged":
             raise ValueError(f"{name}: the latency bench runs the paged engine only")
-        systems[name] = run_pagellm(cfg, options, limits)
-        systems[name]["loadavg_after"] = os.getloadavg()[0]
-        if options.get("quantization") is None and gguf_cost is None:
-            gguf_cost = systems[name]["model_cost"]
-    if LLAMA_BENCH in cfg.systems:
-        if not model_path.lower().endswith(".gguf"):
-            skipped[LLAMA_BENCH] = "llama-bench needs a GGUF model"
-        elif not os.access(llama_bench_binary(), os.X_OK):
-            skipped[LLAMA_BENCH] = (f"{llama_bench_binary()} not found: build it with "
-                                    "benchmarks/build_llama_cpp.sh or set PAGELLM_LLAMA_CPP_BIN")
-        else:
-            systems[LLAMA_BENCH] = run_llama_bench(cfg, model_path, gguf_cost, limits)
-            systems[LLAMA_BENCH]["loadavg_after"] = os.getloadavg()[0]
+        runs[name] = PagellmRun(cfg, options)
+    bench_llama = LLAMA_BENCH in cfg.systems
+    if bench_llama and not model_path.lower().endswith(".gguf"):
+        skipped[LLAMA_BENCH], bench_llama = "llama-bench needs a GGUF model", False
+    elif bench_llama and not os.access(llama_bench_binary(), os.X_OK):
+        skipped[LLAMA_BENCH] = (f"{llama_bench_binary()} not found: build it with "
+                                "benchmarks/build_llama_cpp.sh or set PAGELLM_LLAMA_CPP_BIN")
+        bench_llama = False
+    # Round by round, every system once per round: on shared cores the machine's speed drifts over
+    # minutes, and systems measured one after the other would carry that drift into their ratios.
+    llama_rounds = []
+    try:
+        for _ in range(cfg.repeat):
+            for run in runs.values():
+                run.round()
+            if bench_llama:
+                llama_rounds.append(llama_bench_round(cfg, model_path))
+        gguf_cost = None
+        for name, run in runs.items():
+            systems[name] = run.result(limits)
+            if run.options.get("quantization") is None and gguf_cost is None:
+                gguf_cost = systems[name]["model_cost"]
+    finally:
+        for run in runs.values():
+            run.shutdown()
+    if bench_llama:
+        systems[LLAMA_BENCH] = llama_bench_result(cfg, llama_rounds, gguf_cost, limits)
     load["loadavg_end"] = os.getloadavg()
     limits_after = roofline.machine_limits(cfg.threads)
     return {"config": asdict(cfg), "model": model_path, "load": load, "machine_limits": limits,
@@ -214,7 +248,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("latency", help="prompt (pp) and decode (tg) tokens/s of one stream, pagellm and llama-bench")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated: pagellm-paged[-bf16][-dense], llama-bench")
+                   help="comma-separated: pagellm-paged[-bf16][-dense][-int8act][-int8x2act], llama-bench")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (llama-bench -p)")
     p.add_argument("--output-len", type=int, default=128, help="decoded tokens (llama-bench -n)")
     p.add_argument("--batch-size", type=int, default=1, help="streams decoded together (pagellm only)")

@@ -105,6 +105,12 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
         assert (ours.double() - expected).abs().max() <= RTOL * expected.abs().max(), (qtype.name, m)
         # and it is not the float32 product: the rounding is there to see
         assert (ours.double() - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()
+    # A row that went NaN or infinite stays non-finite (request isolation fails that row), and the
+    # other rows of the batch are untouched.
+    x = torch.randn(3, cols)
+    x[1, 5], x[2, 300] = float("nan"), float("inf")
+    ours = q.gguf_matmul(x, w, int(qtype), cols, activations=activations)
+    assert ours[0].isfinite().all() and ours[1].isnan().all() and not ours[2].isfinite().any()
     with pytest.raises(RuntimeError, match="not a multiple of 64"):
         cpu.quant_kernels().gguf_matmul_int8(torch.randn(1, 32), torch.from_numpy(random_blocks(T.Q8_0, 2, 32)),
                                              int(T.Q8_0), 32)

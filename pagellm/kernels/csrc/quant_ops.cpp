@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -450,7 +451,11 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
   for (int64_t i = 0; i < M * K; i += 32) {
     const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    // A NaN or infinity in the block (VMAXPS drops NaNs) makes its scale NaN, so the row's products
+    // come out NaN as the float32 product's would, and request isolation sees them.
+    const bool finite = (_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99)) == 0;
+    const float d = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+    const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
     const __m512 s = _mm512_set1_ps(inv);
     const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -58,9 +58,13 @@ def test_chunks_prefix_hits_preemption_and_forks_read_what_a_plain_run_reads(tin
     got = _tokens_and_logprobs(tight.generate(prompts, params, use_tqdm=False))
     stats = tight.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    # Logprobs to 1e-3, as against transformers below: a chunk's K/V rows come out of products of
+    # another shape than the whole prompt's, equal up to the last float bits, and a row sitting on
+    # a rounding boundary of the 8-bit format can land on the other code (a position or block
+    # bug moves logprobs by far more).
     for (wt, wl), (gt, gl) in zip(want, got, strict=True):
         assert gt == wt
-        assert gl == pytest.approx(wl, abs=1e-4)
+        assert gl == pytest.approx(wl, abs=1e-3)
     # Forked samples share their prompt's blocks (copy-on-write on the last one): greedy, each
     # equals the single run.
     forked = plain.generate(prompts[:2], SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True),

@@ -23,8 +23,10 @@ serve: venv
 run: venv
 	$(VENV)/bin/pagellm chat
 
+# Two workers, each taking whole files (tests/conftest.py groups them): much of the suite waits on
+# servers and spawned ranks starting, which the other worker fills.
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV)

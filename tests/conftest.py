@@ -20,9 +20,20 @@ import torch
 from pagellm.model.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE, write_byte_tokenizer
 
 
+# Test files that start Ray: they check that no Ray process is left, so they run one after another
+# in one worker when the suite runs in several (pytest-xdist).
+RAY_FILES = ("test_replicas.py", "test_replicas_cluster.py", "test_server_replicas.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run where a CUDA device is (the GPU check); elsewhere they are
+    """Under pytest-xdist (`--dist loadgroup`, as `make test` runs), each file's tests go to one
+    worker, so module fixtures are built once, and the files that start Ray all go to the same one.
+
+    Tests marked `gpu` run where a CUDA device is (the GPU check); elsewhere they are
     deselected, not skipped: there is nothing for them to assert on a CPU."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else str(item.path)))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if "gpu" in item.keywords]

@@ -41,7 +41,11 @@ def converter_dir() -> Path:
                     m.name = rel
                     members.append(m)
             tar.extractall(unpacked, members=members, filter="data")
-        os.replace(unpacked, target)  # atomic: a concurrent or interrupted run never sees half a copy
+        try:
+            os.replace(unpacked, target)  # atomic: a concurrent or interrupted run never sees half a copy
+        except OSError:
+            if not (target / "convert_hf_to_gguf.py").is_file():  # else another worker got there first
+                raise
     return target
 
 

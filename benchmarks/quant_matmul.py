@@ -1,12 +1,14 @@
 """Per batch size, which product serves a quantized weight fastest on this CPU: for GGUF blocks
 the fused kernel (blocks streamed once, float32 FMA), widened tiles through torch's GEMM (its
-results set FUSED_MAX_ROWS in pagellm/layers/quant/gguf.py), or the int8-activation kernel
-(`q8act`: activations rounded to int8, VNNI dot products; sets INT8_MAX_ROWS); for `--quantization int8 | int4`
+results set FUSED_MAX_ROWS in pagellm/layers/quant/gguf.py), or the integer kernel
+(`q8act` / `q8x2act`: activations rounded to one / two int8 codes, VNNI dot products; sets
+INT8_MAX_ROWS); for `--quantization int8 | int4`
 torch's packed kernels; and the dense weight for scale. Each product's weight bytes over its
 time give its achieved GB/s, next to the memory bandwidth (a streaming sum) and the dense GEMM
 rate measured in the same run: how far from the limit is a number.
 
     python benchmarks/quant_matmul.py --out benchmarks/results/quant-matmul-DATE.json
+    python benchmarks/quant_matmul.py --dtypes float32 --batches 1 2 4 8 16 32 --skip-int-weights --out ...
 
 Shapes: the bundled SmolLM2-135M (gate/up, down, the 49152-row Q8_0 head) and a Llama-3.2-1B
 layer (gate/up, down; and as a Q4_K_M file has them, Q4_K gate/up and Q6_K down). Weights are
@@ -76,6 +78,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--skip-int-weights", action="store_true",
+                    help="leave out torch's int8/int4 products (--quantization int8 | int4): slow past a few rows")
     args = ap.parse_args()
     kernels = q.cpu.quant_kernels()
     assert kernels is not None, "the quantized-matmul kernels did not build"
@@ -86,11 +92,12 @@ def main() -> None:
     for name, qtype, n, k in SHAPES:
         dense = torch.randn(n, k) * 0.05
         blocks = blocks_of(dense, qtype)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (getattr(torch, d) for d in args.dtypes):
             w = dense.to(dtype)
             int8_method, int4_method = Int8LinearMethod(dtype), Int4LinearMethod(dtype)
-            int8_layer, int4_layer = int_layer(int8_method, w), int_layer(int4_method, w)
-            for m in BATCHES:
+            if not args.skip_int_weights:
+                int8_layer, int4_layer = int_layer(int8_method, w), int_layer(int4_method, w)
+            for m in args.batches:
                 x = torch.randn(m, k, dtype=dtype)
                 fused = timed(lambda: kernels.gguf_matmul(x, blocks, int(qtype), k), args.repeat)
                 saved = q.FUSED_MAX_ROWS
@@ -100,22 +107,26 @@ def main() -> None:
                 finally:
                     q.FUSED_MAX_ROWS = saved
                 q8act = timed(lambda: kernels.gguf_matmul_int8(x, blocks, int(qtype), k), args.repeat)
+                q8x2act = timed(lambda: kernels.gguf_matmul_int8(x, blocks, int(qtype), k, True), args.repeat)
                 dense_ms = timed(lambda: F.linear(x, w), args.repeat)
-                int8 = timed(lambda: int8_method.apply(int8_layer, x), args.repeat)
-                int4 = timed(lambda: int4_method.apply(int4_layer, x), args.repeat)
                 gbps = {  # weight bytes streamed per product / its time
                     "fused_gbps": blocks.numel() / fused / 1e6, "q8act_gbps": blocks.numel() / q8act / 1e6,
-                    "int8_gbps": n * k / int8 / 1e6,
-                    "int4_gbps": n * k / 2 / int4 / 1e6, "dense_gbps": n * k * w.element_size() / dense_ms / 1e6}
+                    "q8x2act_gbps": blocks.numel() / q8x2act / 1e6,
+                    "dense_gbps": n * k * w.element_size() / dense_ms / 1e6}
+                ints = {}
+                if not args.skip_int_weights:
+                    int8 = timed(lambda: int8_method.apply(int8_layer, x), args.repeat)
+                    int4 = timed(lambda: int4_method.apply(int4_layer, x), args.repeat)
+                    ints = {"int8_ms": round(int8, 4), "int4_ms": round(int4, 4)}
+                    gbps.update(int8_gbps=n * k / int8 / 1e6, int4_gbps=n * k / 2 / int4 / 1e6)
                 rows.append({"shape": name, "type": qtype.name, "rows": n, "cols": k, "dtype": str(dtype)[6:],
                              "batch": m, "fused_ms": round(fused, 4), "tiled_ms": round(tiled, 4),
-                             "q8act_ms": round(q8act, 4),
-                             "int8_ms": round(int8, 4), "int4_ms": round(int4, 4),
+                             "q8act_ms": round(q8act, 4), "q8x2act_ms": round(q8x2act, 4), **ints,
                              "dense_ms": round(dense_ms, 4), "weight_bytes": blocks.numel(),
                              **{key: round(v, 2) for key, v in gbps.items()},
                              "dense_gflops": round(2 * m * n * k / dense_ms / 1e6, 2)})
                 print(json.dumps(rows[-1]), flush=True)
-    result = {"benchmark": "quant_matmul", "threads": torch.get_num_threads(), "cpu": platform.processor(),
+    result = {"benchmark": "quant_matmul", "args": vars(args), "threads": torch.get_num_threads(), "cpu": platform.processor(),
               "load_avg_before_after": [load_before, os.getloadavg()], "torch": torch.__version__,
               "limits_before": limits_before, "limits_after": machine_limits(gemm_n=4096),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -1,0 +1,67 @@
+"""How far each way of multiplying a GGUF model's blocks moves it from the same model
+dequantized to float32: greedy agreement and the largest logprob difference, teacher-forced (the
+reference's greedy continuation fed back with prompt_logprobs, so every position is compared on
+the same context), per `--activation-quantization` mode.
+
+    python benchmarks/quant_agreement.py --out benchmarks/results/quant-agreement-DATE.json
+
+Defaults: the bundled Q4_1 SmolLM2, 64 prompts x 64 tokens (the quantized-weights issue's size).
+Each mode's integer kernel is used for every product here (its row bound raised to the 16-row
+steps), so the figures are the arithmetic's, whatever batch sizes a server would see.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagellm import LLM  # noqa: E402
+from pagellm.config import ACTIVATION_QUANTIZATIONS  # noqa: E402
+from pagellm.layers.quant import gguf  # noqa: E402
+from tests.models.test_gguf_quantized import WORDS, Reference  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    started = time.time()
+    reference = LLM(args.model, quantization="none", max_model_len=256)
+    rng = random.Random(0)
+    tok = reference.get_tokenizer()
+    prompts = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 12))).capitalize())
+               for _ in range(args.prompts)]
+    ref = Reference(reference, prompts, args.tokens)
+    reference.shutdown()
+    modes = {}
+    for mode in ACTIVATION_QUANTIZATIONS:
+        if mode != "none":
+            gguf.INT8_MAX_ROWS[mode] = 16
+        llm = LLM(args.model, max_model_len=256, activation_quantization=mode, max_num_batched_tokens=16,
+                  max_num_seqs=16)
+        agreement, worst = ref.compare(llm)
+        llm.shutdown()
+        modes[mode] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
+        print(mode, json.dumps(modes[mode]), flush=True)
+    result = {"benchmark": "quant_agreement", "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1",
+              "prompts": args.prompts, "tokens": args.tokens, "positions": sum(len(r) for r in ref.rows),
+              "seconds": round(time.time() - started, 1), "modes": modes,
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip()}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,10 +9,11 @@ with no kernel arrive dequantized (the loader warns) and form dense segments.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
 INT8_MAX_ROWS rows round their activations to one int8 code per value (or two) and multiply them
-by the blocks with VNNI integer dot products, as llama.cpp does. Otherwise, up to FUSED_MAX_ROWS rows of activations (decode steps) run
-the fused kernel, which streams the blocks once and multiplies in float32; larger batches are
-compute-bound, and widen TILE_VALUES of the weight at a time for torch's GEMM (AMX/AVX-512 in
-bfloat16, so a bfloat16 model switches to tiles at fewer rows). Without a compiler the tiles are widened by gguf-py instead: slow, same results.
+by the blocks with VNNI integer dot products, as llama.cpp does. Otherwise, up to FUSED_MAX_ROWS
+rows of activations (decode steps) run the fused kernel, which streams the blocks once and
+multiplies in float32; larger batches are compute-bound, and widen TILE_VALUES of the weight at a
+time for torch's GEMM (AMX/AVX-512 in bfloat16, so a bfloat16 model switches to tiles at fewer
+rows). Without a compiler the tiles are widened by gguf-py instead: slow, same results.
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
 # through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
 FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 # By activation_quantization: batches up to this many rows take the integer kernel, which beats the
-# float32 one there on every measured shape (benchmarks/quant_matmul.py): int8x2's second code costs
-# a second dot product per row of x, so it pays only while unpacking the blocks dominates.
+# float32 one there on the measured shapes (benchmarks/quant_matmul.py; int8 at 16 rows loses on
+# Q6_K only): int8x2's second code costs a second dot product per row of x, so it pays only while
+# unpacking the blocks dominates.
 INT8_MAX_ROWS = {"int8": 16, "int8x2": 2}
 
 

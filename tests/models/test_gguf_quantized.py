@@ -142,6 +142,17 @@ def bundled_reference() -> Reference:
     return Reference(reference, prompts, 48)
 
 
+def test_blocks_split_over_two_ranks_match_one(mixed_gguf):
+    """Tensor parallelism over GGUF blocks: q/k/v and gate/up split by rows, o and down by columns
+    at block boundaries, the ranks' partial sums all-reduced: one rank's tokens, and logprobs up
+    to the order of that sum."""
+    prompts = [[(7 * i + 3 * j) % 49000 + 10 for j in range(5 + i)] for i in range(4)]
+    reference = Reference(LLM(str(mixed_gguf), num_kv_blocks=64, block_size=8), prompts, 12)
+    with LLM(str(mixed_gguf), num_kv_blocks=64, block_size=8, tensor_parallel_size=2) as two:
+        agreement, worst = reference.compare(two)
+    assert agreement == 1.0 and worst <= 1e-4
+
+
 def test_bundled_q4_1_model_matches_its_dequantized_self(bundled_reference):
     """32 prompts x 48 tokens on the bundled SmolLM2 (Q4_1 matrices, a Q8_0 embedding and tied head)."""
     agreement, worst = bundled_reference.compare(LLM(quantization="auto", max_model_len=256, **FEW_ROWS))

@@ -228,9 +228,8 @@ class DriverModelRunner(ModelRunner):
         self._finalizer = weakref.finalize(self, workers.close)
 
         def build() -> None:
-            ModelRunner.__init__(self, spec.arch, workers.device, spec.dtype, spec.max_model_len, seed=spec.seed,
-                                 tp=workers.tp, weight_format=spec.weight_format, sliding_kv=spec.sliding_kv,
-                                 kv_cache_dtype=spec.kv_cache_dtype)
+            args, kwargs = spec.runner_arguments(workers.device, workers.tp)
+            ModelRunner.__init__(self, *args, **kwargs)
             warm_up_kernels(workers.device)
 
         workers.call("init", (spec,), build)

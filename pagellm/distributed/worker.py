@@ -47,6 +47,14 @@ class WorkerSpec:
     kv_cache_dtype: str = "auto"  # how K/V are stored (attention/kv_format.py)
     activation_quantization: str = "none"  # "int8" / "int8x2": GGUF products round their activations
 
+    def runner_arguments(self, device: torch.device, tp: TensorParallelGroup) -> tuple[tuple, dict[str, Any]]:
+        """ModelRunner's arguments for this rank: the one place every rank, rank 0's
+        DriverModelRunner included, takes them from, so no option reaches some ranks and not others
+        (rank 0 once built its shard without activation_quantization while the workers had it)."""
+        return ((self.arch, device, self.dtype, self.max_model_len),
+                dict(seed=self.seed, tp=tp, weight_format=self.weight_format, sliding_kv=self.sliding_kv,
+                     kv_cache_dtype=self.kv_cache_dtype, activation_quantization=self.activation_quantization))
+
 
 def pack(obj: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A dataclass (nested ones included) as (small Python values, tensors) for the channel,
@@ -106,10 +114,8 @@ class Worker:
                              "(start the workers with the same --device)")
         self.spec = spec
         torch.manual_seed(spec.seed)
-        self.runner = ModelRunner(spec.arch, self.device, spec.dtype, spec.max_model_len, seed=spec.seed, tp=self.tp,
-                                  weight_format=spec.weight_format, sliding_kv=spec.sliding_kv,
-                                  kv_cache_dtype=spec.kv_cache_dtype,
-                                  activation_quantization=spec.activation_quantization)
+        args, kwargs = spec.runner_arguments(self.device, self.tp)
+        self.runner = ModelRunner(*args, **kwargs)
         warm_up_kernels(self.device)
 
     def load_weights(self) -> None:

@@ -20,11 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagellm import envs
-from pagellm.config import EngineConfig
 from pagellm.distributed import process_group
 from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack, spawn_main, warm_up_kernels
 from pagellm.errors import EngineFatalError
-from pagellm.model.loader import ModelSource
 from pagellm.models.registry import check_tensor_parallel
 from pagellm.worker.model_runner import ModelRunner, StepInputs, rank_memory
 
@@ -273,15 +271,10 @@ class DriverModelRunner(ModelRunner):
         return self.workers.pids
 
 
-def start_tensor_parallel(config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype,
-                          max_model_len: int) -> DriverModelRunner:
-    """Check the model splits `config.tensor_parallel_size` ways, start the ranks, build every shard."""
-    check_tensor_parallel(source.arch, config.tensor_parallel_size)
-    workers = WorkerGroup.start(config.tensor_parallel_size, device.type)
-    spec = WorkerSpec(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
-                      config.quantization if device.type == "cpu" else "none", source.weight_format,
-                      sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype,
-                      activation_quantization=config.activation_quantization)
+def start_tensor_parallel(size: int, spec: WorkerSpec) -> DriverModelRunner:
+    """Check the model splits `size` ways, start the ranks, build every shard."""
+    check_tensor_parallel(spec.arch, size)
+    workers = WorkerGroup.start(size, spec.device_type)
     try:
         return DriverModelRunner(workers, spec)
     except BaseException:

@@ -27,6 +27,10 @@ from pagellm.distributed.channel import Channel
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.model.config import ModelArchConfig
 
+if typing.TYPE_CHECKING:
+    from pagellm.config import EngineConfig
+    from pagellm.model.loader import ModelSource
+
 READY_KEY = "pagellm/ready/{rank}"
 
 
@@ -47,10 +51,22 @@ class WorkerSpec:
     kv_cache_dtype: str = "auto"  # how K/V are stored (attention/kv_format.py)
     activation_quantization: str = "none"  # "int8" / "int8x2": GGUF products round their activations
 
-    def runner_arguments(self, device: torch.device, tp: TensorParallelGroup) -> tuple[tuple, dict[str, Any]]:
+    @classmethod
+    def from_config(cls, config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype,
+                    max_model_len: int, quantization: str) -> WorkerSpec:
+        """The spec of an engine's model (`source`, loaded with `quantization`): the one place the
+        engine's options become ModelRunner's, for one rank or many."""
+        return cls(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
+                   quantization, source.weight_format,
+                   sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype,
+                   activation_quantization=config.activation_quantization)
+
+    def runner_arguments(self, device: torch.device,
+                         tp: TensorParallelGroup | None) -> tuple[tuple, dict[str, Any]]:
         """ModelRunner's arguments for this rank: the one place every rank, rank 0's
-        DriverModelRunner included, takes them from, so no option reaches some ranks and not others
-        (rank 0 once built its shard without activation_quantization while the workers had it)."""
+        DriverModelRunner and a single-rank engine included, takes them from, so no option reaches
+        some ranks and not others (rank 0 once built its shard without activation_quantization
+        while the workers had it)."""
         return ((self.arch, device, self.dtype, self.max_model_len),
                 dict(seed=self.seed, tp=tp, weight_format=self.weight_format, sliding_kv=self.sliding_kv,
                      kv_cache_dtype=self.kv_cache_dtype, activation_quantization=self.activation_quantization))

@@ -20,6 +20,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
+from pagellm.distributed.worker import WorkerSpec
 from pagellm.engine import beams
 from pagellm.engine.core import CoreStep, EngineCore
 from pagellm.engine.groups import BeamRound, SequenceGroup
@@ -59,18 +60,17 @@ class LLMEngine:
         self.device = device
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        spec = WorkerSpec.from_config(config, source, self.device, self.dtype, self.max_model_len, quantization)
         if config.tensor_parallel_size > 1:
             if config.batch_invariant:
                 raise ValueError("batch_invariant does not cover tensor parallelism yet (its all-reduce adds the "
                                  "ranks' partial sums in the transport's order); use tensor_parallel_size 1")
             from pagellm.distributed.driver import start_tensor_parallel
 
-            self.runner = start_tensor_parallel(config, source, self.device, self.dtype, self.max_model_len)
+            self.runner = start_tensor_parallel(config.tensor_parallel_size, spec)
         else:
-            self.runner = ModelRunner(self.arch, self.device, self.dtype, self.max_model_len, seed=config.seed,
-                                      weight_format=source.weight_format, batch_invariant=config.batch_invariant,
-                                      sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype,
-                                      activation_quantization=config.activation_quantization)
+            args, kwargs = spec.runner_arguments(self.device, None)
+            self.runner = ModelRunner(*args, batch_invariant=config.batch_invariant, **kwargs)
         try:
             if source.weights is None:
                 self.runner.init_dummy_weights(config.seed)

@@ -130,8 +130,6 @@ def llama_bench_round(cfg: LatencyConfig, model_path: str) -> dict:
     """One run of llama.cpp's llama-bench on the same file and threads: pp input_len and tg output_len."""
     cmd = [llama_bench_binary(), "-m", model_path, "-p", str(cfg.input_len), "-n", str(cfg.output_len),
            "-t", str(cfg.threads), "-r", "1", "-o", "json"]
-    if cfg.batch_size != 1:
-        raise ValueError("llama-bench measures one stream; use --batch-size 1 with it")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench exited with {proc.returncode}: {proc.stderr.strip()[-500:]}")
@@ -165,17 +163,6 @@ def run_latency_bench(cfg: LatencyConfig) -> dict:
     load = {"loadavg_start": os.getloadavg()}
     limits = roofline.machine_limits(cfg.threads)
     systems, skipped = {}, {}
-    runs: dict[str, PagellmRun] = {}
-    for name in cfg.systems:
-        if name == LLAMA_BENCH:
-            continue
-        if not name.startswith("pagellm-"):
-            raise ValueError(f"unknown system {name!r}; choose pagellm-<policy>[-bf16][-dense][-int8act]"
-                             f"[-int8x2act] or {LLAMA_BENCH}")
-        policy, options = pagellm_system(name)
-        if policy != "paged":
-            raise ValueError(f"{name}: the latency bench runs the paged engine only")
-        runs[name] = PagellmRun(cfg, options)
     bench_llama = LLAMA_BENCH in cfg.systems
     if bench_llama and not model_path.lower().endswith(".gguf"):
         skipped[LLAMA_BENCH], bench_llama = "llama-bench needs a GGUF model", False
@@ -183,10 +170,23 @@ def run_latency_bench(cfg: LatencyConfig) -> dict:
         skipped[LLAMA_BENCH] = (f"{llama_bench_binary()} not found: build it with "
                                 "benchmarks/build_llama_cpp.sh or set PAGELLM_LLAMA_CPP_BIN")
         bench_llama = False
-    # Round by round, every system once per round: on shared cores the machine's speed drifts over
-    # minutes, and systems measured one after the other would carry that drift into their ratios.
+    if bench_llama and cfg.batch_size != 1:  # before any engine is built and measured
+        raise ValueError("llama-bench measures one stream; use --batch-size 1 with it")
+    runs: dict[str, PagellmRun] = {}
     llama_rounds = []
     try:
+        for name in cfg.systems:
+            if name == LLAMA_BENCH:
+                continue
+            if not name.startswith("pagellm-"):
+                raise ValueError(f"unknown system {name!r}; choose pagellm-<policy>[-bf16][-dense][-int8act]"
+                                 f"[-int8x2act] or {LLAMA_BENCH}")
+            policy, options = pagellm_system(name)
+            if policy != "paged":
+                raise ValueError(f"{name}: the latency bench runs the paged engine only")
+            runs[name] = PagellmRun(cfg, options)
+        # Round by round, every system once per round: on shared cores the machine's speed drifts
+        # over minutes, and systems measured one after the other would carry that drift into their ratios.
         for _ in range(cfg.repeat):
             for run in runs.values():
                 run.round()

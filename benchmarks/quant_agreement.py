@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagellm import LLM  # noqa: E402
 from pagellm.config import ACTIVATION_QUANTIZATIONS  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
-from tests.models.test_gguf_quantized import WORDS, Reference  # noqa: E402
+from tests.models.test_gguf_quantized import Reference, word_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -37,11 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     started = time.time()
     reference = LLM(args.model, quantization="none", max_model_len=256)
-    rng = random.Random(0)
-    tok = reference.get_tokenizer()
-    prompts = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 12))).capitalize())
-               for _ in range(args.prompts)]
-    ref = Reference(reference, prompts, args.tokens)
+    ref = Reference(reference, word_prompts(reference.get_tokenizer(), args.prompts), args.tokens)
     reference.shutdown()
     modes = {}
     for mode in ACTIVATION_QUANTIZATIONS:

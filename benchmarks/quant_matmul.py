@@ -22,17 +22,21 @@ import json
 import os
 import platform
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 from pagellm.bench.roofline import machine_limits, median_seconds
 from pagellm.layers.quant import gguf as q
 from pagellm.layers.quant.int_weights import Int4LinearMethod, Int8LinearMethod
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.kernels.test_quant_ops import random_blocks  # noqa: E402
 
 SHAPES = [  # (name, type, rows N, cols K)
     ("smollm2 gate_up", T.Q4_1, 3072, 576),
@@ -43,8 +47,8 @@ SHAPES = [  # (name, type, rows N, cols K)
     ("llama-1b gate_up", T.Q4_K, 16384, 2048),
     ("llama-1b down", T.Q6_K, 2048, 8192),
 ]
-# Byte offsets of a K-quant block's float16 scales; its other bytes may be anything.
-K_QUANT_HALVES = {T.Q4_K: (0, 2), T.Q6_K: (208,)}
+# Types gguf-py cannot quantize: random valid blocks instead (the kernel tests' own generator).
+K_QUANTS = (T.Q4_K, T.Q6_K)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -55,15 +59,9 @@ def timed(fn, repeat: int) -> float:
 
 def blocks_of(dense: torch.Tensor, qtype: T) -> torch.Tensor:
     """`dense` quantized by gguf-py, or for a K-quant random valid blocks of its shape."""
-    if qtype not in K_QUANT_HALVES:
+    if qtype not in K_QUANTS:
         return torch.from_numpy(quantize(dense.numpy(), qtype))
-    values, nbytes = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=(dense.shape[0], dense.shape[1] // values, nbytes), dtype=np.uint8)
-    for off in K_QUANT_HALVES[qtype]:
-        scales = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
-        raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return torch.from_numpy(raw.reshape(dense.shape[0], -1))
+    return torch.from_numpy(random_blocks(qtype, dense.shape[0], dense.shape[1]))
 
 
 def int_layer(method, dense: torch.Tensor) -> torch.nn.Module:

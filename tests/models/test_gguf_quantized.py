@@ -54,6 +54,13 @@ WORDS = ("the a of to in is was for on with he she it they we you that this what
          "cat dog house city river mountain story code function number list water music").split()
 
 
+def word_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """n short sentences of WORDS (2-11 words), tokenized: prompts a small chat model continues."""
+    rng = random.Random(seed)
+    return [tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 12))).capitalize())
+            for _ in range(n)]
+
+
 def _type_of(name: str):
     return RANDOM_TYPES.get(name.split(".")[-2])  # None (ffn_up): kept float32
 
@@ -136,11 +143,7 @@ def test_mixed_types_match_the_dequantized_model(mixed_gguf):
 def bundled_reference() -> Reference:
     """The bundled SmolLM2 dequantized, on 32 prompts x 48 tokens."""
     reference = LLM(quantization="none", max_model_len=256)
-    rng = random.Random(0)
-    tok = reference.get_tokenizer()
-    prompts = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 12))).capitalize())
-               for _ in range(32)]
-    return Reference(reference, prompts, 48)
+    return Reference(reference, word_prompts(reference.get_tokenizer(), 32), 48)
 
 
 @pytest.mark.parametrize("activations, atol", [("none", 1e-4), ("int8", 0.05)])

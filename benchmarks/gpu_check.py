@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import gc
 import json
 import os
@@ -296,20 +297,20 @@ def decode_bandwidth(device: torch.device, shape: dict, block_sizes: list[int], 
         default = default_decode_config(device, d)
         entry: dict = {"auto_num_splits": auto, "default_config": dataclasses.asdict(default), "runs": []}
 
-        def run(cfg, ns):
-            return lambda: paged_decode(qp, k_cache, v_cache, tables, seq_lens, scale, out=out, num_splits=ns,
-                                        config=cfg)
+        # partial binds the tensors, not names that the loop's end deletes.
+        decode = functools.partial(paged_decode, qp, k_cache, v_cache, tables, seq_lens, scale, out=out)
 
         paged_decode(qp, k_cache, v_cache, tables, seq_lens, scale, out=out)
         entry["max_abs_err_vs_sdpa"] = float((out.float() - ref.view(b, h, d).float()).abs().max())
-        ms = median_ms(run(None, None), device, warmup=3, iters=iters)
+        ms = median_ms(decode, device, warmup=3, iters=iters)
         entry["default"] = {"median_ms": round(ms, 4), "gb_per_s": gbs(kv_bytes, ms),
                             "vs_sdpa": round(kv_bytes / ms / 1e6 / sdpa_gbs, 3)}
         variants = [(KernelConfig(block_n=bn, num_warps=w, num_stages=s), None) for bn, w, s in sweep]
         variants += [(None, ns) for ns in splits]
         for cfg, ns in variants:
             try:
-                ms = median_ms(run(cfg, ns), device, warmup=2, iters=max(5, iters // 2))
+                ms = median_ms(functools.partial(decode, num_splits=ns, config=cfg), device, warmup=2,
+                               iters=max(5, iters // 2))
                 entry["runs"].append({"config": None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages],
                                       "num_splits": ns if ns is not None else auto, "median_ms": round(ms, 4),
                                       "gb_per_s": gbs(kv_bytes, ms)})
@@ -322,7 +323,7 @@ def decode_bandwidth(device: torch.device, shape: dict, block_sizes: list[int], 
         if bs == block_sizes[-1]:
             result["kv_8bit"] = decode_8bit(qp, k_cache, v_cache, tables, seq_lens, scale, out, device, iters,
                                             entry["default"]["median_ms"])
-        del k_cache, v_cache, tables
+        del k_cache, v_cache, tables, decode
         cleanup()
     return result
 
@@ -340,8 +341,8 @@ def decode_8bit(q, k_cache, v_cache, tables, seq_lens, scale, out, device, iters
         paged_decode(q, kc, vc, tables, seq_lens, scale, out=out, kv_format=fmt)
         got = out.float().clone()
         paged_decode(q, fmt.decode(kc, q.dtype), fmt.decode(vc, q.dtype), tables, seq_lens, scale, out=out)
-        ms = median_ms(lambda: paged_decode(q, kc, vc, tables, seq_lens, scale, out=out, kv_format=fmt), device,
-                       warmup=3, iters=iters)
+        ms = median_ms(functools.partial(paged_decode, q, kc, vc, tables, seq_lens, scale, out=out, kv_format=fmt),
+                       device, warmup=3, iters=iters)
         res[name] = {"median_ms": round(ms, 4), "speed_vs_plain": round(plain_ms / ms, 3),
                      "kv_bytes": 2 * kc.numel(), "max_abs_err_vs_decoded": float((got - out.float()).abs().max())}
         del kc, vc

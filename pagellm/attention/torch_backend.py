@@ -13,8 +13,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              kv_format: KVFormat | None = None) -> None:
     """Store each new token's K/V in its slot (block_id * block_size + offset), in `kv_format`
     (None: as the cache's dtype)."""
-    if kv_format is not None and kv_format.quantized and cpu.usable(k) and k_cache.device.type == "cpu":
-        cpu.store_kv_8bit(k, v, k_cache, v_cache, slots, kv_format)
+    if cpu.store_kv_usable(k, k_cache, kv_format):
+        cpu.store_kv(k, v, k_cache, v_cache, slots, kv_format)
         return
     kvh, row = k_cache.shape[2:]
     for x, cache in ((k, k_cache), (v, v_cache)):
@@ -80,15 +80,14 @@ class TorchAttentionBackend(AttentionBackend):
             return cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, key_lens, scale,
                                        options.sliding_window if options else None,
                                        options.softcap if options else None, sinks, token_seq, INVARIANT_RUN, fmt)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        compiled = nd > 0 and self._use_compiled(q, k_cache)
+        if compiled and nd == meta.num_seqs:  # decodes only: the kernel's output is the step's, no copy
+            return self._compiled_decode(q, k_cache, v_cache, meta, scale, options, sinks, fmt)
+        out = torch.empty_like(q)
         if nd:
-            if self._use_compiled(q, k_cache):
-                window = options.sliding_window if options else None
-                softcap = options.softcap if options else None
-                out[:nd] = cpu.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens_tensor[:nd], scale, window, softcap, sinks,
-                                               kv_format=fmt)
+            if compiled:
+                out[:nd] = self._compiled_decode(q[:nd], k_cache, v_cache, meta, scale, options, sinks, fmt)
             else:
                 out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, options, sinks, fmt)
         start = nd
@@ -99,6 +98,16 @@ class TorchAttentionBackend(AttentionBackend):
                                            meta.block_tables[i], ctx, scale, options, sinks, fmt)
             start = end
         return out
+
+    @staticmethod
+    def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                         options: AttentionOptions | None, sinks: torch.Tensor | None,
+                         kv_format: KVFormat | None) -> torch.Tensor:
+        """The first len(q) sequences' decode tokens, read in place by the compiled kernel."""
+        nd = q.shape[0]
+        return cpu.paged_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale,
+                                   options.sliding_window if options else None,
+                                   options.softcap if options else None, sinks, kv_format=kv_format)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,

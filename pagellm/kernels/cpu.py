@@ -147,11 +147,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def store_kv_8bit(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slots: torch.Tensor, kv_format: KVFormat) -> None:
-    """Write k, v [T, KVH, D] into uint8 caches of `kv_format`'s rows at `slots` [T]: the same
-    bytes as `kv_format.encode`, in one pass instead of a dozen torch ops per layer."""
-    _load().store_kv_8bit(k, v, k_cache, v_cache, slots, kv_format.kernel_code)
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor, kv_format: KVFormat | None = None) -> None:
+    """Write k, v [T, KVH, D] into the caches' rows at `slots` [T]: float32 or bfloat16 caches
+    (kv_format None or unquantized) get the values converted as `.to(dtype)` converts them, uint8
+    caches of a quantized `kv_format` the same bytes as `kv_format.encode`; one call instead of
+    two index_copy_ (or a dozen torch ops for 8-bit rows) per layer."""
+    _load().store_kv(k, v, k_cache, v_cache, slots, kv_format.kernel_code if kv_format is not None else 0)
+
+
+def store_kv_usable(k: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None) -> bool:
+    """Whether store_kv serves these rows and this cache (CPU, a float32 / bfloat16 or 8-bit cache, built)."""
+    if kv_format is not None and not kv_format.quantized and kv_format.dtype != k_cache.dtype:
+        return False
+    plain = kv_format is None or not kv_format.quantized
+    return k_cache.device.type == "cpu" and (k_cache.dtype in _DTYPES or not plain) and usable(k)
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row of float32 x [B, V] on the CPU, each row summed in one order whatever B is."""
+    return _load().row_logsumexp(x)
 
 
 def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -27,6 +27,8 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
         if cpu.usable(x) and self.weight.dtype == x.dtype and x.shape[-1] > 0:
             # One pass with the reference's roundings (torch's own is ~10 small operations a call).
+            if x.dim() == 2:  # the hidden states; view(shape) alone costs a few microseconds a call
+                return cpu.rms_norm(x, self.weight, self.eps)
             return cpu.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

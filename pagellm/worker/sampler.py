@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pagellm.kernels import cpu
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.logits_processors import LOGITS_PROCESSORS, LogitsProcessor, StepRequests
 
@@ -421,7 +422,10 @@ def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
 
     torch reduces a single row as a whole tensor (split over threads, then combined) and several
     rows dimension-wise, which sums a row in another order; a lone row is therefore reduced as one
-    of two, so that a token's logprob does not depend on how many rows share the step."""
+    of two, so that a token's logprob does not depend on how many rows share the step. On the
+    CPU a compiled kernel sums each row in one order (kernels/cpu.py), without the copy."""
+    if x.dtype == torch.float32 and cpu.usable(x):
+        return cpu.row_logsumexp(x)
     if x.shape[0] == 1:
         return torch.logsumexp(x.expand(2, -1).contiguous(), -1)[:1]
     return torch.logsumexp(x, -1)

@@ -182,7 +182,39 @@ def test_bad_inputs_are_refused_with_a_message():
         cpu.paged_attention(torch.randn(1, 4, 16), codes, codes, torch.zeros(1, 1, dtype=torch.long),
                             torch.ones(1, dtype=torch.long), 1.0, kv_format=int8)
     with pytest.raises(RuntimeError, match="slot 64 is outside the cache's 16"):
-        cpu.store_kv_8bit(torch.randn(1, 2, 8), torch.randn(1, 2, 8), codes, codes.clone(), torch.tensor([64]), int8)
+        cpu.store_kv(torch.randn(1, 2, 8), torch.randn(1, 2, 8), codes, codes.clone(), torch.tensor([64]), int8)
+
+
+@pytest.mark.parametrize("cache_dtype, k_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                    (torch.bfloat16, torch.bfloat16)])
+def test_store_kv_into_a_float_cache_is_index_copy(cache_dtype, k_dtype):
+    """The compiled store puts the same bits where two index_copy_ of x.to(cache dtype) would."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(5, 3, 16, generator=g).to(k_dtype) for _ in range(2))
+    slots = torch.tensor([7, 0, 63, 21, 40])
+    kc, vc = torch.zeros(4, 16, 3, 16, dtype=cache_dtype), torch.zeros(4, 16, 3, 16, dtype=cache_dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.view(-1, 3, 16).index_copy_(0, slots, k.to(cache_dtype))
+    want_v.view(-1, 3, 16).index_copy_(0, slots, v.to(cache_dtype))
+    cpu.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(RuntimeError, match="slot -1 is outside the cache's 64"):
+        cpu.store_kv(k[:1], v[:1], kc, vc, torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="the caches must be contiguous float32 or bfloat16"):
+        cpu.store_kv(k, v, kc[:, :, :2], vc, slots)
+
+
+def test_row_logsumexp_matches_torch_and_ignores_the_batch():
+    """Each row against float64, and a row's bits the same alone or among others (the sampler's
+    logprobs must not depend on what else is in the step); non-finite rows as torch gives them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 49152 + 37, generator=g) * 8  # a vocabulary that is no multiple of the vector width
+    got = cpu.row_logsumexp(x)
+    torch.testing.assert_close(got.double(), torch.logsumexp(x.double(), -1), rtol=1e-6, atol=1e-6)
+    for i in range(5):
+        assert torch.equal(cpu.row_logsumexp(x[i:i + 1]), got[i:i + 1])
+    odd = torch.tensor([[0.0, float("nan"), 1.0], [float("-inf")] * 3, [float("inf"), 0.0, 1.0], [1.0, 2.0, 3.0]])
+    torch.testing.assert_close(cpu.row_logsumexp(odd), torch.logsumexp(odd, -1), equal_nan=True)
 
 
 def test_build_is_keyed_by_its_source(tmp_path, monkeypatch):

@@ -524,28 +524,93 @@ void store_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slo
   });
 }
 
-// k, v: [T, KVH, D] (float32 or bfloat16; computed in float32); k_cache, v_cache: uint8
-// [num_blocks, block_size, KVH, D + 2]; slots: [T] (int64), each in the cache. kv_format as in
-// paged_attention (1 int8, 2 fp8 e4m3, 3 fp8 e5m2).
-void store_kv_8bit(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor slots, int64_t kv_format) {
-  TORCH_CHECK(kv_format >= 1 && kv_format <= 3, "kv_format must be 1, 2 or 3, got ", kv_format);
+// Rows x [T, KVH, D] copied into a float32 or bfloat16 cache [blocks, block_size, KVH, D] at
+// `slots`, converted as torch's .to() converts (bfloat16: rounded to nearest even).
+template <typename C>
+void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots) {
+  const int64_t T_ = x.size(0), row = x.size(1) * x.size(2);
+  const float* xp = x.data_ptr<float>();
+  C* cp = static_cast<C*>(cache.data_ptr());
+  for (int64_t t = 0; t < T_; ++t) {
+    C* dst = cp + slots[t] * row;
+    if constexpr (std::is_same_v<C, float>) std::memcpy(dst, xp + t * row, row * sizeof(float));
+    else for (int64_t j = 0; j < row; ++j) dst[j] = static_cast<C>(xp[t * row + j]);
+  }
+}
+
+// k, v: [T, KVH, D] (float32 or bfloat16; computed in float32); slots: [T] (int64), each in the
+// cache. kv_format 0: float32 or bfloat16 caches [num_blocks, block_size, KVH, D] (the rows
+// converted to the cache's dtype; two index_copy_ calls in torch cost more than the copy at a
+// decode step); 1-3 as in paged_attention (1 int8, 2 fp8 e4m3, 3 fp8 e5m2): uint8 caches
+// [num_blocks, block_size, KVH, D + 2] of codes and a float16 scale.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+              int64_t kv_format) {
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 3, "kv_format must be 0, 1, 2 or 3, got ", kv_format);
   check_float_cpu(k, "k");
   check_float_cpu(v, "v");
+  const auto dtype = k_cache.scalar_type();
+  const int64_t row = kv_format == 0 ? k.size(2) : k.size(2) + 2;
   for (const auto* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == torch::kByte && c->is_contiguous() && c->dim() == 4 &&
-                    c->size(2) == k.size(1) && c->size(3) == k.size(2) + 2,
-                "the caches must be contiguous uint8 [blocks, block_size, ", k.size(1), ", ", k.size(2) + 2, "]");
+    TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == dtype && c->is_contiguous() && c->dim() == 4 &&
+                    c->size(2) == k.size(1) && c->size(3) == row &&
+                    (kv_format == 0 ? (dtype == torch::kFloat || dtype == torch::kBFloat16) : dtype == torch::kByte),
+                "the caches must be contiguous ", kv_format == 0 ? "float32 or bfloat16" : "uint8", " [blocks, block_size, ",
+                k.size(1), ", ", row, "]");
   TORCH_CHECK(k.sizes() == v.sizes() && slots.dim() == 1 && slots.size(0) == k.size(0),
               "k, v and slots disagree on the number of tokens");
   const auto kf = k.to(torch::kFloat).contiguous(), vf = v.to(torch::kFloat).contiguous();
   const auto sl = slots.to(torch::kLong).contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t slots_total = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < sl.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_total, "slot ", sp[t], " is outside the cache's ", slots_total);
   switch (kv_format) {
+    case 0:
+      if (dtype == torch::kFloat) { copy_rows<float>(kf, k_cache, sp); copy_rows<float>(vf, v_cache, sp); }
+      else { copy_rows<at::BFloat16>(kf, k_cache, sp); copy_rows<at::BFloat16>(vf, v_cache, sp); }
+      break;
     case 1: store_rows<I8>(kf, k_cache, sp, 127.f); store_rows<I8>(vf, v_cache, sp, 127.f); break;
     case 2: store_rows<E4M3>(kf, k_cache, sp, 448.f); store_rows<E4M3>(vf, v_cache, sp, 448.f); break;
     default: store_rows<E5M2>(kf, k_cache, sp, 57344.f); store_rows<E5M2>(vf, v_cache, sp, 57344.f); break;
   }
+}
+
+// logsumexp of each row of x [B, V] (float32), a row summed in one fixed order whatever B is (a
+// thread takes whole rows), so a token's logprob does not depend on the batch. torch reduces a
+// lone row split over threads: the sampler paid a copy and twice the work to keep it invariant.
+torch::Tensor row_logsumexp(torch::Tensor x) {
+  check_cpu_dtype(x, "x", torch::kFloat);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [B, V] with V > 0");
+  x = x.contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = torch::empty({B}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* r = xp + b * V;
+      float mx = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (int64_t i = 0; i < V; ++i) { mx = std::max(mx, r[i]); nan |= std::isnan(r[i]); }
+      if (nan || !std::isfinite(mx)) {  // as torch: NaN propagates, +inf gives inf, all -inf gives -inf
+        op[b] = nan ? std::numeric_limits<float>::quiet_NaN() : mx;
+        continue;
+      }
+      int64_t i = 0;
+      float sum = 0.f;
+#if defined(__AVX512F__)
+      const __m512 m = _mm512_set1_ps(mx);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (; i + 64 <= V; i += 64)
+        for (int a = 0; a < 4; ++a)
+          acc[a] = _mm512_add_ps(acc[a], exp16(_mm512_sub_ps(_mm512_loadu_ps(r + i + 16 * a), m)));
+      sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#endif
+      for (; i < V; ++i) sum += std::exp(r[i] - mx);
+      op[b] = mx + std::log(sum);
+    }
+  });
+  return out;
 }
 
 // Element types of the element-wise kernels: float, or bfloat16 computed in float and rounded
@@ -683,7 +748,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens (CPU; float32 q, float32, bfloat16 or 8-bit K/V)");
-  m.def("store_kv_8bit", &store_kv_8bit, "write K/V rows as 8-bit codes and a float16 scale (CPU)");
+  m.def("store_kv", &store_kv, "write K/V rows into the paged cache: as its float dtype, or 8-bit codes and a scale (CPU)");
+  m.def("row_logsumexp", &row_logsumexp, "logsumexp of each row, in an order that does not depend on the batch (CPU)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");

@@ -305,6 +305,17 @@ constexpr int kMaxRows = 8;
 constexpr int64_t kRowsPerPass = 48;
 constexpr int64_t kPassFloats = 196608;
 
+// Software prefetch of the weight rows. A decode step reads every weight once, from memory, and
+// the hardware's stream prefetcher alone left the products at about half the speed they reach on
+// weights already in cache (Q4_K 1B gate/up: 10 against 18 GB/s). So while a group of rows is
+// multiplied, the rows at least kPrefetchBytes further on are fetched at the same pace, each
+// block of the current rows asking for the same block of those.
+constexpr int64_t kPrefetchBytes = 2048;
+inline int64_t rows_ahead(int64_t group, int64_t row_bytes) {
+  return std::max<int64_t>(group, (kPrefetchBytes + row_bytes - 1) / row_bytes);
+}
+inline void prefetch(const uint8_t* p) { __builtin_prefetch(p, 0, 3); }
+
 // Where a block's float32 values come from. Blocks: widened by the format's dequant through a
 // pointer (an indirect call; the accumulators survive it in memory). Inlined<D>: the same dequant
 // called directly, so it inlines and a 32-value block goes from its bytes to the FMAs in
@@ -342,13 +353,19 @@ template <int M, int NR, typename Src>
 void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, const Format& f,
                  float* y, int64_t N, int64_t n0, int64_t n1) {
   alignas(64) float tmp[NR][QK_K];
-  const int64_t blocks = K / f.block;
+  const int64_t blocks = K / f.block, ahead = rows_ahead(NR, row_bytes);
   for (int64_t n = n0; n < n1; n += NR) {
 #if defined(__AVX512F__)
     __m512 acc[NR][M][2];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
     for (int64_t b = 0; b < blocks; ++b) {
+      if (fetch)
+        for (int r = 0; r < NR; ++r) {  // a block's first and last byte: a dense block spans two lines
+          prefetch(w + (n + ahead + r) * row_bytes + b * f.bytes);
+          prefetch(w + (n + ahead + r) * row_bytes + (b + 1) * f.bytes - 1);
+        }
       const float* wv[NR];
       for (int r = 0; r < NR; ++r) wv[r] = Src::values(f, w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
       const float* xb = x + b * f.block;
@@ -586,17 +603,25 @@ struct ActView {
   const float *scale, *sum;
 };
 
-// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time.
+// Bytes of one 64-value chunk of a row of type T, for the prefetch (Q6_K: a quarter of 210).
+template <int64_t T>
+constexpr int64_t kChunkBytes = T == Q4_0 ? 36 : T == Q4_1 ? 40 : T == Q8_0 ? 68 : T == Q4_K ? 36 : T == Q5_K ? 44 : 52;
+
+// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time, prefetching
+// the rows ahead as matmul_rows does (measured there: Q4_K 1B gate/up 10.5 -> 17.9 GB/s).
 template <int64_t T, int M, int NR, bool kTwo>
 void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                int64_t n1) {
-  const int64_t chunks = K / 64;
+  const int64_t chunks = K / 64, ahead = rows_ahead(NR, row_bytes);
   for (int64_t n = n0; n < n1; n += NR) {
     __m512 acc[NR][M];
     SuperScales ss[NR];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
     for (int64_t c = 0; c < chunks; ++c) {
+      if (fetch)
+        for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * kChunkBytes<T>);
       for (int r = 0; r < NR; ++r) {
         const Chunk ch = chunk<T>(w + (n + r) * row_bytes, c, ss[r]);
         for (int m = 0; m < M; ++m) {

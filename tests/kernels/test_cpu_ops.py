@@ -215,6 +215,9 @@ def test_row_logsumexp_matches_torch_and_ignores_the_batch():
         assert torch.equal(cpu.row_logsumexp(x[i:i + 1]), got[i:i + 1])
     odd = torch.tensor([[0.0, float("nan"), 1.0], [float("-inf")] * 3, [float("inf"), 0.0, 1.0], [1.0, 2.0, 3.0]])
     torch.testing.assert_close(cpu.row_logsumexp(odd), torch.logsumexp(odd, -1), equal_nan=True)
+    long_odd = torch.randn(4, 100, generator=g)  # the same, past the vectorized part's first 16 lanes
+    long_odd[0, 37], long_odd[1], long_odd[2, 50] = float("nan"), float("-inf"), float("inf")
+    torch.testing.assert_close(cpu.row_logsumexp(long_odd), torch.logsumexp(long_odd, -1), equal_nan=True)
 
 
 def test_build_is_keyed_by_its_source(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              kv_format: KVFormat | None = None) -> None:
     """Store each new token's K/V in its slot (block_id * block_size + offset), in `kv_format`
     (None: as the cache's dtype)."""
-    if cpu.store_kv_usable(k, k_cache, kv_format):
+    if cpu.kv_kernels_usable(k, k_cache, kv_format):
         cpu.store_kv(k, v, k_cache, v_cache, slots, kv_format)
         return
     kvh, row = k_cache.shape[2:]
@@ -63,7 +63,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.batch_invariant = batch_invariant
 
     def _use_compiled(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return self.compiled_decode is not False and cpu.decode_usable(q, k_cache, self.kv_format)
+        return self.compiled_decode is not False and cpu.kv_kernels_usable(q, k_cache, self.kv_format)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 options: AttentionOptions | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:

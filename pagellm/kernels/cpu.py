@@ -121,10 +121,11 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and available()
 
 
-def decode_usable(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None = None) -> bool:
-    """Whether paged_attention serves this step: CPU tensors, a float32, bfloat16 or 8-bit cache, built."""
+def kv_kernels_usable(x: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None = None) -> bool:
+    """Whether the kernels that read and write the paged cache (paged_attention, store_kv) serve
+    x (the step's q, or its new k) and this cache: CPU tensors, a float32, bfloat16 or 8-bit cache, built."""
     plain = kv_format is None or not kv_format.quantized
-    return k_cache.device.type == "cpu" and (k_cache.dtype in _DTYPES or not plain) and usable(q)
+    return k_cache.device.type == "cpu" and (k_cache.dtype in _DTYPES or not plain) and usable(x)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -154,14 +155,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     caches of a quantized `kv_format` the same bytes as `kv_format.encode`; one call instead of
     two index_copy_ (or a dozen torch ops for 8-bit rows) per layer."""
     _load().store_kv(k, v, k_cache, v_cache, slots, kv_format.kernel_code if kv_format is not None else 0)
-
-
-def store_kv_usable(k: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None) -> bool:
-    """Whether store_kv serves these rows and this cache (CPU, a float32 / bfloat16 or 8-bit cache, built)."""
-    if kv_format is not None and not kv_format.quantized and kv_format.dtype != k_cache.dtype:
-        return False
-    plain = kv_format is None or not kv_format.quantized
-    return k_cache.device.type == "cpu" and (k_cache.dtype in _DTYPES or not plain) and usable(k)
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:

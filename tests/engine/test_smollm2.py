@@ -83,7 +83,7 @@ def test_bfloat16_on_the_cpu_reads_its_kv_in_place_and_still_knows_paris(smollm2
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     from pagellm.kernels import cpu
 
-    assert cpu.decode_usable(torch.empty(1, 1, 1, dtype=torch.bfloat16), runner.kv_caches[0][0])
+    assert cpu.kv_kernels_usable(torch.empty(1, 1, 1, dtype=torch.bfloat16), runner.kv_caches[0][0])
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert out[0].outputs[0].text.startswith(" Paris")
     assert llm.stats()["used_blocks"] == 0

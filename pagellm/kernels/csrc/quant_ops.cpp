@@ -612,10 +612,6 @@ struct ActView {
   const float *scale, *sum, *block_sum;
 };
 
-// Bytes of one 64-value chunk of a row of type T, for the prefetch (Q6_K: a quarter of 210).
-template <int64_t T>
-constexpr int64_t kChunkBytes = T == Q4_0 ? 36 : T == Q4_1 ? 40 : T == Q8_0 ? 68 : T == Q4_K ? 36 : T == Q5_K ? 44 : 52;
-
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time, prefetching
 // the rows ahead as matmul_rows does (measured there: Q4_K 1B gate/up 10.5 -> 17.9 GB/s).
 // Q4_K and Q5_K subtract a min per 32 values, which is constant over an activation block: their
@@ -625,7 +621,8 @@ template <int64_t T, int M, int NR, bool kTwo>
 void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                int64_t n1) {
   constexpr bool kBlockMins = T == Q4_K || T == Q5_K;
-  const int64_t chunks = K / 64, ahead = rows_ahead(NR, row_bytes);
+  // chunk_bytes: a 64-value chunk's share of the row, for the prefetch (Q6_K's 52.5 rounds down).
+  const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks, ahead = rows_ahead(NR, row_bytes);
   for (int64_t n = n0; n < n1; n += NR) {
     __m512 acc[NR][M];
     __m256 mins[NR][M];
@@ -635,7 +632,7 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
     const bool fetch = n + ahead + NR <= n1;
     for (int64_t c = 0; c < chunks; ++c) {
       if (fetch)
-        for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * kChunkBytes<T>);
+        for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
       for (int r = 0; r < NR; ++r) {
         const Chunk ch = chunk<T>(w + (n + r) * row_bytes, c, ss[r]);
         if constexpr (kBlockMins)

@@ -120,14 +120,20 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     `activations` "int8" / "int8x2": batches of up to INT8_MAX_ROWS rows round x to one / two int8
     codes per value for the integer kernel (where cols is a multiple of its 64-value chunks)."""
     if batch_invariant:
-        return invariant.kernels().gguf_matmul(x, data, qtype, cols).to(x.dtype)
+        return _as(invariant.kernels().gguf_matmul(x, data, qtype, cols), x.dtype)
     kernels = cpu.quant_kernels() if x.device.type == "cpu" else None
     if activations != "none" and kernels is not None and x.shape[0] <= INT8_MAX_ROWS[activations] and cols % 64 == 0:
-        return kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2").to(x.dtype)
+        return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
     if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):
-        return kernels.gguf_matmul(x, data, qtype, cols).to(x.dtype)
+        return _as(kernels.gguf_matmul(x, data, qtype, cols), x.dtype)
     return tiled_product(x, data.shape[0], cols,
                          lambda start, end: dequantize_rows(data, qtype, cols, torch.arange(start, end), x.dtype))
+
+
+def _as(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # The kernels return float32. `.to` of a tensor already in the dtype still costs ~2 us of
+    # dispatch, paid by each of a decode step's ~120 products.
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -183,10 +189,15 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         cols = layer.gguf_shape[1]
+        products = layer.gguf_products
+        if len(products) == 1:  # most layers: one type throughout, no list and no cat
+            kind, w = products[0]
+            return self._dense(x, w) if kind is None else gguf_matmul(x, w, kind, cols, self.batch_invariant,
+                                                                       self.activations)
         outs = [self._dense(x, w) if kind is None else gguf_matmul(x, w, kind, cols, self.batch_invariant,
                                                                     self.activations)
-                for kind, w in layer.gguf_products]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+                for kind, w in products]
+        return torch.cat(outs, dim=-1)
 
     def _dense(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return invariant.invariant_linear(x, w) if self.batch_invariant else F.linear(x, w)

@@ -132,3 +132,13 @@ class AttentionBackend(ABC):
         `options` (its scale equals `scale`): a sliding window or a soft-cap; `sinks`: [H]
         logits, one per head, that join each softmax's denominator and attend to nothing
         (gpt-oss)."""
+
+    def decode_from_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, options: AttentionOptions,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A decode-only step's attention straight from the fused projection qkv [T, (H + 2 KVH) * D],
+        rope = (cos, sin) [T, D] applied to q and k first (None: none): [T, H * D], or None where
+        this backend has no such path for these inputs (the caller then splits qkv and calls
+        forward). A fused path must give what the split one gives."""
+        return None

@@ -99,6 +99,18 @@ class TorchAttentionBackend(AttentionBackend):
             start = end
         return out
 
+    def decode_from_qkv(self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta: AttentionMetadata,
+                        options: AttentionOptions, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+        # The compiled kernels in one call (cpu.decode_attention_qkv): on a short decode step the
+        # Python-level splitting, views and checks around them cost more than attending.
+        if (self.batch_invariant or meta.num_decodes != meta.num_seqs or meta.num_seqs == 0
+                or (rope is not None and rope[0].shape[-1] * (num_heads + 2 * num_kv_heads) != qkv.shape[-1])
+                or not self._use_compiled(qkv, k_cache)):
+            return None
+        return cpu.decode_attention_qkv(qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta.slot_mapping,
+                                        meta.block_tables, meta.seq_lens_tensor, options.scale,
+                                        options.sliding_window, options.softcap, sinks, self.kv_format)
+
     @staticmethod
     def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                          options: AttentionOptions | None, sinks: torch.Tensor | None,

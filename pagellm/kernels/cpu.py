@@ -157,6 +157,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _load().store_kv(k, v, k_cache, v_cache, slots, kv_format.kernel_code if kv_format is not None else 0)
 
 
+def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                         rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                         softcap: float | None = None, sinks: torch.Tensor | None = None,
+                         kv_format: KVFormat | None = None) -> torch.Tensor:
+    """A decode step's attention for one layer, from its fused projection qkv [T, (H + 2 KVH) * D]
+    (T decode tokens, one per block-table row): rotary_embedding_ of q and k in place with
+    rope = (cos, sin) [T, D] (None: no rotation), store_kv, then paged_attention, in one call.
+    Returns [T, H * D] in qkv's dtype."""
+    cos, sin = rope if rope is not None else (None, None)
+    return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
+                                        block_tables, seq_lens, scale, sliding_window or 0, softcap or 0.0, sinks,
+                                        kv_format.kernel_code if kv_format is not None else 0)
+
+
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """logsumexp of each row of float32 x [B, V] on the CPU, each row summed in one order whatever B is."""
     return _load().row_logsumexp(x)

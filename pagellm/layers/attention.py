@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from pagellm.layers.rotary import rotate_qk
 from pagellm.timing import phase
 
 
@@ -22,6 +23,23 @@ class Attention(nn.Module):
         self.options = AttentionOptions(scale if scale is not None else head_dim ** -0.5, sliding_window, softcap)
         # The KV group whose block tables this layer reads (set by the model runner, core/kv/groups.py).
         self.kv_group = 0
+
+    def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: [T, (H + 2 KVH) * D], the fused projection; rope: (cos, sin) for q and k, or None.
+        -> [T, H * D]. The backend's fused decode path where it has one, else split, rotate, forward."""
+        group_meta = meta.for_group(self.kv_group)
+        with phase(self.backend.timer, "attention"):
+            o = self.backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, rope, kv_cache[0], kv_cache[1],
+                                             group_meta, self.options, self.sinks)
+        if o is not None:
+            return o
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k = q.view(-1, h, d), k.view(-1, kvh, d)
+        if rope is not None:
+            q, k = rotate_qk(q, k, *rope)
+        return self.forward(q, k, v, kv_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -50,7 +50,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm is None:
+            return self.o_proj(self.attn.forward_qkv(qkv, rope, kv_cache, meta))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)

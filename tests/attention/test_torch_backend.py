@@ -111,3 +111,66 @@ def run_mixed_batch(block_size, heads, compiled, d, variant, fmt):
         for p in range(cached, cached + new):
             assert torch.equal(k_cache[table[p // block_size], p % block_size], stored(k_all[p]))
             assert torch.equal(v_cache[table[p // block_size], p % block_size], stored(v_all[p]))
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float32, None), (torch.float32, "int8"),
+                                                  (torch.bfloat16, None)], ids=["f32", "f32-int8kv", "bf16"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "no-rope"])
+def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
+    """The fused decode path (rotate, store and attend from the q/k/v projection in one call) gives
+    the bits the split path gives: rotate_qk on views of qkv, then forward; same cache bytes too."""
+    from pagellm.kernels import cpu as cpu_kernels
+    from pagellm.layers.rotary import RotaryEmbedding, default_inverse_frequencies, rotate_qk
+
+    assert cpu_kernels.available()
+    torch.manual_seed(3)
+    h, kvh, d, bs, num_blocks = 8, 2, 64, 16, 64
+    fmt = resolve_kv_format(kv_cache_dtype, dtype) if kv_cache_dtype else None
+    lens = [1, 17, 40, 5]  # each sequence's length after this step's token
+    perm = torch.randperm(num_blocks)
+    tables = torch.stack([perm[4 * i:4 * i + 4] for i in range(len(lens))])
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_lens=[1] * len(lens), seq_lens=lens,
+                             seq_lens_tensor=torch.tensor(lens), num_decodes=len(lens), block_size=bs)
+    options = AttentionOptions(d ** -0.5, 6 if variant == "window" else None, 0.7 if variant == "softcap" else None)
+    sinks = torch.randn(h) if variant == "sinks" else None
+    rope = None
+    if variant != "no-rope":
+        rope = RotaryEmbedding(default_inverse_frequencies(d, 10000.0), 128).cos_sin(torch.tensor(lens) - 1, dtype)
+    qkv = (torch.randn(len(lens), (h + 2 * kvh) * d) * 2).to(dtype)
+    results = []
+    for fused in (True, False):
+        backend = TorchAttentionBackend()
+        backend.kv_format = fmt
+        shape = backend.kv_cache_shape(num_blocks, bs, kvh, d)
+        gen = torch.Generator().manual_seed(0)  # the same earlier context in both caches
+        values = [torch.randn(num_blocks, bs, kvh, d, generator=gen) * 3 for _ in range(2)]
+        caches = [x.to(dtype) if fmt is None else fmt.encode(x) for x in values]
+        assert caches[0].shape == shape
+        x = qkv.clone()
+        if fused:
+            out = backend.decode_from_qkv(x, h, kvh, rope, *caches, meta, options, sinks)
+            assert out is not None and out.dtype == dtype
+        else:
+            q, k, v = x.split([h * d, kvh * d, kvh * d], dim=-1)
+            q, k = q.view(-1, h, d), k.view(-1, kvh, d)
+            if rope is not None:
+                q, k = rotate_qk(q, k, *rope)
+            out = backend.forward(q, k, v.reshape(-1, kvh, d), *caches, meta, options.scale, options,
+                                  sinks).reshape(len(lens), h * d)
+        results.append((out, x, caches))
+    (out_f, x_f, caches_f), (out_s, x_s, caches_s) = results
+    assert torch.equal(out_f, out_s)
+    assert torch.equal(x_f, x_s)  # q and k rotated in place in both
+    assert all(torch.equal(a, b) for a, b in zip(caches_f, caches_s))
+    # Steps the fused path does not take: the caller must fall back to the split one.
+    backend = TorchAttentionBackend()
+    backend.kv_format = fmt
+    mixed = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_lens=[1, 1, 1, 1], seq_lens=lens,
+                              seq_lens_tensor=torch.tensor(lens), num_decodes=3, block_size=bs)
+    assert backend.decode_from_qkv(qkv.clone(), h, kvh, rope, *caches_f, mixed, options, sinks) is None
+    if rope is not None:  # partial rotary (the first half of each head)
+        half = tuple(t[:, :d // 2].contiguous() for t in rope)
+        assert backend.decode_from_qkv(qkv.clone(), h, kvh, half, *caches_f, meta, options, sinks) is None
+    assert TorchAttentionBackend(batch_invariant=True).decode_from_qkv(
+        qkv.clone(), h, kvh, rope, *caches_f, meta, options, sinks) is None

@@ -4,14 +4,14 @@ logit soft-cap)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from pagellm.layers.module import HotModule
 from pagellm.layers.rotary import rotate_qk
 from pagellm.timing import phase
 
 
-class Attention(nn.Module):
+class Attention(HotModule):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
                  scale: float | None = None, sliding_window: int | None = None,
                  softcap: float | None = None) -> None:

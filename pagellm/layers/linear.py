@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import HeadSplit, divide, load_whole, rank_and_size
 
 
@@ -77,7 +78,7 @@ def default_linear_method() -> LinearMethod:
     return _default_method()
 
 
-class LinearBase(nn.Module):
+class LinearBase(HotModule):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup | None,
                  method: LinearMethod | None) -> None:
         super().__init__()

@@ -14,13 +14,14 @@ from torch import nn
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.layers.activation import act_and_mul
 from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import divide, load_whole, rank_and_size
 
 # What a checkpoint tensor of one expert is: its gate (w1), up (w3) or down (w2) projection.
 EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(HotModule):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: str,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
@@ -82,7 +83,7 @@ class FusedMoE(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(HotModule):
     """Router + experts. `renormalize`: the top-k routing weights are rescaled to sum to 1
     (Mixtral always; Qwen3-MoE when norm_topk_prob)."""
 

@@ -8,10 +8,11 @@ from torch import nn
 
 from pagellm.distributed.group import TensorParallelGroup
 from pagellm.kernels import cpu
+from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import load_whole, rank_and_size
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(HotModule):
     """Normalizes the last dimension. `unit_offset`: the weight is stored as w - 1 and
     applied as (1 + w), in float32 (Gemma)."""
 
@@ -38,7 +39,16 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class ShardedRMSNorm(nn.Module):
+    def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, self(x + h)): a residual add and the next block's norm, in one kernel where it serves."""
+        if (not self.unit_offset and x.dim() == 2 and cpu.usable(x) and h.dtype == x.dtype
+                and self.weight.dtype == x.dtype and x.shape[-1] > 0):
+            return cpu.add_rms_norm(x, h, self.weight, self.eps)
+        s = x + h
+        return s, self(s)
+
+
+class ShardedRMSNorm(HotModule):
     """RMSNorm over `size` features of which this rank holds `size / tp.size` (its heads):
     the sum of squares is all-reduced, so every rank normalizes by the whole row's RMS."""
 

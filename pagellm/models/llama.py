@@ -11,6 +11,7 @@ from pagellm.distributed.group import TensorParallelGroup
 from pagellm.layers.activation import act_and_mul, check_activation
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.layers.module import HotModule
 from pagellm.layers.norm import RMSNorm, ShardedRMSNorm
 from pagellm.layers.parallel import rank_and_size
 from pagellm.layers.rotary import RotaryEmbedding, get_rope, rotate_qk
@@ -18,7 +19,7 @@ from pagellm.model.config import ModelArchConfig
 from pagellm.models.base import CausalLM, sliding_window
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(HotModule):
     """`qk_norm`: "head" normalizes q and k per head (Qwen3, Gemma 3), "full" over all heads
     at once (OLMo 2); `rope_name` None: this layer has no rotary embedding (SmolLM3)."""
 
@@ -65,7 +66,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(HotModule):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, tp: TensorParallelGroup | None,
                  bias: bool = False) -> None:
         super().__init__()
@@ -77,7 +78,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(HotModule):
     """Pre-norm residual blocks; `residual_scale` multiplies each block's output (Granite)."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
@@ -92,8 +93,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope, x, kv_cache, meta):
         h = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        x = x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
-        h = self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.add_and_norm(
+            x, h if self.residual_scale == 1.0 else h * self.residual_scale)
+        h = self.mlp(normed)
         return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
 

@@ -250,3 +250,24 @@ def test_build_lock_clears_a_dead_builders_lock_and_excludes_live_ones(tmp_path)
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(build_dir / "pagellm.flock", "a") as other:  # released on exit
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    """One kernel for the residual add and the next norm: the same bits as torch's add, then
+    the RMSNorm layer's own path, in float32 and bfloat16."""
+    from pagellm.layers.norm import RMSNorm
+
+    torch.manual_seed(4)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
+    x, h = (torch.randn(3, 576) * 3).to(dtype), torch.randn(3, 576).to(dtype)
+    s, normed = norm.add_and_norm(x, h)
+    assert torch.equal(s, x + h)
+    assert torch.equal(normed, norm(x + h))
+    ks, knormed = cpu.add_rms_norm(x, h, norm.weight, 1e-5)  # the kernel itself, whichever path the layer took
+    assert torch.equal(ks, x + h) and torch.equal(knormed, normed)
+    # The fallback (a Gemma unit-offset norm) gives the same pair.
+    gemma = RMSNorm(576, 1e-5, unit_offset=True)
+    s2, normed2 = gemma.add_and_norm(x, h)
+    assert torch.equal(s2, x + h) and torch.equal(normed2, gemma(x + h))

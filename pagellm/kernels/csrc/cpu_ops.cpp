@@ -772,6 +772,39 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// The residual stream and its RMSNorm in one call: s = x + h (rounded to x's dtype, as torch's
+// add rounds), then rms_norm(s). Returns {s, rms_norm(s)}: two dispatches fewer a layer.
+template <typename T>
+void add_rows(const T* xp, const T* hp, T* sp, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) sp[i] = from_f32<T>(f32(xp[i]) + f32(hp[i]));
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor h, torch::Tensor weight, double eps) {
+  check_float_cpu(x, "x");
+  check_cpu_dtype(h, "h", x.scalar_type());
+  check_cpu_dtype(weight, "weight", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == h.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "x and h must be [T, H] for a weight of [H]");
+  x = x.contiguous();
+  h = h.contiguous();
+  weight = weight.contiguous();
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  const float feps = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kBFloat16) {
+    add_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), h.data_ptr<at::BFloat16>(), sum.data_ptr<at::BFloat16>(),
+                           x.numel());
+    rms_norm_impl<at::BFloat16>(sum.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                                out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), feps);
+  } else {
+    add_rows<float>(x.data_ptr<float>(), h.data_ptr<float>(), sum.data_ptr<float>(), x.numel());
+    rms_norm_impl<float>(sum.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
+                         x.size(1), feps);
+  }
+  return {sum, out};
+}
+
 // A decode step's attention for one layer from its fused q/k/v projection, in one call: rotate q
 // and k in place (cos, sin: [T, D], or none), write k and v into the cache at `slots`, and attend
 // for the T decode tokens (token t is the last of block-table row t, of seq_lens[t] keys).
@@ -809,5 +842,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("decode_attention_qkv", &decode_attention_qkv,
         "a decode step's RoPE, K/V store and paged attention from the fused q/k/v projection (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "x + h and the RMSNorm of it, in one call (CPU, float32 or bfloat16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");
 }

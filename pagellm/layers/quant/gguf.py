@@ -121,7 +121,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     codes per value for the integer kernel (where cols is a multiple of its 64-value chunks)."""
     if batch_invariant:
         return _as(invariant.kernels().gguf_matmul(x, data, qtype, cols), x.dtype)
-    kernels = cpu.quant_kernels() if x.device.type == "cpu" else None
+    kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost
     if activations != "none" and kernels is not None and x.shape[0] <= INT8_MAX_ROWS[activations] and cols % 64 == 0:
         return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
     if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):

@@ -28,8 +28,12 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            self.calls[name] = self.calls.get(name, 0) + 1
+            self.record(name, time.perf_counter() - start)
+
+    def record(self, name: str, seconds: float) -> None:
+        """One call of `name` that took `seconds`: for a block timed only when it turns out to run."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
 
 
 _OFF = nullcontext()

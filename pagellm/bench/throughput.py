@@ -115,7 +115,7 @@ def _phase_breakdown(timer: PhaseTimer) -> dict:
     parts = {
         "schedule": s.get("schedule", 0.0),
         "prepare_inputs": s.get("prepare_inputs", 0.0),
-        "attention (incl. KV write and gather)": s.get("attention", 0.0),
+        "attention (incl. KV write and gather; RoPE too on fused decode steps)": s.get("attention", 0.0),
         "rest of model forward (linear layers, norms, rope)": forward - s.get("attention", 0.0),
         "logits": s.get("logits", 0.0),
         "sampler": s.get("sampler", 0.0),

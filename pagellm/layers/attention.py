@@ -3,6 +3,8 @@ reads and writes the paged cache, with the layer's own options (scale, sliding w
 logit soft-cap)."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
@@ -28,11 +30,13 @@ class Attention(HotModule):
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """qkv: [T, (H + 2 KVH) * D], the fused projection; rope: (cos, sin) for q and k, or None.
         -> [T, H * D]. The backend's fused decode path where it has one, else split, rotate, forward."""
-        group_meta = meta.for_group(self.kv_group)
-        with phase(self.backend.timer, "attention"):
-            o = self.backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, rope, kv_cache[0], kv_cache[1],
-                                             group_meta, self.options, self.sinks)
+        timer = self.backend.timer
+        start = time.perf_counter() if timer is not None else 0.0
+        o = self.backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, rope, kv_cache[0], kv_cache[1],
+                                         meta.for_group(self.kv_group), self.options, self.sinks)
         if o is not None:
+            if timer is not None:  # one "attention" call a layer, whichever path ran (forward times its own)
+                timer.record("attention", time.perf_counter() - start)
             return o
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)

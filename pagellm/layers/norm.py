@@ -38,7 +38,6 @@ class RMSNorm(HotModule):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-
     def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, self(x + h)): a residual add and the next block's norm, in one kernel where it serves."""
         if (not self.unit_offset and x.dim() == 2 and cpu.usable(x) and h.dtype == x.dtype

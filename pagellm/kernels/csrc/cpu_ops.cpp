@@ -20,7 +20,13 @@
 //   Same arithmetic as the reference (x * cos + rotate_half(x) * sin, no fused
 //   multiply-add), so the results are bit-identical to it.
 // - silu_and_mul: silu(gate) * up of the MLP in one pass over [T, 2I].
-// - rms_norm: RMSNorm of float32 or bfloat16 rows in one pass.
+// - rms_norm: RMSNorm of float32 or bfloat16 rows in one pass; add_rms_norm: the residual add
+//   before it in the same call.
+// - store_kv: a step's K/V rows into the paged cache, as its dtype or as 8-bit codes.
+// - decode_attention_qkv: a decode step's RoPE, store_kv and paged_attention from the fused
+//   q/k/v projection in one call (the Python-level splitting and checks around three calls
+//   cost more than the attention on a short step).
+// - row_logsumexp: the sampler's logsumexp, each row summed in one order whatever the batch.
 // The element-wise kernels take float32 or bfloat16; bfloat16 is computed in float32 and
 // rounded once per output.
 //

@@ -128,6 +128,11 @@ def kv_kernels_usable(x: torch.Tensor, k_cache: torch.Tensor, kv_format: KVForma
     return k_cache.is_cpu and (k_cache.dtype in _DTYPES or not plain) and usable(x)
 
 
+def _kv_code(kv_format: KVFormat | None) -> int:
+    """The kernels' number for a cache's row format: 0 float32 / bfloat16 (the cache's dtype), 1-3 the 8-bit ones."""
+    return kv_format.kernel_code if kv_format is not None else 0
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
@@ -144,7 +149,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     out = _load().paged_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
                                   softcap or 0.0, sinks, token_seq, fixed_run,
-                                  kv_format.kernel_code if kv_format is not None else 0)
+                                  _kv_code(kv_format))
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -154,7 +159,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (kv_format None or unquantized) get the values converted as `.to(dtype)` converts them, uint8
     caches of a quantized `kv_format` the same bytes as `kv_format.encode`; one call instead of
     two index_copy_ (or a dozen torch ops for 8-bit rows) per layer."""
-    _load().store_kv(k, v, k_cache, v_cache, slots, kv_format.kernel_code if kv_format is not None else 0)
+    _load().store_kv(k, v, k_cache, v_cache, slots, _kv_code(kv_format))
 
 
 def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -170,7 +175,7 @@ def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     cos, sin = rope if rope is not None else (None, None)
     return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
                                         block_tables, seq_lens, scale, sliding_window or 0, softcap or 0.0, sinks,
-                                        kv_format.kernel_code if kv_format is not None else 0)
+                                        _kv_code(kv_format))
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -201,5 +206,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + h, rms_norm(x + h)) for rows x, h: [T, H] of one dtype, in one call: the sum rounded to
     that dtype as torch's add rounds it, then rms_norm's roundings."""
-    s, normed = _load().add_rms_norm(x, h, weight, eps)
+    s, normed = _load().add_rms_norm(x, h, weight, eps)  # a list from C++; a pair here
     return s, normed

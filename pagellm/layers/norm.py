@@ -12,6 +12,12 @@ from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import load_whole, rank_and_size
 
 
+def _kernel_serves(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the compiled kernels (cpu.rms_norm, cpu.add_rms_norm) normalize x with this norm's
+    weight: a plain weight (not Gemma's 1 + w) of x's dtype, on rows the kernels take."""
+    return not norm.unit_offset and cpu.usable(x) and norm.weight.dtype == x.dtype and x.shape[-1] > 0
+
+
 class RMSNorm(HotModule):
     """Normalizes the last dimension. `unit_offset`: the weight is stored as w - 1 and
     applied as (1 + w), in float32 (Gemma)."""
@@ -26,7 +32,7 @@ class RMSNorm(HotModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.unit_offset:
             return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
-        if cpu.usable(x) and self.weight.dtype == x.dtype and x.shape[-1] > 0:
+        if _kernel_serves(self, x):
             # One pass with the reference's roundings (torch's own is ~10 small operations a call).
             if x.dim() == 2:  # the hidden states; view(shape) alone costs a few microseconds a call
                 return cpu.rms_norm(x, self.weight, self.eps)
@@ -40,8 +46,7 @@ class RMSNorm(HotModule):
 
     def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, self(x + h)): a residual add and the next block's norm, in one kernel where it serves."""
-        if (not self.unit_offset and x.dim() == 2 and cpu.usable(x) and h.dtype == x.dtype
-                and self.weight.dtype == x.dtype and x.shape[-1] > 0):
+        if x.dim() == 2 and h.dtype == x.dtype and _kernel_serves(self, x):
             return cpu.add_rms_norm(x, h, self.weight, self.eps)
         s = x + h
         return s, self(s)

@@ -7,7 +7,9 @@ the same context), per `--activation-quantization` mode.
 
 Defaults: the bundled Q4_1 SmolLM2, 64 prompts x 64 tokens (the quantized-weights issue's size).
 Each mode's integer kernel is used for every product here (its row bound raised to the 16-row
-steps), so the figures are the arithmetic's, whatever batch sizes a server would see.
+steps), so the figures are the arithmetic's, whatever batch sizes a server would see; then mode
+int8 once more with whole prefills, whose products of more than 16 rows round the activations to
+bfloat16 for bfloat16 tiles (gguf.BF16_TILES).
 """
 from __future__ import annotations
 
@@ -48,6 +50,13 @@ def main() -> None:
         llm.shutdown()
         modes[mode] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
         print(mode, json.dumps(modes[mode]), flush=True)
+    if gguf.BF16_TILES:  # mode int8 past its integer rows: the teacher-forced prefills in bfloat16 tiles
+        gguf.INT8_MAX_ROWS["int8"] = 16
+        llm = LLM(args.model, max_model_len=256, activation_quantization="int8")
+        agreement, worst = ref.compare(llm)
+        llm.shutdown()
+        modes["int8 past 16 rows (bfloat16 tiles)"] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
+        print("int8 bfloat16 tiles", json.dumps(agreement), worst, flush=True)
     result = {"benchmark": "quant_agreement", "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1",
               "prompts": args.prompts, "tokens": args.tokens, "positions": sum(len(r) for r in ref.rows),
               "seconds": round(time.time() - started, 1), "modes": modes,

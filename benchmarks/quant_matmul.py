@@ -2,7 +2,8 @@
 the fused kernel (blocks streamed once, float32 FMA), widened tiles through torch's GEMM (its
 results set FUSED_MAX_ROWS in pagellm/layers/quant/gguf.py), or the integer kernel
 (`q8act` / `q8x2act`: activations rounded to one / two int8 codes, VNNI dot products; sets
-INT8_MAX_ROWS); for `--quantization int8 | int4`
+INT8_MAX_ROWS), or bfloat16 tiles (`tiled_bf16`: activations rounded to bfloat16, what mode int8
+does past INT8_MAX_ROWS); for `--quantization int8 | int4`
 torch's packed kernels; and the dense weight for scale. Each product's weight bytes over its
 time give its achieved GB/s, next to the memory bandwidth (a streaming sum) and the dense GEMM
 rate measured in the same run: how far from the limit is a number.
@@ -104,6 +105,9 @@ def main() -> None:
                     tiled = timed(lambda: q.gguf_matmul(x, blocks, int(qtype), k), args.repeat)
                 finally:
                     q.FUSED_MAX_ROWS = saved
+                # mode int8 past its integer rows: x rounded to bfloat16, bfloat16 tiles (BF16_TILES)
+                xb = x.to(torch.bfloat16)
+                tiled_bf16 = timed(lambda: q.widened_product(xb, blocks, int(qtype), k).float(), args.repeat)
                 q8act = timed(lambda: kernels.gguf_matmul_int8(x, blocks, int(qtype), k), args.repeat)
                 q8x2act = timed(lambda: kernels.gguf_matmul_int8(x, blocks, int(qtype), k, True), args.repeat)
                 dense_ms = timed(lambda: F.linear(x, w), args.repeat)
@@ -118,7 +122,7 @@ def main() -> None:
                     ints = {"int8_ms": round(int8, 4), "int4_ms": round(int4, 4)}
                     gbps.update(int8_gbps=n * k / int8 / 1e6, int4_gbps=n * k / 2 / int4 / 1e6)
                 rows.append({"shape": name, "type": qtype.name, "rows": n, "cols": k, "dtype": str(dtype)[6:],
-                             "batch": m, "fused_ms": round(fused, 4), "tiled_ms": round(tiled, 4),
+                             "batch": m, "fused_ms": round(fused, 4), "tiled_ms": round(tiled, 4), "tiled_bf16_ms": round(tiled_bf16, 4),
                              "q8act_ms": round(q8act, 4), "q8x2act_ms": round(q8x2act, 4), **ints,
                              "dense_ms": round(dense_ms, 4), "weight_bytes": blocks.numel(),
                              **{key: round(v, 2) for key, v in gbps.items()},

@@ -123,6 +123,24 @@ def test_products_of_rows_past_the_integer_kernels_bound_are_the_float32_ones():
                        q.gguf_matmul(x, raw, int(T.Q4_0), 256))
 
 
+@pytest.mark.skipif(not (getattr(cpu.quant_kernels(), "has_int8_activations", False) and q.BF16_TILES),
+                    reason="no AVX-512 VNNI and BF16")
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_int8_mode_past_its_rows_multiplies_bfloat16_tiles(qtype):
+    """Mode int8 beyond INT8_MAX_ROWS: x rounded to bfloat16 times W widened to bfloat16, not the
+    float32 product (int8x2, whose promise is ~15 bits, keeps that one)."""
+    raw = torch.from_numpy(random_blocks(qtype, 24, 512, seed=6))
+    x = torch.randn(q.INT8_MAX_ROWS["int8"] + 1, 512)
+    ours = q.gguf_matmul(x, raw, int(qtype), 512, activations="int8")
+    assert ours.dtype == torch.float32
+    w = q.dequantize_rows(raw, int(qtype), 512, torch.arange(24), torch.bfloat16)
+    assert torch.equal(ours, torch.nn.functional.linear(x.to(torch.bfloat16), w).float())
+    exact = q.gguf_matmul(x, raw, int(qtype), 512)
+    assert not torch.equal(ours, exact)
+    assert (ours - exact).abs().max() <= 2e-2 * exact.abs().max()  # bfloat16's 8 bits, summed over 512
+    assert torch.equal(q.gguf_matmul(x, raw, int(qtype), 512, activations="int8x2"), exact)
+
+
 def test_the_fallback_without_compiled_kernels_gives_the_same_results(monkeypatch):
     raw = torch.from_numpy(random_blocks(T.Q4_K, 20, 256, seed=2))
     x = torch.randn(5, 256)

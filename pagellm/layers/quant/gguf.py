@@ -9,7 +9,10 @@ with no kernel arrive dequantized (the loader warns) and form dense segments.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
 INT8_MAX_ROWS rows round their activations to one int8 code per value (or two) and multiply them
-by the blocks with VNNI integer dot products, as llama.cpp does. Otherwise, up to FUSED_MAX_ROWS
+by the blocks with VNNI integer dot products, as llama.cpp does. Larger batches in mode "int8"
+(prefills, and decode steps that a prefill joins) round their activations to bfloat16 instead and
+multiply bfloat16 tiles of the weight (AMX): past 16 rows a product is compute-bound, and those tiles
+run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Otherwise, up to FUSED_MAX_ROWS
 rows of activations (decode steps) run the fused kernel, which streams the blocks once and
 multiplies in float32; larger batches are compute-bound, and widen TILE_VALUES of the weight at a
 time for torch's GEMM (AMX/AVX-512 in bfloat16, so a bfloat16 model switches to tiles at fewer
@@ -39,6 +42,10 @@ FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 # Q6_K only): int8x2's second code costs a second dot product per row of x, so it pays only while
 # unpacking the blocks dominates.
 INT8_MAX_ROWS = {"int8": 16, "int8x2": 2}
+# Past INT8_MAX_ROWS, mode "int8" rounds the activations to bfloat16 for bfloat16 tiles, where the
+# CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX); "int8x2" keeps float32 products, since its
+# promise is ~15 bits per activation and bfloat16 keeps 8.
+BF16_TILES = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
 
 
 class GGUFBlocks:
@@ -118,14 +125,23 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     """x [M, cols] @ W^T for W in blocks: [M, rows], in x's dtype. `batch_invariant`: the fused
     kernel at every batch size, whose sums do not depend on M (layers/invariant.py).
     `activations` "int8" / "int8x2": batches of up to INT8_MAX_ROWS rows round x to one / two int8
-    codes per value for the integer kernel (where cols is a multiple of its 64-value chunks)."""
+    codes per value for the integer kernel (where cols is a multiple of its 64-value chunks); larger
+    ones in "int8" round x to bfloat16 for bfloat16 tiles (BF16_TILES)."""
     if batch_invariant:
         return _as(invariant.kernels().gguf_matmul(x, data, qtype, cols), x.dtype)
     kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost
-    if activations != "none" and kernels is not None and x.shape[0] <= INT8_MAX_ROWS[activations] and cols % 64 == 0:
-        return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
+    if activations != "none" and kernels is not None:
+        if x.shape[0] <= INT8_MAX_ROWS[activations] and cols % 64 == 0:
+            return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
+        if activations == "int8" and BF16_TILES and x.shape[0] > INT8_MAX_ROWS["int8"]:
+            return _as(widened_product(x.to(torch.bfloat16), data, qtype, cols), x.dtype)
     if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):
         return _as(kernels.gguf_matmul(x, data, qtype, cols), x.dtype)
+    return widened_product(x, data, qtype, cols)
+
+
+def widened_product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """x @ W^T through torch's GEMM, W widened to x's dtype a tile at a time (tiled_product)."""
     return tiled_product(x, data.shape[0], cols,
                          lambda start, end: dequantize_rows(data, qtype, cols, torch.arange(start, end), x.dtype))
 

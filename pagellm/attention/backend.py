@@ -136,9 +136,11 @@ class AttentionBackend(ABC):
     def decode_from_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                         rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata, options: AttentionOptions,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+                        sinks: torch.Tensor | None = None,
+                        qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor | None:
         """A decode-only step's attention straight from the fused projection qkv [T, (H + 2 KVH) * D],
-        rope = (cos, sin) [T, D] applied to q and k first (None: none): [T, H * D], or None where
-        this backend has no such path for these inputs (the caller then splits qkv and calls
-        forward). A fused path must give what the split one gives."""
+        rope = (cos, sin) [T, D] applied to q and k first (None: none), after `qk_norm` = (q weight,
+        k weight, eps, per_head) where the family normalizes them (QKNorm.kernel_args): [T, H * D],
+        or None where this backend has no such path for these inputs (the caller then splits qkv and
+        calls forward). A fused path must give what the split one gives."""
         return None

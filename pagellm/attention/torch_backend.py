@@ -100,7 +100,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode_from_qkv(self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta: AttentionMetadata,
-                        options: AttentionOptions, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+                        options: AttentionOptions, sinks: torch.Tensor | None = None,
+                        qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor | None:
         # The compiled kernels in one call (cpu.decode_attention_qkv): on a short decode step the
         # Python-level splitting, views and checks around them cost more than attending.
         if (self.batch_invariant or meta.num_decodes != meta.num_seqs or meta.num_seqs == 0
@@ -109,7 +110,7 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         return cpu.decode_attention_qkv(qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta.slot_mapping,
                                         meta.block_tables, meta.seq_lens_tensor, options.scale,
-                                        options.sliding_window, options.softcap, sinks, self.kv_format)
+                                        options.sliding_window, options.softcap, sinks, self.kv_format, qk_norm=qk_norm)
 
     @staticmethod
     def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

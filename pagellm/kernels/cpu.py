@@ -167,15 +167,19 @@ def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                          v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                          softcap: float | None = None, sinks: torch.Tensor | None = None,
-                         kv_format: KVFormat | None = None) -> torch.Tensor:
+                         kv_format: KVFormat | None = None,
+                         qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor:
     """A decode step's attention for one layer, from its fused projection qkv [T, (H + 2 KVH) * D]
-    (T decode tokens, one per block-table row): rotary_embedding_ of q and k in place with
+    (T decode tokens, one per block-table row): q and k normalized in place where `qk_norm` =
+    (q weight, k weight, eps, per_head) is given (rms_norm's roundings; per head, weights [D], or
+    over all heads, weights [H * D] and [KVH * D]), rotary_embedding_ of q and k in place with
     rope = (cos, sin) [T, D] (None: no rotation), store_kv, then paged_attention, in one call.
     Returns [T, H * D] in qkv's dtype."""
     cos, sin = rope if rope is not None else (None, None)
+    q_norm, k_norm, eps, per_head = qk_norm if qk_norm is not None else (None, None, 0.0, False)
     return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
                                         block_tables, seq_lens, scale, sliding_window or 0, softcap or 0.0, sinks,
-                                        _kv_code(kv_format))
+                                        _kv_code(kv_format), q_norm, k_norm, eps, per_head)
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.layers.module import HotModule
+from pagellm.layers.norm import QKNorm
 from pagellm.layers.rotary import rotate_qk
 from pagellm.timing import phase
 
@@ -27,20 +28,28 @@ class Attention(HotModule):
         self.kv_group = 0
 
     def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """qkv: [T, (H + 2 KVH) * D], the fused projection; rope: (cos, sin) for q and k, or None.
-        -> [T, H * D]. The backend's fused decode path where it has one, else split, rotate, forward."""
-        timer = self.backend.timer
-        start = time.perf_counter() if timer is not None else 0.0
-        o = self.backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, rope, kv_cache[0], kv_cache[1],
-                                         meta.for_group(self.kv_group), self.options, self.sinks)
-        if o is not None:
-            if timer is not None:  # one "attention" call a layer, whichever path ran (forward times its own)
-                timer.record("attention", time.perf_counter() - start)
-            return o
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """qkv: [T, (H + 2 KVH) * D], the fused projection; rope: (cos, sin) for q and k, or None;
+        qk_norm: the family's q/k norms, applied before RoPE. -> [T, H * D]. The backend's fused
+        decode path where it has one, else split, normalize, rotate, forward."""
+        norm_args = qk_norm.kernel_args(qkv) if qk_norm is not None else None
+        if qk_norm is None or norm_args is not None:
+            timer = self.backend.timer
+            start = time.perf_counter() if timer is not None else 0.0
+            o = self.backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, rope, kv_cache[0], kv_cache[1],
+                                             meta.for_group(self.kv_group), self.options, self.sinks, norm_args)
+            if o is not None:
+                if timer is not None:  # one "attention" call a layer, whichever path ran (forward times its own)
+                    timer.record("attention", time.perf_counter() - start)
+                return o
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        if qk_norm is not None and not qk_norm.per_head:
+            q, k = qk_norm.q(q), qk_norm.k(k)
         q, k = q.view(-1, h, d), k.view(-1, kvh, d)
+        if qk_norm is not None and qk_norm.per_head:
+            q, k = qk_norm.q(q), qk_norm.k(k)
         if rope is not None:
             q, k = rotate_qk(q, k, *rope)
         return self.forward(q, k, v, kv_cache, meta)

@@ -1,5 +1,6 @@
 """RMSNorm and its variants: Gemma's `x * (1 + w)`, and a norm over a feature dimension
-that tensor parallelism splits (OLMo 2's q/k norms over all heads)."""
+that tensor parallelism splits (OLMo 2's q/k norms over all heads); QKNorm pairs the q and k
+norms some families apply before RoPE."""
 from __future__ import annotations
 
 import torch
@@ -77,3 +78,22 @@ class ShardedRMSNorm(HotModule):
         sq = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
         xf = xf * torch.rsqrt(sq / self.size + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class QKNorm:
+    """The q and k norms a family applies before RoPE: per head (`per_head`: Qwen3, Gemma 3) or
+    over all of a token's heads at once (OLMo 2). Holds the layer's own norm modules (their
+    weights load under the layer's names), so it is not a module itself."""
+
+    def __init__(self, q: nn.Module, k: nn.Module, per_head: bool) -> None:
+        self.q, self.k, self.per_head = q, k, per_head
+
+    def kernel_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, bool] | None:
+        """(q weight, k weight, eps, per_head) for a compiled kernel to normalize q and k of x as these
+        norms would (cpu.rms_norm's roundings), or None where it cannot: Gemma's 1 + w, a norm whose
+        sum of squares is all-reduced across ranks, or rows the kernels do not take."""
+        q, k = self.q, self.k
+        if (_kernel_serves(q, x) and _kernel_serves(k, x) and getattr(q, "tp", None) is None
+                and getattr(k, "tp", None) is None and q.eps == k.eps):
+            return q.weight, k.weight, q.eps, self.per_head
+        return None

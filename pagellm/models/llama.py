@@ -12,9 +12,9 @@ from pagellm.layers.activation import act_and_mul, check_activation
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagellm.layers.module import HotModule
-from pagellm.layers.norm import RMSNorm, ShardedRMSNorm
+from pagellm.layers.norm import QKNorm, RMSNorm, ShardedRMSNorm
 from pagellm.layers.parallel import rank_and_size
-from pagellm.layers.rotary import RotaryEmbedding, get_rope, rotate_qk
+from pagellm.layers.rotary import RotaryEmbedding, get_rope
 from pagellm.model.config import ModelArchConfig
 from pagellm.models.base import CausalLM, sliding_window
 
@@ -32,11 +32,10 @@ class LlamaAttention(HotModule):
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_attention_heads, arch.num_key_value_heads,
                                           qkv_bias, tp)
         heads = self.qkv_proj.heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
         self.o_proj = RowParallelLinear(arch.num_attention_heads * d, arch.hidden_size, o_bias, tp)
         eps = arch.rms_norm_eps if norm_eps is None else norm_eps
-        self.qk_norm = qk_norm
+        self.qk_norm: QKNorm | None = None
         if qk_norm == "head":
             self.q_norm = RMSNorm(d, eps, unit_offset_norm)
             self.k_norm = RMSNorm(d, eps, unit_offset_norm)
@@ -46,24 +45,14 @@ class LlamaAttention(HotModule):
                                  f"{arch.num_key_value_heads} KV heads, which cannot be replicated")
             self.q_norm = ShardedRMSNorm(arch.num_attention_heads * d, eps, tp)
             self.k_norm = ShardedRMSNorm(arch.num_key_value_heads * d, eps, tp)
+        if qk_norm is not None:
+            self.qk_norm = QKNorm(self.q_norm, self.k_norm, per_head=qk_norm == "head")
         self.attn = Attention(heads.num_heads, heads.num_kv_heads, d, backend, scale=scale,
                               sliding_window=sliding_window(arch.hf, layer), softcap=softcap)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        if self.qk_norm is None:
-            return self.o_proj(self.attn.forward_qkv(qkv, rope, kv_cache, meta))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = rotate_qk(q, k, *rope)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), rope, kv_cache, meta, self.qk_norm))
 
 
 class LlamaMLP(HotModule):

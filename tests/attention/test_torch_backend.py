@@ -115,11 +115,13 @@ def run_mixed_batch(block_size, heads, compiled, d, variant, fmt):
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float32, None), (torch.float32, "int8"),
                                                   (torch.bfloat16, None)], ids=["f32", "f32-int8kv", "bf16"])
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "no-rope"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "no-rope", "qk-norm-head", "qk-norm-full"])
 def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
-    """The fused decode path (rotate, store and attend from the q/k/v projection in one call) gives
-    the bits the split path gives: rotate_qk on views of qkv, then forward; same cache bytes too."""
+    """The fused decode path (normalize, rotate, store and attend from the q/k/v projection in one
+    call) gives the bits the split path gives: the q/k norms (per head as Qwen3, over all heads as
+    OLMo 2) and rotate_qk on views of qkv, then forward; same cache bytes too."""
     from pagellm.kernels import cpu as cpu_kernels
+    from pagellm.layers.norm import QKNorm, RMSNorm, ShardedRMSNorm
     from pagellm.layers.rotary import RotaryEmbedding, default_inverse_frequencies, rotate_qk
 
     assert cpu_kernels.available()
@@ -138,6 +140,14 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
     if variant != "no-rope":
         rope = RotaryEmbedding(default_inverse_frequencies(d, 10000.0), 128).cos_sin(torch.tensor(lens) - 1, dtype)
     qkv = (torch.randn(len(lens), (h + 2 * kvh) * d) * 2).to(dtype)
+    qk_norm = None
+    if variant.startswith("qk-norm"):
+        per_head = variant == "qk-norm-head"
+        norms = [RMSNorm(d, 1e-6) if per_head else ShardedRMSNorm(n * d, 1e-6, None) for n in (h, kvh)]
+        for norm in norms:
+            norm.weight.data = (torch.rand(norm.weight.shape) + 0.5).to(dtype)
+        qk_norm = QKNorm(*norms, per_head=per_head)
+        assert qk_norm.kernel_args(qkv) is not None
     results = []
     for fused in (True, False):
         backend = TorchAttentionBackend()
@@ -149,11 +159,16 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
         assert caches[0].shape == shape
         x = qkv.clone()
         if fused:
-            out = backend.decode_from_qkv(x, h, kvh, rope, *caches, meta, options, sinks)
+            out = backend.decode_from_qkv(x, h, kvh, rope, *caches, meta, options, sinks,
+                                          qk_norm.kernel_args(x) if qk_norm else None)
             assert out is not None and out.dtype == dtype
         else:
             q, k, v = x.split([h * d, kvh * d, kvh * d], dim=-1)
+            if qk_norm is not None and not qk_norm.per_head:
+                q, k = qk_norm.q(q), qk_norm.k(k)
             q, k = q.view(-1, h, d), k.view(-1, kvh, d)
+            if qk_norm is not None and qk_norm.per_head:
+                q, k = qk_norm.q(q), qk_norm.k(k)
             if rope is not None:
                 q, k = rotate_qk(q, k, *rope)
             out = backend.forward(q, k, v.reshape(-1, kvh, d), *caches, meta, options.scale, options,
@@ -161,7 +176,8 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
         results.append((out, x, caches))
     (out_f, x_f, caches_f), (out_s, x_s, caches_s) = results
     assert torch.equal(out_f, out_s)
-    assert torch.equal(x_f, x_s)  # q and k rotated in place in both
+    if qk_norm is None:
+        assert torch.equal(x_f, x_s)  # q and k rotated in place in both (the split path's norms copy)
     assert all(torch.equal(a, b) for a, b in zip(caches_f, caches_s))
     # Steps the fused path does not take: the caller must fall back to the split one.
     backend = TorchAttentionBackend()
@@ -172,5 +188,10 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
     if rope is not None:  # partial rotary (the first half of each head)
         half = tuple(t[:, :d // 2].contiguous() for t in rope)
         assert backend.decode_from_qkv(qkv.clone(), h, kvh, half, *caches_f, meta, options, sinks) is None
+    if qk_norm is not None:  # Gemma's 1 + w, and a norm all-reduced across ranks, have no kernel
+        qk_norm.q.unit_offset = True
+        assert qk_norm.kernel_args(qkv) is None
+        qk_norm.q.unit_offset, qk_norm.k.tp = False, object()
+        assert qk_norm.kernel_args(qkv) is None
     assert TorchAttentionBackend(batch_invariant=True).decode_from_qkv(
         qkv.clone(), h, kvh, rope, *caches_f, meta, options, sinks) is None

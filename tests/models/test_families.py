@@ -142,3 +142,23 @@ def test_sliding_layers_give_back_what_slid_out(name, tmp_path):
     got = _gen(llm, [longer], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
     assert got[0].num_cached_tokens == 28  # 7 full blocks of the 30-token prompt
     assert_matches(tokens_and_logprobs(got), [hf_greedy_logprobs(hf, longer, 8)])
+
+
+@pytest.mark.parametrize("name, fused_norms", [("qwen3", True), ("olmo2", True), ("gemma3", False)])
+def test_decode_steps_normalize_q_and_k_in_the_fused_kernel(name, fused_norms, tmp_path, monkeypatch):
+    """Qwen3's per-head and OLMo 2's all-heads q/k norms run inside cpu.decode_attention_qkv on
+    decode steps (its result against transformers: the tests above); Gemma 3's 1 + w norms have no
+    kernel, so its layers take the split path."""
+    from pagellm.kernels import cpu
+
+    calls = []
+    fused = cpu.decode_attention_qkv
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("qk_norm") is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decode_attention_qkv", counted)
+    llm = LLM(str(build(name, tmp_path / name)), num_kv_blocks=64)
+    _gen(llm, _prompts(5, [3, 9]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert (len(calls) > 0 and all(calls)) if fused_norms else calls == []

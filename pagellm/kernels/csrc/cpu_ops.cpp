@@ -23,9 +23,9 @@
 // - rms_norm: RMSNorm of float32 or bfloat16 rows in one pass; add_rms_norm: the residual add
 //   before it in the same call.
 // - store_kv: a step's K/V rows into the paged cache, as its dtype or as 8-bit codes.
-// - decode_attention_qkv: a decode step's RoPE, store_kv and paged_attention from the fused
-//   q/k/v projection in one call (the Python-level splitting and checks around three calls
-//   cost more than the attention on a short step).
+// - decode_attention_qkv: a decode step's q/k norms (where the family has them), RoPE, store_kv
+//   and paged_attention from the fused q/k/v projection in one call (the Python-level splitting
+//   and checks around those calls cost more than the attention on a short step).
 // - row_logsumexp: the sampler's logsumexp, each row summed in one order whatever the batch.
 // The element-wise kernels take float32 or bfloat16; bfloat16 is computed in float32 and
 // rounded once per output.
@@ -741,22 +741,24 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // upcast, a square, a mean, an add, rsqrt, products, casts), which costs more than the arithmetic
 // on a decode step's single rows. The sum of squares runs in another order than torch's, so
 // float32 results can differ from it in the last bits.
+// One row of H values; o may be r (each value is read before it is written).
+template <typename T>
+inline void rms_norm_row(const T* r, const T* wp, T* o, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += f32(r[i]) * f32(r[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) {
+    const float normed = f32(from_f32<T>(f32(r[i]) * inv));
+    o[i] = from_f32<T>(f32(wp[i]) * normed);
+  }
+}
+
 template <typename T>
 void rms_norm_impl(const T* xp, const T* wp, T* op, int64_t N, int64_t H, float eps) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* r = xp + t * H;
-      T* o = op + t * H;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += f32(r[i]) * f32(r[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) {
-        const float normed = f32(from_f32<T>(f32(r[i]) * inv));
-        o[i] = from_f32<T>(f32(wp[i]) * normed);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row<T>(xp + t * H, wp, op + t * H, H, eps);
   });
 }
 
@@ -822,7 +824,8 @@ torch::Tensor decode_attention_qkv(torch::Tensor qkv, int64_t H, int64_t KVH, c1
                                    c10::optional<torch::Tensor> sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
                                    double scale, int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
-                                   int64_t kv_format) {
+                                   int64_t kv_format, c10::optional<torch::Tensor> q_norm,
+                                   c10::optional<torch::Tensor> k_norm, double norm_eps, bool norm_per_head) {
   check_float_cpu(qkv, "qkv");
   TORCH_CHECK(H > 0 && KVH > 0 && qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) % (H + 2 * KVH) == 0,
               "qkv must be [T, (H + 2 KVH) * D] with contiguous rows; got ", qkv.sizes(), " for H = ", H,
@@ -833,6 +836,33 @@ torch::Tensor decode_attention_qkv(torch::Tensor qkv, int64_t H, int64_t KVH, c1
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
   auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
   auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  if (q_norm.has_value()) {  // before RoPE, in place: per head (Qwen3), or over all heads (OLMo 2)
+    check_cpu_dtype(*q_norm, "q_norm", qkv.scalar_type());
+    check_cpu_dtype(*k_norm, "k_norm", qkv.scalar_type());
+    TORCH_CHECK(q_norm->is_contiguous() && k_norm->is_contiguous() &&
+                    q_norm->numel() == (norm_per_head ? D : H * D) && k_norm->numel() == (norm_per_head ? D : KVH * D),
+                "q_norm and k_norm must be [D] (per head) or [H * D] and [KVH * D]");
+    const float feps = static_cast<float>(norm_eps);
+    const int64_t stride = qkv.size(1);
+    auto norm_rows = [&](auto* base) {
+      using E = std::remove_pointer_t<decltype(base)>;
+      const E *qw = q_norm->data_ptr<E>(), *kw = k_norm->data_ptr<E>();
+      for (int64_t t = 0; t < T; ++t) {  // a token's heads are contiguous: rows of D, or one row of all
+        E* qt = base + t * stride;
+        E* kt = qt + H * D;
+        if (norm_per_head) {
+          for (int64_t h = 0; h < H; ++h) rms_norm_row<E>(qt + h * D, qw, qt + h * D, D, feps);
+          for (int64_t h = 0; h < KVH; ++h) rms_norm_row<E>(kt + h * D, kw, kt + h * D, D, feps);
+        } else {
+          rms_norm_row<E>(qt, qw, qt, H * D, feps);
+          rms_norm_row<E>(kt, kw, kt, KVH * D, feps);
+        }
+      }
+    };
+    if (qkv.scalar_type() == torch::kBFloat16) norm_rows(qkv.data_ptr<at::BFloat16>());
+    else norm_rows(qkv.data_ptr<float>());
+  }
   if (cos.has_value()) rotary_embedding_(q, k, *cos, *sin);
   store_kv(k, v, k_cache, v_cache, slots, kv_format);
   auto out = paged_attention(q.to(torch::kFloat), k_cache, v_cache, block_tables.narrow(0, 0, T),
@@ -847,7 +877,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
   m.def("decode_attention_qkv", &decode_attention_qkv,
-        "a decode step's RoPE, K/V store and paged attention from the fused q/k/v projection (CPU)");
+        "a decode step's q/k norms, RoPE, K/V store and paged attention from the fused q/k/v projection (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "x + h and the RMSNorm of it, in one call (CPU, float32 or bfloat16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");
 }

@@ -540,15 +540,31 @@ inline __m512 spread(__m128 v, int i, int j) {
 inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
   const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  const __m512i lo_hi = join(and8(v, 0x0F), and8(shr(v, 4), 0x0F));  // [a lo, b lo, a hi, b hi]
-  return _mm512_shuffle_i64x2(lo_hi, lo_hi, _MM_SHUFFLE(3, 1, 2, 0));
+  // [a, a, b, b] in 128-bit lanes, the second of each pair shifted by 4: one mask gives the codes
+  const __m512i aabb = _mm512_shuffle_i64x2(_mm512_castsi256_si512(v), _mm512_castsi256_si512(v), _MM_SHUFFLE(1, 1, 0, 0));
+  const __m512i by = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004,
+                                      0x0004000400040004, 0, 0);
+  return _mm512_and_si512(_mm512_srlv_epi16(aabb, by), _mm512_set1_epi8(0x0F));
 }
 
 // The K-quants' per-sub-block scales, decoded once per super-block (a chunk is a quarter of one).
 struct SuperScales {
   int64_t at = -1;  // super-block decoded
-  float d[8], m[8];
+  alignas(64) float dm[16];  // the 8 sub-blocks' scales d * sc, then their mins times -dmin
 };
+
+// A Q4_K / Q5_K super-block's 8 six-bit scales and mins (12 bytes at sb + 4) as [sc0..7, m0..7]:
+// sc_j = q_j & 63 and m_j = q_{j+4} & 63 for j < 4; for j >= 4 the low four bits come from
+// q_{j+4} (sc: its low nibble, m: its high one) and the top two from q_{j-4} (sc) or q_j (m).
+inline __m128i k4_scales_and_mins(const uint8_t* sb) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 4));  // 12 bytes, then 4 of the codes
+  const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  // bytes 12..15 take q_8..11's high nibble
+  const __m128i lows = _mm_mask_blend_epi8(0xF000, low, _mm_srli_epi16(low, 4));
+  const __m128i mask = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  return _mm_or_si128(_mm_and_si128(lows, mask), _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+}
 
 // Chunk c of a row: blocks 2c and 2c + 1 of the 32-value types, quarter c % 4 of super-block
 // c / 4 of the K-quants (whose scales `ss` caches).
@@ -571,38 +587,46 @@ inline Chunk chunk(const uint8_t* row, int64_t c, SuperScales& ss) {
   } else if constexpr (T == Q4_K || T == Q5_K) {
     const uint8_t* sb = row + (c / 4) * (T == Q4_K ? 144 : 176);
     const int j = static_cast<int>(c % 4);
-    if (ss.at != c / 4) {  // the 8 six-bit scales and mins from their 12 bytes, as 32-bit words
+    if (ss.at != c / 4) {  // the 8 scales and mins, times d and -dmin, in one pass of 16 lanes
       ss.at = c / 4;
-      uint32_t w[3];
-      std::memcpy(w, sb + 4, 12);
-      const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-      const uint64_t scales = (w[0] & six) | static_cast<uint64_t>((w[2] & four) | (((w[0] >> 6) & two) << 4)) << 32;
-      const uint64_t mins = (w[1] & six) | static_cast<uint64_t>(((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)) << 32;
       const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
-      _mm256_storeu_ps(ss.d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scales))),
-                                           _mm256_broadcastss_ps(dd)));
-      _mm256_storeu_ps(ss.m, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins))),
-                                           _mm256_set1_ps(-_mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)))));
+      const __m512 by = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+                                              _mm512_castps128_ps512(dd));  // [d x 8, dmin x 8]
+      const __m512 sign = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_setzero_si512(),
+                                                                 _mm256_set1_epi32(static_cast<int>(0x80000000u)), 1));
+      _mm512_store_ps(ss.dm, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_and_mins(sb))),
+                                           _mm512_xor_ps(by, sign)));
     }
-    const __m256i v = load32(sb + (T == Q4_K ? 16 : 48) + 32 * j);
+    const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * j;
+    if constexpr (T == Q4_K) {  // the 32 bytes in both halves, the upper half shifted by 4: one mask gives all 64 codes
+      const __m512i v = _mm512_broadcast_i64x4(load32(qs));
+      const __m512i by = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+      return {_mm512_and_si512(_mm512_srlv_epi16(v, by), _mm512_set1_epi8(0x0F)), halves(ss.dm[2 * j], ss.dm[2 * j + 1]), _mm512_setzero_ps()};
+    }
+    const __m256i v = load32(qs);
     __m256i lo = and8(v, 0x0F), hi = and8(shr(v, 4), 0x0F);
     if constexpr (T == Q5_K) {
       const __m256i h = load32(sb + 16);
       lo = _mm256_or_si256(lo, shl(and8(shr(h, 2 * j), 1), 4));
       hi = _mm256_or_si256(hi, shl(and8(shr(h, 2 * j + 1), 1), 4));
     }
-    return {join(lo, hi), halves(ss.d[2 * j], ss.d[2 * j + 1]), halves(ss.m[2 * j], ss.m[2 * j + 1])};
+    return {join(lo, hi), halves(ss.dm[2 * j], ss.dm[2 * j + 1]), halves(ss.dm[8 + 2 * j], ss.dm[9 + 2 * j])};
   } else {  // Q6_K: quarter j holds 16-value groups with scales sc[4j'..4j'+3] (see dequant_q6_k)
     const uint8_t* sb = row + (c / 4) * 210;
     const int j = static_cast<int>(c % 4), half = j / 2, part = j % 2;
-    const __m256i a = load32(sb + 64 * half), b = load32(sb + 64 * half + 32), h = load32(sb + 128 + 32 * half);
-    const __m256i lo = _mm256_or_si256(and8(shr(a, 4 * part), 0x0F), shl(and8(shr(h, 4 * part), 3), 4));
-    const __m256i hi = _mm256_or_si256(and8(shr(b, 4 * part), 0x0F), shl(and8(shr(h, 4 * part + 2), 3), 4));
+    // Low four bits: a's and b's nibbles `part`; top two: h's bit pairs 2 part (a) and 2 part + 1 (b),
+    // both halves at once (h in both, shifted 2 more in the upper half).
+    const __m512i ab = join(load32(sb + 64 * half), load32(sb + 64 * half + 32));
+    const __m512i h = _mm512_broadcast_i64x4(load32(sb + 128 + 32 * half));
+    const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * part)),
+                                          _mm256_set1_epi16(static_cast<int16_t>(4 * part + 2)), 1);
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ab, 4 * part), _mm512_set1_epi8(0x0F));
+    const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, by), _mm512_set1_epi8(3)), 4);
     int32_t four;
     std::memcpy(&four, sb + 192 + 8 * half + 4 * part, 4);
     const __m128i by4 = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
     const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(by4)), _mm512_set1_ps(half_at(sb + 208)));
-    return {join(lo, hi), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
+    return {_mm512_or_si512(low, top), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
   }
 }
 
@@ -638,7 +662,7 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
         if constexpr (kBlockMins)
           if (c % 4 == 0)  // chunk() has just decoded this super-block's mins (times -dmin) into ss[r]
             for (int m = 0; m < M; ++m)
-              mins[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(ss[r].m), _mm256_loadu_ps(a.block_sum + m * K / 32 + 2 * c),
+              mins[r][m] = _mm256_fmadd_ps(_mm256_load_ps(ss[r].dm + 8), _mm256_loadu_ps(a.block_sum + m * K / 32 + 2 * c),
                                            mins[r][m]);
         for (int m = 0; m < M; ++m) {
           const int64_t at = m * K + 64 * c;

@@ -547,11 +547,6 @@ inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
   return _mm512_and_si512(_mm512_srlv_epi16(aabb, by), _mm512_set1_epi8(0x0F));
 }
 
-// The K-quants' per-sub-block scales, decoded once per super-block (a chunk is a quarter of one).
-struct SuperScales {
-  int64_t at = -1;  // super-block decoded
-  alignas(64) float dm[16];  // the 8 sub-blocks' scales d * sc, then their mins times -dmin
-};
 
 // A Q4_K / Q5_K super-block's 8 six-bit scales and mins (12 bytes at sb + 4) as [sc0..7, m0..7]:
 // sc_j = q_j & 63 and m_j = q_{j+4} & 63 for j < 4; for j >= 4 the low four bits come from
@@ -566,10 +561,57 @@ inline __m128i k4_scales_and_mins(const uint8_t* sb) {
   return _mm_or_si128(_mm_and_si128(lows, mask), _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
 }
 
-// Chunk c of a row: blocks 2c and 2c + 1 of the 32-value types, quarter c % 4 of super-block
-// c / 4 of the K-quants (whose scales `ss` caches).
+// A K-quant super-block's scales, decoded once for its 4 chunks and kept in a register. Q4_K and
+// Q5_K: lanes 0..7 the sub-blocks' d * sc, lanes 8..15 their mins times -dmin. Q6_K: the 16
+// groups' d * sc.
 template <int64_t T>
-inline Chunk chunk(const uint8_t* row, int64_t c, SuperScales& ss) {
+inline __m512 super_scales(const uint8_t* sb) {
+  if constexpr (T == Q6_K)
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)))),
+                         _mm512_set1_ps(half_at(sb + 208)));
+  const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
+  const __m512 by = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+                                          _mm512_castps128_ps512(dd));  // [d x 8, dmin x 8]
+  const __m512 sign = _mm512_castsi512_ps(
+      _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(static_cast<int>(0x80000000u)), 1));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_and_mins(sb))), _mm512_xor_ps(by, sign));
+}
+
+// Quarter j (64 values) of a K-quant super-block sb whose scales are `dm` (super_scales).
+template <int64_t T>
+inline Chunk super_chunk(const uint8_t* sb, int j, __m512 dm) {
+  if constexpr (T == Q6_K) {  // quarter j holds four 16-value groups, scales 4j..4j+3 (see dequant_q6_k)
+    const int half = j / 2, part = j % 2;
+    const __m512 d = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 2, 4 * j + 2,
+                          4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3), dm);
+    // Low four bits: a's and b's nibbles `part`; top two: h's bit pairs 2 part (a) and 2 part + 1 (b),
+    // both halves at once (h in both, shifted 2 more in the upper half).
+    const __m512i ab = join(load32(sb + 64 * half), load32(sb + 64 * half + 32));
+    const __m512i h = _mm512_broadcast_i64x4(load32(sb + 128 + 32 * half));
+    const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * part)),
+                                          _mm256_set1_epi16(static_cast<int16_t>(4 * part + 2)), 1);
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ab, 4 * part), _mm512_set1_epi8(0x0F));
+    const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, by), _mm512_set1_epi8(3)), 4);
+    return {_mm512_or_si512(low, top), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
+  }
+  const __m512 dsc = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), dm);
+  const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * j;
+  if constexpr (T == Q4_K) {  // the 32 bytes in both halves, the upper half shifted by 4: one mask gives all 64 codes
+    const __m512i v = _mm512_broadcast_i64x4(load32(qs));
+    const __m512i by = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return {_mm512_and_si512(_mm512_srlv_epi16(v, by), _mm512_set1_epi8(0x0F)), dsc, _mm512_setzero_ps()};
+  } else {
+    const __m256i v = load32(qs), h = load32(sb + 16);
+    const __m256i lo = _mm256_or_si256(and8(v, 0x0F), shl(and8(shr(h, 2 * j), 1), 4));
+    const __m256i hi = _mm256_or_si256(and8(shr(v, 4), 0x0F), shl(and8(shr(h, 2 * j + 1), 1), 4));
+    return {join(lo, hi), dsc, _mm512_setzero_ps()};
+  }
+}
+
+// Chunk c of a row of a 32-value type: its blocks 2c and 2c + 1 (the K-quants: super_chunk).
+template <int64_t T>
+inline Chunk chunk(const uint8_t* row, int64_t c) {
   if constexpr (T == Q4_0) {
     const uint8_t *a = row + 2 * c * 18, *b = a + 18;
     const __m512 d = spread(halves_at(a, b, 2), 0, 1);
@@ -584,49 +626,6 @@ inline Chunk chunk(const uint8_t* row, int64_t c, SuperScales& ss) {
     const __m512 d = spread(halves_at(a, b, 2), 0, 1);
     return {join(_mm256_xor_si256(load32(a + 2), flip), _mm256_xor_si256(load32(b + 2), flip)), d,
             _mm512_mul_ps(d, _mm512_set1_ps(-128.f))};
-  } else if constexpr (T == Q4_K || T == Q5_K) {
-    const uint8_t* sb = row + (c / 4) * (T == Q4_K ? 144 : 176);
-    const int j = static_cast<int>(c % 4);
-    if (ss.at != c / 4) {  // the 8 scales and mins, times d and -dmin, in one pass of 16 lanes
-      ss.at = c / 4;
-      const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
-      const __m512 by = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
-                                              _mm512_castps128_ps512(dd));  // [d x 8, dmin x 8]
-      const __m512 sign = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_setzero_si512(),
-                                                                 _mm256_set1_epi32(static_cast<int>(0x80000000u)), 1));
-      _mm512_store_ps(ss.dm, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_and_mins(sb))),
-                                           _mm512_xor_ps(by, sign)));
-    }
-    const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * j;
-    if constexpr (T == Q4_K) {  // the 32 bytes in both halves, the upper half shifted by 4: one mask gives all 64 codes
-      const __m512i v = _mm512_broadcast_i64x4(load32(qs));
-      const __m512i by = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-      return {_mm512_and_si512(_mm512_srlv_epi16(v, by), _mm512_set1_epi8(0x0F)), halves(ss.dm[2 * j], ss.dm[2 * j + 1]), _mm512_setzero_ps()};
-    }
-    const __m256i v = load32(qs);
-    __m256i lo = and8(v, 0x0F), hi = and8(shr(v, 4), 0x0F);
-    if constexpr (T == Q5_K) {
-      const __m256i h = load32(sb + 16);
-      lo = _mm256_or_si256(lo, shl(and8(shr(h, 2 * j), 1), 4));
-      hi = _mm256_or_si256(hi, shl(and8(shr(h, 2 * j + 1), 1), 4));
-    }
-    return {join(lo, hi), halves(ss.dm[2 * j], ss.dm[2 * j + 1]), halves(ss.dm[8 + 2 * j], ss.dm[9 + 2 * j])};
-  } else {  // Q6_K: quarter j holds 16-value groups with scales sc[4j'..4j'+3] (see dequant_q6_k)
-    const uint8_t* sb = row + (c / 4) * 210;
-    const int j = static_cast<int>(c % 4), half = j / 2, part = j % 2;
-    // Low four bits: a's and b's nibbles `part`; top two: h's bit pairs 2 part (a) and 2 part + 1 (b),
-    // both halves at once (h in both, shifted 2 more in the upper half).
-    const __m512i ab = join(load32(sb + 64 * half), load32(sb + 64 * half + 32));
-    const __m512i h = _mm512_broadcast_i64x4(load32(sb + 128 + 32 * half));
-    const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * part)),
-                                          _mm256_set1_epi16(static_cast<int16_t>(4 * part + 2)), 1);
-    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ab, 4 * part), _mm512_set1_epi8(0x0F));
-    const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, by), _mm512_set1_epi8(3)), 4);
-    int32_t four;
-    std::memcpy(&four, sb + 192 + 8 * half + 4 * part, 4);
-    const __m128i by4 = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-    const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(by4)), _mm512_set1_ps(half_at(sb + 208)));
-    return {_mm512_or_si512(low, top), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
   }
 }
 
@@ -650,28 +649,42 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
   for (int64_t n = n0; n < n1; n += NR) {
     __m512 acc[NR][M];
     __m256 mins[NR][M];
-    SuperScales ss[NR];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps(), mins[r][m] = _mm256_setzero_ps();
     const bool fetch = n + ahead + NR <= n1;
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (fetch)
-        for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
-      for (int r = 0; r < NR; ++r) {
-        const Chunk ch = chunk<T>(w + (n + r) * row_bytes, c, ss[r]);
-        if constexpr (kBlockMins)
-          if (c % 4 == 0)  // chunk() has just decoded this super-block's mins (times -dmin) into ss[r]
+    // K-quants a super-block (4 chunks) at a time, its scales decoded into a register first.
+    constexpr bool kSuper = T == Q4_K || T == Q5_K || T == Q6_K;
+    constexpr int kPer = kSuper ? 4 : 1;
+    constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+    for (int64_t c0 = 0; c0 < chunks; c0 += kPer) {
+      __m512 dm[NR];
+      if constexpr (kSuper)
+        for (int r = 0; r < NR; ++r) {
+          dm[r] = super_scales<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes);
+          if constexpr (kBlockMins) {
+            const __m256 m8 = _mm512_extractf32x8_ps(dm[r], 1);
             for (int m = 0; m < M; ++m)
-              mins[r][m] = _mm256_fmadd_ps(_mm256_load_ps(ss[r].dm + 8), _mm256_loadu_ps(a.block_sum + m * K / 32 + 2 * c),
-                                           mins[r][m]);
-        for (int m = 0; m < M; ++m) {
-          const int64_t at = m * K + 64 * c;
-          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ch.u, _mm512_loadu_si512(a.codes + at));
-          if constexpr (kTwo)
-            dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), ch.u, _mm512_loadu_si512(a.residual + at));
-          const __m512 dx = _mm512_loadu_ps(a.scale + at / 4);
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ch.dsc, dx), acc[r][m]);
-          if constexpr (!kBlockMins) acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum + at / 4), ch.msc, acc[r][m]);
+              mins[r][m] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a.block_sum + m * K / 32 + 2 * c0), mins[r][m]);
+          }
+        }
+#pragma GCC unroll 4
+      for (int j = 0; j < kPer; ++j) {
+        const int64_t c = c0 + j;
+        if (fetch)
+          for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
+        for (int r = 0; r < NR; ++r) {
+          Chunk ch;
+          if constexpr (kSuper) ch = super_chunk<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes, j, dm[r]);
+          else ch = chunk<T>(w + (n + r) * row_bytes, c);
+          for (int m = 0; m < M; ++m) {
+            const int64_t at = m * K + 64 * c;
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ch.u, _mm512_loadu_si512(a.codes + at));
+            if constexpr (kTwo)
+              dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), ch.u, _mm512_loadu_si512(a.residual + at));
+            const __m512 dx = _mm512_loadu_ps(a.scale + at / 4);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ch.dsc, dx), acc[r][m]);
+            if constexpr (!kBlockMins) acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum + at / 4), ch.msc, acc[r][m]);
+          }
         }
       }
     }

@@ -698,12 +698,12 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
 // chunk is unpacked once per group; two rows of W at a time for a single row of x (independent
 // accumulator chains keep the FMA units busy). Groups of 8 for the 4-bit types, whose unpacking
 // bounds a product of several rows (A/B at 6, 8 and 16 rows: Q4_1 +10-20%, Q4_K +12-43% against
-// groups of 4); Q8_0 and Q6_K keep 4, where 8 measured even or slower (Q8_0 1B gate/up at 8 rows:
-// 7.1 against 6.0 GB/s).
+// groups of 4), and for Q8_0 (even on an Intel Xeon; on an AMD EPYC, SmolLM2's 49152-row head at
+// 8-16 rows +6-13%, 1B down +4%); Q6_K keeps 4, where 8 measured slower.
 template <int64_t T, bool kTwo>
 void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
-  constexpr int64_t kGroup = T == Q8_0 || T == Q6_K ? 4 : 8;
+  constexpr int64_t kGroup = T == Q6_K ? 4 : 8;
   for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
     const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
                     a.lane_scale.data() + m0 * K / 4, a.lane_sum.data() + m0 * K / 4,

@@ -122,7 +122,8 @@ def main() -> None:
                     ints = {"int8_ms": round(int8, 4), "int4_ms": round(int4, 4)}
                     gbps.update(int8_gbps=n * k / int8 / 1e6, int4_gbps=n * k / 2 / int4 / 1e6)
                 rows.append({"shape": name, "type": qtype.name, "rows": n, "cols": k, "dtype": str(dtype)[6:],
-                             "batch": m, "fused_ms": round(fused, 4), "tiled_ms": round(tiled, 4), "tiled_bf16_ms": round(tiled_bf16, 4),
+                             "batch": m, "fused_ms": round(fused, 4), "tiled_ms": round(tiled, 4),
+                             "tiled_bf16_ms": round(tiled_bf16, 4),
                              "q8act_ms": round(q8act, 4), "q8x2act_ms": round(q8x2act, 4), **ints,
                              "dense_ms": round(dense_ms, 4), "weight_bytes": blocks.numel(),
                              **{key: round(v, 2) for key, v in gbps.items()},

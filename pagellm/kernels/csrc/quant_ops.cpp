@@ -547,7 +547,6 @@ inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
   return _mm512_and_si512(_mm512_srlv_epi16(aabb, by), _mm512_set1_epi8(0x0F));
 }
 
-
 // A Q4_K / Q5_K super-block's 8 six-bit scales and mins (12 bytes at sb + 4) as [sc0..7, m0..7]:
 // sc_j = q_j & 63 and m_j = q_{j+4} & 63 for j < 4; for j >= 4 the low four bits come from
 // q_{j+4} (sc: its low nibble, m: its high one) and the top two from q_{j-4} (sc) or q_j (m).

@@ -53,12 +53,9 @@ def _replica_class():
 
             from pagellm.config import make_config
             from pagellm.engine.async_engine import AsyncLLMEngine
-            from pagellm.engine.llm_engine import LLMEngine
-
             if threads:
                 torch.set_num_threads(threads)
-            self.engine = AsyncLLMEngine(LLMEngine(make_config(**options)),
-                                         max_waiting_requests=max_waiting_requests)
+            self.engine = AsyncLLMEngine.from_config(make_config(**options), max_waiting_requests=max_waiting_requests)
             self._started = False
 
         def ready(self) -> int:

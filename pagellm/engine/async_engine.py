@@ -5,6 +5,13 @@ the engine: it drains a queue of commands (add, abort, call), steps while work i
 and otherwise sleeps on the queue. Each step's outputs go back to the event loop in one
 `call_soon_threadsafe`, onto a per-request `asyncio.Queue`; the event loop never blocks.
 
+The engine is best built on that same thread (`AsyncLLMEngine.from_config`): GNU OpenMP keeps
+a team of worker threads for every thread that has run a parallel region, and once it manages
+more threads than the machine has CPUs its workers stop spinning between regions and sleep on a
+futex instead. A model loaded on the main thread and stepped on another leaves two teams; on
+2 CPUs every parallel region then pays for waking a worker, and decode steps took twice as
+long as the same steps run offline (~1000 context switches a step against ~3).
+
 A request whose consumer goes away (cancelled, closed, or `abort()`) is aborted at once
 and its blocks return to the pool. A request that fails in a step (the engine finds which
 one; see `LLMEngine.step`) fails alone and the others carry on. Only if `step()` itself
@@ -18,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -110,11 +118,43 @@ class RequestStream:
         self.abort()
 
 
+class EngineThread:
+    """One daemon thread that runs the callables submitted to it, one after another: the
+    engine's construction, then its loop. A daemon, so that an engine never shut down does
+    not keep the interpreter from exiting (a ThreadPoolExecutor's worker would)."""
+
+    def __init__(self, name: str = "pagellm-engine") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        """Let the thread end once the jobs before this call are done."""
+        self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the caller gets it from the future
+                future.set_exception(e)
+
+
 class AsyncLLMEngine:
     """`LLMEngine` for asyncio: `add_request` / `generate` give each request its own stream."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
-                 observer: StepObserver | None = None, stats_interval: float = 5.0) -> None:
+                 observer: StepObserver | None = None, stats_interval: float = 5.0,
+                 thread: EngineThread | None = None) -> None:
+        """`thread`: the thread that built `engine` (see `from_config`), to step it on; default a new one."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {max_waiting_requests}")
         self.engine = engine
@@ -122,10 +162,11 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.model_path = engine.model_path
         self.max_waiting_requests = max_waiting_requests
-        self._observer = observer
+        self.observer = observer  # may be set until start(); called on the engine thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = thread or EngineThread()
+        self._running: Future | None = None  # the engine loop, once started
         self._dead: BaseException | None = None
         # Event-loop side: the open streams, and those still waiting for their first output.
         self._streams: dict[str, RequestStream] = {}
@@ -139,24 +180,31 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine(config), **kwargs)
+        """Build the engine on the thread that will step it, so that one OpenMP team serves both
+        (see the module's docstring). Blocks until the model is loaded; raises what loading raised."""
+        thread = EngineThread()
+        try:
+            engine = thread.submit(LLMEngine, config).result()
+        except BaseException:
+            thread.stop()
+            raise
+        return cls(engine, thread=thread, **kwargs)
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
-        if self._thread is not None:
+        if self._running is not None:
             raise RuntimeError("the engine is already started")
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
-        self._thread.start()
+        self._running = self._thread.submit(self._run)
 
     async def shutdown(self) -> None:
         """Stop the engine thread after its current step; open requests fail."""
-        if self._thread is None:
+        if self._running is None:
             return
         self._commands.put(("stop",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._thread = None
+        self._thread.stop()
+        await asyncio.wrap_future(self._running)
         self._fail(list(self._streams), EngineDeadError("the engine has shut down"))
 
     def close(self) -> None:
@@ -165,7 +213,7 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        return self._running is not None and not self._running.done() and self._dead is None
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -247,7 +295,7 @@ class AsyncLLMEngine:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
-        if self._thread is None or self._loop is None:
+        if self._running is None or self._running.done() or self._loop is None:
             raise EngineDeadError("the engine is not started")
 
     # ---- event-loop side of the hand-over --------------------------------------------------
@@ -335,8 +383,8 @@ class AsyncLLMEngine:
                 self._live.discard(rid)
                 self.engine.abort_request(rid)
                 request_logger.info("request %s aborted", rid)
-                if self._observer is not None:
-                    self._observer.on_abort(rid, time.time())
+                if self.observer is not None:
+                    self.observer.on_abort(rid, time.time())
         elif kind == "call":
             _, fn, fut = cmd
             try:
@@ -347,9 +395,9 @@ class AsyncLLMEngine:
                 self._to_loop(self._resolve, fut, result, None)
 
     def _observe(self, hook: str, *args: Any) -> None:
-        if self._observer is not None:
+        if self.observer is not None:
             try:
-                getattr(self._observer, hook)(*args)
+                getattr(self.observer, hook)(*args)
             except Exception:  # metrics must never take the engine down
                 logger.exception("step observer failed in %s", hook)
 
@@ -365,9 +413,9 @@ class AsyncLLMEngine:
             # Aborting frees their blocks; if even that fails the engine's state is lost.
             self.engine.abort_request(failed)
             self._live.clear()
-            if self._observer is not None:
+            if self.observer is not None:
                 for rid in failed:
-                    self._observer.on_error(rid, time.time())
+                    self.observer.on_error(rid, time.time())
             self._to_loop(self._fail, failed, EngineStepError(f"internal error while generating: {e!r}"))
             return
         self._observe("on_step", core.num_prompt_tokens_computed + core.num_generation_tokens - tokens_before)
@@ -377,17 +425,17 @@ class AsyncLLMEngine:
             for o in errored:
                 self._live.discard(o.request_id)
                 logger.error("request %s failed: %s", o.request_id, o.error)
-                if self._observer is not None:
-                    self._observer.on_error(o.request_id, time.time())
+                if self.observer is not None:
+                    self.observer.on_error(o.request_id, time.time())
                 self._to_loop(self._fail, [o.request_id], EngineStepError(f"error while generating: {o.error}"))
         now = time.time()
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
                 log_finished(out, now)
-        if self._observer is not None:
+        if self.observer is not None:
             try:
-                self._observer.on_outputs(outputs, time.time())
+                self.observer.on_outputs(outputs, time.time())
             except Exception:  # metrics must never take the engine down
                 logger.exception("step observer failed")
         if outputs:

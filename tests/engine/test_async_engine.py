@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -209,3 +213,55 @@ def test_a_request_that_breaks_its_step_fails_alone(llm_engine, monkeypatch):
     assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 4
     assert all(o.error is None for o in outs)
     assert stats["request_failures"]["step_error"] >= 1
+
+
+# Run in a fresh interpreter: OpenMP's thread teams live as long as the threads that made them.
+_SWITCHES_PER_STEP = r'''
+import asyncio, json, os, sys
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # as on 2 cores, before OpenMP counts them
+from pagellm.config import EngineConfig
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.sampling_params import SamplingParams
+
+def switches():
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+    return total
+
+async def per_step(engine, tokens=32):
+    engine.start()
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    async def one(i):
+        return [o async for o in engine.generate(str(i), f"prompt {i}", params)]
+    await one("warm-up")
+    before = switches()
+    await asyncio.gather(*(one(i) for i in range(4)))
+    count = (switches() - before) / tokens
+    await engine.shutdown()
+    return count
+
+config = EngineConfig(model=sys.argv[1], max_model_len=256, num_kv_blocks=64)
+own = asyncio.run(per_step(AsyncLLMEngine.from_config(config)))
+built_on_main = asyncio.run(per_step(AsyncLLMEngine(LLMEngine(config))))
+print(json.dumps({"own": own, "built_on_main": built_on_main}))
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="counts context switches in /proc, on 2 CPUs")
+def test_the_engine_is_built_and_stepped_on_one_thread_so_openmp_workers_keep_spinning(smollm2_gguf):
+    """A model loaded on one thread and stepped on another leaves two OpenMP teams; GNU OpenMP
+    then has more threads than CPUs and puts its workers to sleep between parallel regions, so
+    every region wakes one: decode steps ran at half speed in `pagellm serve`. `from_config`
+    loads on the engine's own thread. Measured as context switches per decode step (4 streams),
+    with the engine built on the main thread as the contrast."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", _SWITCHES_PER_STEP, smollm2_gguf], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["own"] < 20, counts  # ~3 here: the event loop waking, not OpenMP
+    assert counts["built_on_main"] > 5 * counts["own"], counts  # ~330 here

@@ -153,18 +153,20 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
 
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, ServerConfig]:
     from pagellm.config import EngineConfig, engine_kwargs
-    from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.openai.cli_args import default_model_name
 
     if args.data_parallel_size > 1:
         engine, metrics, names = _replica_server(args)
     else:
-        llm_engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+        # Loaded on the engine's own thread, which then steps it (async_engine.py says why).
+        engine = AsyncLLMEngine.from_config(EngineConfig(**engine_kwargs(args)),
+                                            max_waiting_requests=args.max_waiting_requests)
+        llm_engine = engine.engine
         names = args.served_model_name or [default_model_name(llm_engine.model_path)]
         metrics = ServerMetrics(names[0], max_model_len=llm_engine.max_model_len,
                                 max_num_batched_tokens=llm_engine.config.max_num_batched_tokens,
                                 cache_info=llm_engine.cache_config(), model_cost=llm_engine.model_cost())
-        engine = AsyncLLMEngine(llm_engine, max_waiting_requests=args.max_waiting_requests, observer=metrics)
+        engine.observer = metrics
     metrics.bind(engine.stats)
     per_request = args.max_seqs_per_request or max(1, args.max_num_seqs // 2)
     config = ServerConfig(served_model_names=names, api_key=args.api_key,

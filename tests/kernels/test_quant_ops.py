@@ -71,12 +71,12 @@ def test_products_match_the_dense_product(qtype):
     assert torch.allclose(ours.float(), (xb.float() @ dense.T).bfloat16().float(), rtol=2e-2, atol=1e-2)
 
 
-def rounded_to_int8(x: torch.Tensor, two_codes: bool) -> torch.Tensor:
-    """x as the integer kernel rounds it: per 32 values, codes c = round(x * 127 / max|x|) (half to
-    even, as the CPU's conversion) times the scale max|x| / 127; with two codes, plus r / 128 for
+def rounded_to_int8(x: torch.Tensor, two_codes: bool, block: int = 32) -> torch.Tensor:
+    """x as the integer kernel rounds it: per `block` values, codes c = round(x * 127 / max|x|) (half
+    to even, as the CPU's conversion) times the scale max|x| / 127; with two codes, plus r / 128 for
     r = round(128 * (x * 127 / max|x| - c)), what the first code left (x * (127 / max|x|) - c rounded
     once, as the kernel's FMA does)."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+    blocks = x.reshape(x.shape[0], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     # 127 / amax as one division, like the kernel (torch's `127 / t` multiplies by a rounded reciprocal)
     inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
@@ -97,11 +97,13 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
     dense = reference(raw, qtype, cols).double()
     w = torch.from_numpy(raw)
     torch.manual_seed(1)
+    # Q4_K and Q5_K with one code take x a 256-value super-block at a time, as llama.cpp's Q8_K
+    block = 256 if activations == "int8" and qtype in (T.Q4_K, T.Q5_K) else 32
     for m in (1, 2, 3, 4, 6, 9):  # x in groups of up to 4 rows
         x = torch.randn(m, cols)
-        x[0, 64:96] = 0  # an all-zero block: scale 0, no division by it
+        x[0, 256:] = 0  # an all-zero block (and super-block): scale 0, no division by it
         ours = q.gguf_matmul(x, w, int(qtype), cols, activations=activations)
-        expected = rounded_to_int8(x, activations == "int8x2").double() @ dense.T
+        expected = rounded_to_int8(x, activations == "int8x2", block).double() @ dense.T
         assert (ours.double() - expected).abs().max() <= RTOL * expected.abs().max(), (qtype.name, m)
         # and it is not the float32 product: the rounding is there to see
         assert (ours.double() - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()

@@ -462,6 +462,7 @@ struct ActRows {
   std::vector<int8_t> codes, residual;
   std::vector<float> lane_scale, lane_sum;
   std::vector<float> block_sum;  // per 32 values: the sum of its 8 lane sums (d * sum of codes)
+  std::vector<float> super_scale;  // quantize_super only: per 256 values, d (lane_scale, lane_sum empty)
 };
 
 inline float reduce_add8(__m256 v) {
@@ -510,6 +511,41 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
   return a;
 }
 
+// x rounded with one scale per 256 values, as llama.cpp's Q8_K, for the K-quants' products
+// (int8_super_rows): with the activation scale constant over a weight super-block, the
+// sub-blocks' integer scales apply to integer sums and a super-block converts to float once,
+// instead of every 64 values. block_sum as in quantize_activations (d * sum of codes per 32).
+ActRows quantize_super(const float* x, int64_t M, int64_t K) {
+  ActRows a{std::vector<int8_t>(M * K), {}, {}, {}, std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K)};
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t i = 0; i < M * K; i += QK_K) {
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;  // a NaN or infinity makes the super-block's scale NaN (see quantize_activations)
+    for (int k = 0; k < QK_K; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i + k);
+      amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v));
+      bad |= _mm512_fpclass_ps_mask(v, 0x99);
+    }
+    const float m = _mm512_reduce_max_ps(amax);
+    const float d = bad == 0 ? m / 127.f : std::numeric_limits<float>::quiet_NaN();
+    const __m512 inv = _mm512_set1_ps(bad == 0 && m > 0.f ? 127.f / m : 0.f);
+    a.super_scale[i / QK_K] = d;
+    for (int k = 0; k < QK_K; k += 32) {
+      const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i + k), inv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i + k + 16), inv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i codes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r1)),
+                                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
+      const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
+      a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
+    }
+  }
+  return a;
+}
+
 // One 64-value chunk of a weight row: the unsigned codes, and per lane a (dsc) and b (msc).
 struct Chunk {
   __m512i u;
@@ -547,6 +583,11 @@ inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
   return _mm512_and_si512(_mm512_srlv_epi16(aabb, by), _mm512_set1_epi8(0x0F));
 }
 
+// Bytes of a K-quant super-block (256 values), as a compile-time constant: the kernels' addresses
+// fold it (deriving it from row_bytes at run time made Q4_K at one row 2-3% slower).
+template <int64_t T>
+constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+
 // A Q4_K / Q5_K super-block's 8 six-bit scales and mins (12 bytes at sb + 4) as [sc0..7, m0..7]:
 // sc_j = q_j & 63 and m_j = q_{j+4} & 63 for j < 4; for j >= 4 the low four bits come from
 // q_{j+4} (sc: its low nibble, m: its high one) and the top two from q_{j-4} (sc) or q_j (m).
@@ -576,6 +617,22 @@ inline __m512 super_scales(const uint8_t* sb) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_and_mins(sb))), _mm512_xor_ps(by, sign));
 }
 
+// Quarter j of a Q4_K / Q5_K super-block: its 64 codes in value order (sub-blocks 2j, 2j + 1).
+template <int64_t T>
+inline __m512i k4_codes(const uint8_t* sb, int j) {
+  const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * j;
+  if constexpr (T == Q4_K) {  // the 32 bytes in both halves, the upper half shifted by 4: one mask gives all 64 codes
+    const __m512i v = _mm512_broadcast_i64x4(load32(qs));
+    const __m512i by = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, by), _mm512_set1_epi8(0x0F));
+  } else {
+    const __m256i v = load32(qs), h = load32(sb + 16);
+    const __m256i lo = _mm256_or_si256(and8(v, 0x0F), shl(and8(shr(h, 2 * j), 1), 4));
+    const __m256i hi = _mm256_or_si256(and8(shr(v, 4), 0x0F), shl(and8(shr(h, 2 * j + 1), 1), 4));
+    return join(lo, hi);
+  }
+}
+
 // Quarter j (64 values) of a K-quant super-block sb whose scales are `dm` (super_scales).
 template <int64_t T>
 inline Chunk super_chunk(const uint8_t* sb, int j, __m512 dm) {
@@ -595,17 +652,7 @@ inline Chunk super_chunk(const uint8_t* sb, int j, __m512 dm) {
     return {_mm512_or_si512(low, top), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
   }
   const __m512 dsc = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), dm);
-  const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * j;
-  if constexpr (T == Q4_K) {  // the 32 bytes in both halves, the upper half shifted by 4: one mask gives all 64 codes
-    const __m512i v = _mm512_broadcast_i64x4(load32(qs));
-    const __m512i by = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    return {_mm512_and_si512(_mm512_srlv_epi16(v, by), _mm512_set1_epi8(0x0F)), dsc, _mm512_setzero_ps()};
-  } else {
-    const __m256i v = load32(qs), h = load32(sb + 16);
-    const __m256i lo = _mm256_or_si256(and8(v, 0x0F), shl(and8(shr(h, 2 * j), 1), 4));
-    const __m256i hi = _mm256_or_si256(and8(shr(v, 4), 0x0F), shl(and8(shr(h, 2 * j + 1), 1), 4));
-    return {join(lo, hi), dsc, _mm512_setzero_ps()};
-  }
+  return {k4_codes<T>(sb, j), dsc, _mm512_setzero_ps()};
 }
 
 // Chunk c of a row of a 32-value type: its blocks 2c and 2c + 1 (the K-quants: super_chunk).
@@ -654,12 +701,11 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
     // K-quants a super-block (4 chunks) at a time, its scales decoded into a register first.
     constexpr bool kSuper = T == Q4_K || T == Q5_K || T == Q6_K;
     constexpr int kPer = kSuper ? 4 : 1;
-    constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     for (int64_t c0 = 0; c0 < chunks; c0 += kPer) {
       __m512 dm[NR];
       if constexpr (kSuper)
         for (int r = 0; r < NR; ++r) {
-          dm[r] = super_scales<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes);
+          dm[r] = super_scales<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>);
           if constexpr (kBlockMins) {
             const __m256 m8 = _mm512_extractf32x8_ps(dm[r], 1);
             for (int m = 0; m < M; ++m)
@@ -673,7 +719,7 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
           for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
         for (int r = 0; r < NR; ++r) {
           Chunk ch;
-          if constexpr (kSuper) ch = super_chunk<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes, j, dm[r]);
+          if constexpr (kSuper) ch = super_chunk<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, j, dm[r]);
           else ch = chunk<T>(w + (n + r) * row_bytes, c);
           for (int m = 0; m < M; ++m) {
             const int64_t at = m * K + 64 * c;
@@ -693,6 +739,55 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
   }
 }
 
+// int8_rows for Q4_K / Q5_K against x from quantize_super. Per 64-value chunk and row of x:
+// VPMADDUBSW multiplies codes by x's codes and sums pairs into 16 bits (at most 2 * 31 * 127),
+// VPDPWSSD multiplies those by the two sub-blocks' 6-bit scales and accumulates in int32; once
+// per super-block the sums convert to float, times d * dx. Against int8_rows: no convert, scale
+// product or FMA per chunk, which bound that kernel on this machine (Q4_K at one row streamed
+// ~30 GB/s of weights where memory reads ~50).
+template <int64_t T, int M, int NR>
+void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                     int64_t n1) {
+  const int64_t supers = K / QK_K, chunk_bytes = row_bytes / (K / 64), ahead = rows_ahead(NR, row_bytes);
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m512 acc[NR][M];
+    __m256 mins[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps(), mins[r][m] = _mm256_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b = 0; b < supers; ++b) {
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* sb = w + (n + r) * row_bytes + b * kSuperBytes<T>;
+        const __m128i sm = k4_scales_and_mins(sb);  // [sc0..7, m0..7]
+        const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));
+        const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
+        const __m256 neg_m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                           _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+        for (int m = 0; m < M; ++m)
+          mins[r][m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b), mins[r][m]);
+        __m512i sums[M];
+        for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          if (fetch) prefetch(w + (n + ahead + r) * row_bytes + (4 * b + j) * chunk_bytes);
+          const __m512i u = k4_codes<T>(sb, j);
+          // 16-bit lanes 0..15 take sub-block 2j's scale, 16..31 sub-block 2j + 1's
+          const __m512i scj = _mm512_permutexvar_epi16(
+              _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * j)),
+                                 _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1), sc);
+          for (int m = 0; m < M; ++m)
+            sums[m] = _mm512_dpwssd_epi32(sums[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.codes + m * K + 256 * b + 64 * j)), scj);
+        }
+        const float d = _mm_cvtss_f32(dd);
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_set1_ps(d * a.scale[m * supers + b]), acc[r][m]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + reduce_add8(mins[r][m]);
+  }
+}
+
 // Rows [n0, n1) of W into every row of x: x in groups of rows, one accumulator each, so a weight
 // chunk is unpacked once per group; two rows of W at a time for a single row of x (independent
 // accumulator chains keep the FMA units busy). Groups of 8 for the 4-bit types, whose unpacking
@@ -703,12 +798,30 @@ template <int64_t T, bool kTwo>
 void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
   constexpr int64_t kGroup = T == Q6_K ? 4 : 8;
+  const bool super = !a.super_scale.empty();
   for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
     const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
-                    a.lane_scale.data() + m0 * K / 4, a.lane_sum.data() + m0 * K / 4,
-                    a.block_sum.data() + m0 * K / 32};
+                    super ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
+                    super ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32};
     float* ym = y + m0 * N;
     const int64_t paired = n0 + (n1 - n0) / 2 * 2;
+    if constexpr ((T == Q4_K || T == Q5_K) && !kTwo)
+      if (super) {
+        switch (std::min<int64_t>(kGroup, M - m0)) {
+          case 1:
+            int8_super_rows<T, 1, 2>(v, K, w, row_bytes, ym, N, n0, paired);
+            if (paired < n1) int8_super_rows<T, 1, 1>(v, K, w, row_bytes, ym, N, paired, n1);
+            break;
+          case 2: int8_super_rows<T, 2, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
+          case 3: int8_super_rows<T, 3, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
+          case 4: int8_super_rows<T, 4, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
+          case 5: int8_super_rows<T, 5, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
+          case 6: int8_super_rows<T, 6, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
+          case 7: int8_super_rows<T, 7, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
+          default: int8_super_rows<T, 8, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
+        }
+        continue;
+      }
     switch (std::min<int64_t>(kGroup, M - m0)) {
       case 1:
         int8_rows<T, 1, 2, kTwo>(v, K, w, row_bytes, ym, N, n0, paired);
@@ -792,7 +905,9 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  const ActRows a = quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+  // The K-quants with one code per value take x a super-block at a time (int8_super_rows).
+  const bool super = !two_terms && (qtype == Q4_K || qtype == Q5_K);
+  const ActRows a = super ? quantize_super(x.data_ptr<float>(), M, K) : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {

@@ -228,7 +228,7 @@ def switches():
     total = 0
     for tid in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{tid}/status") as f:
-            total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+            total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
     return total
 
 async def per_step(engine, tokens=32):
@@ -257,11 +257,12 @@ def test_the_engine_is_built_and_stepped_on_one_thread_so_openmp_workers_keep_sp
     then has more threads than CPUs and puts its workers to sleep between parallel regions, so
     every region wakes one: decode steps ran at half speed in `pagellm serve`. `from_config`
     loads on the engine's own thread. Measured as context switches per decode step (4 streams),
-    with the engine built on the main thread as the contrast."""
+    with the engine built on the main thread as the contrast. Voluntary switches only: a thread
+    that sleeps; preemption by other processes (a parallel test run) is not counted."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", _SWITCHES_PER_STEP, smollm2_gguf], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     counts = json.loads(out.stdout.strip().splitlines()[-1])
-    assert counts["own"] < 20, counts  # ~3 here: the event loop waking, not OpenMP
+    assert counts["own"] < 30, counts  # ~3 here: the event loop waking, not OpenMP
     assert counts["built_on_main"] > 5 * counts["own"], counts  # ~330 here

@@ -788,12 +788,50 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
   }
 }
 
-// Rows [n0, n1) of W into every row of x: x in groups of rows, one accumulator each, so a weight
-// chunk is unpacked once per group; two rows of W at a time for a single row of x (independent
-// accumulator chains keep the FMA units busy). Groups of 8 for the 4-bit types, whose unpacking
-// bounds a product of several rows (A/B at 6, 8 and 16 rows: Q4_1 +10-20%, Q4_K +12-43% against
-// groups of 4), and for Q8_0 (even on an Intel Xeon; on an AMD EPYC, SmolLM2's 49152-row head at
-// 8-16 rows +6-13%, 1B down +4%); Q6_K keeps 4, where 8 measured slower.
+// The row kernels as types, so that one switch serves both: int8_rows, and int8_super_rows.
+template <int64_t T, bool kTwo>
+struct LaneRows {
+  template <int M, int NR>
+  static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+    int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+  }
+};
+template <int64_t T>
+struct SuperRows {
+  template <int M, int NR>
+  static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+    int8_super_rows<T, M, NR>(a, K, w, row_bytes, y, N, n0, n1);
+  }
+};
+
+// Rows [n0, n1) of W into `rows` (1..8) rows of x, one accumulator each; two rows of W at a time
+// for a single row of x (independent accumulator chains keep the FMA units busy).
+template <class Rows>
+void multiply_group(int64_t rows, ActView v, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
+                    int64_t n0, int64_t n1) {
+  const int64_t paired = n0 + (n1 - n0) / 2 * 2;
+  switch (rows) {
+    case 1:
+      Rows::template run<1, 2>(v, K, w, row_bytes, y, N, n0, paired);
+      if (paired < n1) Rows::template run<1, 1>(v, K, w, row_bytes, y, N, paired, n1);
+      break;
+    case 2: Rows::template run<2, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
+    case 3: Rows::template run<3, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
+    case 4: Rows::template run<4, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
+    case 5: Rows::template run<5, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
+    case 6: Rows::template run<6, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
+    case 7: Rows::template run<7, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
+    default: Rows::template run<8, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
+  }
+}
+
+// Rows [n0, n1) of W into every row of x: x in groups of rows, so a weight chunk is unpacked once
+// per group. Groups of 8 for the 4-bit types, whose unpacking bounds a product of several rows (A/B
+// at 6, 8 and 16 rows: Q4_1 +10-20%, Q4_K +12-43% against groups of 4), and for Q8_0 (even on an
+// Intel Xeon; on an AMD EPYC, SmolLM2's 49152-row head at 8-16 rows +6-13%, 1B down +4%); Q6_K
+// keeps 4, where 8 measured slower.
 template <int64_t T, bool kTwo>
 void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
@@ -803,38 +841,13 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
     const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
                     super ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
                     super ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32};
-    float* ym = y + m0 * N;
-    const int64_t paired = n0 + (n1 - n0) / 2 * 2;
+    const int64_t rows = std::min<int64_t>(kGroup, M - m0);
     if constexpr ((T == Q4_K || T == Q5_K) && !kTwo)
       if (super) {
-        switch (std::min<int64_t>(kGroup, M - m0)) {
-          case 1:
-            int8_super_rows<T, 1, 2>(v, K, w, row_bytes, ym, N, n0, paired);
-            if (paired < n1) int8_super_rows<T, 1, 1>(v, K, w, row_bytes, ym, N, paired, n1);
-            break;
-          case 2: int8_super_rows<T, 2, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
-          case 3: int8_super_rows<T, 3, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
-          case 4: int8_super_rows<T, 4, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
-          case 5: int8_super_rows<T, 5, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
-          case 6: int8_super_rows<T, 6, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
-          case 7: int8_super_rows<T, 7, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
-          default: int8_super_rows<T, 8, 1>(v, K, w, row_bytes, ym, N, n0, n1); break;
-        }
+        multiply_group<SuperRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
         continue;
       }
-    switch (std::min<int64_t>(kGroup, M - m0)) {
-      case 1:
-        int8_rows<T, 1, 2, kTwo>(v, K, w, row_bytes, ym, N, n0, paired);
-        if (paired < n1) int8_rows<T, 1, 1, kTwo>(v, K, w, row_bytes, ym, N, paired, n1);
-        break;
-      case 2: int8_rows<T, 2, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
-      case 3: int8_rows<T, 3, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
-      case 4: int8_rows<T, 4, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
-      case 5: int8_rows<T, 5, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
-      case 6: int8_rows<T, 6, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
-      case 7: int8_rows<T, 7, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
-      default: int8_rows<T, 8, 1, kTwo>(v, K, w, row_bytes, ym, N, n0, n1); break;
-    }
+    multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
   }
 }
 

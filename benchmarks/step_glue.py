@@ -1,0 +1,80 @@
+"""How much of a single-stream decode step is not the quantized products: the step timed as it
+is, then with every GGUF product replaced by a no-op returning a zero tensor of its shape (the
+rest of the step, attention, norms, activations, sampling and the Python between them, runs as
+before on those zeros).
+
+    python benchmarks/step_glue.py --model FILE --out benchmarks/results/step-glue-DATE.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.layers.quant import gguf  # noqa: E402
+from pagellm.timing import PhaseTimer  # noqa: E402
+
+PHASES = ("model_forward", "logits", "sampler", "execute", "step")
+
+
+def per_step_ms(llm: LLM, params: SamplingParams, rounds: int) -> dict[str, float]:
+    """Each phase's mean ms per step over `rounds` generations (the best round by step time)."""
+    prompt = [{"prompt_token_ids": [1, 2, 3, 4]}]
+    llm.generate(prompt, params, use_tqdm=False)
+    best: dict[str, float] | None = None
+    for _ in range(rounds):
+        timer = PhaseTimer()
+        llm.engine.attach_timer(timer)
+        llm.generate(prompt, params, use_tqdm=False)
+        llm.engine.attach_timer(None)
+        got = {k: 1000 * timer.seconds[k] / timer.calls[k] for k in PHASES if k in timer.seconds}
+        if best is None or got["step"] < best["step"]:
+            best = got
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--activation-quantization", default="int8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    llm = LLM(args.model, activation_quantization=args.activation_quantization, max_model_len=512, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
+    load = os.getloadavg()
+    real = per_step_ms(llm, params, args.rounds)
+    zeros: dict[tuple[int, int], torch.Tensor] = {}
+
+    def no_product(x, data, qtype, cols, batch_invariant=False, activations="none"):
+        key = (x.shape[0], data.shape[0])
+        if key not in zeros:
+            zeros[key] = torch.zeros(key, dtype=x.dtype)
+        return zeros[key]
+
+    product, gguf.gguf_matmul = gguf.gguf_matmul, no_product
+    try:
+        without = per_step_ms(llm, params, args.rounds)
+    finally:
+        gguf.gguf_matmul = product
+    again = per_step_ms(llm, params, args.rounds)
+    result = {"benchmark": "step_glue", "model": args.model, "activation_quantization": args.activation_quantization,
+              "tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
+              "loadavg_before_after": [load, os.getloadavg()], "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "ms_per_step": {"with_products": real, "products_as_no_ops": without, "with_products_again": again}}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for name, ms in result["ms_per_step"].items():
+        print(f"{name:22s} " + "  ".join(f"{k} {v:.2f}" for k, v in ms.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -137,6 +137,11 @@ class EngineThread:
         """Let the thread end once the jobs before this call are done."""
         self._jobs.put(None)
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end (after `stop`); whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, fn, args = job
@@ -208,8 +213,10 @@ class AsyncLLMEngine:
         self._fail(list(self._streams), EngineDeadError("the engine has shut down"))
 
     def close(self) -> None:
-        """Release the engine's own resources (its KV tier's file, tensor-parallel ranks), after shutdown."""
+        """Release the engine's own resources (its KV tier's file, tensor-parallel ranks) and its
+        thread, after shutdown."""
         self.engine.shutdown()
+        self._thread.stop()
 
     @property
     def is_running(self) -> bool:

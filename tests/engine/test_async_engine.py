@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from pagellm.config import EngineConfig
-from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
-                                         RequestAborted)
+from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, EngineThread,
+                                         QueueFullError, RequestAborted)
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import SamplingParams
 
@@ -266,3 +267,18 @@ def test_the_engine_is_built_and_stepped_on_one_thread_so_openmp_workers_keep_sp
     counts = json.loads(out.stdout.strip().splitlines()[-1])
     assert counts["own"] < 30, counts  # ~3 here: the event loop waking, not OpenMP
     assert counts["built_on_main"] > 5 * counts["own"], counts  # ~330 here
+
+
+def test_the_engine_thread_runs_its_jobs_in_order_on_one_thread_and_ends_when_stopped():
+    thread = EngineThread("test-engine")
+    idents = [thread.submit(threading.get_ident) for _ in range(3)]
+    assert len({f.result(timeout=10) for f in idents}) == 1 and idents[0].result() != threading.get_ident()
+    order: list[int] = []
+    done = [thread.submit(order.append, i) for i in range(5)]
+    failed = thread.submit(int, "not a number")
+    with pytest.raises(ValueError):  # what a job raises reaches its caller, and the thread goes on
+        failed.result(timeout=10)
+    assert thread.submit(lambda: 7).result(timeout=10) == 7
+    assert [f.result() for f in done] == [None] * 5 and order == [0, 1, 2, 3, 4]
+    thread.stop()
+    assert thread.join(timeout=10)

@@ -53,6 +53,7 @@ def _replica_class():
 
             from pagellm.config import make_config
             from pagellm.engine.async_engine import AsyncLLMEngine
+
             if threads:
                 torch.set_num_threads(threads)
             self.engine = AsyncLLMEngine.from_config(make_config(**options), max_waiting_requests=max_waiting_requests)

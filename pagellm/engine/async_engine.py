@@ -10,7 +10,7 @@ a team of worker threads for every thread that has run a parallel region, and on
 more threads than the machine has CPUs its workers stop spinning between regions and sleep on a
 futex instead. A model loaded on the main thread and stepped on another leaves two teams; on
 2 CPUs every parallel region then pays for waking a worker, and decode steps took twice as
-long as the same steps run offline (~1000 context switches a step against ~3).
+long as the same steps run offline (hundreds of context switches a step against ~3).
 
 A request whose consumer goes away (cancelled, closed, or `abort()`) is aborted at once
 and its blocks return to the pool. A request that fails in a step (the engine finds which
@@ -25,8 +25,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from pagellm.config import EngineConfig

@@ -471,6 +471,18 @@ inline float reduce_add8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(quads, _mm_movehdup_ps(quads)));
 }
 
+// 32 values v0, v1 times inv, rounded half to even (r0, r1) and saturated to int8 codes.
+struct Rounded32 {
+  __m512 r0, r1;
+  __m256i codes;
+};
+inline Rounded32 round32(__m512 v0, __m512 v1, __m512 inv) {
+  const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return {r0, r1, _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r1)),
+                                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)))};
+}
+
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4), std::vector<float>(M * K / 32)};
@@ -485,10 +497,7 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
     const float d = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
     const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
     const __m512 s = _mm512_set1_ps(inv);
-    const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256i codes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r1)),
-                                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)));
+    const auto [r0, r1, codes] = round32(v0, v1, s);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i), codes);
     __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
     float lane_d = d;
@@ -509,6 +518,12 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
     _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
   }
   return a;
+}
+
+// Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
+// K-quants with a 32-value sub-block scale, with one code per value.
+constexpr bool super_activations(int64_t qtype, bool two_terms) {
+  return !two_terms && (qtype == Q4_K || qtype == Q5_K);
 }
 
 // x rounded with one scale per 256 values, as llama.cpp's Q8_K, for the K-quants' products
@@ -532,12 +547,7 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K) {
     const __m512 inv = _mm512_set1_ps(bad == 0 && m > 0.f ? 127.f / m : 0.f);
     a.super_scale[i / QK_K] = d;
     for (int k = 0; k < QK_K; k += 32) {
-      const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i + k), inv),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i + k + 16), inv),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m256i codes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r1)),
-                                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)));
+      const __m256i codes = round32(_mm512_loadu_ps(x + i + k), _mm512_loadu_ps(x + i + k + 16), inv).codes;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
       const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
       a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
@@ -621,7 +631,7 @@ inline __m512 super_scales(const uint8_t* sb) {
 template <int64_t T>
 inline __m512i k4_codes(const uint8_t* sb, int j) {
   const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * j;
-  if constexpr (T == Q4_K) {  // the 32 bytes in both halves, the upper half shifted by 4: one mask gives all 64 codes
+  if constexpr (T == Q4_K) {  // the 32 bytes in both halves, the upper half shifted by 4: one mask, 64 codes
     const __m512i v = _mm512_broadcast_i64x4(load32(qs));
     const __m512i by = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     return _mm512_and_si512(_mm512_srlv_epi16(v, by), _mm512_set1_epi8(0x0F));
@@ -776,11 +786,13 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
               _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * j)),
                                  _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1), sc);
           for (int m = 0; m < M; ++m)
-            sums[m] = _mm512_dpwssd_epi32(sums[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.codes + m * K + 256 * b + 64 * j)), scj);
+            sums[m] = _mm512_dpwssd_epi32(
+                sums[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.codes + m * K + 256 * b + 64 * j)), scj);
         }
         const float d = _mm_cvtss_f32(dd);
         for (int m = 0; m < M; ++m)
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_set1_ps(d * a.scale[m * supers + b]), acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_set1_ps(d * a.scale[m * supers + b]),
+                                      acc[r][m]);
       }
     }
     for (int r = 0; r < NR; ++r)
@@ -836,18 +848,14 @@ template <int64_t T, bool kTwo>
 void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
   constexpr int64_t kGroup = T == Q6_K ? 4 : 8;
-  const bool super = !a.super_scale.empty();
+  constexpr bool kSuperActs = super_activations(T, kTwo);
   for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
     const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
-                    super ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
-                    super ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32};
+                    kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
+                    kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32};
     const int64_t rows = std::min<int64_t>(kGroup, M - m0);
-    if constexpr ((T == Q4_K || T == Q5_K) && !kTwo)
-      if (super) {
-        multiply_group<SuperRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
-        continue;
-      }
-    multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
+    if constexpr (kSuperActs) multiply_group<SuperRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
+    else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
   }
 }
 
@@ -918,9 +926,8 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  // The K-quants with one code per value take x a super-block at a time (int8_super_rows).
-  const bool super = !two_terms && (qtype == Q4_K || qtype == Q5_K);
-  const ActRows a = super ? quantize_super(x.data_ptr<float>(), M, K) : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+  const ActRows a = super_activations(qtype, two_terms) ? quantize_super(x.data_ptr<float>(), M, K)
+                                                         : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {

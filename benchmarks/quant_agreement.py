@@ -8,8 +8,8 @@ the same context), per `--activation-quantization` mode.
 Defaults: the bundled Q4_1 SmolLM2, 64 prompts x 64 tokens (the quantized-weights issue's size).
 Each mode's integer kernel is used for every product here (its row bound raised to the 16-row
 steps), so the figures are the arithmetic's, whatever batch sizes a server would see; then mode
-int8 once more with whole prefills, whose products of more than 16 rows round the activations to
-bfloat16 for bfloat16 tiles (gguf.BF16_TILES).
+int8 once more with whole prefills, whose products of more than 16 rows (32 against the K-quants:
+gguf.int8_max_rows) round the activations to bfloat16 for bfloat16 tiles (gguf.BF16_TILES).
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def main() -> None:
         llm = LLM(args.model, max_model_len=256, activation_quantization="int8")
         agreement, worst = ref.compare(llm)
         llm.shutdown()
-        modes["int8 past 16 rows (bfloat16 tiles)"] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
+        label = f"int8 past 16 rows (bfloat16 tiles; K-quants past {gguf.int8_max_rows('int8', 12)})"
+        modes[label] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
         print("int8 bfloat16 tiles", json.dumps(agreement), worst, flush=True)
     result = {"benchmark": "quant_agreement", "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1",
               "prompts": args.prompts, "tokens": args.tokens, "positions": sum(len(r) for r in ref.rows),

@@ -94,7 +94,7 @@ class EngineConfig:
     activation_quantization: str = option(
         "none", "how a GGUF model's quantized products take their activations (CPU, AVX-512 VNNI): none multiplies "
                 "them in float32, the dequantized model's product; int8 rounds them to int8, one scale per 32 "
-                "values (per 256 for Q4_K/Q5_K weights), and multiplies by integer dot products, as llama.cpp "
+                "values (per 256 for K-quant weights), and multiplies by integer dot products, as llama.cpp "
                 "does (fastest decode steps, logprobs move); int8x2 adds a second int8 code for what the first "
                 "left (~15 bits): most of int8's speed at batch 1-2, near-exact logprobs. README gives the "
                 "measured agreement",

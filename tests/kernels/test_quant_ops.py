@@ -88,18 +88,19 @@ def rounded_to_int8(x: torch.Tensor, two_codes: bool, block: int = 32) -> torch.
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("cols", [512, 4352], ids=["K512", "K4352"])  # x in groups of 8 rows; past K 4096, of 4
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_int8_activation_products_are_the_rounded_activations_exact_product(qtype, activations, monkeypatch):
-    monkeypatch.setitem(q.INT8_MAX_ROWS, activations, 16)  # the kernel at every batch size tried here
-    rows, cols = 41, 512  # 41: pairs of W's rows for one row of x, then a tail
+def test_int8_activation_products_are_the_rounded_activations_exact_product(qtype, activations, cols, monkeypatch):
+    monkeypatch.setitem(q.INT8_MAX_ROWS, activations, 32)  # the kernel at every batch size tried here
+    rows = 41  # pairs of W's rows for one row of x, then a tail
     raw = random_blocks(qtype, rows, cols, seed=4)
     dense = reference(raw, qtype, cols).double()
     w = torch.from_numpy(raw)
     torch.manual_seed(1)
-    # Q4_K and Q5_K with one code take x a 256-value super-block at a time, as llama.cpp's Q8_K
-    block = 256 if activations == "int8" and qtype in (T.Q4_K, T.Q5_K) else 32
-    for m in (1, 2, 3, 4, 6, 9):  # x in groups of up to 4 rows
+    # The K-quants with one code take x a 256-value super-block at a time, as llama.cpp's Q8_K
+    block = 256 if activations == "int8" and qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
+    for m in (1, 2, 3, 4, 6, 9, 24):
         x = torch.randn(m, cols)
         x[0, 256:] = 0  # an all-zero block (and super-block): scale 0, no division by it
         ours = q.gguf_matmul(x, w, int(qtype), cols, activations=activations)
@@ -132,7 +133,7 @@ def test_int8_mode_past_its_rows_multiplies_bfloat16_tiles(qtype):
     """Mode int8 beyond INT8_MAX_ROWS: x rounded to bfloat16 times W widened to bfloat16, not the
     float32 product (int8x2, whose promise is ~15 bits, keeps that one)."""
     raw = torch.from_numpy(random_blocks(qtype, 24, 512, seed=6))
-    x = torch.randn(q.INT8_MAX_ROWS["int8"] + 1, 512)
+    x = torch.randn(q.int8_max_rows("int8", int(qtype)) + 1, 512)
     ours = q.gguf_matmul(x, raw, int(qtype), 512, activations="int8")
     assert ours.dtype == torch.float32
     w = q.dequantize_rows(raw, int(qtype), 512, torch.arange(24), torch.bfloat16)

@@ -463,6 +463,7 @@ struct ActRows {
   std::vector<float> lane_scale, lane_sum;
   std::vector<float> block_sum;  // per 32 values: the sum of its 8 lane sums (d * sum of codes)
   std::vector<float> super_scale;  // quantize_super only: per 256 values, d (lane_scale, lane_sum empty)
+  std::vector<int16_t> sums16;     // quantize_super only: per 16 values, the sum of their codes (Q6_K's offset)
 };
 
 inline float reduce_add8(__m256 v) {
@@ -523,7 +524,7 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
 // K-quants with a 32-value sub-block scale, with one code per value.
 constexpr bool super_activations(int64_t qtype, bool two_terms) {
-  return !two_terms && (qtype == Q4_K || qtype == Q5_K);
+  return !two_terms && (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K);
 }
 
 // x rounded with one scale per 256 values, as llama.cpp's Q8_K, for the K-quants' products
@@ -531,7 +532,8 @@ constexpr bool super_activations(int64_t qtype, bool two_terms) {
 // sub-blocks' integer scales apply to integer sums and a super-block converts to float once,
 // instead of every 64 values. block_sum as in quantize_activations (d * sum of codes per 32).
 ActRows quantize_super(const float* x, int64_t M, int64_t K) {
-  ActRows a{std::vector<int8_t>(M * K), {}, {}, {}, std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K)};
+  ActRows a{std::vector<int8_t>(M * K), {}, {}, {}, std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K),
+            std::vector<int16_t>(M * K / 16)};
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < M * K; i += QK_K) {
@@ -551,6 +553,9 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
       const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
       a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
+      const __m256i quads = _mm256_hadd_epi32(_mm256_hadd_epi32(sums, sums), sums);  // lane 0: values 0..15, 4: 16..31
+      a.sums16[(i + k) / 16] = static_cast<int16_t>(_mm256_extract_epi32(quads, 0));
+      a.sums16[(i + k) / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(quads, 4));
     }
   }
   return a;
@@ -643,23 +648,29 @@ inline __m512i k4_codes(const uint8_t* sb, int j) {
   }
 }
 
+// Quarter j of a Q6_K super-block: its 64 unsigned codes (0..63, the value + 32) in value order,
+// four 16-value groups with scales 4j..4j+3 (see dequant_q6_k).
+inline __m512i k6_codes(const uint8_t* sb, int j) {
+  const int half = j / 2, part = j % 2;
+  // Low four bits: a's and b's nibbles `part`; top two: h's bit pairs 2 part (a) and 2 part + 1 (b),
+  // both halves at once (h in both, shifted 2 more in the upper half).
+  const __m512i ab = join(load32(sb + 64 * half), load32(sb + 64 * half + 32));
+  const __m512i h = _mm512_broadcast_i64x4(load32(sb + 128 + 32 * half));
+  const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * part)),
+                                        _mm256_set1_epi16(static_cast<int16_t>(4 * part + 2)), 1);
+  const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ab, 4 * part), _mm512_set1_epi8(0x0F));
+  const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, by), _mm512_set1_epi8(3)), 4);
+  return _mm512_or_si512(low, top);
+}
+
 // Quarter j (64 values) of a K-quant super-block sb whose scales are `dm` (super_scales).
 template <int64_t T>
 inline Chunk super_chunk(const uint8_t* sb, int j, __m512 dm) {
-  if constexpr (T == Q6_K) {  // quarter j holds four 16-value groups, scales 4j..4j+3 (see dequant_q6_k)
-    const int half = j / 2, part = j % 2;
+  if constexpr (T == Q6_K) {
     const __m512 d = _mm512_permutexvar_ps(
         _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 2, 4 * j + 2,
                           4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3), dm);
-    // Low four bits: a's and b's nibbles `part`; top two: h's bit pairs 2 part (a) and 2 part + 1 (b),
-    // both halves at once (h in both, shifted 2 more in the upper half).
-    const __m512i ab = join(load32(sb + 64 * half), load32(sb + 64 * half + 32));
-    const __m512i h = _mm512_broadcast_i64x4(load32(sb + 128 + 32 * half));
-    const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * part)),
-                                          _mm256_set1_epi16(static_cast<int16_t>(4 * part + 2)), 1);
-    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ab, 4 * part), _mm512_set1_epi8(0x0F));
-    const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, by), _mm512_set1_epi8(3)), 4);
-    return {_mm512_or_si512(low, top), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
+    return {k6_codes(sb, j), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
   }
   const __m512 dsc = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), dm);
   return {k4_codes<T>(sb, j), dsc, _mm512_setzero_ps()};
@@ -689,6 +700,7 @@ inline Chunk chunk(const uint8_t* row, int64_t c) {
 struct ActView {
   const int8_t *codes, *residual;
   const float *scale, *sum, *block_sum;
+  const int16_t* sums16;
 };
 
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time, prefetching
@@ -749,16 +761,26 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
   }
 }
 
-// int8_rows for Q4_K / Q5_K against x from quantize_super. Per 64-value chunk and row of x:
-// VPMADDUBSW multiplies codes by x's codes and sums pairs into 16 bits (at most 2 * 31 * 127),
-// VPDPWSSD multiplies those by the two sub-blocks' 6-bit scales and accumulates in int32; once
-// per super-block the sums convert to float, times d * dx. Against int8_rows: no convert, scale
-// product or FMA per chunk, which bound that kernel on this machine (Q4_K at one row streamed
-// ~30 GB/s of weights where memory reads ~50).
+// int8_rows for the K-quants against x from quantize_super. Per 64-value chunk and row of x:
+// VPMADDUBSW multiplies codes by x's codes and sums pairs into 16 bits (at most 2 * 63 * 127),
+// VPDPWSSD multiplies those by their sub-blocks' integer scales (Q4_K / Q5_K: 6-bit, per 32
+// values; Q6_K: signed 8-bit, per 16) and accumulates in int32; once per super-block the sums
+// convert to float, times d * dx. Against int8_rows: no convert, scale product or FMA per chunk,
+// which bound that kernel on this machine (Q4_K at one row streamed ~30 GB/s of weights where
+// memory reads ~50; Q6_K at 16 rows ran at a third of Q4_K's weights per second). The codes are
+// unsigned: Q4_K / Q5_K subtract a min per sub-block (summed in float, 8 mins against the 8
+// blocks' code sums), Q6_K 32 from every code (32 times the 16 groups' scales against x's
+// per-16 code sums, an integer term the accumulator starts from).
 template <int64_t T, int M, int NR>
 void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                      int64_t n1) {
+  constexpr bool kK6 = T == Q6_K;
+  // 16-bit lane i of chunk j takes the scale of sub-block kPer * j + i / kLanes
+  constexpr int kPer = kK6 ? 4 : 2, kShift = kK6 ? 3 : 4;
   const int64_t supers = K / QK_K, chunk_bytes = row_bytes / (K / 64), ahead = rows_ahead(NR, row_bytes);
+  const __m512i lane_sub = _mm512_srli_epi16(
+      _mm512_setr_epi32(0x10000, 0x30002, 0x50004, 0x70006, 0x90008, 0xB000A, 0xD000C, 0xF000E, 0x110010, 0x130012,
+                        0x150014, 0x170016, 0x190018, 0x1B001A, 0x1D001C, 0x1F001E), kShift);  // i / kLanes
   for (int64_t n = n0; n < n1; n += NR) {
     __m512 acc[NR][M];
     __m256 mins[NR][M];
@@ -768,35 +790,48 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
     for (int64_t b = 0; b < supers; ++b) {
       for (int r = 0; r < NR; ++r) {
         const uint8_t* sb = w + (n + r) * row_bytes + b * kSuperBytes<T>;
-        const __m128i sm = k4_scales_and_mins(sb);  // [sc0..7, m0..7]
-        const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));
-        const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
-        const __m256 neg_m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-                                           _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
-        for (int m = 0; m < M; ++m)
-          mins[r][m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b), mins[r][m]);
-        __m512i sums[M];
-        for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
+        __m512i sc, sums[M];
+        float d;
+        if constexpr (kK6) {
+          const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
+          sc = _mm512_zextsi256_si512(sc16);
+          d = half_at(sb + 208);
+          for (int m = 0; m < M; ++m) {
+            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums16 + m * K / 16 + 16 * b));
+            const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);  // 32 * sc * sum(c)
+            sums[m] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), offset));
+          }
+        } else {
+          const __m128i sm = k4_scales_and_mins(sb);  // [sc0..7, m0..7]
+          sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));
+          const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
+          d = _mm_cvtss_f32(dd);
+          const __m256 neg_m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                             _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+          for (int m = 0; m < M; ++m) {
+            mins[r][m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b), mins[r][m]);
+            sums[m] = _mm512_setzero_si512();
+          }
+        }
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           if (fetch) prefetch(w + (n + ahead + r) * row_bytes + (4 * b + j) * chunk_bytes);
-          const __m512i u = k4_codes<T>(sb, j);
-          // 16-bit lanes 0..15 take sub-block 2j's scale, 16..31 sub-block 2j + 1's
-          const __m512i scj = _mm512_permutexvar_epi16(
-              _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * j)),
-                                 _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1), sc);
+          __m512i u;
+          if constexpr (kK6) u = k6_codes(sb, j);
+          else u = k4_codes<T>(sb, j);
+          const __m512i scj = _mm512_permutexvar_epi16(_mm512_add_epi16(lane_sub, _mm512_set1_epi16(kPer * j)), sc);
           for (int m = 0; m < M; ++m)
             sums[m] = _mm512_dpwssd_epi32(
                 sums[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.codes + m * K + 256 * b + 64 * j)), scj);
         }
-        const float d = _mm_cvtss_f32(dd);
         for (int m = 0; m < M; ++m)
           acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_set1_ps(d * a.scale[m * supers + b]),
                                       acc[r][m]);
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + reduce_add8(mins[r][m]);
+      for (int m = 0; m < M; ++m)
+        y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + (kK6 ? 0.f : reduce_add8(mins[r][m]));
   }
 }
 
@@ -840,19 +875,21 @@ void multiply_group(int64_t rows, ActView v, int64_t K, const uint8_t* w, int64_
 }
 
 // Rows [n0, n1) of W into every row of x: x in groups of rows, so a weight chunk is unpacked once
-// per group. Groups of 8 for the 4-bit types, whose unpacking bounds a product of several rows (A/B
-// at 6, 8 and 16 rows: Q4_1 +10-20%, Q4_K +12-43% against groups of 4), and for Q8_0 (even on an
-// Intel Xeon; on an AMD EPYC, SmolLM2's 49152-row head at 8-16 rows +6-13%, 1B down +4%); Q6_K
-// keeps 4, where 8 measured slower.
+// per group. Groups of 8, since unpacking bounds a product of several rows (A/B at 6, 8 and 16
+// rows: Q4_1 +10-20%, Q4_K +12-43% against groups of 4; Q8_0 on an AMD EPYC, SmolLM2's 49152-row
+// head at 8-16 rows +6-13%), but of 4 where K > 4096, whose 8 rows of codes overflow L1 (1B down,
+// K = 8192, at 8-16 rows: Q4_K +35-39%, Q6_K +27-32%, Q4_0 / Q4_1 / Q8_0 +29-160%) and for Q6_K
+// with two codes per value, where 8 measured slower.
 template <int64_t T, bool kTwo>
 void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
-  constexpr int64_t kGroup = T == Q6_K ? 4 : 8;
   constexpr bool kSuperActs = super_activations(T, kTwo);
+  const int64_t kGroup = T == Q6_K && kTwo ? 4 : (K > 4096 ? 4 : 8);
   for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
     const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
                     kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
-                    kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32};
+                    kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
+                    kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
     const int64_t rows = std::min<int64_t>(kGroup, M - m0);
     if constexpr (kSuperActs) multiply_group<SuperRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
     else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);

@@ -8,10 +8,10 @@ segment, multiplied on its own, and the segments' outputs are concatenated. Rows
 with no kernel arrive dequantized (the loader warns) and form dense segments.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
-INT8_MAX_ROWS rows round their activations to one int8 code per value (or two) and multiply them
+INT8_MAX_ROWS rows (32 against the K-quants in mode "int8") round their activations to one int8 code per value (or two) and multiply them
 by the blocks with VNNI integer dot products, as llama.cpp does: one scale per 32 values, or per
-256 against Q4_K / Q5_K weights in mode "int8" (llama.cpp's Q8_K), whose sub-block scales then
-apply to integer sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill
+256 against the K-quants (Q4_K, Q5_K, Q6_K) in mode "int8" (llama.cpp's Q8_K), whose sub-block
+scales then apply to integer sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill
 joins) round their activations to bfloat16 instead and multiply bfloat16 tiles of the weight
 (AVX-512 BF16): past 16 rows a product is compute-bound, and those tiles run 2-5x faster than
 float32 ones (benchmarks/quant_matmul.py). Otherwise, up to
@@ -44,6 +44,12 @@ FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 # Q6_K only): int8x2's second code costs a second dot product per row of x, so it pays only while
 # unpacking the blocks dominates.
 INT8_MAX_ROWS = {"int8": 16, "int8x2": 2}
+# Mode "int8" against the K-quants, whose products take x a 256-value super-block at a time and
+# apply the sub-block scales to integer sums (csrc int8_super_rows): those still beat bfloat16
+# tiles at 32 rows (1B shapes: Q4_K gate/up 1.5x, Q6_K down 1.4x; at 48 Q6_K ties), where the
+# 32-value types lose from 16-24 rows on (benchmarks/results/quant-matmul-2026-12-03-q6k.json).
+K_QUANTS = frozenset((12, 13, 14))
+K_QUANT_INT8_MAX_ROWS = 32
 # Past INT8_MAX_ROWS, mode "int8" rounds the activations to bfloat16 for bfloat16 tiles, where the
 # CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX); "int8x2" keeps float32 products, since its
 # promise is ~15 bits per activation and bfloat16 keeps 8.
@@ -126,20 +132,28 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
                 batch_invariant: bool = False, activations: str = "none") -> torch.Tensor:
     """x [M, cols] @ W^T for W in blocks: [M, rows], in x's dtype. `batch_invariant`: the fused
     kernel at every batch size, whose sums do not depend on M (layers/invariant.py).
-    `activations` "int8" / "int8x2": batches of up to INT8_MAX_ROWS rows round x to one / two int8
+    `activations` "int8" / "int8x2": batches of up to int8_max_rows rows round x to one / two int8
     codes per value for the integer kernel (where cols is a multiple of its 64-value chunks); larger
     ones in "int8" round x to bfloat16 for bfloat16 tiles (BF16_TILES)."""
     if batch_invariant:
         return _as(invariant.kernels().gguf_matmul(x, data, qtype, cols), x.dtype)
     kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost
     if activations != "none" and kernels is not None:
-        if x.shape[0] <= INT8_MAX_ROWS[activations] and cols % 64 == 0:
+        bound = int8_max_rows(activations, qtype)
+        if x.shape[0] <= bound and cols % 64 == 0:
             return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
-        if activations == "int8" and BF16_TILES and x.shape[0] > INT8_MAX_ROWS["int8"]:
+        if activations == "int8" and BF16_TILES and x.shape[0] > bound:
             return _as(widened_product(x.to(torch.bfloat16), data, qtype, cols), x.dtype)
     if kernels is not None and x.shape[0] <= FUSED_MAX_ROWS.get(x.dtype, 0):
         return _as(kernels.gguf_matmul(x, data, qtype, cols), x.dtype)
     return widened_product(x, data, qtype, cols)
+
+
+def int8_max_rows(activations: str, qtype: int) -> int:
+    """The most rows of x a product in mode `activations` gives the integer kernel."""
+    if activations == "int8" and qtype in K_QUANTS:
+        return max(K_QUANT_INT8_MAX_ROWS, INT8_MAX_ROWS["int8"])
+    return INT8_MAX_ROWS[activations]
 
 
 def widened_product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:

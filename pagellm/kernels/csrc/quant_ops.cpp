@@ -522,18 +522,20 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
 }
 
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
-// K-quants with a 32-value sub-block scale, with one code per value.
+// K-quants; with two codes per value only Q4_K and Q5_K (Q6_K's offset term would need its
+// per-16 code sums in 32 bits).
 constexpr bool super_activations(int64_t qtype, bool two_terms) {
-  return !two_terms && (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K);
+  return qtype == Q4_K || qtype == Q5_K || (qtype == Q6_K && !two_terms);
 }
 
 // x rounded with one scale per 256 values, as llama.cpp's Q8_K, for the K-quants' products
 // (int8_super_rows): with the activation scale constant over a weight super-block, the
 // sub-blocks' integer scales apply to integer sums and a super-block converts to float once,
-// instead of every 64 values. block_sum as in quantize_activations (d * sum of codes per 32).
-ActRows quantize_super(const float* x, int64_t M, int64_t K) {
-  ActRows a{std::vector<int8_t>(M * K), {}, {}, {}, std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K),
-            std::vector<int16_t>(M * K / 16)};
+// instead of every 64 values. block_sum as in quantize_activations (d * sum of codes per 32, with
+// two codes d / 128 * sum(128 c + r)); sums16 of the first codes only.
+ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms) {
+  ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), {}, {},
+            std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K), std::vector<int16_t>(M * K / 16)};
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < M * K; i += QK_K) {
@@ -549,13 +551,25 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K) {
     const __m512 inv = _mm512_set1_ps(bad == 0 && m > 0.f ? 127.f / m : 0.f);
     a.super_scale[i / QK_K] = d;
     for (int k = 0; k < QK_K; k += 32) {
-      const __m256i codes = round32(_mm512_loadu_ps(x + i + k), _mm512_loadu_ps(x + i + k + 16), inv).codes;
+      const __m512 v0 = _mm512_loadu_ps(x + i + k), v1 = _mm512_loadu_ps(x + i + k + 16);
+      const auto [r0, r1, codes] = round32(v0, v1, inv);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
       const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
-      a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
       const __m256i quads = _mm256_hadd_epi32(_mm256_hadd_epi32(sums, sums), sums);  // lane 0: values 0..15, 4: 16..31
       a.sums16[(i + k) / 16] = static_cast<int16_t>(_mm256_extract_epi32(quads, 0));
       a.sums16[(i + k) / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(quads, 4));
+      if (!two_terms) {
+        a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
+        continue;
+      }
+      // the second code, as in quantize_activations: what rounding left, in steps of 1/128
+      const __m512 f = _mm512_set1_ps(128.f);
+      const __m256i res = _mm256_set_m128i(
+          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v1, inv, r1), f))),
+          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v0, inv, r0), f))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i + k), res);
+      const __m256i both = _mm256_dpbusd_epi32(_mm256_slli_epi32(sums, 7), ones, res);
+      a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(both)) * (d / 128.f);
     }
   }
   return a;
@@ -771,10 +785,11 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
 // unsigned: Q4_K / Q5_K subtract a min per sub-block (summed in float, 8 mins against the 8
 // blocks' code sums), Q6_K 32 from every code (32 times the 16 groups' scales against x's
 // per-16 code sums, an integer term the accumulator starts from).
-template <int64_t T, int M, int NR>
+template <int64_t T, int M, int NR, bool kTwo>
 void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                      int64_t n1) {
   constexpr bool kK6 = T == Q6_K;
+  static_assert(!(kK6 && kTwo), "Q6_K with two codes per value takes x per 32 values (int8_rows)");
   // 16-bit lane i of chunk j takes the scale of sub-block kPer * j + i / kLanes
   constexpr int kPer = kK6 ? 4 : 2, kShift = kK6 ? 3 : 4;
   const int64_t supers = K / QK_K, chunk_bytes = row_bytes / (K / 64), ahead = rows_ahead(NR, row_bytes);
@@ -790,7 +805,7 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
     for (int64_t b = 0; b < supers; ++b) {
       for (int r = 0; r < NR; ++r) {
         const uint8_t* sb = w + (n + r) * row_bytes + b * kSuperBytes<T>;
-        __m512i sc, sums[M];
+        __m512i sc, sums[M], second[M];  // second: the residual codes' sums (kTwo)
         float d;
         if constexpr (kK6) {
           const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
@@ -810,7 +825,7 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
                                              _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
           for (int m = 0; m < M; ++m) {
             mins[r][m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b), mins[r][m]);
-            sums[m] = _mm512_setzero_si512();
+            sums[m] = second[m] = _mm512_setzero_si512();
           }
         }
 #pragma GCC unroll 4
@@ -820,13 +835,21 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
           if constexpr (kK6) u = k6_codes(sb, j);
           else u = k4_codes<T>(sb, j);
           const __m512i scj = _mm512_permutexvar_epi16(_mm512_add_epi16(lane_sub, _mm512_set1_epi16(kPer * j)), sc);
-          for (int m = 0; m < M; ++m)
+          for (int m = 0; m < M; ++m) {
             sums[m] = _mm512_dpwssd_epi32(
                 sums[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.codes + m * K + 256 * b + 64 * j)), scj);
+            if constexpr (kTwo)
+              second[m] = _mm512_dpwssd_epi32(
+                  second[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.residual + m * K + 256 * b + 64 * j)), scj);
+          }
         }
-        for (int m = 0; m < M; ++m)
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_set1_ps(d * a.scale[m * supers + b]),
-                                      acc[r][m]);
+        // two codes: x = dx (c + r / 128), so the sum is (128 sum(u c) + sum(u r)) dx / 128, which
+        // fits int32 (a lane's first sum is at most 4 * 2 * 2 * 31 * 127 * 63, times 128 < 2^31)
+        for (int m = 0; m < M; ++m) {
+          const __m512i total = kTwo ? _mm512_add_epi32(_mm512_slli_epi32(sums[m], 7), second[m]) : sums[m];
+          const float dx = kTwo ? a.scale[m * supers + b] / 128.f : a.scale[m * supers + b];
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d * dx), acc[r][m]);
+        }
       }
     }
     for (int r = 0; r < NR; ++r)
@@ -844,12 +867,12 @@ struct LaneRows {
     int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
-template <int64_t T>
+template <int64_t T, bool kTwo>
 struct SuperRows {
   template <int M, int NR>
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
-    int8_super_rows<T, M, NR>(a, K, w, row_bytes, y, N, n0, n1);
+    int8_super_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
 
@@ -891,7 +914,7 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
                     kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
                     kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
     const int64_t rows = std::min<int64_t>(kGroup, M - m0);
-    if constexpr (kSuperActs) multiply_group<SuperRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
+    if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
     else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
   }
 }
@@ -963,7 +986,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  const ActRows a = super_activations(qtype, two_terms) ? quantize_super(x.data_ptr<float>(), M, K)
+  const ActRows a = super_activations(qtype, two_terms) ? quantize_super(x.data_ptr<float>(), M, K, two_terms)
                                                          : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();

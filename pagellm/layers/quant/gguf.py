@@ -10,8 +10,8 @@ with no kernel arrive dequantized (the loader warns) and form dense segments.
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
 INT8_MAX_ROWS rows (32 against the K-quants in mode "int8") round their activations to one int8 code per value (or two) and multiply them
 by the blocks with VNNI integer dot products, as llama.cpp does: one scale per 32 values, or per
-256 against the K-quants (Q4_K, Q5_K, Q6_K) in mode "int8" (llama.cpp's Q8_K), whose sub-block
-scales then apply to integer sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill
+256 against the K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K) as llama.cpp's Q8_K,
+whose sub-block scales then apply to integer sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill
 joins) round their activations to bfloat16 instead and multiply bfloat16 tiles of the weight
 (AVX-512 BF16): past 16 rows a product is compute-bound, and those tiles run 2-5x faster than
 float32 ones (benchmarks/quant_matmul.py). Otherwise, up to

@@ -903,19 +903,27 @@ void multiply_group(int64_t rows, ActView v, int64_t K, const uint8_t* w, int64_
 // head at 8-16 rows +6-13%), but of 4 where K > 4096, whose 8 rows of codes overflow L1 (1B down,
 // K = 8192, at 8-16 rows: Q4_K +35-39%, Q6_K +27-32%, Q4_0 / Q4_1 / Q8_0 +29-160%) and for Q6_K
 // with two codes per value, where 8 measured slower.
+// With more than one group, W's rows go kIntPassBytes at a time through every group, so the
+// groups after the first read them from L2 rather than streaming the thread's whole share again
+// (1B Q4_K_M decode steps of 16 and 32 streams: 3-7% faster with passes of 192-384 KiB).
+constexpr int64_t kIntPassBytes = 256 * 1024;
 template <int64_t T, bool kTwo>
 void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
   constexpr bool kSuperActs = super_activations(T, kTwo);
-  const int64_t kGroup = T == Q6_K && kTwo ? 4 : (K > 4096 ? 4 : 8);
-  for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
-    const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
-                    kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
-                    kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
-                    kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
-    const int64_t rows = std::min<int64_t>(kGroup, M - m0);
-    if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
-    else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, n0, n1);
+  const int64_t group = T == Q6_K && kTwo ? 4 : (K > 4096 ? 4 : 8);
+  const int64_t pass = M > group ? std::max<int64_t>(2, kIntPassBytes / row_bytes / 2 * 2) : n1 - n0;
+  for (int64_t p0 = n0; p0 < n1; p0 += pass) {
+    const int64_t p1 = std::min(n1, p0 + pass);
+    for (int64_t m0 = 0; m0 < M; m0 += group) {
+      const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
+                      kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
+                      kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
+                      kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
+      const int64_t rows = std::min<int64_t>(group, M - m0);
+      if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+      else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+    }
   }
 }
 

@@ -55,7 +55,7 @@ def main() -> None:
         llm = LLM(args.model, max_model_len=256, activation_quantization="int8")
         agreement, worst = ref.compare(llm)
         llm.shutdown()
-        label = f"int8 past 16 rows (bfloat16 tiles; K-quants past {gguf.int8_max_rows('int8', 12)})"
+        label = f"int8 past 16 rows (bfloat16 tiles; K-quants past {gguf.int8_max_rows('int8', min(gguf.K_QUANTS))})"
         modes[label] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
         print("int8 bfloat16 tiles", json.dumps(agreement), worst, flush=True)
     result = {"benchmark": "quant_agreement", "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1",

@@ -484,6 +484,14 @@ inline Rounded32 round32(__m512 v0, __m512 v1, __m512 inv) {
                                    _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)))};
 }
 
+// The second codes of 32 values v0, v1 that round32 rounded to r0, r1 with `inv`: what rounding
+// left, v * inv - r in [-1/2, 1/2] (one rounding: FMA), in steps of 1/128.
+inline __m256i residual32(__m512 v0, __m512 v1, __m512 inv, __m512 r0, __m512 r1) {
+  const __m512 f = _mm512_set1_ps(128.f);
+  return _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v1, inv, r1), f))),
+                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v0, inv, r0), f))));
+}
+
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4), std::vector<float>(M * K / 32)};
@@ -502,12 +510,8 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i), codes);
     __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
     float lane_d = d;
-    if (two_terms) {  // what rounding left, x * inv - c in [-1/2, 1/2] (one rounding: FMA), in steps of 1/128
-      const __m512 f = _mm512_set1_ps(128.f);
-      const __m512 e0 = _mm512_mul_ps(_mm512_fmsub_ps(v0, s, r0), f);
-      const __m512 e1 = _mm512_mul_ps(_mm512_fmsub_ps(v1, s, r1), f);
-      const __m256i res = _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(e1)),
-                                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(e0)));
+    if (two_terms) {
+      const __m256i res = residual32(v0, v1, s, r0, r1);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i), res);
       sums = _mm256_dpbusd_epi32(_mm256_slli_epi32(sums, 7), ones, res);
       lane_d = d / 128.f;
@@ -562,11 +566,7 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms) {
         a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
         continue;
       }
-      // the second code, as in quantize_activations: what rounding left, in steps of 1/128
-      const __m512 f = _mm512_set1_ps(128.f);
-      const __m256i res = _mm256_set_m128i(
-          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v1, inv, r1), f))),
-          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v0, inv, r0), f))));
+      const __m256i res = residual32(v0, v1, inv, r0, r1);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i + k), res);
       const __m256i both = _mm256_dpbusd_epi32(_mm256_slli_epi32(sums, 7), ones, res);
       a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(both)) * (d / 128.f);

@@ -8,13 +8,14 @@ segment, multiplied on its own, and the segments' outputs are concatenated. Rows
 with no kernel arrive dequantized (the loader warns) and form dense segments.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
-INT8_MAX_ROWS rows (32 against the K-quants in mode "int8") round their activations to one int8 code per value (or two) and multiply them
-by the blocks with VNNI integer dot products, as llama.cpp does: one scale per 32 values, or per
-256 against the K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K) as llama.cpp's Q8_K,
-whose sub-block scales then apply to integer sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill
-joins) round their activations to bfloat16 instead and multiply bfloat16 tiles of the weight
-(AVX-512 BF16): past 16 rows a product is compute-bound, and those tiles run 2-5x faster than
-float32 ones (benchmarks/quant_matmul.py). Otherwise, up to
+INT8_MAX_ROWS rows (32 against the K-quants in mode "int8") round their activations to one int8
+code per value (or two) and multiply them by the blocks with VNNI integer dot products, as
+llama.cpp does: one scale per 32 values, or per 256 against the K-quants (Q4_K, Q5_K, Q6_K; in
+mode "int8x2" Q4_K and Q5_K) as llama.cpp's Q8_K, whose sub-block scales then apply to integer
+sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill joins) round
+their activations to bfloat16 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16):
+past 16 rows a product is compute-bound, and those tiles run 2-5x faster than float32 ones
+(benchmarks/quant_matmul.py). Otherwise, up to
 FUSED_MAX_ROWS rows of activations (decode steps) run the fused kernel, which streams the blocks
 once and multiplies in float32; larger batches are compute-bound, and widen TILE_VALUES of the
 weight at a time for torch's GEMM (AVX-512 BF16 or AMX in bfloat16, so a bfloat16 model switches
@@ -48,7 +49,7 @@ INT8_MAX_ROWS = {"int8": 16, "int8x2": 2}
 # apply the sub-block scales to integer sums (csrc int8_super_rows): those still beat bfloat16
 # tiles at 32 rows (1B shapes: Q4_K gate/up 1.5x, Q6_K down 1.4x; at 48 Q6_K ties), where the
 # 32-value types lose from 16-24 rows on (benchmarks/results/quant-matmul-2026-12-03-q6k.json).
-K_QUANTS = frozenset((12, 13, 14))
+K_QUANTS = frozenset(t for t, name in NATIVE_TYPES.items() if name.endswith("_K"))
 K_QUANT_INT8_MAX_ROWS = 32
 # Past INT8_MAX_ROWS, mode "int8" rounds the activations to bfloat16 for bfloat16 tiles, where the
 # CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX); "int8x2" keeps float32 products, since its

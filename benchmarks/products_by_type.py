@@ -1,0 +1,86 @@
+"""Where a GGUF model's decode step goes, per weight type: every quantized product timed as it
+runs (wall clock around gguf_matmul, which returns when its threads are done) and summed by type,
+against the whole step. The LM head is its own row (its rows number the vocabulary).
+
+    python benchmarks/products_by_type.py --model FILE --streams 1 16 --out benchmarks/results/products-by-type-DATE.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.layers.quant import gguf  # noqa: E402
+
+
+def measure(llm: LLM, streams: int, tokens: int, rounds: int, head_rows: int) -> dict:
+    """The round with the fastest step: ms per step, and per type ms, MB and GB/s per step."""
+    prompts = [{"prompt_token_ids": [1 + i, 2, 3, 4]} for i in range(streams)]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+    llm.generate(prompts, params, use_tqdm=False)
+    product = gguf.gguf_matmul
+    best = None
+    for _ in range(rounds):
+        seconds, nbytes, calls = defaultdict(float), defaultdict(int), defaultdict(int)
+
+        def timed(x, data, qtype, cols, batch_invariant=False, activations="none"):
+            start = time.perf_counter()
+            y = product(x, data, qtype, cols, batch_invariant, activations)
+            key = gguf.NATIVE_TYPES[qtype] + (" head" if data.shape[0] == head_rows else "")
+            seconds[key] += time.perf_counter() - start
+            nbytes[key] += data.numel()
+            calls[key] += 1
+            return y
+
+        gguf.gguf_matmul = timed
+        try:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            step_ms = 1000 * (time.perf_counter() - start) / tokens
+        finally:
+            gguf.gguf_matmul = product
+        if best is None or step_ms < best["step_ms"]:
+            best = {"step_ms": round(step_ms, 2), "products_ms": round(1000 * sum(seconds.values()) / tokens, 2),
+                    "types": {k: {"ms_per_step": round(1000 * seconds[k] / tokens, 2),
+                                  "mb_per_step": round(nbytes[k] / tokens / 1e6, 1),
+                                  "gbps": round(nbytes[k] / seconds[k] / 1e9, 1),
+                                  "calls_per_step": calls[k] // tokens} for k in sorted(seconds)}}
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--activation-quantization", default="int8")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    llm = LLM(args.model, activation_quantization=args.activation_quantization, max_model_len=512,
+              num_kv_blocks=64 * max(args.streams), max_num_seqs=max(args.streams))
+    head_rows = llm.engine.runner.model.cfg.vocab_size
+    load = os.getloadavg()
+    results = {str(b): measure(llm, b, args.tokens, args.rounds, head_rows) for b in args.streams}
+    for b, r in results.items():
+        print(b, json.dumps(r), flush=True)
+    out = {"benchmark": "products_by_type", "command": " ".join(sys.argv), "model": args.model,
+           "activation_quantization": args.activation_quantization, "tokens": args.tokens, "rounds": args.rounds,
+           "load_avg_before_after": [load, os.getloadavg()], "streams": results,
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

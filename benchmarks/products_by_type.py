@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -18,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.bench.report import metadata, write_json  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 
 
@@ -72,14 +72,11 @@ def main() -> None:
     results = {str(b): measure(llm, b, args.tokens, args.rounds, head_rows) for b in args.streams}
     for b, r in results.items():
         print(b, json.dumps(r), flush=True)
-    out = {"benchmark": "products_by_type", "command": " ".join(sys.argv), "model": args.model,
-           "activation_quantization": args.activation_quantization, "tokens": args.tokens, "rounds": args.rounds,
-           "load_avg_before_after": [load, os.getloadavg()], "streams": results,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip()}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, {**metadata("products_by_type"), "model": args.model,
+                     "activation_quantization": args.activation_quantization, "tokens": args.tokens,
+                     "rounds": args.rounds, "load_avg_before_after": [load, os.getloadavg()], "streams": results})
 
 
 if __name__ == "__main__":

@@ -2,8 +2,7 @@
 runs (wall clock around gguf_matmul, which returns when its threads are done) and summed by type,
 against the whole step. The LM head is its own row (its rows number the vocabulary).
 
-    python benchmarks/products_by_type.py --model FILE --streams 1 16 \
-        --out benchmarks/results/products-by-type-DATE.json
+    python benchmarks/products_by_type.py --model FILE --streams 1 16 --out RESULTS/products-by-type.json
 """
 from __future__ import annotations
 

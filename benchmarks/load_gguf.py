@@ -10,8 +10,10 @@ import argparse
 import json
 import resource
 import time
+from pathlib import Path
 
 from pagellm import LLM, SamplingParams
+from pagellm.bench.report import metadata, write_json
 from pagellm.config import bytes_or_fraction
 from pagellm.model.gguf_file import GGUFFile
 
@@ -31,14 +33,13 @@ def main() -> None:
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": list(range(1000, 1064))}],
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    result = {"file": args.model, "file_tensor_bytes": tensor_bytes, "weight_bytes": report["weight_bytes"],
+    result = {**metadata("load_gguf"), "file": args.model, "file_tensor_bytes": tensor_bytes, "weight_bytes": report["weight_bytes"],
               "weight_over_file": report["weight_bytes"] / tensor_bytes, "kv_cache_bytes": report["kv_cache_bytes"],
               "kv_blocks": llm.engine.kv.num_blocks,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "load_s": load_s,
               "generate_64_prompt_8_new_s": time.perf_counter() - start, "tokens": out[0].outputs[0].token_ids}
     print(json.dumps({k: v for k, v in result.items() if k != "tokens"}, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm import LLM  # noqa: E402
+from pagellm.bench.report import metadata, write_json  # noqa: E402
 from pagellm.config import ACTIVATION_QUANTIZATIONS  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 from tests.models.test_gguf_quantized import Reference, word_prompts  # noqa: E402
@@ -58,14 +57,11 @@ def main() -> None:
         label = f"int8 past 16 rows (bfloat16 tiles; K-quants past {gguf.int8_max_rows('int8', min(gguf.K_QUANTS))})"
         modes[label] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
         print("int8 bfloat16 tiles", json.dumps(agreement), worst, flush=True)
-    result = {"benchmark": "quant_agreement", "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1",
-              "prompts": args.prompts, "tokens": args.tokens, "positions": sum(len(r) for r in ref.rows),
-              "seconds": round(time.time() - started, 1), "modes": modes,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip()}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, {**metadata("quant_agreement"), "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1",
+                     "prompts": args.prompts, "tokens": args.tokens, "positions": sum(len(r) for r in ref.rows),
+                     "seconds": round(time.time() - started, 1), "modes": modes})
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
+from pagellm.bench.report import metadata, write_json
 from pagellm.bench.roofline import machine_limits, median_seconds
 from pagellm.layers.quant import gguf as q
 from pagellm.layers.quant.int_weights import Int4LinearMethod, Int8LinearMethod
@@ -129,14 +128,11 @@ def main() -> None:
                              **{key: round(v, 2) for key, v in gbps.items()},
                              "dense_gflops": round(2 * m * n * k / dense_ms / 1e6, 2)})
                 print(json.dumps(rows[-1]), flush=True)
-    result = {"benchmark": "quant_matmul", "args": vars(args), "threads": torch.get_num_threads(), "cpu": platform.processor(),
-              "load_avg_before_after": [load_before, os.getloadavg()], "torch": torch.__version__,
-              "limits_before": limits_before, "limits_after": machine_limits(gemm_n=4096),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(), "rows": rows}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, {**metadata("quant_matmul"), "args": vars(args), "threads": torch.get_num_threads(),
+                     "load_avg_before_after": [load_before, os.getloadavg()], "limits_before": limits_before,
+                     "limits_after": machine_limits(gemm_n=4096), "rows": rows})
 
 
 if __name__ == "__main__":

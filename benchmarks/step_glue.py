@@ -8,10 +8,8 @@ before on those zeros).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.bench.report import metadata, write_json  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 from pagellm.timing import PhaseTimer  # noqa: E402
 
@@ -67,11 +66,11 @@ def main() -> None:
     finally:
         gguf.gguf_matmul = product
     again = per_step_ms(llm, params, args.rounds)
-    result = {"benchmark": "step_glue", "model": args.model, "activation_quantization": args.activation_quantization,
+    result = {**metadata("step_glue"), "model": args.model, "activation_quantization": args.activation_quantization,
               "tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
-              "loadavg_before_after": [load, os.getloadavg()], "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "loadavg_before_after": [load, os.getloadavg()],
               "ms_per_step": {"with_products": real, "products_as_no_ops": without, "with_products_again": again}}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(Path(args.out), result)
     for name, ms in result["ms_per_step"].items():
         print(f"{name:22s} " + "  ".join(f"{k} {v:.2f}" for k, v in ms.items()))
 

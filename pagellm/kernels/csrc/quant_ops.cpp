@@ -312,7 +312,7 @@ constexpr int64_t kPassFloats = 196608;
 // the current rows asking for the same block of those. The float32 kernels fetch 2 KiB ahead;
 // the integer kernels, which get through a row several times faster, 8 KiB (on the AMD EPYC, one
 // stream, paired rounds against 2 KiB: 1B Q4_K_M steps 8-12% faster, SmolLM2 Q4_1 15%, 1B Q8_0
-// 0-5%; at 8 KiB the float32 kernel of SmolLM2 Q4_1 ran 12% slower, its L1 holding less of x).
+// 0-5%; at 8 KiB the float32 kernel made SmolLM2 Q4_1's steps 12% slower).
 constexpr int64_t kPrefetchBytes = 2048, kIntPrefetchBytes = 8192;
 inline int64_t rows_ahead(int64_t group, int64_t row_bytes, int64_t bytes) {
   return std::max<int64_t>(group, (bytes + row_bytes - 1) / row_bytes);
@@ -466,7 +466,7 @@ struct ActRows {
   std::vector<float> lane_scale, lane_sum;
   std::vector<float> block_sum;  // per 32 values: the sum of its 8 lane sums (d * sum of codes)
   std::vector<float> super_scale;  // quantize_super only: per 256 values, d (lane_scale, lane_sum empty)
-  std::vector<int16_t> sums16;     // quantize_super only: per 16 values, the sum of their codes (Q6_K's offset)
+  std::vector<int16_t> sums16;     // quantize_super for Q6_K only: per 16 values, the sum of their codes (its offset)
 };
 
 inline float reduce_add8(__m256 v) {
@@ -539,10 +539,11 @@ constexpr bool super_activations(int64_t qtype, bool two_terms) {
 // (int8_super_rows): with the activation scale constant over a weight super-block, the
 // sub-blocks' integer scales apply to integer sums and a super-block converts to float once,
 // instead of every 64 values. block_sum as in quantize_activations (d * sum of codes per 32, with
-// two codes d / 128 * sum(128 c + r)); sums16 of the first codes only.
-ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms) {
+// two codes d / 128 * sum(128 c + r)); with `sums16` (Q6_K's offset term), those of the first codes.
+ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms, bool sums16) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), {}, {},
-            std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K), std::vector<int16_t>(M * K / 16)};
+            std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K),
+            std::vector<int16_t>(sums16 ? M * K / 16 : 0)};
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < M * K; i += QK_K) {
@@ -562,9 +563,12 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms) {
       const auto [r0, r1, codes] = round32(v0, v1, inv);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
       const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
-      const __m256i quads = _mm256_hadd_epi32(_mm256_hadd_epi32(sums, sums), sums);  // lane 0: values 0..15, 4: 16..31
-      a.sums16[(i + k) / 16] = static_cast<int16_t>(_mm256_extract_epi32(quads, 0));
-      a.sums16[(i + k) / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(quads, 4));
+      if (sums16) {
+        // lane 0: values 0..15, lane 4: 16..31
+        const __m256i quads = _mm256_hadd_epi32(_mm256_hadd_epi32(sums, sums), sums);
+        a.sums16[(i + k) / 16] = static_cast<int16_t>(_mm256_extract_epi32(quads, 0));
+        a.sums16[(i + k) / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(quads, 4));
+      }
       if (!two_terms) {
         a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
         continue;
@@ -924,7 +928,7 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
       const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
                       kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
                       kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
-                      kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
+                      T == Q6_K && kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
       const int64_t rows = std::min<int64_t>(group, M - m0);
       if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
       else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
@@ -999,8 +1003,9 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  const ActRows a = super_activations(qtype, two_terms) ? quantize_super(x.data_ptr<float>(), M, K, two_terms)
-                                                         : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+  const ActRows a = super_activations(qtype, two_terms)
+                        ? quantize_super(x.data_ptr<float>(), M, K, two_terms, qtype == Q6_K)
+                        : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {

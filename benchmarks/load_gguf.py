@@ -33,9 +33,9 @@ def main() -> None:
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": list(range(1000, 1064))}],
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    result = {**metadata("load_gguf"), "file": args.model, "file_tensor_bytes": tensor_bytes, "weight_bytes": report["weight_bytes"],
-              "weight_over_file": report["weight_bytes"] / tensor_bytes, "kv_cache_bytes": report["kv_cache_bytes"],
-              "kv_blocks": llm.engine.kv.num_blocks,
+    result = {**metadata("load_gguf"), "file": args.model, "file_tensor_bytes": tensor_bytes,
+              "weight_bytes": report["weight_bytes"], "weight_over_file": report["weight_bytes"] / tensor_bytes,
+              "kv_cache_bytes": report["kv_cache_bytes"], "kv_blocks": llm.engine.kv.num_blocks,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "load_s": load_s,
               "generate_64_prompt_8_new_s": time.perf_counter() - start, "tokens": out[0].outputs[0].token_ids}
     print(json.dumps({k: v for k, v in result.items() if k != "tokens"}, indent=1))

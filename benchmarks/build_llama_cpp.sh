@@ -7,10 +7,20 @@
 #   LLAMA_CPP_BUILD=/some/dir bash benchmarks/build_llama_cpp.sh
 #
 # About 10-13 minutes on 2 cores the first time. -DGGML_NATIVE=ON builds binaries that crash on
-# this CPU (its AMX path), so the AVX-512 / VNNI / BF16 options are set one by one and AMX is off.
+# some of these machines (their AMX path), so the instruction-set options are set one by one from
+# what this CPU reports (/proc/cpuinfo), AMX always off. The machines differ from session to
+# session (AVX-512 with VNNI on some, AVX2 only on others), so the cache directory is named by
+# those options: a build for one CPU is never run on another.
 set -euo pipefail
 VERSION=0.3.36
-ROOT=${LLAMA_CPP_BUILD:-$HOME/.cache/pagellm-llama.cpp-$VERSION}
+FLAGS=$(grep -m1 '^flags' /proc/cpuinfo)
+has() { [[ " $FLAGS " == *" $1 "* ]] && echo ON || echo OFF; }
+AVX512=$(has avx512f) VNNI=$(has avx512_vnni) BF16=$(has avx512_bf16)
+ISA=avx2
+[[ $AVX512 == ON ]] && ISA+=-avx512
+[[ $VNNI == ON ]] && ISA+=-vnni
+[[ $BF16 == ON ]] && ISA+=-bf16
+ROOT=${LLAMA_CPP_BUILD:-$HOME/.cache/pagellm-llama.cpp-$VERSION-$ISA}
 BIN=$ROOT/build/bin
 if [[ -x $BIN/llama-server && -x $BIN/llama-bench && -x $BIN/llama-quantize ]]; then
   echo "$BIN"; exit 0
@@ -26,7 +36,7 @@ if [[ ! -d $ROOT/src ]]; then
 fi
 cmake -S "$ROOT/src" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+  -DGGML_AVX512=$AVX512 -DGGML_AVX512_VNNI=$VNNI -DGGML_AVX512_BF16=$BF16 \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
 cmake --build "$ROOT/build" --target llama-quantize llama-bench llama-server -j "$(nproc)" >&2

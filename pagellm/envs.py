@@ -9,7 +9,7 @@ for the process it starts.
 | PAGELLM_TP_TIMEOUT | 300 | seconds a tensor-parallel collective waits for a peer before it fails |
 | PAGELLM_API_KEY | unset | `pagellm serve`'s default `--api-key` |
 | PAGELLM_CHECK_INVARIANTS | 0 | 1 checks the KV manager's integrity after every engine step (slow; for tests) |
-| PAGELLM_LLAMA_CPP_BIN | ~/.cache/pagellm-llama.cpp-0.3.36/build/bin | llama.cpp's binaries for the benchmarks (benchmarks/build_llama_cpp.sh) |
+| PAGELLM_LLAMA_CPP_BIN | ~/.cache/pagellm-llama.cpp-0.3.36-ISA/build/bin (ISA: this CPU's, e.g. avx2 or avx2-avx512-vnni-bf16) | llama.cpp's binaries for the benchmarks (benchmarks/build_llama_cpp.sh) |
 | TRITON_INTERPRET | 0 | Triton's own switch: 1 runs Triton kernels interpreted, on CPU tensors |
 | RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE | unset | set by torchrun |
 """
@@ -41,8 +41,23 @@ def check_invariants() -> bool:
     return _flag("PAGELLM_CHECK_INVARIANTS", "0")
 
 
+def _cpu_isa_tag() -> str:
+    """The instruction sets benchmarks/build_llama_cpp.sh builds llama.cpp for, named as its
+    cache directory names them (a build for one CPU must not run on another)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    tag = "avx2"
+    for flag, name in (("avx512f", "avx512"), ("avx512_vnni", "vnni"), ("avx512_bf16", "bf16")):
+        tag += f"-{name}" if flag in flags else ""
+    return tag
+
+
 def llama_cpp_bin() -> str:
-    default = os.path.join(os.path.expanduser("~"), ".cache", "pagellm-llama.cpp-0.3.36", "build", "bin")
+    default = os.path.join(os.path.expanduser("~"), ".cache", f"pagellm-llama.cpp-0.3.36-{_cpu_isa_tag()}",
+                           "build", "bin")
     return os.environ.get("PAGELLM_LLAMA_CPP_BIN", default)
 
 

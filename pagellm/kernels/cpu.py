@@ -39,10 +39,13 @@ _QUANT_SOURCE = _CSRC / "quant_ops.cpp"
 
 
 def build_name(source: Path | None = None) -> str:
-    """The extension's name, keyed by its source: two checkouts (or versions) on one machine each
-    keep their own build instead of rebuilding each other's."""
+    """The extension's name, keyed by its source and the -march it is built for: two checkouts (or
+    versions, or instruction sets) on one machine each keep their own build instead of rebuilding
+    each other's."""
     source = source or _SOURCE
-    return f"pagellm_{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}"
+    march = envs.cpu_march()
+    suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
+    return f"pagellm_{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}{suffix}"
 
 
 def _build_directory(name: str) -> str | None:
@@ -93,7 +96,7 @@ def _build(source: Path, what: str):
             logger.warning("pagellm: building the %s (once per version of their source; about 30 s)", what)
         start = time.monotonic()
         with build_lock(build_dir) if build_dir else contextlib.nullcontext():
-            module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            module = load(name=name, sources=[str(source)], extra_cflags=["-O3", f"-march={envs.cpu_march()}", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
         if not built:
             logger.warning("pagellm: %s built in %.0f s", what, time.monotonic() - start)

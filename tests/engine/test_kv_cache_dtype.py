@@ -13,6 +13,10 @@ import transformers
 from pagellm import LLM, SamplingParams
 
 EIGHT_BIT = ["int8", "fp8_e4m3", "fp8_e5m2"]
+# How far a logprob moves when K/V rows computed in another product shape land on the neighbouring
+# code: e5m2 keeps 2 mantissa bits, so its neighbouring code is 2-4x further off than e4m3's or
+# int8's (3.2e-3 measured on an AVX2-only CI machine, where the others stayed within 1e-3).
+ROUNDING_ATOL = {"int8": 1e-3, "fp8_e4m3": 1e-3, "fp8_e5m2": 1e-2}
 
 
 def _prompts(n: int, seed: int = 0) -> list[dict]:
@@ -58,13 +62,13 @@ def test_chunks_prefix_hits_preemption_and_forks_read_what_a_plain_run_reads(tin
     got = _tokens_and_logprobs(tight.generate(prompts, params, use_tqdm=False))
     stats = tight.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    # Logprobs to 1e-3, as against transformers below: a chunk's K/V rows come out of products of
+    # Logprobs to ROUNDING_ATOL, as against transformers below: a chunk's K/V rows come out of products of
     # another shape than the whole prompt's, equal up to the last float bits, and a row sitting on
     # a rounding boundary of the 8-bit format can land on the other code (a position or block
     # bug moves logprobs by far more).
     for (wt, wl), (gt, gl) in zip(want, got, strict=True):
         assert gt == wt
-        assert gl == pytest.approx(wl, abs=1e-3)
+        assert gl == pytest.approx(wl, abs=ROUNDING_ATOL[kv_cache_dtype])
     # Forked samples share their prompt's blocks (copy-on-write on the last one): greedy, each
     # equals the single run.
     forked = plain.generate(prompts[:2], SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True),

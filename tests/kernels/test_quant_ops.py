@@ -2,7 +2,7 @@
 kernel: rows widened exactly, and products within float32 summation error, for batch sizes
 that cover the fused kernel's groupings (1, 2, odd, past 8 rows, a tail of W's rows) and the
 tiled path; and the fallback without the compiled kernels gives the same results. The int8-
-activation kernel (VNNI) equals the exact product of the blocks with x rounded as it documents."""
+activation kernel (AVX-512 VNNI or AVX2) equals the exact product of the blocks with x rounded as it documents."""
 from __future__ import annotations
 
 import numpy as np
@@ -87,7 +87,7 @@ def rounded_to_int8(x: torch.Tensor, two_codes: bool, block: int = 32) -> torch.
     return (codes * (amax / 127)).reshape(x.shape)
 
 
-@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX-512 VNNI")
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("cols", [512, 4352], ids=["K512", "K4352"])  # x in groups of 8 rows; past K 4096, of 4
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -100,8 +100,10 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
     dense = reference(raw, qtype, cols).double()
     w = torch.from_numpy(raw)
     torch.manual_seed(1)
-    # The K-quants take x a 256-value super-block at a time, as llama.cpp's Q8_K (Q6_K with two codes: 32)
-    block = 256 if qtype in (T.Q4_K, T.Q5_K) or (qtype == T.Q6_K and activations == "int8") else 32
+    # With AVX-512 VNNI the K-quants take x a 256-value super-block at a time, as llama.cpp's Q8_K
+    # (Q6_K with two codes: 32); AVX2 takes every type's x per 32 values.
+    k_quant = qtype in (T.Q4_K, T.Q5_K) or (qtype == T.Q6_K and activations == "int8")
+    block = 256 if k_quant and q.int8_super_blocks() else 32
     for m in (1, 2, 3, 4, 6, 9, 24):
         x = torch.randn(m, cols)
         x[0, 256:] = 0  # an all-zero block (and super-block): scale 0, no division by it

@@ -146,7 +146,11 @@ def bundled_reference() -> Reference:
     return Reference(reference, word_prompts(reference.get_tokenizer(), 32), 48)
 
 
-@pytest.mark.parametrize("activations, atol", [("none", 1e-4), ("int8", 0.05)])
+INT8_KERNELS = getattr(quant_kernels(), "has_int8_activations", False)
+
+
+@pytest.mark.parametrize("activations, atol", [
+    ("none", 1e-4), pytest.param("int8", 0.05, marks=pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI"))])
 def test_blocks_split_over_two_ranks_match_one(mixed_gguf, activations, atol):
     """Tensor parallelism over GGUF blocks: q/k/v and gate/up split by rows, o and down by columns
     at block boundaries, the ranks' partial sums all-reduced: one rank's tokens, and logprobs up
@@ -169,7 +173,7 @@ def test_bundled_q4_1_model_matches_its_dequantized_self(bundled_reference):
     assert 0 < worst <= LOGPROB_ATOL
 
 
-@pytest.mark.skipif(not getattr(quant_kernels(), "has_int8_activations", False), reason="no AVX-512 VNNI")
+@pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("mode, min_agreement, atol", [("int8x2", MIN_AGREEMENT, INT8X2_LOGPROB_ATOL),
                                                        ("int8", INT8_MIN_AGREEMENT, INT8_LOGPROB_ATOL)])
 def test_bundled_model_with_int8_activations_against_its_dequantized_self(bundled_reference, mode, min_agreement,
@@ -182,8 +186,7 @@ def test_bundled_model_with_int8_activations_against_its_dequantized_self(bundle
     assert LOGPROB_ATOL < worst <= atol  # the rounding is there to see, and bounded
 
 
-@pytest.mark.skipif(not (getattr(quant_kernels(), "has_int8_activations", False) and BF16_TILES),
-                    reason="no AVX-512 VNNI and BF16")
+@pytest.mark.skipif(not (INT8_KERNELS and BF16_TILES), reason="no integer kernels and AVX-512 BF16")
 def test_int8_mode_large_batches_in_bfloat16_tiles_against_the_dequantized_model(bundled_reference):
     """Mode int8 past its integer kernel's 16 rows: the teacher-forced prefills here (up to 59 rows a
     product) round the activations to bfloat16 and multiply bfloat16 tiles of the weights. Measured:

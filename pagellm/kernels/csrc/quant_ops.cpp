@@ -20,7 +20,7 @@
 // The block layouts (and their dequantization formulas) are ggml's; the tests check every
 // type against gguf-py's reference dequantization.
 #include <torch/extension.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
@@ -250,6 +250,96 @@ void dequant_q6_k_avx(const uint8_t* b, float* y) {
   }
 }
 #define VEC(f) f##_avx
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 without AVX-512 (most desktop CPUs; AMD's before Zen 4): the same dequantizations, 8 values
+// a vector. Same arithmetic per value as the scalar and AVX-512 ones (each value one product, or
+// one FMA whose product is exact), so the same floats.
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i shr(__m128i v, int s) { return _mm_srli_epi16(v, s); }
+inline __m128i and8(__m128i v, int m) { return _mm_and_si128(v, _mm_set1_epi8(static_cast<char>(m))); }
+// The 16 unsigned bytes of v as float32, mapped by f and stored at y[0..16).
+template <class F>
+inline void store16(float* y, __m128i v, F f) {
+  _mm256_storeu_ps(y, f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+  _mm256_storeu_ps(y + 8, f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)))));
+}
+
+void dequant_q4_0_avx2(const uint8_t* b, float* y) {
+  const __m256 d = _mm256_set1_ps(half_at(b)), eight = _mm256_set1_ps(8.f);
+  const __m128i q = load16(b + 2);
+  const auto f = [&](__m256 v) { return _mm256_mul_ps(_mm256_sub_ps(v, eight), d); };
+  store16(y, and8(q, 0x0F), f);
+  store16(y + 16, and8(shr(q, 4), 0x0F), f);
+}
+
+void dequant_q4_1_avx2(const uint8_t* b, float* y) {
+  const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+  const __m128i q = load16(b + 4);
+  const auto f = [&](__m256 v) { return _mm256_fmadd_ps(v, d, m); };
+  store16(y, and8(q, 0x0F), f);
+  store16(y + 16, and8(shr(q, 4), 0x0F), f);
+}
+
+void dequant_bf16_avx2(const uint8_t* b, float* y) {
+  for (int i = 0; i < 32; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(b + 2 * i)), 16)));
+}
+
+void dequant_q8_0_avx2(const uint8_t* b, float* y) {
+  const __m256 d = _mm256_set1_ps(half_at(b));
+  for (int i = 0; i < 32; i += 8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+  }
+}
+
+template <bool kFifthBit>
+void dequant_k4_avx2(const uint8_t* b, float* y) {
+  const uint8_t* qh = b + 16;  // Q5_K only
+  const uint8_t* q = b + (kFifthBit ? 48 : 16);
+  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+    const PairScales s = pair_scales_k4(b, j);
+    const __m256 d1 = _mm256_set1_ps(s.d1), m1 = _mm256_set1_ps(s.m1);
+    const __m256 d2 = _mm256_set1_ps(s.d2), m2 = _mm256_set1_ps(s.m2);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i v = load16(q + 16 * h);
+      __m128i lo = and8(v, 0x0F), hi = and8(shr(v, 4), 0x0F);
+      if constexpr (kFifthBit) {
+        const __m128i hb = load16(qh + 16 * h);
+        lo = _mm_or_si128(lo, _mm_slli_epi16(and8(shr(hb, 2 * j), 1), 4));
+        hi = _mm_or_si128(hi, _mm_slli_epi16(and8(shr(hb, 2 * j + 1), 1), 4));
+      }
+      store16(y + 16 * h, lo, [&](__m256 v) { return _mm256_fmsub_ps(d1, v, m1); });
+      store16(y + 32 + 16 * h, hi, [&](__m256 v) { return _mm256_fmsub_ps(d2, v, m2); });
+    }
+  }
+}
+
+void dequant_q4_k_avx2(const uint8_t* b, float* y) { dequant_k4_avx2<false>(b, y); }
+void dequant_q5_k_avx2(const uint8_t* b, float* y) { dequant_k4_avx2<true>(b, y); }
+
+void dequant_q6_k_avx2(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  const __m256 off = _mm256_set1_ps(32.f);
+  for (int half = 0; half < 2; ++half, y += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; l += 16) {
+      const __m128i a = load16(ql + l), c = load16(ql + l + 32), h = load16(qh + l);
+      const int is = l / 16;
+      const __m128i q[4] = {_mm_or_si128(and8(a, 0x0F), _mm_slli_epi16(and8(h, 3), 4)),
+                            _mm_or_si128(and8(c, 0x0F), _mm_slli_epi16(and8(shr(h, 2), 3), 4)),
+                            _mm_or_si128(and8(shr(a, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 4), 3), 4)),
+                            _mm_or_si128(and8(shr(c, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 6), 3), 4))};
+      for (int k = 0; k < 4; ++k) {
+        const __m256 scale = _mm256_set1_ps(d * sc[is + 2 * k]);
+        store16(y + l + 32 * k, q[k], [&](__m256 v) { return _mm256_mul_ps(scale, _mm256_sub_ps(v, off)); });
+      }
+    }
+  }
+}
+#define VEC(f) f##_avx2
 #else
 #define VEC(f) f
 #endif
@@ -299,7 +389,13 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
   return f;
 }
 
+// Rows of x per group in the fused kernel: one block unpacked serves them all, each with its own
+// accumulators. AVX2 has 16 vector registers to AVX-512's 32: groups of 4.
+#if defined(__AVX512F__) || !defined(__AVX2__)
 constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 4;
+#endif
 // Rows of W multiplied into all of x before the next ones: at most 48, and at most kPassFloats
 // values (768 KiB of float32: the pass stays in L2 while every group of x's rows reads it).
 constexpr int64_t kRowsPerPass = 48;
@@ -313,6 +409,15 @@ constexpr int64_t kPassFloats = 196608;
 // the integer kernels, which get through a row several times faster, 8 KiB (on the AMD EPYC, one
 // stream, paired rounds against 2 KiB: 1B Q4_K_M steps 8-12% faster, SmolLM2 Q4_1 15%, 1B Q8_0
 // 0-5%; at 8 KiB the float32 kernel made SmolLM2 Q4_1's steps 12% slower).
+#if defined(__AVX2__)
+// The sum of v's 8 lanes, in one fixed order.
+inline float reduce_add8(__m256 v) {
+  const __m128 pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quads = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
+  return _mm_cvtss_f32(_mm_add_ss(quads, _mm_movehdup_ps(quads)));
+}
+#endif
+
 constexpr int64_t kPrefetchBytes = 2048, kIntPrefetchBytes = 8192;
 inline int64_t rows_ahead(int64_t group, int64_t row_bytes, int64_t bytes) {
   return std::max<int64_t>(group, (bytes + row_bytes - 1) / row_bytes);
@@ -384,18 +489,48 @@ void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
     }
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
+#elif defined(__AVX2__) && defined(__FMA__)
+    // As above, 8 lanes a vector: two accumulators alternating over 8-value chunks.
+    __m256 acc[NR][M][2];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (fetch)
+        for (int r = 0; r < NR; ++r) {
+          prefetch(w + (n + ahead + r) * row_bytes + b * f.bytes);
+          prefetch(w + (n + ahead + r) * row_bytes + (b + 1) * f.bytes - 1);
+        }
+      const float* wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = Src::values(f, w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
+      const float* xb = x + b * f.block;
+      for (int i = 0; i < f.block; i += 16) {
+        for (int m = 0; m < M; ++m) {
+          const __m256 x0 = _mm256_loadu_ps(xb + m * K + i), x1 = _mm256_loadu_ps(xb + m * K + i + 8);
+          for (int r = 0; r < NR; ++r) {
+            acc[r][m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wv[r] + i), x0, acc[r][m][0]);
+            acc[r][m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(wv[r] + i + 8), x1, acc[r][m][1]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
 #else
+    // One partial sum per 32 values, whatever the block size: quantized rows (blocks of 256 for
+    // the K-quants) and the same rows widened (read as blocks of 32) sum in the same order.
     float acc[NR][M] = {};
     for (int64_t b = 0; b < blocks; ++b) {
       const float* wv[NR];
       for (int r = 0; r < NR; ++r) wv[r] = Src::values(f, w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
       const float* xb = x + b * f.block;
-      for (int r = 0; r < NR; ++r)
-        for (int m = 0; m < M; ++m) {
-          float s = 0.f;
-          for (int i = 0; i < f.block; ++i) s += wv[r][i] * xb[m * K + i];
-          acc[r][m] += s;
-        }
+      for (int i0 = 0; i0 < f.block; i0 += 32)
+        for (int r = 0; r < NR; ++r)
+          for (int m = 0; m < M; ++m) {
+            float s = 0.f;
+            for (int i = i0; i < i0 + 32; ++i) s += wv[r][i] * xb[m * K + i];
+            acc[r][m] += s;
+          }
     }
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) y[m * N + n + r] = acc[r][m];
@@ -412,9 +547,20 @@ void rows_in_groups(const float* x, int64_t K, const uint8_t* w, int64_t row_byt
   if (grouped < n1) matmul_rows<M, 1, Src>(x, K, w, row_bytes, f, y, N, grouped, n1);
 }
 
-// Rows [n0, n1) of W into every row of x. Quantized blocks: x in groups of up to 8 rows, so a
-// block is unpacked once per 8 rows. Dense rows: groups of 4 rows of x against 3 of W (24
-// accumulators, 14 loads per 24 FMAs), the tiling that keeps the FMA units busiest.
+// Rows of W taken together against M rows of x: enough independent accumulator chains
+// (NR * M * 2) to keep the FMA units busy, few enough to stay in registers. AVX-512 (32
+// registers): dense rows as 4 rows of x against 3 of W (24 accumulators, 14 loads per 24 FMAs),
+// the tiling that keeps the FMA units busiest. AVX2 (16): at most 8 accumulators.
+constexpr int rows_of_w(int M, bool dense) {
+#if defined(__AVX512F__)
+  return M == 1 ? 4 : M == 2 ? (dense ? 4 : 2) : M == 3 ? (dense ? 4 : 1) : M == 4 ? (dense ? 3 : 1) : 1;
+#else
+  return M == 1 ? 4 : M == 2 ? 2 : 1;
+#endif
+}
+
+// Rows [n0, n1) of W into every row of x. Quantized blocks: x in groups of kMaxRows rows, so a
+// block is unpacked once per group. Dense rows: groups of 4.
 template <typename Src>
 void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t row_bytes, const Format& f,
                    float* yp, int64_t N, int64_t n0, int64_t n1) {
@@ -424,10 +570,10 @@ void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int
     const float* xm = xp + m0 * K;
     float* ym = yp + m0 * N;
     switch (std::min<int64_t>(group, M - m0)) {
-      case 1: rows_in_groups<1, 4, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-      case 2: rows_in_groups<2, dense ? 4 : 2, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-      case 3: rows_in_groups<3, dense ? 4 : 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
-      case 4: rows_in_groups<4, dense ? 3 : 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 1: rows_in_groups<1, rows_of_w(1, dense), Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 2: rows_in_groups<2, rows_of_w(2, dense), Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 3: rows_in_groups<3, rows_of_w(3, dense), Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
+      case 4: rows_in_groups<4, rows_of_w(4, dense), Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
       case 5: rows_in_groups<5, 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
       case 6: rows_in_groups<6, 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
       case 7: rows_in_groups<7, 1, Src>(xm, K, wp, row_bytes, f, ym, N, n0, n1); break;
@@ -437,7 +583,7 @@ void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int
 }
 
 
-// ---- int8 activations: integer dot products on AVX-512 VNNI ---------------------------------
+// ---- int8 activations: integer dot products (AVX-512 VNNI, or AVX2) -------------------------
 // What llama.cpp does on CPUs: each row of x is rounded to int8 codes with one float scale per 32
 // values (as a Q8_0 block), and a weight block's codes are multiplied by them with VPDPBUSD, 64
 // byte products an instruction summed 4 at a time into 16 int32 lanes. Nothing is widened to
@@ -454,8 +600,22 @@ void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int
 // 32, and so on), and per lane it keeps a (`dsc`) and b (`msc`); x brings, per lane, dx and
 // dx * sum(c) (`ActRows`). Each 64-value chunk of a weight row costs one VPDPBUSD, one convert and
 // two FMAs per row of x, after the unpacking.
+//
+// On AVX2 without AVX-512 (the second implementation below) the same lanes come from VPMADDUBSW
+// (pairs of byte products summed into 16 bits, saturating) and VPMADDWD against ones: 32 values
+// a vector, every type's x per 32 values.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define PAGELLM_INT8_ACTIVATIONS 1
+#define PAGELLM_INT8_SUPER 1  // the K-quants take x per 256 values (quantize_super)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGELLM_INT8_ACTIVATIONS 1
+#endif
+
+#if defined(PAGELLM_INT8_ACTIVATIONS)
+// Bytes of a K-quant super-block (256 values), as a compile-time constant: the kernels' addresses
+// fold it (deriving it from row_bytes at run time made Q4_K at one row 2-3% slower).
+template <int64_t T>
+constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 
 // x: [M, K] rounded: codes [M, K] int8, and per 4-value lane its scale and scaled code sum.
 // Two terms (`residual`): a second code per value for what the first left, on a 128 times finer
@@ -469,11 +629,16 @@ struct ActRows {
   std::vector<int16_t> sums16;     // quantize_super for Q6_K only: per 16 values, the sum of their codes (its offset)
 };
 
-inline float reduce_add8(__m256 v) {
-  const __m128 pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quads = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
-  return _mm_cvtss_f32(_mm_add_ss(quads, _mm_movehdup_ps(quads)));
-}
+// Rows m0.. of an ActRows, by pointer.
+struct ActView {
+  const int8_t *codes, *residual;
+  const float *scale, *sum, *block_sum;
+  const int16_t* sums16;
+};
+#endif
+
+#if defined(PAGELLM_INT8_SUPER)
+
 
 // 32 values v0, v1 times inv, rounded half to even (r0, r1) and saturated to int8 codes.
 struct Rounded32 {
@@ -619,10 +784,6 @@ inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
   return _mm512_and_si512(_mm512_srlv_epi16(aabb, by), _mm512_set1_epi8(0x0F));
 }
 
-// Bytes of a K-quant super-block (256 values), as a compile-time constant: the kernels' addresses
-// fold it (deriving it from row_bytes at run time made Q4_K at one row 2-3% slower).
-template <int64_t T>
-constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 
 // A Q4_K / Q5_K super-block's 8 six-bit scales and mins (12 bytes at sb + 4) as [sc0..7, m0..7]:
 // sc_j = q_j & 63 and m_j = q_{j+4} & 63 for j < 4; for j >= 4 the low four bits come from
@@ -716,13 +877,6 @@ inline Chunk chunk(const uint8_t* row, int64_t c) {
             _mm512_mul_ps(d, _mm512_set1_ps(-128.f))};
   }
 }
-
-// Rows m0.. of an ActRows, by pointer.
-struct ActView {
-  const int8_t *codes, *residual;
-  const float *scale, *sum, *block_sum;
-  const int16_t* sums16;
-};
 
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time, prefetching
 // the rows ahead as matmul_rows does (measured there: Q4_K 1B gate/up 10.5 -> 17.9 GB/s).
@@ -885,6 +1039,165 @@ struct SuperRows {
   }
 };
 
+#elif defined(PAGELLM_INT8_ACTIVATIONS)  // AVX2
+constexpr bool super_activations(int64_t, bool) { return false; }
+
+// Byte lanes of a vector of 8 int32 quads packed to int8: packs interleave 128-bit halves.
+inline __m256i pack_codes(__m256 r0, __m256 r1, __m256 r2, __m256 r3) {
+  const __m256i p01 = _mm256_packs_epi32(_mm256_cvtps_epi32(r0), _mm256_cvtps_epi32(r1));
+  const __m256i p23 = _mm256_packs_epi32(_mm256_cvtps_epi32(r2), _mm256_cvtps_epi32(r3));
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Per 4-byte lane, the sum of u[i] * c[i] (u unsigned bytes, c signed; a pair's sum must fit 16 bits).
+inline __m256i dot4(__m256i u, __m256i c) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, c), _mm256_set1_epi16(1));
+}
+
+// As the AVX-512 quantize_activations, 8 lanes at a time: the same codes, scales and sums.
+ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
+  ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
+            std::vector<float>(M * K / 4), std::vector<float>(M * K / 32)};
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256i ones = _mm256_set1_epi8(1);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t i = 0; i < M * K; i += 32) {
+    __m256 v[4], mag = _mm256_setzero_ps();
+    int finite = 0xFF;
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(x + i + 8 * k);
+      const __m256 av = _mm256_andnot_ps(sign, v[k]);
+      mag = _mm256_max_ps(mag, av);
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(av, inf, _CMP_LT_OQ));  // false for NaN and infinities
+    }
+    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+    const bool ok = finite == 0xFF;
+    const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+    const __m256 s = _mm256_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
+    __m256 r[4];
+    for (int k = 0; k < 4; ++k) r[k] = _mm256_round_ps(_mm256_mul_ps(v[k], s), kNearest);
+    const __m256i codes = pack_codes(r[0], r[1], r[2], r[3]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i), codes);
+    __m256i sums = dot4(ones, codes);
+    float lane_d = d;
+    if (two_terms) {
+      const __m256 f = _mm256_set1_ps(128.f);
+      __m256 e[4];
+      for (int k = 0; k < 4; ++k) e[k] = _mm256_mul_ps(_mm256_fmsub_ps(v[k], s, r[k]), f);
+      const __m256i res = pack_codes(e[0], e[1], e[2], e[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i), res);
+      sums = _mm256_add_epi32(_mm256_slli_epi32(sums, 7), dot4(ones, res));
+      lane_d = d / 128.f;
+    }
+    const __m256 dv = _mm256_set1_ps(lane_d);
+    const __m256 lane_sums = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv);
+    _mm256_storeu_ps(a.lane_sum.data() + i / 4, lane_sums);
+    a.block_sum[i / 32] = reduce_add8(lane_sums);
+    _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
+  }
+  return a;
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i and8(__m256i v, int m) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(m))); }
+inline __m256i shr(__m256i v, int s) { return _mm256_srli_epi16(v, s); }
+inline __m256i shl(__m256i v, int s) { return _mm256_slli_epi16(v, s); }
+
+// 32 values of a weight row: their codes in value order (unsigned; Q8_0's signed), and per 4-value
+// lane a (dsc) and b (msc) of w = a * u + b.
+struct Half {
+  __m256i u;
+  __m256 dsc, msc;
+};
+
+// Half h (0, 1) of 64-value chunk c of a row of type T.
+template <int64_t T>
+inline Half half_chunk(const uint8_t* row, int64_t c, int h) {
+  if constexpr (T == Q4_0 || T == Q4_1) {
+    const uint8_t* b = row + (2 * c + h) * (T == Q4_0 ? 18 : 20);
+    const __m128i q = load16(b + (T == Q4_0 ? 2 : 4));
+    const __m256i u = _mm256_set_m128i(and8(shr(q, 4), 0x0F), and8(q, 0x0F));
+    const float d = half_at(b);
+    return {u, _mm256_set1_ps(d), _mm256_set1_ps(T == Q4_0 ? -8.f * d : half_at(b + 2))};
+  } else if constexpr (T == Q8_0) {
+    const uint8_t* b = row + (2 * c + h) * 34;
+    return {load32(b + 2), _mm256_set1_ps(half_at(b)), _mm256_setzero_ps()};
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const uint8_t* sb = row + (c / 4) * kSuperBytes<T>;
+    const int j = static_cast<int>(c % 4);
+    const PairScales ps = pair_scales_k4(sb, j);
+    const __m256i v = load32(sb + (T == Q4_K ? 16 : 48) + 32 * j);
+    __m256i u = h == 0 ? and8(v, 0x0F) : and8(shr(v, 4), 0x0F);
+    if constexpr (T == Q5_K) u = _mm256_or_si256(u, shl(and8(shr(load32(sb + 16), 2 * j + h), 1), 4));
+    return {u, _mm256_set1_ps(h == 0 ? ps.d1 : ps.d2), _mm256_set1_ps(h == 0 ? -ps.m1 : -ps.m2)};
+  } else {  // Q6_K: quarter j, half h: values 64 j + 32 h.., groups 4 j + 2 h and + 1 (see k6_codes)
+    const uint8_t* sb = row + (c / 4) * kSuperBytes<T>;
+    const int j = static_cast<int>(c % 4), half = j / 2, part = j % 2;
+    const __m256i lo = and8(shr(load32(sb + 64 * half + 32 * h), 4 * part), 0x0F);
+    const __m256i top = shl(and8(shr(load32(sb + 128 + 32 * half), 4 * part + 2 * h), 3), 4);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192) + 4 * j + 2 * h;
+    const float d = half_at(sb + 208);
+    const __m256 dsc = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
+    return {_mm256_or_si256(lo, top), dsc, _mm256_mul_ps(dsc, _mm256_set1_ps(-32.f))};
+  }
+}
+
+// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time.
+// Per 32 values and row of x: VPMADDUBSW and VPMADDWD give the 8 lanes' integer sums (Q8_0's
+// signed codes: their magnitudes against x's codes with their signs, so a pair stays within 16
+// bits), then one convert and one or two FMAs.
+template <int64_t T, int M, int NR, bool kTwo>
+void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+               int64_t n1) {
+  constexpr bool kSigned = T == Q8_0;
+  const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks;
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m256 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (fetch)
+        for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
+      for (int r = 0; r < NR; ++r)
+        for (int h = 0; h < 2; ++h) {
+          const Half wh = half_chunk<T>(w + (n + r) * row_bytes, c, h);
+          const __m256i u = kSigned ? _mm256_sign_epi8(wh.u, wh.u) : wh.u;
+          for (int m = 0; m < M; ++m) {
+            const int64_t at = m * K + 64 * c + 32 * h;
+            __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
+            if constexpr (kSigned) cx = _mm256_sign_epi8(cx, wh.u);
+            __m256i dot = dot4(u, cx);
+            if constexpr (kTwo) {
+              __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
+              if constexpr (kSigned) rx = _mm256_sign_epi8(rx, wh.u);
+              dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), dot4(u, rx));
+            }
+            const __m256 dx = _mm256_loadu_ps(a.scale + at / 4);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wh.dsc, dx), acc[r][m]);
+            if constexpr (!kSigned) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.sum + at / 4), wh.msc, acc[r][m]);
+          }
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
+  }
+}
+
+template <int64_t T, bool kTwo>
+struct LaneRows {
+  template <int M, int NR>
+  static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+    int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+  }
+};
+#endif
+
+#if defined(PAGELLM_INT8_ACTIVATIONS)
 // Rows [n0, n1) of W into `rows` (1..8) rows of x, one accumulator each; two rows of W at a time
 // for a single row of x (independent accumulator chains keep the FMA units busy).
 template <class Rows>
@@ -930,8 +1243,11 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
                       kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
                       T == Q6_K && kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
       const int64_t rows = std::min<int64_t>(group, M - m0);
+#if defined(PAGELLM_INT8_SUPER)
       if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
-      else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+      else
+#endif
+        multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
     }
   }
 }
@@ -942,7 +1258,7 @@ void int8_product(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int6
   if (a.residual.empty()) int8_multiply<T, false>(a, M, K, w, row_bytes, y, N, n0, n1);
   else int8_multiply<T, true>(a, M, K, w, row_bytes, y, N, n0, n1);
 }
-#endif  // VNNI
+#endif  // PAGELLM_INT8_ACTIVATIONS
 }  // namespace
 
 // x: [M, K] float32; w: [N, row_bytes] uint8 blocks. Returns x @ W^T: [M, N] float32.
@@ -1003,9 +1319,13 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   torch::Tensor y = torch::empty({M, N}, x.options());
+#if defined(PAGELLM_INT8_SUPER)
   const ActRows a = super_activations(qtype, two_terms)
                         ? quantize_super(x.data_ptr<float>(), M, K, two_terms, qtype == Q6_K)
                         : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+#else
+  const ActRows a = quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+#endif
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -1021,7 +1341,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   });
   return y;
 #else
-  TORCH_CHECK(false, "gguf_matmul_int8 needs AVX-512 VNNI, which this build lacks");
+  TORCH_CHECK(false, "gguf_matmul_int8 needs AVX2 or AVX-512 VNNI, which this build lacks");
 #endif
 }
 
@@ -1056,12 +1376,18 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul", &gguf_matmul, "x @ W^T with W in GGUF blocks (CPU, float32; a few rows of x)");
-  m.def("gguf_matmul_int8", &gguf_matmul_int8, "x @ W^T with W in GGUF blocks and x rounded to int8 (CPU, VNNI)",
+  m.def("gguf_matmul_int8", &gguf_matmul_int8, "x @ W^T with W in GGUF blocks and x rounded to int8 (CPU, AVX2 or VNNI)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false);
 #if defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("has_int8_activations") = true;
 #else
   m.attr("has_int8_activations") = false;
+#endif
+  // Whether mode int8 takes x per 256 values against the K-quants (AVX-512 VNNI), or per 32 (AVX2).
+#if defined(PAGELLM_INT8_SUPER)
+  m.attr("int8_super_blocks") = true;
+#else
+  m.attr("int8_super_blocks") = false;
 #endif
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)");
 }

@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/build_llama_cpp.sh            # prints the bin directory when done
 #   LLAMA_CPP_BUILD=/some/dir bash benchmarks/build_llama_cpp.sh
+#   LLAMA_CPP_AVX2_ONLY=1 bash benchmarks/build_llama_cpp.sh   # AVX2 code on an AVX-512 machine, to
+#       compare with pagellm's kernels built for an AVX2-only CPU (PAGELLM_CPU_MARCH=x86-64-v3)
 #
 # About 10-13 minutes on 2 cores the first time. -DGGML_NATIVE=ON builds binaries that crash on
 # some of these machines (their AMX path), so the instruction-set options are set one by one from
@@ -16,6 +18,7 @@ VERSION=0.3.36
 FLAGS=$(grep -m1 '^flags' /proc/cpuinfo)
 has() { [[ " $FLAGS " == *" $1 "* ]] && echo ON || echo OFF; }
 AVX512=$(has avx512f) VNNI=$(has avx512_vnni) BF16=$(has avx512_bf16)
+if [[ ${LLAMA_CPP_AVX2_ONLY:-0} == 1 ]]; then AVX512=OFF VNNI=OFF BF16=OFF; fi
 ISA=avx2
 [[ $AVX512 == ON ]] && ISA+=-avx512
 [[ $VNNI == ON ]] && ISA+=-vnni

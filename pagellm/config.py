@@ -92,13 +92,12 @@ class EngineConfig:
                                        "to --dtype at load; int8 (per channel) and int4 (groups of 128) quantize a "
                                        "safetensors model's linear layers at load (CPU)", choices=QUANTIZATIONS)
     activation_quantization: str = option(
-        "none", "how a GGUF model's quantized products take their activations (CPU, AVX-512 VNNI): none multiplies "
-                "them in float32, the dequantized model's product; int8 rounds them to int8, one scale per 32 "
-                "values (per 256 for K-quant weights), and multiplies by integer dot products, as llama.cpp "
-                "does (fastest decode steps, logprobs move); int8x2 adds a second int8 code for what the first "
-                "left (~15 bits, the same scales but Q6_K's per 32): most of int8's speed at batch 1-2, "
-                "near-exact logprobs. README gives the "
-                "measured agreement",
+        "none", "how a GGUF model's quantized products take their activations (CPU, AVX-512 VNNI or AVX2): "
+                "none multiplies them in float32, the dequantized model's product; int8 rounds them to int8, one "
+                "scale per 32 values (per 256 for K-quant weights with AVX-512 VNNI), and multiplies by integer dot "
+                "products, as llama.cpp does (fastest decode steps, logprobs move); int8x2 adds a second int8 code "
+                "for what the first left (~15 bits, the same scales but Q6_K's per 32): most of int8's speed at "
+                "batch 1-2, near-exact logprobs. README gives the measured agreement",
         choices=ACTIVATION_QUANTIZATIONS)
     kv_cache_dtype: str = option("auto", "how the KV cache stores K/V: auto (as --dtype), float32, bfloat16, "
                                          "float16, or 8 bits per value with a float16 scale per token and head: "

@@ -46,7 +46,7 @@ def check_invariants() -> bool:
     return _flag("PAGELLM_CHECK_INVARIANTS", "0")
 
 
-def _cpu_isa_tag() -> str:
+def cpu_isa_tag() -> str:
     """The instruction sets benchmarks/build_llama_cpp.sh builds llama.cpp for, named as its
     cache directory names them (a build for one CPU must not run on another)."""
     try:
@@ -61,7 +61,7 @@ def _cpu_isa_tag() -> str:
 
 
 def llama_cpp_bin() -> str:
-    default = os.path.join(os.path.expanduser("~"), ".cache", f"pagellm-llama.cpp-0.3.36-{_cpu_isa_tag()}",
+    default = os.path.join(os.path.expanduser("~"), ".cache", f"pagellm-llama.cpp-0.3.36-{cpu_isa_tag()}",
                            "build", "bin")
     return os.environ.get("PAGELLM_LLAMA_CPP_BIN", default)
 

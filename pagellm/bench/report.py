@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from pagellm import envs
+
 RESULTS_DIR = Path("benchmarks") / "results"
 
 # Ordinary English words for synthetic prompts, so a byte-pair tokenizer sees plausible text.
@@ -60,7 +62,10 @@ def machine_info() -> dict:
     except (OSError, StopIteration):
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform()}
+    # isa: what the CPU has; kernels_march: what pagellm's kernels were built for (PAGELLM_CPU_MARCH:
+    # x86-64-v3 runs the AVX2 code on an AVX-512 CPU), which decides which of their paths ran.
+    return {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform(),
+            "isa": envs.cpu_isa_tag(), "kernels_march": envs.cpu_march()}
 
 
 def versions(extra: Sequence[str] = ()) -> dict:

@@ -165,52 +165,93 @@ void dequant_q6_k(const uint8_t* b, float* y) {
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The same dequantizations, a vector at a time: a block is unpacked 16 codes at a time with a few
+// shifts and masks on 128-bit lanes and widened once, instead of value by value. (x >> s) & mask
+// on 16-bit lanes is per-byte exact here: every mask keeps bits below 8 - s. Each value takes the
+// same arithmetic as in the scalar code (one product, or one FMA whose product is exact), so the
+// same floats. AVX-512 widens 16 codes into one vector, AVX2 (most desktop CPUs; AMD's before
+// Zen 4) into two of 8: VF and store16 below are the one place the two differ.
 #if defined(__AVX512F__)
-// The same dequantizations, 16 values a vector: a block is unpacked with a few shifts and masks
-// on 128-bit lanes and widened once, instead of value by value. (x >> s) & mask on 16-bit lanes
-// is per-byte exact here: every mask keeps bits below 8 - s.
-inline __m512 widen_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+using VF = __m512;
+inline VF vset1(float a) { return _mm512_set1_ps(a); }
+inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+inline VF vfmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vfmsub(VF a, VF b, VF c) { return _mm512_fmsub_ps(a, b, c); }
+// The 16 bytes of v as float32 (unsigned, or kSigned), mapped by f, stored at y[0..16).
+template <bool kSigned = false, class F>
+inline void store16(float* y, __m128i v, F f) {
+  _mm512_storeu_ps(y, f(_mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v))));
+}
+// 16 bfloat16 values at b as float32 at y.
+inline void widen_bf16_16(const uint8_t* b, float* y) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  _mm512_storeu_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+}
+#define VEC(f) f##_avx
+#else
+using VF = __m256;
+inline VF vset1(float a) { return _mm256_set1_ps(a); }
+inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+inline VF vfmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vfmsub(VF a, VF b, VF c) { return _mm256_fmsub_ps(a, b, c); }
+template <bool kSigned = false, class F>
+inline void store16(float* y, __m128i v, F f) {
+  const __m128i hi = _mm_unpackhi_epi64(v, v);
+  _mm256_storeu_ps(y, f(_mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v))));
+  _mm256_storeu_ps(y + 8, f(_mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi))));
+}
+inline void widen_bf16_16(const uint8_t* b, float* y) {
+  for (int i = 0; i < 16; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i));
+    _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+}
+#define VEC(f) f##_avx2
+#endif
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m128i shr(__m128i v, int s) { return _mm_srli_epi16(v, s); }
 inline __m128i and8(__m128i v, int m) { return _mm_and_si128(v, _mm_set1_epi8(static_cast<char>(m))); }
 
-void dequant_q4_0_avx(const uint8_t* b, float* y) {
-  const __m512 d = _mm512_set1_ps(half_at(b)), eight = _mm512_set1_ps(8.f);
+void VEC(dequant_q4_0)(const uint8_t* b, float* y) {
+  const VF d = vset1(half_at(b)), eight = vset1(8.f);
   const __m128i q = load16(b + 2);
-  _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_sub_ps(widen_u8(and8(q, 0x0F)), eight), d));
-  _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_sub_ps(widen_u8(and8(shr(q, 4), 0x0F)), eight), d));
+  const auto f = [&](VF v) { return vmul(vsub(v, eight), d); };
+  store16(y, and8(q, 0x0F), f);
+  store16(y + 16, and8(shr(q, 4), 0x0F), f);
 }
 
-void dequant_q4_1_avx(const uint8_t* b, float* y) {
-  const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(half_at(b + 2));
+void VEC(dequant_q4_1)(const uint8_t* b, float* y) {
+  const VF d = vset1(half_at(b)), m = vset1(half_at(b + 2));
   const __m128i q = load16(b + 4);
-  _mm512_storeu_ps(y, _mm512_fmadd_ps(widen_u8(and8(q, 0x0F)), d, m));
-  _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(widen_u8(and8(shr(q, 4), 0x0F)), d, m));
+  const auto f = [&](VF v) { return vfmadd(v, d, m); };
+  store16(y, and8(q, 0x0F), f);
+  store16(y + 16, and8(shr(q, 4), 0x0F), f);
 }
 
-void dequant_bf16_avx(const uint8_t* b, float* y) {
-  for (int i = 0; i < 32; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i));
-    _mm512_storeu_ps(y + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
+void VEC(dequant_bf16)(const uint8_t* b, float* y) {
+  widen_bf16_16(b, y);
+  widen_bf16_16(b + 32, y + 16);
 }
 
-void dequant_q8_0_avx(const uint8_t* b, float* y) {
-  const __m512 d = _mm512_set1_ps(half_at(b));
-  _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 2))), d));
-  _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 18))), d));
+void VEC(dequant_q8_0)(const uint8_t* b, float* y) {
+  const VF d = vset1(half_at(b));
+  const auto f = [&](VF v) { return vmul(v, d); };
+  store16<true>(y, load16(b + 2), f);
+  store16<true>(y + 16, load16(b + 18), f);
 }
 
 // Q4_K and Q5_K: the same super-block of 8 scaled sub-blocks; Q5_K adds each value's fifth
 // bit from 32 bytes of high bits (bit 2j / 2j + 1 of qh for sub-blocks 2j / 2j + 1).
 template <bool kFifthBit>
-void dequant_k4_avx(const uint8_t* b, float* y) {
+void dequant_k4_vec(const uint8_t* b, float* y) {
   const uint8_t* qh = b + 16;  // Q5_K only
   const uint8_t* q = b + (kFifthBit ? 48 : 16);
   for (int j = 0; j < 4; ++j, q += 32, y += 64) {
     const PairScales s = pair_scales_k4(b, j);
-    const __m512 d1 = _mm512_set1_ps(s.d1), m1 = _mm512_set1_ps(s.m1);
-    const __m512 d2 = _mm512_set1_ps(s.d2), m2 = _mm512_set1_ps(s.m2);
+    const VF d1 = vset1(s.d1), m1 = vset1(s.m1), d2 = vset1(s.d2), m2 = vset1(s.m2);
     for (int h = 0; h < 2; ++h) {
       const __m128i v = load16(q + 16 * h);
       __m128i lo = and8(v, 0x0F), hi = and8(shr(v, 4), 0x0F);
@@ -219,111 +260,21 @@ void dequant_k4_avx(const uint8_t* b, float* y) {
         lo = _mm_or_si128(lo, _mm_slli_epi16(and8(shr(hb, 2 * j), 1), 4));
         hi = _mm_or_si128(hi, _mm_slli_epi16(and8(shr(hb, 2 * j + 1), 1), 4));
       }
-      _mm512_storeu_ps(y + 16 * h, _mm512_fmsub_ps(d1, widen_u8(lo), m1));
-      _mm512_storeu_ps(y + 32 + 16 * h, _mm512_fmsub_ps(d2, widen_u8(hi), m2));
+      store16(y + 16 * h, lo, [&](VF u) { return vfmsub(d1, u, m1); });
+      store16(y + 32 + 16 * h, hi, [&](VF u) { return vfmsub(d2, u, m2); });
     }
   }
 }
 
-void dequant_q4_k_avx(const uint8_t* b, float* y) { dequant_k4_avx<false>(b, y); }
-void dequant_q5_k_avx(const uint8_t* b, float* y) { dequant_k4_avx<true>(b, y); }
+void VEC(dequant_q4_k)(const uint8_t* b, float* y) { dequant_k4_vec<false>(b, y); }
+void VEC(dequant_q5_k)(const uint8_t* b, float* y) { dequant_k4_vec<true>(b, y); }
 
-void dequant_q6_k_avx(const uint8_t* b, float* y) {
+void VEC(dequant_q6_k)(const uint8_t* b, float* y) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half_at(b + 208);
-  const __m512 off = _mm512_set1_ps(32.f);
-  for (int half = 0; half < 2; ++half, y += 128, ql += 64, qh += 32, sc += 8) {
-    for (int l = 0; l < 32; l += 16) {
-      const __m128i a = load16(ql + l), c = load16(ql + l + 32), h = load16(qh + l);
-      const int is = l / 16;
-      const __m128i q1 = _mm_or_si128(and8(a, 0x0F), _mm_slli_epi16(and8(h, 3), 4));
-      const __m128i q2 = _mm_or_si128(and8(c, 0x0F), _mm_slli_epi16(and8(shr(h, 2), 3), 4));
-      const __m128i q3 = _mm_or_si128(and8(shr(a, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 4), 3), 4));
-      const __m128i q4 = _mm_or_si128(and8(shr(c, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 6), 3), 4));
-      _mm512_storeu_ps(y + l, _mm512_mul_ps(_mm512_set1_ps(d * sc[is]), _mm512_sub_ps(widen_u8(q1), off)));
-      _mm512_storeu_ps(y + l + 32, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 2]), _mm512_sub_ps(widen_u8(q2), off)));
-      _mm512_storeu_ps(y + l + 64, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 4]), _mm512_sub_ps(widen_u8(q3), off)));
-      _mm512_storeu_ps(y + l + 96, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 6]), _mm512_sub_ps(widen_u8(q4), off)));
-    }
-  }
-}
-#define VEC(f) f##_avx
-#elif defined(__AVX2__) && defined(__FMA__)
-// AVX2 without AVX-512 (most desktop CPUs; AMD's before Zen 4): the same dequantizations, 8 values
-// a vector. Same arithmetic per value as the scalar and AVX-512 ones (each value one product, or
-// one FMA whose product is exact), so the same floats.
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline __m128i shr(__m128i v, int s) { return _mm_srli_epi16(v, s); }
-inline __m128i and8(__m128i v, int m) { return _mm_and_si128(v, _mm_set1_epi8(static_cast<char>(m))); }
-// The 16 unsigned bytes of v as float32, mapped by f and stored at y[0..16).
-template <class F>
-inline void store16(float* y, __m128i v, F f) {
-  _mm256_storeu_ps(y, f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
-  _mm256_storeu_ps(y + 8, f(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)))));
-}
-
-void dequant_q4_0_avx2(const uint8_t* b, float* y) {
-  const __m256 d = _mm256_set1_ps(half_at(b)), eight = _mm256_set1_ps(8.f);
-  const __m128i q = load16(b + 2);
-  const auto f = [&](__m256 v) { return _mm256_mul_ps(_mm256_sub_ps(v, eight), d); };
-  store16(y, and8(q, 0x0F), f);
-  store16(y + 16, and8(shr(q, 4), 0x0F), f);
-}
-
-void dequant_q4_1_avx2(const uint8_t* b, float* y) {
-  const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
-  const __m128i q = load16(b + 4);
-  const auto f = [&](__m256 v) { return _mm256_fmadd_ps(v, d, m); };
-  store16(y, and8(q, 0x0F), f);
-  store16(y + 16, and8(shr(q, 4), 0x0F), f);
-}
-
-void dequant_bf16_avx2(const uint8_t* b, float* y) {
-  for (int i = 0; i < 32; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(b + 2 * i)), 16)));
-}
-
-void dequant_q8_0_avx2(const uint8_t* b, float* y) {
-  const __m256 d = _mm256_set1_ps(half_at(b));
-  for (int i = 0; i < 32; i += 8) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i));
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
-  }
-}
-
-template <bool kFifthBit>
-void dequant_k4_avx2(const uint8_t* b, float* y) {
-  const uint8_t* qh = b + 16;  // Q5_K only
-  const uint8_t* q = b + (kFifthBit ? 48 : 16);
-  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
-    const PairScales s = pair_scales_k4(b, j);
-    const __m256 d1 = _mm256_set1_ps(s.d1), m1 = _mm256_set1_ps(s.m1);
-    const __m256 d2 = _mm256_set1_ps(s.d2), m2 = _mm256_set1_ps(s.m2);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i v = load16(q + 16 * h);
-      __m128i lo = and8(v, 0x0F), hi = and8(shr(v, 4), 0x0F);
-      if constexpr (kFifthBit) {
-        const __m128i hb = load16(qh + 16 * h);
-        lo = _mm_or_si128(lo, _mm_slli_epi16(and8(shr(hb, 2 * j), 1), 4));
-        hi = _mm_or_si128(hi, _mm_slli_epi16(and8(shr(hb, 2 * j + 1), 1), 4));
-      }
-      store16(y + 16 * h, lo, [&](__m256 v) { return _mm256_fmsub_ps(d1, v, m1); });
-      store16(y + 32 + 16 * h, hi, [&](__m256 v) { return _mm256_fmsub_ps(d2, v, m2); });
-    }
-  }
-}
-
-void dequant_q4_k_avx2(const uint8_t* b, float* y) { dequant_k4_avx2<false>(b, y); }
-void dequant_q5_k_avx2(const uint8_t* b, float* y) { dequant_k4_avx2<true>(b, y); }
-
-void dequant_q6_k_avx2(const uint8_t* b, float* y) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = half_at(b + 208);
-  const __m256 off = _mm256_set1_ps(32.f);
+  const VF off = vset1(32.f);
   for (int half = 0; half < 2; ++half, y += 128, ql += 64, qh += 32, sc += 8) {
     for (int l = 0; l < 32; l += 16) {
       const __m128i a = load16(ql + l), c = load16(ql + l + 32), h = load16(qh + l);
@@ -333,13 +284,12 @@ void dequant_q6_k_avx2(const uint8_t* b, float* y) {
                             _mm_or_si128(and8(shr(a, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 4), 3), 4)),
                             _mm_or_si128(and8(shr(c, 4), 0x0F), _mm_slli_epi16(and8(shr(h, 6), 3), 4))};
       for (int k = 0; k < 4; ++k) {
-        const __m256 scale = _mm256_set1_ps(d * sc[is + 2 * k]);
-        store16(y + l + 32 * k, q[k], [&](__m256 v) { return _mm256_mul_ps(scale, _mm256_sub_ps(v, off)); });
+        const VF scale = vset1(d * sc[is + 2 * k]);
+        store16(y + l + 32 * k, q[k], [&](VF v) { return vmul(scale, vsub(v, off)); });
       }
     }
   }
 }
-#define VEC(f) f##_avx2
 #else
 #define VEC(f) f
 #endif

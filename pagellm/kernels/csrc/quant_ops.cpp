@@ -166,14 +166,26 @@ void dequant_q6_k(const uint8_t* b, float* y) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PAGELLM_VEC_DEQUANT 1
 // The same dequantizations, a vector at a time: a block is unpacked 16 codes at a time with a few
 // shifts and masks on 128-bit lanes and widened once, instead of value by value. (x >> s) & mask
 // on 16-bit lanes is per-byte exact here: every mask keeps bits below 8 - s. Each value takes the
 // same arithmetic as in the scalar code (one product, or one FMA whose product is exact), so the
 // same floats. AVX-512 widens 16 codes into one vector, AVX2 (most desktop CPUs; AMD's before
 // Zen 4) into two of 8: VF and store16 below are the one place the two differ.
+// The sum of v's 8 lanes, in one fixed order.
+inline float reduce_add8(__m256 v) {
+  const __m128 pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quads = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
+  return _mm_cvtss_f32(_mm_add_ss(quads, _mm_movehdup_ps(quads)));
+}
 #if defined(__AVX512F__)
 using VF = __m512;
+constexpr int kLanes = 16;
+inline VF vzero() { return _mm512_setzero_ps(); }
+inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline float vreduce(VF v) { return _mm512_reduce_add_ps(v); }
 inline VF vset1(float a) { return _mm512_set1_ps(a); }
 inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
@@ -192,6 +204,11 @@ inline void widen_bf16_16(const uint8_t* b, float* y) {
 #define VEC(f) f##_avx
 #else
 using VF = __m256;
+constexpr int kLanes = 8;
+inline VF vzero() { return _mm256_setzero_ps(); }
+inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline float vreduce(VF v) { return reduce_add8(v); }
 inline VF vset1(float a) { return _mm256_set1_ps(a); }
 inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
@@ -359,15 +376,6 @@ constexpr int64_t kPassFloats = 196608;
 // the integer kernels, which get through a row several times faster, 8 KiB (on the AMD EPYC, one
 // stream, paired rounds against 2 KiB: 1B Q4_K_M steps 8-12% faster, SmolLM2 Q4_1 15%, 1B Q8_0
 // 0-5%; at 8 KiB the float32 kernel made SmolLM2 Q4_1's steps 12% slower).
-#if defined(__AVX2__)
-// The sum of v's 8 lanes, in one fixed order.
-inline float reduce_add8(__m256 v) {
-  const __m128 pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quads = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
-  return _mm_cvtss_f32(_mm_add_ss(quads, _mm_movehdup_ps(quads)));
-}
-#endif
-
 constexpr int64_t kPrefetchBytes = 2048, kIntPrefetchBytes = 8192;
 inline int64_t rows_ahead(int64_t group, int64_t row_bytes, int64_t bytes) {
   return std::max<int64_t>(group, (bytes + row_bytes - 1) / row_bytes);
@@ -403,7 +411,8 @@ struct DenseF32 {
 using DenseBF16 = Inlined<VEC(dequant_bf16), true>;
 
 // Rows [n0, n1) of y = x @ W^T for x: [M, K] float32, M <= kMaxRows, NR rows of W at a time.
-// Two accumulators per (row of W, row of x), alternating over 16-value chunks, and NR rows of W
+// Two accumulators per (row of W, row of x), alternating over chunks of kLanes values (16 with
+// AVX-512, 8 with AVX2), and NR rows of W
 // together when x has few rows: an FMA waits ~4 cycles for its accumulator, so a single chain
 // would leave the FMA units idle; NR * M * 2 >= 8 independent chains keep them busy. However M
 // and NR tile the product, each value of y adds the same terms in the same order.
@@ -413,10 +422,10 @@ void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
   alignas(64) float tmp[NR][QK_K];
   const int64_t blocks = K / f.block, ahead = rows_ahead(NR, row_bytes, kPrefetchBytes);
   for (int64_t n = n0; n < n1; n += NR) {
-#if defined(__AVX512F__)
-    __m512 acc[NR][M][2];
+#if defined(PAGELLM_VEC_DEQUANT)
+    VF acc[NR][M][2];
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = vzero();
     const bool fetch = n + ahead + NR <= n1;
     for (int64_t b = 0; b < blocks; ++b) {
       if (fetch)
@@ -427,45 +436,18 @@ void matmul_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
       const float* wv[NR];
       for (int r = 0; r < NR; ++r) wv[r] = Src::values(f, w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
       const float* xb = x + b * f.block;
-      for (int i = 0; i < f.block; i += 32) {
+      for (int i = 0; i < f.block; i += 2 * kLanes) {
         for (int m = 0; m < M; ++m) {
-          const __m512 x0 = _mm512_loadu_ps(xb + m * K + i), x1 = _mm512_loadu_ps(xb + m * K + i + 16);
+          const VF x0 = vload(xb + m * K + i), x1 = vload(xb + m * K + i + kLanes);
           for (int r = 0; r < NR; ++r) {
-            acc[r][m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wv[r] + i), x0, acc[r][m][0]);
-            acc[r][m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(wv[r] + i + 16), x1, acc[r][m][1]);
+            acc[r][m][0] = vfmadd(vload(wv[r] + i), x0, acc[r][m][0]);
+            acc[r][m][1] = vfmadd(vload(wv[r] + i + kLanes), x1, acc[r][m][1]);
           }
         }
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
-#elif defined(__AVX2__) && defined(__FMA__)
-    // As above, 8 lanes a vector: two accumulators alternating over 8-value chunks.
-    __m256 acc[NR][M][2];
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
-    const bool fetch = n + ahead + NR <= n1;
-    for (int64_t b = 0; b < blocks; ++b) {
-      if (fetch)
-        for (int r = 0; r < NR; ++r) {
-          prefetch(w + (n + ahead + r) * row_bytes + b * f.bytes);
-          prefetch(w + (n + ahead + r) * row_bytes + (b + 1) * f.bytes - 1);
-        }
-      const float* wv[NR];
-      for (int r = 0; r < NR; ++r) wv[r] = Src::values(f, w + (n + r) * row_bytes + b * f.bytes, tmp[r]);
-      const float* xb = x + b * f.block;
-      for (int i = 0; i < f.block; i += 16) {
-        for (int m = 0; m < M; ++m) {
-          const __m256 x0 = _mm256_loadu_ps(xb + m * K + i), x1 = _mm256_loadu_ps(xb + m * K + i + 8);
-          for (int r = 0; r < NR; ++r) {
-            acc[r][m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wv[r] + i), x0, acc[r][m][0]);
-            acc[r][m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(wv[r] + i + 8), x1, acc[r][m][1]);
-          }
-        }
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = vreduce(vadd(acc[r][m][0], acc[r][m][1]));
 #else
     // One partial sum per 32 values, whatever the block size: quantized rows (blocks of 256 for
     // the K-quants) and the same rows widened (read as blocks of 32) sum in the same order.

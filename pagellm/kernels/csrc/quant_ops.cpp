@@ -1037,16 +1037,36 @@ inline __m256i and8(__m256i v, int m) { return _mm256_and_si256(v, _mm256_set1_e
 inline __m256i shr(__m256i v, int s) { return _mm256_srli_epi16(v, s); }
 inline __m256i shl(__m256i v, int s) { return _mm256_slli_epi16(v, s); }
 
-// 32 values of a weight row: their codes in value order (unsigned; Q8_0's signed), and per 4-value
-// lane a (dsc) and b (msc) of w = a * u + b.
+// 32 values of a weight row: their codes in value order (unsigned; Q8_0's and Q6_K's signed), and
+// per 4-value lane a (dsc) and b (msc) of w = a * u + b.
 struct Half {
   __m256i u;
   __m256 dsc, msc;
 };
 
-// Half h (0, 1) of 64-value chunk c of a row of type T.
+// A K-quant super-block's scales as floats, decoded once for its 4 chunks. Q4_K / Q5_K: [0, 8) the
+// sub-blocks' d * sc, [8, 16) their mins times -dmin. Q6_K: the 16 groups' d * sc.
 template <int64_t T>
-inline Half half_chunk(const uint8_t* row, int64_t c, int h) {
+inline void super_scales(const uint8_t* sb, float* s) {
+  if constexpr (T == Q6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
+    const float d = half_at(sb + 208);
+    for (int g = 0; g < 16; ++g) s[g] = d * sc[g];
+  } else {
+    const float d = half_at(sb), dmin = half_at(sb + 2);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, m;
+      scale_min_k4(j, sb + 4, &sc, &m);
+      s[j] = d * sc;
+      s[8 + j] = -dmin * m;
+    }
+  }
+}
+
+// Half h (0, 1) of 64-value chunk c of a row of type T; for the K-quants, `s` holds its
+// super-block's scales (super_scales).
+template <int64_t T>
+inline Half half_chunk(const uint8_t* row, int64_t c, int h, const float* s) {
   if constexpr (T == Q4_0 || T == Q4_1) {
     const uint8_t* b = row + (2 * c + h) * (T == Q4_0 ? 18 : 20);
     const __m128i q = load16(b + (T == Q4_0 ? 2 : 4));
@@ -1056,66 +1076,82 @@ inline Half half_chunk(const uint8_t* row, int64_t c, int h) {
   } else if constexpr (T == Q8_0) {
     const uint8_t* b = row + (2 * c + h) * 34;
     return {load32(b + 2), _mm256_set1_ps(half_at(b)), _mm256_setzero_ps()};
-  } else if constexpr (T == Q4_K || T == Q5_K) {
+  } else if constexpr (T == Q4_K || T == Q5_K) {  // sub-block 2 j + h; its min is summed per super-block
     const uint8_t* sb = row + (c / 4) * kSuperBytes<T>;
     const int j = static_cast<int>(c % 4);
-    const PairScales ps = pair_scales_k4(sb, j);
     const __m256i v = load32(sb + (T == Q4_K ? 16 : 48) + 32 * j);
     __m256i u = h == 0 ? and8(v, 0x0F) : and8(shr(v, 4), 0x0F);
     if constexpr (T == Q5_K) u = _mm256_or_si256(u, shl(and8(shr(load32(sb + 16), 2 * j + h), 1), 4));
-    return {u, _mm256_set1_ps(h == 0 ? ps.d1 : ps.d2), _mm256_set1_ps(h == 0 ? -ps.m1 : -ps.m2)};
-  } else {  // Q6_K: quarter j, half h: values 64 j + 32 h.., groups 4 j + 2 h and + 1 (see k6_codes)
+    return {u, _mm256_set1_ps(s[2 * j + h]), _mm256_setzero_ps()};
+  } else {  // Q6_K: quarter j, half h: values 64 j + 32 h.., groups 4 j + 2 h and + 1 (see k6_codes),
+            // as signed codes (the 6-bit code - 32), which spares the offset term
     const uint8_t* sb = row + (c / 4) * kSuperBytes<T>;
     const int j = static_cast<int>(c % 4), half = j / 2, part = j % 2;
     const __m256i lo = and8(shr(load32(sb + 64 * half + 32 * h), 4 * part), 0x0F);
     const __m256i top = shl(and8(shr(load32(sb + 128 + 32 * half), 4 * part + 2 * h), 3), 4);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192) + 4 * j + 2 * h;
-    const float d = half_at(sb + 208);
-    const __m256 dsc = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
-    return {_mm256_or_si256(lo, top), dsc, _mm256_mul_ps(dsc, _mm256_set1_ps(-32.f))};
+    const float* g = s + 4 * j + 2 * h;
+    return {_mm256_sub_epi8(_mm256_or_si256(lo, top), _mm256_set1_epi8(32)),
+            _mm256_set_m128(_mm_set1_ps(g[1]), _mm_set1_ps(g[0])), _mm256_setzero_ps()};
   }
 }
 
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time.
-// Per 32 values and row of x: VPMADDUBSW and VPMADDWD give the 8 lanes' integer sums (Q8_0's
-// signed codes: their magnitudes against x's codes with their signs, so a pair stays within 16
-// bits), then one convert and one or two FMAs.
+// Per 32 values and row of x: VPMADDUBSW and VPMADDWD give the 8 lanes' integer sums (signed
+// codes, Q8_0's and Q6_K's: their magnitudes against x's codes with their signs, so a pair stays
+// within 16 bits and no offset term is left), then one convert and one or two FMAs. The K-quants go a super-block (4 chunks) at a time,
+// its scales decoded once; Q4_K / Q5_K's mins, constant over a 32-value block of x, are summed
+// once per super-block (8 mins against x's 8 block sums in one FMA), as in the AVX-512 int8_rows.
 template <int64_t T, int M, int NR, bool kTwo>
 void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                int64_t n1) {
-  constexpr bool kSigned = T == Q8_0;
+  constexpr bool kSigned = T == Q8_0 || T == Q6_K;
+  constexpr bool kSuper = T == Q4_K || T == Q5_K || T == Q6_K;
+  constexpr bool kBlockMins = T == Q4_K || T == Q5_K;
+  constexpr bool kOffsets = !kSigned && !kBlockMins;  // a per-lane b * dx * sum(c) term
+  constexpr int kPer = kSuper ? 4 : 1;
   const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  alignas(32) float scales[NR][16];
   for (int64_t n = n0; n < n1; n += NR) {
-    __m256 acc[NR][M];
+    __m256 acc[NR][M], mins[NR][M];
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[r][m] = mins[r][m] = _mm256_setzero_ps();
     const bool fetch = n + ahead + NR <= n1;
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (fetch)
-        for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
-      for (int r = 0; r < NR; ++r)
-        for (int h = 0; h < 2; ++h) {
-          const Half wh = half_chunk<T>(w + (n + r) * row_bytes, c, h);
-          const __m256i u = kSigned ? _mm256_sign_epi8(wh.u, wh.u) : wh.u;
-          for (int m = 0; m < M; ++m) {
-            const int64_t at = m * K + 64 * c + 32 * h;
-            __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
-            if constexpr (kSigned) cx = _mm256_sign_epi8(cx, wh.u);
-            __m256i dot = dot4(u, cx);
-            if constexpr (kTwo) {
-              __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
-              if constexpr (kSigned) rx = _mm256_sign_epi8(rx, wh.u);
-              dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), dot4(u, rx));
-            }
-            const __m256 dx = _mm256_loadu_ps(a.scale + at / 4);
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wh.dsc, dx), acc[r][m]);
-            if constexpr (!kSigned) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.sum + at / 4), wh.msc, acc[r][m]);
-          }
+    for (int64_t c0 = 0; c0 < chunks; c0 += kPer) {
+      if constexpr (kSuper)
+        for (int r = 0; r < NR; ++r) {
+          super_scales<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, scales[r]);
+          if constexpr (kBlockMins)
+            for (int m = 0; m < M; ++m)
+              mins[r][m] = _mm256_fmadd_ps(_mm256_load_ps(scales[r] + 8),
+                                           _mm256_loadu_ps(a.block_sum + m * K / 32 + 2 * c0), mins[r][m]);
         }
+      for (int64_t c = c0; c < c0 + kPer; ++c) {
+        if (fetch)
+          for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
+        for (int r = 0; r < NR; ++r)
+          for (int h = 0; h < 2; ++h) {
+            const Half wh = half_chunk<T>(w + (n + r) * row_bytes, c, h, scales[r]);
+            const __m256i u = kSigned ? _mm256_sign_epi8(wh.u, wh.u) : wh.u;
+            for (int m = 0; m < M; ++m) {
+              const int64_t at = m * K + 64 * c + 32 * h;
+              __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
+              if constexpr (kSigned) cx = _mm256_sign_epi8(cx, wh.u);
+              __m256i dot = dot4(u, cx);
+              if constexpr (kTwo) {
+                __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
+                if constexpr (kSigned) rx = _mm256_sign_epi8(rx, wh.u);
+                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), dot4(u, rx));
+              }
+              const __m256 dx = _mm256_loadu_ps(a.scale + at / 4);
+              acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wh.dsc, dx), acc[r][m]);
+              if constexpr (kOffsets) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.sum + at / 4), wh.msc, acc[r][m]);
+            }
+          }
+      }
     }
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]) + (kBlockMins ? reduce_add8(mins[r][m]) : 0.f);
   }
 }
 

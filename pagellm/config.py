@@ -94,7 +94,7 @@ class EngineConfig:
     activation_quantization: str = option(
         "none", "how a GGUF model's quantized products take their activations (CPU, AVX-512 VNNI or AVX2): "
                 "none multiplies them in float32, the dequantized model's product; int8 rounds them to int8, one "
-                "scale per 32 values (per 256 for K-quant weights with AVX-512 VNNI), and multiplies by integer dot "
+                "scale per 32 values (per 256 for K-quant weights), and multiplies by integer dot "
                 "products, as llama.cpp does (fastest decode steps, logprobs move); int8x2 adds a second int8 code "
                 "for what the first left (~15 bits, the same scales but Q6_K's per 32): most of int8's speed at "
                 "batch 1-2, near-exact logprobs. README gives the measured agreement",

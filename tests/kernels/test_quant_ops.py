@@ -100,10 +100,8 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
     dense = reference(raw, qtype, cols).double()
     w = torch.from_numpy(raw)
     torch.manual_seed(1)
-    # With AVX-512 VNNI the K-quants take x a 256-value super-block at a time, as llama.cpp's Q8_K
-    # (Q6_K with two codes: 32); AVX2 takes every type's x per 32 values.
-    k_quant = qtype in (T.Q4_K, T.Q5_K) or (qtype == T.Q6_K and activations == "int8")
-    block = 256 if k_quant and q.int8_super_blocks() else 32
+    # The K-quants take x a 256-value super-block at a time, as llama.cpp's Q8_K (Q6_K with two codes: 32)
+    block = 256 if qtype in (T.Q4_K, T.Q5_K) or (qtype == T.Q6_K and activations == "int8") else 32
     for m in (1, 2, 3, 4, 6, 9, 24):
         x = torch.randn(m, cols)
         x[0, 256:] = 0  # an all-zero block (and super-block): scale 0, no division by it

@@ -534,11 +534,11 @@ void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int
 // two FMAs per row of x, after the unpacking.
 //
 // On AVX2 without AVX-512 (the second implementation below) the same lanes come from VPMADDUBSW
-// (pairs of byte products summed into 16 bits, saturating) and VPMADDWD against ones: 32 values
-// a vector, every type's x per 32 values.
+// (pairs of byte products summed into 16 bits, saturating) and VPMADDWD against ones, 32 values
+// a vector; x is rounded exactly as there, so both give the same codes and scales.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define PAGELLM_INT8_VNNI 1
 #define PAGELLM_INT8_ACTIVATIONS 1
-#define PAGELLM_INT8_SUPER 1  // the K-quants take x per 256 values (quantize_super)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGELLM_INT8_ACTIVATIONS 1
 #endif
@@ -567,9 +567,16 @@ struct ActView {
   const float *scale, *sum, *block_sum;
   const int16_t* sums16;
 };
+
+// Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
+// K-quants; with two codes per value only Q4_K and Q5_K (Q6_K's offset term would need its
+// per-16 code sums in 32 bits).
+constexpr bool super_activations(int64_t qtype, bool two_terms) {
+  return qtype == Q4_K || qtype == Q5_K || (qtype == Q6_K && !two_terms);
+}
 #endif
 
-#if defined(PAGELLM_INT8_SUPER)
+#if defined(PAGELLM_INT8_VNNI)
 
 
 // 32 values v0, v1 times inv, rounded half to even (r0, r1) and saturated to int8 codes.
@@ -625,12 +632,6 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
   return a;
 }
 
-// Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
-// K-quants; with two codes per value only Q4_K and Q5_K (Q6_K's offset term would need its
-// per-16 code sums in 32 bits).
-constexpr bool super_activations(int64_t qtype, bool two_terms) {
-  return qtype == Q4_K || qtype == Q5_K || (qtype == Q6_K && !two_terms);
-}
 
 // x rounded with one scale per 256 values, as llama.cpp's Q8_K, for the K-quants' products
 // (int8_super_rows): with the activation scale constant over a weight super-block, the
@@ -972,7 +973,6 @@ struct SuperRows {
 };
 
 #elif defined(PAGELLM_INT8_ACTIVATIONS)  // AVX2
-constexpr bool super_activations(int64_t, bool) { return false; }
 
 // Byte lanes of a vector of 8 int32 quads packed to int8: packs interleave 128-bit halves.
 inline __m256i pack_codes(__m256 r0, __m256 r1, __m256 r2, __m256 r3) {
@@ -1063,6 +1063,24 @@ inline void super_scales(const uint8_t* sb, float* s) {
   }
 }
 
+// The 32 codes of half h (0, 1) of chunk j (0..3) of a K-quant super-block sb, in value order:
+// Q4_K / Q5_K sub-block 2 j + h (unsigned); Q6_K values 64 j + 32 h.., groups 4 j + 2 h and + 1
+// (see k6_codes), signed (the 6-bit code - 32), which spares an offset term.
+template <int64_t T>
+inline __m256i k_codes(const uint8_t* sb, int j, int h) {
+  if constexpr (T == Q6_K) {
+    const int half = j / 2, part = j % 2;
+    const __m256i lo = and8(shr(load32(sb + 64 * half + 32 * h), 4 * part), 0x0F);
+    const __m256i top = shl(and8(shr(load32(sb + 128 + 32 * half), 4 * part + 2 * h), 3), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, top), _mm256_set1_epi8(32));
+  } else {
+    const __m256i v = load32(sb + (T == Q4_K ? 16 : 48) + 32 * j);
+    const __m256i u = h == 0 ? and8(v, 0x0F) : and8(shr(v, 4), 0x0F);
+    if constexpr (T == Q5_K) return _mm256_or_si256(u, shl(and8(shr(load32(sb + 16), 2 * j + h), 1), 4));
+    return u;
+  }
+}
+
 // Half h (0, 1) of 64-value chunk c of a row of type T; for the K-quants, `s` holds its
 // super-block's scales (super_scales).
 template <int64_t T>
@@ -1076,22 +1094,13 @@ inline Half half_chunk(const uint8_t* row, int64_t c, int h, const float* s) {
   } else if constexpr (T == Q8_0) {
     const uint8_t* b = row + (2 * c + h) * 34;
     return {load32(b + 2), _mm256_set1_ps(half_at(b)), _mm256_setzero_ps()};
-  } else if constexpr (T == Q4_K || T == Q5_K) {  // sub-block 2 j + h; its min is summed per super-block
-    const uint8_t* sb = row + (c / 4) * kSuperBytes<T>;
+  } else {  // Q4_K / Q5_K: sub-block 2 j + h, its min summed per super-block; Q6_K: two groups
     const int j = static_cast<int>(c % 4);
-    const __m256i v = load32(sb + (T == Q4_K ? 16 : 48) + 32 * j);
-    __m256i u = h == 0 ? and8(v, 0x0F) : and8(shr(v, 4), 0x0F);
-    if constexpr (T == Q5_K) u = _mm256_or_si256(u, shl(and8(shr(load32(sb + 16), 2 * j + h), 1), 4));
+    const __m256i u = k_codes<T>(row + (c / 4) * kSuperBytes<T>, j, h);
+    if constexpr (T == Q6_K)
+      return {u, _mm256_set_m128(_mm_set1_ps(s[4 * j + 2 * h + 1]), _mm_set1_ps(s[4 * j + 2 * h])),
+              _mm256_setzero_ps()};
     return {u, _mm256_set1_ps(s[2 * j + h]), _mm256_setzero_ps()};
-  } else {  // Q6_K: quarter j, half h: values 64 j + 32 h.., groups 4 j + 2 h and + 1 (see k6_codes),
-            // as signed codes (the 6-bit code - 32), which spares the offset term
-    const uint8_t* sb = row + (c / 4) * kSuperBytes<T>;
-    const int j = static_cast<int>(c % 4), half = j / 2, part = j % 2;
-    const __m256i lo = and8(shr(load32(sb + 64 * half + 32 * h), 4 * part), 0x0F);
-    const __m256i top = shl(and8(shr(load32(sb + 128 + 32 * half), 4 * part + 2 * h), 3), 4);
-    const float* g = s + 4 * j + 2 * h;
-    return {_mm256_sub_epi8(_mm256_or_si256(lo, top), _mm256_set1_epi8(32)),
-            _mm256_set_m128(_mm_set1_ps(g[1]), _mm_set1_ps(g[0])), _mm256_setzero_ps()};
   }
 }
 
@@ -1163,6 +1172,137 @@ struct LaneRows {
     int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
+
+// As the AVX-512 quantize_super: x with one scale per 256 values, the same codes, scales and block
+// sums; no per-16 code sums, which int8_super_rows here has no use for (Q6_K's codes are signed).
+ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms) {
+  ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), {}, {},
+            std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K)};
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256i ones = _mm256_set1_epi8(1);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t i = 0; i < M * K; i += QK_K) {
+    __m256 mag = _mm256_setzero_ps();
+    int finite = 0xFF;
+    for (int k = 0; k < QK_K; k += 8) {
+      const __m256 av = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + k));
+      mag = _mm256_max_ps(mag, av);
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(av, inf, _CMP_LT_OQ));
+    }
+    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+    const bool ok = finite == 0xFF;
+    const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+    const __m256 inv = _mm256_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
+    a.super_scale[i / QK_K] = d;
+    for (int k = 0; k < QK_K; k += 32) {
+      __m256 v[4], r[4];
+      for (int q = 0; q < 4; ++q) {
+        v[q] = _mm256_loadu_ps(x + i + k + 8 * q);
+        r[q] = _mm256_round_ps(_mm256_mul_ps(v[q], inv), kNearest);
+      }
+      const __m256i codes = pack_codes(r[0], r[1], r[2], r[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
+      const __m256i sums = dot4(ones, codes);
+      if (!two_terms) {
+        a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
+        continue;
+      }
+      const __m256 f = _mm256_set1_ps(128.f);
+      __m256 e[4];
+      for (int q = 0; q < 4; ++q) e[q] = _mm256_mul_ps(_mm256_fmsub_ps(v[q], inv, r[q]), f);
+      const __m256i res = pack_codes(e[0], e[1], e[2], e[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i + k), res);
+      const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(sums, 7), dot4(ones, res));
+      a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(both)) * (d / 128.f);
+    }
+  }
+  return a;
+}
+
+// int8_rows for the K-quants against x from quantize_super, as the AVX-512 int8_super_rows: per 32
+// values and row of x, VPMADDUBSW multiplies codes into 16-bit pair sums and VPMADDWD applies the
+// sub-blocks' integer scales (Q4_K / Q5_K: 6-bit, per 32 values; Q6_K: signed 8-bit, per 16) into
+// int32; once per super-block the sums convert to float, times d * dx. Q6_K's codes are signed
+// (k_codes), so no offset term; Q4_K / Q5_K's mins as in int8_rows.
+template <int64_t T, int M, int NR, bool kTwo>
+void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                     int64_t n1) {
+  constexpr bool kK6 = T == Q6_K;
+  const int64_t supers = K / QK_K, chunk_bytes = row_bytes / (K / 64);
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  alignas(32) float mins8[8];
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m256 acc[NR][M], mins[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = mins[r][m] = _mm256_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b = 0; b < supers; ++b) {
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* sb = w + (n + r) * row_bytes + b * kSuperBytes<T>;
+        int16_t sc[16];  // Q4_K / Q5_K: the 8 sub-blocks' scales; Q6_K: the 16 groups'
+        float d;
+        if constexpr (kK6) {
+          for (int g = 0; g < 16; ++g) sc[g] = reinterpret_cast<const int8_t*>(sb + 192)[g];
+          d = half_at(sb + 208);
+        } else {
+          d = half_at(sb);
+          const float dmin = half_at(sb + 2);
+          for (int j = 0; j < 8; ++j) {
+            uint8_t s6, m6;
+            scale_min_k4(j, sb + 4, &s6, &m6);
+            sc[j] = s6;
+            mins8[j] = -dmin * m6;
+          }
+          for (int m = 0; m < M; ++m)
+            mins[r][m] = _mm256_fmadd_ps(_mm256_load_ps(mins8), _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b),
+                                         mins[r][m]);
+        }
+        __m256i sums[M], second[M];  // second: the residual codes' sums (kTwo)
+        for (int m = 0; m < M; ++m) sums[m] = second[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          if (fetch) prefetch(w + (n + ahead + r) * row_bytes + (4 * b + j) * chunk_bytes);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i u = k_codes<T>(sb, j, h);
+            const __m256i uu = kK6 ? _mm256_sign_epi8(u, u) : u;
+            const __m256i scv = kK6 ? _mm256_set_m128i(_mm_set1_epi16(sc[4 * j + 2 * h + 1]),
+                                                       _mm_set1_epi16(sc[4 * j + 2 * h]))
+                                    : _mm256_set1_epi16(sc[2 * j + h]);
+            for (int m = 0; m < M; ++m) {
+              const int64_t at = m * K + 256 * b + 64 * j + 32 * h;
+              __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
+              if constexpr (kK6) cx = _mm256_sign_epi8(cx, u);
+              sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(_mm256_maddubs_epi16(uu, cx), scv));
+              if constexpr (kTwo) {
+                const __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
+                second[m] = _mm256_add_epi32(second[m], _mm256_madd_epi16(_mm256_maddubs_epi16(uu, rx), scv));
+              }
+            }
+          }
+        }
+        // two codes (Q4_K / Q5_K only): (128 sum(u c) + sum(u r)) dx / 128, within int32 as there
+        for (int m = 0; m < M; ++m) {
+          const __m256i total = kTwo ? _mm256_add_epi32(_mm256_slli_epi32(sums[m], 7), second[m]) : sums[m];
+          const float dx = kTwo ? a.scale[m * supers + b] / 128.f : a.scale[m * supers + b];
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx), acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]) + (kK6 ? 0.f : reduce_add8(mins[r][m]));
+  }
+}
+
+template <int64_t T, bool kTwo>
+struct SuperRows {
+  template <int M, int NR>
+  static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+    int8_super_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+  }
+};
 #endif
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
@@ -1209,13 +1349,10 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
       const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
                       kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
                       kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
-                      T == Q6_K && kSuperActs ? a.sums16.data() + m0 * K / 16 : nullptr};
+                      a.sums16.empty() ? nullptr : a.sums16.data() + m0 * K / 16};
       const int64_t rows = std::min<int64_t>(group, M - m0);
-#if defined(PAGELLM_INT8_SUPER)
       if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
-      else
-#endif
-        multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+      else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
     }
   }
 }
@@ -1287,13 +1424,13 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   torch::Tensor y = torch::empty({M, N}, x.options());
-#if defined(PAGELLM_INT8_SUPER)
   const ActRows a = super_activations(qtype, two_terms)
+#if defined(PAGELLM_INT8_VNNI)
                         ? quantize_super(x.data_ptr<float>(), M, K, two_terms, qtype == Q6_K)
-                        : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
 #else
-  const ActRows a = quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+                        ? quantize_super(x.data_ptr<float>(), M, K, two_terms)
 #endif
+                        : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -1350,12 +1487,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_int8_activations") = true;
 #else
   m.attr("has_int8_activations") = false;
-#endif
-  // Whether mode int8 takes x per 256 values against the K-quants (AVX-512 VNNI), or per 32 (AVX2).
-#if defined(PAGELLM_INT8_SUPER)
-  m.attr("int8_super_blocks") = true;
-#else
-  m.attr("int8_super_blocks") = false;
 #endif
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)");
 }

@@ -8,12 +8,11 @@ segment, multiplied on its own, and the segments' outputs are concatenated. Rows
 with no kernel arrive dequantized (the loader warns) and form dense segments.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
-INT8_MAX_ROWS rows (32 against the K-quants in mode "int8" with AVX-512 VNNI) round their
-activations to one int8 code per value (or two) and multiply them by the blocks with integer dot
-products, as llama.cpp does: one scale per 32 values; with AVX-512 VNNI, per 256 against the
-K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K) as llama.cpp's Q8_K, whose sub-block
-scales then apply to integer sums. A CPU with AVX2 but no AVX-512 VNNI runs the same products
-with AVX2's byte products, x per 32 values against every type. Larger batches in mode "int8" (prefills, and decode steps that a prefill joins) round
+INT8_MAX_ROWS rows (32 against the K-quants in mode "int8") round their activations to one int8
+code per value (or two) and multiply them by the blocks with integer dot products (AVX-512 VNNI,
+or AVX2's byte products on CPUs without it: the same rounding), as llama.cpp does: one scale per
+32 values, or per 256 against the K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K)
+as llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill joins) round
 their activations to bfloat16 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16):
 past 16 rows a product is compute-bound, and those tiles run 2-5x faster than float32 ones
 (benchmarks/quant_matmul.py). Otherwise, up to
@@ -46,7 +45,7 @@ FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 # Q6_K only): int8x2's second code costs a second dot product per row of x, so it pays only while
 # unpacking the blocks dominates.
 INT8_MAX_ROWS = {"int8": 16, "int8x2": 2}
-# Mode "int8" against the K-quants, where products take x a 256-value super-block at a time and
+# Mode "int8" against the K-quants, whose products take x a 256-value super-block at a time and
 # apply the sub-block scales to integer sums (csrc int8_super_rows): those still beat bfloat16
 # tiles at 32 rows (1B shapes: Q4_K gate/up 1.5x, Q6_K down 1.4x; at 48 Q6_K ties), where the
 # 32-value types lose from 16-24 rows on (benchmarks/results/quant-matmul-2026-12-03-q6k.json).
@@ -153,15 +152,9 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
 
 def int8_max_rows(activations: str, qtype: int) -> int:
     """The most rows of x a product in mode `activations` gives the integer kernel."""
-    if activations == "int8" and qtype in K_QUANTS and int8_super_blocks():
+    if activations == "int8" and qtype in K_QUANTS:
         return max(K_QUANT_INT8_MAX_ROWS, INT8_MAX_ROWS["int8"])
     return INT8_MAX_ROWS[activations]
-
-
-def int8_super_blocks() -> bool:
-    """Whether the integer kernels take x per 256 values against the K-quants (AVX-512 VNNI builds;
-    AVX2 ones take every type's x per 32 values, and have no super-block kernel)."""
-    return getattr(cpu.quant_kernels(), "int8_super_blocks", False)
 
 
 def widened_product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:

@@ -34,7 +34,7 @@
 // (it runs serially in an extension compiled without it); torch's own libgomp is the
 // one that gets loaded, as it carries the same soname.
 #include <torch/extension.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
@@ -161,27 +161,53 @@ inline void scores16(const float* q, const T* k, int64_t row, int64_t n, float s
   _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1), r);
 }
 
-// exp of 16 floats, to about 1 ulp: exp(x) = 2^n * exp(r) with n = round(x / ln 2),
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// exp of a vector of floats, to about 1 ulp: exp(x) = 2^n * exp(r) with n = round(x / ln 2),
 // r = x - n ln 2 in [-ln2/2, ln2/2], exp(r) by Cephes' degree-6 polynomial. glibc's expf is
-// scalar: a seventh of the attention kernel's time, most of silu_and_mul's.
+// scalar: a seventh of the attention kernel's time, most of silu_and_mul's. Below -87.3 expf is
+// 0 or denormal anyway; above 88.8 it is +inf (and +inf itself would make r NaN), so x is clamped
+// there. max_ps / min_ps return their second operand when either is NaN, so a NaN stays NaN, as
+// with expf.
+constexpr float kExpLo = -87.33654f, kExpHi = 88.8f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+#endif
+
+#if defined(__AVX512F__)
 inline __m512 exp16(__m512 x) {
-  // Below -87.3 expf is 0 or denormal anyway; above 88.8 it is +inf, which scalef gives (and
-  // +inf itself would make r NaN). max_ps / min_ps return their second operand when either is
-  // NaN, so a NaN stays NaN, as with expf.
-  x = _mm512_max_ps(_mm512_set1_ps(-87.33654f), x);
-  x = _mm512_min_ps(_mm512_set1_ps(88.8f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_min_ps(_mm512_set1_ps(kExpHi), _mm512_max_ps(_mm512_set1_ps(kExpLo), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[c]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(p, n);  // p * 2^n, +inf past the range
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp16's arithmetic on 8 lanes (AVX2). 2^n is built in the exponent bits (n in [-126, 128]; 128
+// makes +inf, as scalef does).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(kExpHi), _mm256_max_ps(_mm256_set1_ps(kExpLo), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[c]));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quads = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
+  return _mm_cvtss_f32(_mm_add_ss(quads, _mm_movehdup_ps(quads)));
 }
 #endif
 
@@ -258,6 +284,17 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
         const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + u), _mm512_set1_ps(mx)));
         _mm512_mask_storeu_ps(sh + u, live, e);
         sum += _mm512_mask_reduce_add_ps(live, e);
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      int64_t t = 0;
+      for (; t + 8 <= nt; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(sh + t, e);
+        sum += hsum8(e);
+      }
+      for (; t < nt; ++t) {
+        sh[t] = std::exp(sh[t] - mx);
+        sum += sh[t];
       }
 #else
       for (int64_t t = 0; t < nt; ++t) {
@@ -610,6 +647,18 @@ torch::Tensor row_logsumexp(torch::Tensor x) {
       }
       mx = _mm512_reduce_max_ps(vmax);
       nan = unordered != 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m256 vmax = _mm256_set1_ps(mx);
+      int unordered = 0;
+      for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(r + i);
+        unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, v);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      for (float v : lanes) mx = std::max(mx, v);
+      nan = unordered != 0;
 #endif
       for (; i < V; ++i) { mx = std::max(mx, r[i]); nan |= std::isnan(r[i]); }
       if (nan || !std::isfinite(mx)) {  // as torch: NaN propagates, +inf gives inf, all -inf gives -inf
@@ -625,6 +674,13 @@ torch::Tensor row_logsumexp(torch::Tensor x) {
         for (int a = 0; a < 4; ++a)
           acc[a] = _mm512_add_ps(acc[a], exp16(_mm512_sub_ps(_mm512_loadu_ps(r + i + 16 * a), m)));
       sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 m = _mm256_set1_ps(mx);
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (; i + 32 <= V; i += 32)
+        for (int a = 0; a < 4; ++a)
+          acc[a] = _mm256_add_ps(acc[a], exp8(_mm256_sub_ps(_mm256_loadu_ps(r + i + 8 * a), m)));
+      sum = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #endif
       for (; i < V; ++i) sum += std::exp(r[i] - mx);
       op[b] = mx + std::log(sum);
@@ -708,6 +764,15 @@ static void silu_and_mul_impl(const T* xp, T* op, int64_t N, int64_t I) {
           const __m512 gi = _mm512_loadu_ps(g + i);
           const __m512 sig = _mm512_div_ps(gi, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi))));
           _mm512_storeu_ps(o + i, _mm512_mul_ps(sig, _mm512_loadu_ps(u + i)));
+        }
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>) {
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= I; i += 8) {
+          const __m256 gi = _mm256_loadu_ps(g + i);
+          const __m256 sig = _mm256_div_ps(gi, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
         }
       }
 #endif

@@ -408,7 +408,9 @@ def run_serve_bench(cfg: ServeConfig, urls: list[tuple[str, str]], policies: lis
             if policy != LLAMA_SERVER and cost is None:
                 cost = reported_cost(server_counters(url))
             targets[label] = {**bench_target(url, cfg, show_progress, label, limits, cost), "launched": True,
-                              "engine_args": proc.args[1:] if policy == LLAMA_SERVER else args}
+                              "engine_args": proc.args[1:] if policy == LLAMA_SERVER else args,
+                              # which build of llama.cpp (its cache directory names its instruction sets)
+                              **({"binary": proc.args[0]} if policy == LLAMA_SERVER else {})}
         except (RuntimeError, TimeoutError) as e:
             skipped[label] = f"{e} (log: {log_path})"
         finally:

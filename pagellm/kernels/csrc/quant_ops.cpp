@@ -981,9 +981,15 @@ inline __m256i pack_codes(__m256 r0, __m256 r1, __m256 r2, __m256 r3) {
   return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Per 4-byte lane, the sum of u[i] * c[i] (u unsigned bytes, c signed; a pair's sum must fit 16 bits).
+// Per 4-byte lane, the sum of u[i] * c[i] (u unsigned bytes, c signed; a pair's sum must fit 16
+// bits, which every caller's codes do, so both forms give the same sums). CPUs with AVX-VNNI but
+// no AVX-512 (Intel's since Alder Lake) do it in one instruction, VEX-encoded VPDPBUSD.
 inline __m256i dot4(__m256i u, __m256i c) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, c);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, c), _mm256_set1_epi16(1));
+#endif
 }
 
 // As the AVX-512 quantize_activations, 8 lanes at a time: the same codes, scales and sums.

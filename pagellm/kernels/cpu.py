@@ -96,8 +96,9 @@ def _build(source: Path, what: str):
             logger.warning("pagellm: building the %s (once per version of their source; about 30 s)", what)
         start = time.monotonic()
         with build_lock(build_dir) if build_dir else contextlib.nullcontext():
-            module = load(name=name, sources=[str(source)], extra_cflags=["-O3", f"-march={envs.cpu_march()}", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], verbose=False)
+            module = load(name=name, sources=[str(source)],
+                          extra_cflags=["-O3", f"-march={envs.cpu_march()}", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                          verbose=False)
         if not built:
             logger.warning("pagellm: %s built in %.0f s", what, time.monotonic() - start)
         return module

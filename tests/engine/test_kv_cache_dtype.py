@@ -62,8 +62,8 @@ def test_chunks_prefix_hits_preemption_and_forks_read_what_a_plain_run_reads(tin
     got = _tokens_and_logprobs(tight.generate(prompts, params, use_tqdm=False))
     stats = tight.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    # Logprobs to ROUNDING_ATOL, as against transformers below: a chunk's K/V rows come out of products of
-    # another shape than the whole prompt's, equal up to the last float bits, and a row sitting on
+    # Logprobs to ROUNDING_ATOL, as against transformers below: a chunk's K/V rows come out of
+    # products of another shape than the whole prompt's, equal up to the last float bits, and a row sitting on
     # a rounding boundary of the 8-bit format can land on the other code (a position or block
     # bug moves logprobs by far more).
     for (wt, wl), (gt, gl) in zip(want, got, strict=True):

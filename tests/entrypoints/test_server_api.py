@@ -422,7 +422,8 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client):
     assert all(x <= 0 for x in lp.token_logprobs[1:])
     # 1e-3: scored in a prefill, the token's logits come through torch's attention; generated,
     # through the paged decode kernel, which sums in another order (1.2e-4 apart on an AVX2-only
-    # CPU, whose attention kernel takes the portable loops). A token or position off by one moves it far more.
+    # CPU, whose attention kernel takes the portable loops). A token or position off by one moves
+    # it far more.
     assert lp.token_logprobs[-1] == pytest.approx(generated_lp, abs=1e-3)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     # With tokens generated too, the echoed logprobs are the prompt's, then the completion's.

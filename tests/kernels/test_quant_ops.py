@@ -2,7 +2,8 @@
 kernel: rows widened exactly, and products within float32 summation error, for batch sizes
 that cover the fused kernel's groupings (1, 2, odd, past 8 rows, a tail of W's rows) and the
 tiled path; and the fallback without the compiled kernels gives the same results. The int8-
-activation kernel (AVX-512 VNNI or AVX2) equals the exact product of the blocks with x rounded as it documents."""
+activation kernel (AVX-512 VNNI or AVX2) equals the exact product of the blocks with x rounded as
+it documents."""
 from __future__ import annotations
 
 import numpy as np

@@ -150,7 +150,8 @@ INT8_KERNELS = getattr(quant_kernels(), "has_int8_activations", False)
 
 
 @pytest.mark.parametrize("activations, atol", [
-    ("none", 1e-4), pytest.param("int8", 0.05, marks=pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI"))])
+    ("none", 1e-4),
+    pytest.param("int8", 0.05, marks=pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI"))])
 def test_blocks_split_over_two_ranks_match_one(mixed_gguf, activations, atol):
     """Tensor parallelism over GGUF blocks: q/k/v and gate/up split by rows, o and down by columns
     at block boundaries, the ranks' partial sums all-reduced: one rank's tokens, and logprobs up

@@ -992,44 +992,61 @@ inline __m256i dot4(__m256i u, __m256i c) {
 #endif
 }
 
+// The scale of n values at x (n a multiple of 8), as the AVX-512 quantizers take it: d = max|x| / 127
+// and its inverse 127 / max|x|; a NaN or infinity makes d NaN (so are the products of that row)
+// and the inverse 0, an all-zero run the inverse 0.
+struct BlockScale {
+  float d, inv;
+};
+inline BlockScale block_scale(const float* x, int n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 mag = _mm256_setzero_ps();
+  int finite = 0xFF;
+  for (int k = 0; k < n; k += 8) {
+    const __m256 av = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k));
+    mag = _mm256_max_ps(mag, av);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(av, inf, _CMP_LT_OQ));  // false for NaN and infinities
+  }
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+  const bool ok = finite == 0xFF;
+  return {ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN(), ok && amax > 0.f ? 127.f / amax : 0.f};
+}
+
+// 32 values at x times inv, rounded half to even and saturated to int8: the codes stored at
+// `codes`; returns per 4-value lane their sum. With `residual`, the second codes (what rounding
+// left, times 128, as residual32 in the AVX-512 code) are stored there, and the lane sums are of
+// 128 c + r.
+inline __m256i round32(const float* x, __m256 inv, int8_t* codes, int8_t* residual) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256i ones = _mm256_set1_epi8(1);
+  __m256 v[4], r[4];
+  for (int q = 0; q < 4; ++q) {
+    v[q] = _mm256_loadu_ps(x + 8 * q);
+    r[q] = _mm256_round_ps(_mm256_mul_ps(v[q], inv), kNearest);
+  }
+  const __m256i c = pack_codes(r[0], r[1], r[2], r[3]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), c);
+  const __m256i sums = dot4(ones, c);
+  if (residual == nullptr) return sums;
+  const __m256 f = _mm256_set1_ps(128.f);
+  __m256 e[4];
+  for (int q = 0; q < 4; ++q) e[q] = _mm256_mul_ps(_mm256_fmsub_ps(v[q], inv, r[q]), f);
+  const __m256i res = pack_codes(e[0], e[1], e[2], e[3]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual), res);
+  return _mm256_add_epi32(_mm256_slli_epi32(sums, 7), dot4(ones, res));
+}
+
 // As the AVX-512 quantize_activations, 8 lanes at a time: the same codes, scales and sums.
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4), std::vector<float>(M * K / 32)};
-  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  const __m256i ones = _mm256_set1_epi8(1);
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t i = 0; i < M * K; i += 32) {
-    __m256 v[4], mag = _mm256_setzero_ps();
-    int finite = 0xFF;
-    for (int k = 0; k < 4; ++k) {
-      v[k] = _mm256_loadu_ps(x + i + 8 * k);
-      const __m256 av = _mm256_andnot_ps(sign, v[k]);
-      mag = _mm256_max_ps(mag, av);
-      finite &= _mm256_movemask_ps(_mm256_cmp_ps(av, inf, _CMP_LT_OQ));  // false for NaN and infinities
-    }
-    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
-    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-    const bool ok = finite == 0xFF;
-    const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-    const __m256 s = _mm256_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
-    __m256 r[4];
-    for (int k = 0; k < 4; ++k) r[k] = _mm256_round_ps(_mm256_mul_ps(v[k], s), kNearest);
-    const __m256i codes = pack_codes(r[0], r[1], r[2], r[3]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i), codes);
-    __m256i sums = dot4(ones, codes);
-    float lane_d = d;
-    if (two_terms) {
-      const __m256 f = _mm256_set1_ps(128.f);
-      __m256 e[4];
-      for (int k = 0; k < 4; ++k) e[k] = _mm256_mul_ps(_mm256_fmsub_ps(v[k], s, r[k]), f);
-      const __m256i res = pack_codes(e[0], e[1], e[2], e[3]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i), res);
-      sums = _mm256_add_epi32(_mm256_slli_epi32(sums, 7), dot4(ones, res));
-      lane_d = d / 128.f;
-    }
-    const __m256 dv = _mm256_set1_ps(lane_d);
+    const BlockScale s = block_scale(x + i, 32);
+    const __m256i sums = round32(x + i, _mm256_set1_ps(s.inv), a.codes.data() + i,
+                                 two_terms ? a.residual.data() + i : nullptr);
+    const __m256 dv = _mm256_set1_ps(two_terms ? s.d / 128.f : s.d);
     const __m256 lane_sums = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv);
     _mm256_storeu_ps(a.lane_sum.data() + i / 4, lane_sums);
     a.block_sum[i / 32] = reduce_add8(lane_sums);
@@ -1044,29 +1061,17 @@ inline __m256i shr(__m256i v, int s) { return _mm256_srli_epi16(v, s); }
 inline __m256i shl(__m256i v, int s) { return _mm256_slli_epi16(v, s); }
 
 // 32 values of a weight row: their codes in value order (unsigned; Q8_0's and Q6_K's signed), and
-// per 4-value lane a (dsc) and b (msc) of w = a * u + b.
+// per 4-value lane a (dsc) and b (msc) of w = a * u + b (b: Q4_0 and Q4_1 only).
 struct Half {
   __m256i u;
   __m256 dsc, msc;
 };
 
-// A K-quant super-block's scales as floats, decoded once for its 4 chunks. Q4_K / Q5_K: [0, 8) the
-// sub-blocks' d * sc, [8, 16) their mins times -dmin. Q6_K: the 16 groups' d * sc.
-template <int64_t T>
-inline void super_scales(const uint8_t* sb, float* s) {
-  if constexpr (T == Q6_K) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
-    const float d = half_at(sb + 208);
-    for (int g = 0; g < 16; ++g) s[g] = d * sc[g];
-  } else {
-    const float d = half_at(sb), dmin = half_at(sb + 2);
-    for (int j = 0; j < 8; ++j) {
-      uint8_t sc, m;
-      scale_min_k4(j, sb + 4, &sc, &m);
-      s[j] = d * sc;
-      s[8 + j] = -dmin * m;
-    }
-  }
+// A Q6_K super-block's 16 group scales d * sc as floats, decoded once for its 4 chunks.
+inline void q6_k_scales(const uint8_t* sb, float* s) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
+  const float d = half_at(sb + 208);
+  for (int g = 0; g < 16; ++g) s[g] = d * sc[g];
 }
 
 // The 32 codes of half h (0, 1) of chunk j (0..3) of a K-quant super-block sb, in value order:
@@ -1087,8 +1092,8 @@ inline __m256i k_codes(const uint8_t* sb, int j, int h) {
   }
 }
 
-// Half h (0, 1) of 64-value chunk c of a row of type T; for the K-quants, `s` holds its
-// super-block's scales (super_scales).
+// Half h (0, 1) of 64-value chunk c of a row of type T; for Q6_K, `s` holds its super-block's
+// scales (q6_k_scales).
 template <int64_t T>
 inline Half half_chunk(const uint8_t* row, int64_t c, int h, const float* s) {
   if constexpr (T == Q4_0 || T == Q4_1) {
@@ -1100,47 +1105,36 @@ inline Half half_chunk(const uint8_t* row, int64_t c, int h, const float* s) {
   } else if constexpr (T == Q8_0) {
     const uint8_t* b = row + (2 * c + h) * 34;
     return {load32(b + 2), _mm256_set1_ps(half_at(b)), _mm256_setzero_ps()};
-  } else {  // Q4_K / Q5_K: sub-block 2 j + h, its min summed per super-block; Q6_K: two groups
+  } else {  // Q6_K: two 16-value groups
     const int j = static_cast<int>(c % 4);
-    const __m256i u = k_codes<T>(row + (c / 4) * kSuperBytes<T>, j, h);
-    if constexpr (T == Q6_K)
-      return {u, _mm256_set_m128(_mm_set1_ps(s[4 * j + 2 * h + 1]), _mm_set1_ps(s[4 * j + 2 * h])),
-              _mm256_setzero_ps()};
-    return {u, _mm256_set1_ps(s[2 * j + h]), _mm256_setzero_ps()};
+    return {k_codes<T>(row + (c / 4) * kSuperBytes<T>, j, h),
+            _mm256_set_m128(_mm_set1_ps(s[4 * j + 2 * h + 1]), _mm_set1_ps(s[4 * j + 2 * h])), _mm256_setzero_ps()};
   }
 }
 
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time.
 // Per 32 values and row of x: VPMADDUBSW and VPMADDWD give the 8 lanes' integer sums (signed
 // codes, Q8_0's and Q6_K's: their magnitudes against x's codes with their signs, so a pair stays
-// within 16 bits and no offset term is left), then one convert and one or two FMAs. The K-quants go a super-block (4 chunks) at a time,
-// its scales decoded once; Q4_K / Q5_K's mins, constant over a 32-value block of x, are summed
-// once per super-block (8 mins against x's 8 block sums in one FMA), as in the AVX-512 int8_rows.
+// within 16 bits and no offset term is left), then one convert and one or two FMAs. Of the
+// K-quants only Q6_K with two codes comes here (super_activations), a super-block (4 chunks) at a
+// time, its scales decoded once.
 template <int64_t T, int M, int NR, bool kTwo>
 void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                int64_t n1) {
+  static_assert(T != Q4_K && T != Q5_K, "Q4_K and Q5_K take x per 256 values (int8_super_rows)");
   constexpr bool kSigned = T == Q8_0 || T == Q6_K;
-  constexpr bool kSuper = T == Q4_K || T == Q5_K || T == Q6_K;
-  constexpr bool kBlockMins = T == Q4_K || T == Q5_K;
-  constexpr bool kOffsets = !kSigned && !kBlockMins;  // a per-lane b * dx * sum(c) term
-  constexpr int kPer = kSuper ? 4 : 1;
+  constexpr int kPer = T == Q6_K ? 4 : 1;
   const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
-  alignas(32) float scales[NR][16];
+  float scales[NR][16];
   for (int64_t n = n0; n < n1; n += NR) {
-    __m256 acc[NR][M], mins[NR][M];
+    __m256 acc[NR][M];
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = mins[r][m] = _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     const bool fetch = n + ahead + NR <= n1;
     for (int64_t c0 = 0; c0 < chunks; c0 += kPer) {
-      if constexpr (kSuper)
-        for (int r = 0; r < NR; ++r) {
-          super_scales<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, scales[r]);
-          if constexpr (kBlockMins)
-            for (int m = 0; m < M; ++m)
-              mins[r][m] = _mm256_fmadd_ps(_mm256_load_ps(scales[r] + 8),
-                                           _mm256_loadu_ps(a.block_sum + m * K / 32 + 2 * c0), mins[r][m]);
-        }
+      if constexpr (T == Q6_K)
+        for (int r = 0; r < NR; ++r) q6_k_scales(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, scales[r]);
       for (int64_t c = c0; c < c0 + kPer; ++c) {
         if (fetch)
           for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
@@ -1160,13 +1154,13 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
               }
               const __m256 dx = _mm256_loadu_ps(a.scale + at / 4);
               acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wh.dsc, dx), acc[r][m]);
-              if constexpr (kOffsets) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.sum + at / 4), wh.msc, acc[r][m]);
+              if constexpr (!kSigned) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.sum + at / 4), wh.msc, acc[r][m]);
             }
           }
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]) + (kBlockMins ? reduce_add8(mins[r][m]) : 0.f);
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
   }
 }
 
@@ -1184,44 +1178,13 @@ struct LaneRows {
 ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), {}, {},
             std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K)};
-  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  const __m256i ones = _mm256_set1_epi8(1);
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t i = 0; i < M * K; i += QK_K) {
-    __m256 mag = _mm256_setzero_ps();
-    int finite = 0xFF;
-    for (int k = 0; k < QK_K; k += 8) {
-      const __m256 av = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + k));
-      mag = _mm256_max_ps(mag, av);
-      finite &= _mm256_movemask_ps(_mm256_cmp_ps(av, inf, _CMP_LT_OQ));
-    }
-    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
-    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-    const bool ok = finite == 0xFF;
-    const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-    const __m256 inv = _mm256_set1_ps(ok && amax > 0.f ? 127.f / amax : 0.f);
-    a.super_scale[i / QK_K] = d;
-    for (int k = 0; k < QK_K; k += 32) {
-      __m256 v[4], r[4];
-      for (int q = 0; q < 4; ++q) {
-        v[q] = _mm256_loadu_ps(x + i + k + 8 * q);
-        r[q] = _mm256_round_ps(_mm256_mul_ps(v[q], inv), kNearest);
-      }
-      const __m256i codes = pack_codes(r[0], r[1], r[2], r[3]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
-      const __m256i sums = dot4(ones, codes);
-      if (!two_terms) {
-        a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * d;
-        continue;
-      }
-      const __m256 f = _mm256_set1_ps(128.f);
-      __m256 e[4];
-      for (int q = 0; q < 4; ++q) e[q] = _mm256_mul_ps(_mm256_fmsub_ps(v[q], inv, r[q]), f);
-      const __m256i res = pack_codes(e[0], e[1], e[2], e[3]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.residual.data() + i + k), res);
-      const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(sums, 7), dot4(ones, res));
-      a.block_sum[(i + k) / 32] = reduce_add8(_mm256_cvtepi32_ps(both)) * (d / 128.f);
+    const BlockScale s = block_scale(x + i, QK_K);
+    const __m256 inv = _mm256_set1_ps(s.inv);
+    a.super_scale[i / QK_K] = s.d;
+    for (int64_t k = i; k < i + QK_K; k += 32) {
+      const __m256i sums = round32(x + k, inv, a.codes.data() + k, two_terms ? a.residual.data() + k : nullptr);
+      a.block_sum[k / 32] = reduce_add8(_mm256_cvtepi32_ps(sums)) * (two_terms ? s.d / 128.f : s.d);
     }
   }
   return a;
@@ -1487,7 +1450,8 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul", &gguf_matmul, "x @ W^T with W in GGUF blocks (CPU, float32; a few rows of x)");
-  m.def("gguf_matmul_int8", &gguf_matmul_int8, "x @ W^T with W in GGUF blocks and x rounded to int8 (CPU, AVX2 or VNNI)",
+  m.def("gguf_matmul_int8", &gguf_matmul_int8,
+        "x @ W^T with W in GGUF blocks and x rounded to int8 (CPU, AVX2 or VNNI)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false);
 #if defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("has_int8_activations") = true;

@@ -12,10 +12,10 @@ INT8_MAX_ROWS rows (32 against the K-quants in mode "int8") round their activati
 code per value (or two) and multiply them by the blocks with integer dot products (AVX-512 VNNI,
 or AVX2's byte products on CPUs without it: the same rounding), as llama.cpp does: one scale per
 32 values, or per 256 against the K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K)
-as llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode "int8" (prefills, and decode steps that a prefill joins) round
-their activations to bfloat16 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16):
-past 16 rows a product is compute-bound, and those tiles run 2-5x faster than float32 ones
-(benchmarks/quant_matmul.py). Otherwise, up to
+as llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode
+"int8" (prefills, and decode steps that a prefill joins) round their activations to bfloat16
+instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a product is
+compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Otherwise, up to
 FUSED_MAX_ROWS rows of activations (decode steps) run the fused kernel, which streams the blocks
 once and multiplies in float32; larger batches are compute-bound, and widen TILE_VALUES of the
 weight at a time for torch's GEMM (AVX-512 BF16 or AMX in bfloat16, so a bfloat16 model switches

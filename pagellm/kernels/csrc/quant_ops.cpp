@@ -556,7 +556,7 @@ constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 struct ActRows {
   std::vector<int8_t> codes, residual;
   std::vector<float> lane_scale, lane_sum;
-  std::vector<float> block_sum;  // per 32 values: the sum of its 8 lane sums (d * sum of codes)
+  std::vector<float> block_sum;    // quantize_super only: per 32 values, d * the sum of their codes (Q4_K / Q5_K's mins)
   std::vector<float> super_scale;  // quantize_super only: per 256 values, d (lane_scale, lane_sum empty)
   std::vector<int16_t> sums16;     // quantize_super for Q6_K only: per 16 values, the sum of their codes (its offset)
 };
@@ -601,7 +601,7 @@ inline __m256i residual32(__m512 v0, __m512 v1, __m512 inv, __m512 r0, __m512 r1
 
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
-            std::vector<float>(M * K / 4), std::vector<float>(M * K / 32)};
+            std::vector<float>(M * K / 4)};
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < M * K; i += 32) {
@@ -624,9 +624,7 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
       lane_d = d / 128.f;
     }
     const __m256 dv = _mm256_set1_ps(lane_d);
-    const __m256 lane_sums = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv);
-    _mm256_storeu_ps(a.lane_sum.data() + i / 4, lane_sums);
-    a.block_sum[i / 32] = reduce_add8(lane_sums);
+    _mm256_storeu_ps(a.lane_sum.data() + i / 4, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv));
     _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
   }
   return a;
@@ -691,7 +689,6 @@ inline __m256i and8(__m256i v, int m) { return _mm256_and_si256(v, _mm256_set1_e
 inline __m256i shr(__m256i v, int s) { return _mm256_srli_epi16(v, s); }
 inline __m256i shl(__m256i v, int s) { return _mm256_slli_epi16(v, s); }
 inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-inline __m512 halves(float lo, float hi) { return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1); }
 // Float16 values at a (2 or 4 bytes) and b, widened together: [a0, (a1,) b0, (b1)].
 inline __m128 halves_at(const uint8_t* a, const uint8_t* b, int bytes) {
   int32_t va = 0, vb = 0;
@@ -731,20 +728,11 @@ inline __m128i k4_scales_and_mins(const uint8_t* sb) {
   return _mm_or_si128(_mm_and_si128(lows, mask), _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
 }
 
-// A K-quant super-block's scales, decoded once for its 4 chunks and kept in a register. Q4_K and
-// Q5_K: lanes 0..7 the sub-blocks' d * sc, lanes 8..15 their mins times -dmin. Q6_K: the 16
-// groups' d * sc.
-template <int64_t T>
-inline __m512 super_scales(const uint8_t* sb) {
-  if constexpr (T == Q6_K)
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)))),
-                         _mm512_set1_ps(half_at(sb + 208)));
-  const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
-  const __m512 by = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
-                                          _mm512_castps128_ps512(dd));  // [d x 8, dmin x 8]
-  const __m512 sign = _mm512_castsi512_ps(
-      _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(static_cast<int>(0x80000000u)), 1));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_and_mins(sb))), _mm512_xor_ps(by, sign));
+// A Q6_K super-block's 16 groups' scales d * sc, decoded once for its 4 chunks and kept in a
+// register (int8_rows; Q4_K and Q5_K take x per 256 values, int8_super_rows).
+inline __m512 q6_k_scales(const uint8_t* sb) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)))),
+                       _mm512_set1_ps(half_at(sb + 208)));
 }
 
 // Quarter j of a Q4_K / Q5_K super-block: its 64 codes in value order (sub-blocks 2j, 2j + 1).
@@ -778,20 +766,15 @@ inline __m512i k6_codes(const uint8_t* sb, int j) {
   return _mm512_or_si512(low, top);
 }
 
-// Quarter j (64 values) of a K-quant super-block sb whose scales are `dm` (super_scales).
-template <int64_t T>
-inline Chunk super_chunk(const uint8_t* sb, int j, __m512 dm) {
-  if constexpr (T == Q6_K) {
-    const __m512 d = _mm512_permutexvar_ps(
-        _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 2, 4 * j + 2,
-                          4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3), dm);
-    return {k6_codes(sb, j), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
-  }
-  const __m512 dsc = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), dm);
-  return {k4_codes<T>(sb, j), dsc, _mm512_setzero_ps()};
+// Quarter j (64 values) of a Q6_K super-block sb whose scales are `dm` (q6_k_scales).
+inline Chunk q6_k_chunk(const uint8_t* sb, int j, __m512 dm) {
+  const __m512 d = _mm512_permutexvar_ps(
+      _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 2, 4 * j + 2,
+                        4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3), dm);
+  return {k6_codes(sb, j), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
 }
 
-// Chunk c of a row of a 32-value type: its blocks 2c and 2c + 1 (the K-quants: super_chunk).
+// Chunk c of a row of a 32-value type: its blocks 2c and 2c + 1 (Q6_K: q6_k_chunk).
 template <int64_t T>
 inline Chunk chunk(const uint8_t* row, int64_t c) {
   if constexpr (T == Q4_0) {
@@ -812,37 +795,27 @@ inline Chunk chunk(const uint8_t* row, int64_t c) {
 }
 
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time, prefetching
-// the rows ahead as matmul_rows does (measured there: Q4_K 1B gate/up 10.5 -> 17.9 GB/s).
-// Q4_K and Q5_K subtract a min per 32 values, which is constant over an activation block: their
-// min terms are summed once per super-block, 8 mins against the 8 blocks' code sums in one FMA,
-// instead of per 64-value chunk over 16 lanes (a third of the chunk's work at one row of x).
+// the rows ahead as matmul_rows does (measured there: Q4_K 1B gate/up 10.5 -> 17.9 GB/s). The
+// 32-value types, and Q6_K with two codes per value (the other K-quants: int8_super_rows).
 template <int64_t T, int M, int NR, bool kTwo>
 void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                int64_t n1) {
-  constexpr bool kBlockMins = T == Q4_K || T == Q5_K;
+  static_assert(T != Q4_K && T != Q5_K, "Q4_K and Q5_K take x per 256 values (int8_super_rows)");
   // chunk_bytes: a 64-value chunk's share of the row, for the prefetch (Q6_K's 52.5 rounds down).
   const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
   for (int64_t n = n0; n < n1; n += NR) {
     __m512 acc[NR][M];
-    __m256 mins[NR][M];
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps(), mins[r][m] = _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     const bool fetch = n + ahead + NR <= n1;
-    // K-quants a super-block (4 chunks) at a time, its scales decoded into a register first.
-    constexpr bool kSuper = T == Q4_K || T == Q5_K || T == Q6_K;
+    // Q6_K a super-block (4 chunks) at a time, its scales decoded into a register first.
+    constexpr bool kSuper = T == Q6_K;
     constexpr int kPer = kSuper ? 4 : 1;
     for (int64_t c0 = 0; c0 < chunks; c0 += kPer) {
       __m512 dm[NR];
       if constexpr (kSuper)
-        for (int r = 0; r < NR; ++r) {
-          dm[r] = super_scales<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>);
-          if constexpr (kBlockMins) {
-            const __m256 m8 = _mm512_extractf32x8_ps(dm[r], 1);
-            for (int m = 0; m < M; ++m)
-              mins[r][m] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a.block_sum + m * K / 32 + 2 * c0), mins[r][m]);
-          }
-        }
+        for (int r = 0; r < NR; ++r) dm[r] = q6_k_scales(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>);
 #pragma GCC unroll 4
       for (int j = 0; j < kPer; ++j) {
         const int64_t c = c0 + j;
@@ -850,7 +823,7 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
           for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
         for (int r = 0; r < NR; ++r) {
           Chunk ch;
-          if constexpr (kSuper) ch = super_chunk<T>(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, j, dm[r]);
+          if constexpr (kSuper) ch = q6_k_chunk(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, j, dm[r]);
           else ch = chunk<T>(w + (n + r) * row_bytes, c);
           for (int m = 0; m < M; ++m) {
             const int64_t at = m * K + 64 * c;
@@ -859,14 +832,13 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
               dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), ch.u, _mm512_loadu_si512(a.residual + at));
             const __m512 dx = _mm512_loadu_ps(a.scale + at / 4);
             acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ch.dsc, dx), acc[r][m]);
-            if constexpr (!kBlockMins) acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum + at / 4), ch.msc, acc[r][m]);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum + at / 4), ch.msc, acc[r][m]);
           }
         }
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m)
-        y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + (kBlockMins ? reduce_add8(mins[r][m]) : 0.f);
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
   }
 }
 
@@ -1041,15 +1013,13 @@ inline __m256i round32(const float* x, __m256 inv, int8_t* codes, int8_t* residu
 // As the AVX-512 quantize_activations, 8 lanes at a time: the same codes, scales and sums.
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
-            std::vector<float>(M * K / 4), std::vector<float>(M * K / 32)};
+            std::vector<float>(M * K / 4)};
   for (int64_t i = 0; i < M * K; i += 32) {
     const BlockScale s = block_scale(x + i, 32);
     const __m256i sums = round32(x + i, _mm256_set1_ps(s.inv), a.codes.data() + i,
                                  two_terms ? a.residual.data() + i : nullptr);
     const __m256 dv = _mm256_set1_ps(two_terms ? s.d / 128.f : s.d);
-    const __m256 lane_sums = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv);
-    _mm256_storeu_ps(a.lane_sum.data() + i / 4, lane_sums);
-    a.block_sum[i / 32] = reduce_add8(lane_sums);
+    _mm256_storeu_ps(a.lane_sum.data() + i / 4, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv));
     _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
   }
   return a;
@@ -1317,7 +1287,8 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
                       kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
-                      kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4, a.block_sum.data() + m0 * K / 32,
+                      kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4,
+                      kSuperActs ? a.block_sum.data() + m0 * K / 32 : nullptr,
                       a.sums16.empty() ? nullptr : a.sums16.data() + m0 * K / 16};
       const int64_t rows = std::min<int64_t>(group, M - m0);
       if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);

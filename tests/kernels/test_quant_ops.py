@@ -101,9 +101,12 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
     dense = reference(raw, qtype, cols).double()
     w = torch.from_numpy(raw)
     torch.manual_seed(1)
-    # The K-quants take x a 256-value super-block at a time, as llama.cpp's Q8_K (Q6_K with two codes: 32)
-    block = 256 if qtype in (T.Q4_K, T.Q5_K) or (qtype == T.Q6_K and activations == "int8") else 32
+    # The K-quants take x a 256-value super-block at a time, as llama.cpp's Q8_K; Q6_K with two codes
+    # per 32 values, but per 256 from the rows where AVX-512 VNNI builds join the two codes into 16 bits
+    wide_from = getattr(cpu.quant_kernels(), "int8x2_wide_min_rows", {}).get(int(qtype))
     for m in (1, 2, 3, 4, 6, 9, 24):
+        wide = activations == "int8x2" and wide_from is not None and m >= wide_from
+        block = 256 if qtype in (T.Q4_K, T.Q5_K) or (qtype == T.Q6_K and (activations == "int8" or wide)) else 32
         x = torch.randn(m, cols)
         x[0, 256:] = 0  # an all-zero block (and super-block): scale 0, no division by it
         ours = q.gguf_matmul(x, w, int(qtype), cols, activations=activations)
@@ -122,11 +125,19 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
                                              int(T.Q8_0), 32)
 
 
-def test_products_of_rows_past_the_integer_kernels_bound_are_the_float32_ones():
-    raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 256, seed=5))
-    x = torch.randn(q.INT8_MAX_ROWS["int8x2"] + 1, 256)
-    assert torch.equal(q.gguf_matmul(x, raw, int(T.Q4_0), 256, activations="int8x2"),
-                       q.gguf_matmul(x, raw, int(T.Q4_0), 256))
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
+def test_int8x2_products_take_the_integer_kernel_up_to_their_bound_and_the_float32_one_past_it(qtype):
+    # The bound depends on the type and the build (gguf.wide_int8_types): Q4_K's super-block kernel
+    # keeps winning to 32 rows, the 32-value types' only to a few with AVX-512's float32 kernel.
+    raw = torch.from_numpy(random_blocks(qtype, 8, 256, seed=5))
+    bound = q.int8_max_rows("int8x2", int(qtype))
+    assert bound in (q.INT8_MAX_ROWS["int8x2"], q.WIDE_INT8_MAX_ROWS)
+    assert qtype != T.Q4_K or bound == q.WIDE_INT8_MAX_ROWS
+    integer = getattr(cpu.quant_kernels(), "has_int8_activations", False)
+    for rows, rounded in ((bound, integer), (bound + 1, False)):
+        x = torch.randn(rows, 256)
+        ours = q.gguf_matmul(x, raw, int(qtype), 256, activations="int8x2")
+        assert torch.equal(ours, q.gguf_matmul(x, raw, int(qtype), 256)) != rounded, rows
 
 
 @pytest.mark.skipif(not (getattr(cpu.quant_kernels(), "has_int8_activations", False) and q.BF16_TILES),
@@ -144,7 +155,9 @@ def test_int8_mode_past_its_rows_multiplies_bfloat16_tiles(qtype):
     exact = q.gguf_matmul(x, raw, int(qtype), 512)
     assert not torch.equal(ours, exact)
     assert (ours - exact).abs().max() <= 2e-2 * exact.abs().max()  # bfloat16's 8 bits, summed over 512
-    assert torch.equal(q.gguf_matmul(x, raw, int(qtype), 512, activations="int8x2"), exact)
+    x = torch.randn(q.int8_max_rows("int8x2", int(qtype)) + 1, 512)  # int8x2 past its bound: never bfloat16
+    assert torch.equal(q.gguf_matmul(x, raw, int(qtype), 512, activations="int8x2"),
+                       q.gguf_matmul(x, raw, int(qtype), 512))
 
 
 def test_the_fallback_without_compiled_kernels_gives_the_same_results(monkeypatch):

@@ -556,9 +556,10 @@ constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 struct ActRows {
   std::vector<int8_t> codes, residual;
   std::vector<float> lane_scale, lane_sum;
-  std::vector<float> block_sum;    // quantize_super only: per 32 values, d * the sum of their codes (Q4_K / Q5_K's mins)
+  std::vector<float> block_sum;    // quantize_super only: per 32 values, d * the sum of their codes (for mins)
   std::vector<float> super_scale;  // quantize_super only: per 256 values, d (lane_scale, lane_sum empty)
   std::vector<int16_t> sums16;     // quantize_super for Q6_K only: per 16 values, the sum of their codes (its offset)
+  std::vector<int16_t> wide;       // quantize_super with `wide` only: 128 c + r per value (codes, residual empty)
 };
 
 // Rows m0.. of an ActRows, by pointer.
@@ -566,6 +567,7 @@ struct ActView {
   const int8_t *codes, *residual;
   const float *scale, *sum, *block_sum;
   const int16_t* sums16;
+  const int16_t* wide;
 };
 
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
@@ -636,10 +638,12 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
 // sub-blocks' integer scales apply to integer sums and a super-block converts to float once,
 // instead of every 64 values. block_sum as in quantize_activations (d * sum of codes per 32, with
 // two codes d / 128 * sum(128 c + r)); with `sums16` (Q6_K's offset term), those of the first codes.
-ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms, bool sums16) {
-  ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), {}, {},
+// `wide` (two codes only): each value's two codes as one 16-bit value 128 c + r instead
+// (wide_super_rows).
+ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms, bool sums16, bool wide = false) {
+  ActRows a{std::vector<int8_t>(wide ? 0 : M * K), std::vector<int8_t>(two_terms && !wide ? M * K : 0), {}, {},
             std::vector<float>(M * K / 32), std::vector<float>(M * K / QK_K),
-            std::vector<int16_t>(sums16 ? M * K / 16 : 0)};
+            std::vector<int16_t>(sums16 ? M * K / 16 : 0), std::vector<int16_t>(wide ? M * K : 0)};
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < M * K; i += QK_K) {
@@ -657,6 +661,18 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms, boo
     for (int k = 0; k < QK_K; k += 32) {
       const __m512 v0 = _mm512_loadu_ps(x + i + k), v1 = _mm512_loadu_ps(x + i + k + 16);
       const auto [r0, r1, codes] = round32(v0, v1, inv);
+      if (wide) {  // the same codes as round32 and residual32 (both in range: no saturation), joined
+        const __m512 f = _mm512_set1_ps(128.f);
+        const __m512i w0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtps_epi32(r0), 7),
+                                            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v0, inv, r0), f)));
+        const __m512i w1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtps_epi32(r1), 7),
+                                            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v1, inv, r1), f)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.wide.data() + i + k), _mm512_cvtepi32_epi16(w0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.wide.data() + i + k + 16), _mm512_cvtepi32_epi16(w1));
+        a.block_sum[(i + k) / 32] =
+            static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(w0, w1))) * (d / 128.f);
+        continue;
+      }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + i + k), codes);
       const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
       if (sums16) {
@@ -926,6 +942,85 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
   }
 }
 
+// int8_super_rows with two codes per value for several rows of x: x as one 16-bit value per value,
+// 128 c + r (quantize_super's `wide`), and the weight's codes widened to 16 bits and multiplied by
+// their sub-block's scale once per chunk for the whole group of x's rows (Q4_K / Q5_K: u * sc <=
+// 31 * 63; Q6_K: its offset folded in, (u - 32) * sc in [-4096, 4096]). Each row of x then costs one
+// VPDPWSSD per 32 values, where int8_super_rows' two codes cost two VPMADDUBSW + VPDPWSSD per 64:
+// at 16 rows, 1B shapes, Q4_K 4.7 -> 4.1 ms. The same integer sums as int8_super_rows (in other
+// lanes; a lane's at most 16 * 4096 * 16320 < 2^31), and Q6_K's per 256 values.
+template <int64_t T, int M, int NR>
+void wide_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                     int64_t n1) {
+  constexpr bool kK6 = T == Q6_K;
+  const int64_t supers = K / QK_K, chunk_bytes = row_bytes / (K / 64);
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m512 acc[NR][M];
+    __m256 mins[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps(), mins[r][m] = _mm256_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b = 0; b < supers; ++b) {
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* sb = w + (n + r) * row_bytes + b * kSuperBytes<T>;
+        alignas(16) int8_t sc[16];  // Q4_K / Q5_K: [sc0..7, m0..7] (6 bits); Q6_K: 16 signed scales
+        float d;
+        if constexpr (kK6) {
+          std::memcpy(sc, sb + 192, 16);
+          d = half_at(sb + 208);
+        } else {
+          const __m128i sm = k4_scales_and_mins(sb);
+          _mm_store_si128(reinterpret_cast<__m128i*>(sc), sm);
+          const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
+          d = _mm_cvtss_f32(dd);
+          const __m256 neg_m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                             _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+          for (int m = 0; m < M; ++m)
+            mins[r][m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b), mins[r][m]);
+        }
+        __m512i sums[M];
+        for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          if (fetch) prefetch(w + (n + ahead + r) * row_bytes + (4 * b + j) * chunk_bytes);
+          __m512i lo, hi;  // values 0..31 and 32..63 of the chunk, 16 bits each, times their scales
+          if constexpr (kK6) {
+            const __m512i q = _mm512_sub_epi8(k6_codes(sb, j), _mm512_set1_epi8(32));
+            lo = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(q)),
+                                    _mm512_inserti64x4(_mm512_set1_epi16(sc[4 * j]), _mm256_set1_epi16(sc[4 * j + 1]), 1));
+            hi = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(q, 1)),
+                                    _mm512_inserti64x4(_mm512_set1_epi16(sc[4 * j + 2]), _mm256_set1_epi16(sc[4 * j + 3]), 1));
+          } else {
+            if constexpr (T == Q4_K) {  // a byte's two nibbles are one code of each sub-block
+              const __m512i v = _mm512_cvtepu8_epi16(load32(sb + 16 + 32 * j));
+              lo = _mm512_and_si512(v, _mm512_set1_epi16(0x0F));
+              hi = _mm512_srli_epi16(v, 4);
+            } else {
+              const __m512i u = k4_codes<T>(sb, j);
+              lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u));
+              hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, 1));
+            }
+            lo = _mm512_mullo_epi16(lo, _mm512_set1_epi16(static_cast<uint8_t>(sc[2 * j])));
+            hi = _mm512_mullo_epi16(hi, _mm512_set1_epi16(static_cast<uint8_t>(sc[2 * j + 1])));
+          }
+          for (int m = 0; m < M; ++m) {
+            const int16_t* xm = a.wide + m * K + 256 * b + 64 * j;
+            sums[m] = _mm512_dpwssd_epi32(sums[m], lo, _mm512_loadu_si512(xm));
+            sums[m] = _mm512_dpwssd_epi32(sums[m], hi, _mm512_loadu_si512(xm + 32));
+          }
+        }
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]),
+                                      _mm512_set1_ps(d * (a.scale[m * supers + b] / 128.f)), acc[r][m]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m)
+        y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + (kK6 ? 0.f : reduce_add8(mins[r][m]));
+  }
+}
+
 // The row kernels as types, so that one switch serves both: int8_rows, and int8_super_rows.
 template <int64_t T, bool kTwo>
 struct LaneRows {
@@ -941,6 +1036,15 @@ struct SuperRows {
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
     int8_super_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+  }
+};
+
+template <int64_t T>
+struct WideRows {
+  template <int M, int NR>
+  static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+    wide_super_rows<T, M, NR>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
 
@@ -1280,17 +1384,26 @@ template <int64_t T, bool kTwo>
 void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
   constexpr bool kSuperActs = super_activations(T, kTwo);
-  const int64_t group = T == Q6_K && kTwo ? 4 : (K > 4096 ? 4 : 8);
+  const bool wide = !a.wide.empty(), super = kSuperActs || wide;  // wide: quantize_super's
+  const int64_t group = T == Q6_K && kTwo && !wide ? 4 : (K > 4096 ? 4 : 8);
   const int64_t pass = M > group ? std::max<int64_t>(2, kIntPassBytes / row_bytes / 2 * 2) : n1 - n0;
   for (int64_t p0 = n0; p0 < n1; p0 += pass) {
     const int64_t p1 = std::min(n1, p0 + pass);
     for (int64_t m0 = 0; m0 < M; m0 += group) {
-      const ActView v{a.codes.data() + m0 * K, kTwo ? a.residual.data() + m0 * K : nullptr,
-                      kSuperActs ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
-                      kSuperActs ? nullptr : a.lane_sum.data() + m0 * K / 4,
-                      kSuperActs ? a.block_sum.data() + m0 * K / 32 : nullptr,
-                      a.sums16.empty() ? nullptr : a.sums16.data() + m0 * K / 16};
+      const ActView v{wide ? nullptr : a.codes.data() + m0 * K, kTwo && !wide ? a.residual.data() + m0 * K : nullptr,
+                      super ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
+                      super ? nullptr : a.lane_sum.data() + m0 * K / 4,
+                      super ? a.block_sum.data() + m0 * K / 32 : nullptr,
+                      a.sums16.empty() ? nullptr : a.sums16.data() + m0 * K / 16,
+                      a.wide.empty() ? nullptr : a.wide.data() + m0 * K};
       const int64_t rows = std::min<int64_t>(group, M - m0);
+#if defined(PAGELLM_INT8_VNNI)
+      if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
+        if (wide) {
+          multiply_group<WideRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+          continue;
+        }
+#endif
       if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
       else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
     }
@@ -1300,7 +1413,7 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
 template <int64_t T>
 void int8_product(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                   int64_t n0, int64_t n1) {
-  if (a.residual.empty()) int8_multiply<T, false>(a, M, K, w, row_bytes, y, N, n0, n1);
+  if (a.residual.empty() && a.wide.empty()) int8_multiply<T, false>(a, M, K, w, row_bytes, y, N, n0, n1);
   else int8_multiply<T, true>(a, M, K, w, row_bytes, y, N, n0, n1);
 }
 #endif  // PAGELLM_INT8_ACTIVATIONS
@@ -1352,6 +1465,12 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
   return y;
 }
 
+// With two codes per value, the K-quants' products of at least this many rows of x take the 16-bit
+// kernel (wide_super_rows), whose per-chunk widening the rows share; fewer take int8_super_rows
+// (Q4_K, Q5_K) or int8_rows (Q6_K, x per 32 values). 1B shapes, ms at 1 / 2 / 4 / 16 rows, int8
+// codes against 16 bits: Q4_K 0.55 / 0.81 / 1.29 / 5.24 against 0.71 / 0.93 / 1.16 / 3.74, Q6_K
+// 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41.
+constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 4 : 0; }
 // x @ W^T with x rounded to int8 per 32 values (the int8-activation mode; see above). K a
 // multiple of 64. Not summed in a batch-invariant order: each row's sums do not depend on M, but
 // the mode is not the exact product the invariant mode promises.
@@ -1364,9 +1483,14 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  const ActRows a = super_activations(qtype, two_terms)
 #if defined(PAGELLM_INT8_VNNI)
-                        ? quantize_super(x.data_ptr<float>(), M, K, two_terms, qtype == Q6_K)
+  const bool wide = two_terms && wide_min_rows(qtype) > 0 && M >= wide_min_rows(qtype);
+#else
+  const bool wide = false;
+#endif
+  const ActRows a = wide || super_activations(qtype, two_terms)
+#if defined(PAGELLM_INT8_VNNI)
+                        ? quantize_super(x.data_ptr<float>(), M, K, two_terms, qtype == Q6_K && !wide, wide)
 #else
                         ? quantize_super(x.data_ptr<float>(), M, K, two_terms)
 #endif
@@ -1428,6 +1552,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_int8_activations") = true;
 #else
   m.attr("has_int8_activations") = false;
+#endif
+  // The float32 kernel's vector width: 16 lanes with AVX-512, 8 with AVX2 (0: portable loops), and
+  // the integer kernels' instruction set: layers/quant/gguf.py picks each mode's row bounds by them.
+#if defined(PAGELLM_INT8_VNNI)
+  m.attr("int8_kernel") = "avx512_vnni";
+  py::dict wide;  // two codes per value: the 16-bit kernel from this many rows, by GGUF type
+  for (int64_t t : {Q4_K, Q5_K, Q6_K}) wide[py::int_(t)] = wide_min_rows(t);
+  m.attr("int8x2_wide_min_rows") = wide;
+#elif defined(PAGELLM_INT8_ACTIVATIONS)
+  m.attr("int8_kernel") = "avx2";
+  m.attr("int8x2_wide_min_rows") = py::dict();
+#else
+  m.attr("int8_kernel") = "";
+  m.attr("int8x2_wide_min_rows") = py::dict();
+#endif
+#if defined(__AVX512F__)
+  m.attr("float_lanes") = 16;
+#elif defined(PAGELLM_VEC_DEQUANT)
+  m.attr("float_lanes") = 8;
+#else
+  m.attr("float_lanes") = 0;
 #endif
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)");
 }

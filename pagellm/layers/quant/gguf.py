@@ -8,11 +8,12 @@ segment, multiplied on its own, and the segments' outputs are concatenated. Rows
 with no kernel arrive dequantized (the loader warns) and form dense segments.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
-INT8_MAX_ROWS rows (32 against the K-quants in mode "int8") round their activations to one int8
+int8_max_rows rows (by mode, weight type and build, as measured) round their activations to one int8
 code per value (or two) and multiply them by the blocks with integer dot products (AVX-512 VNNI,
 or AVX2's byte products on CPUs without it: the same rounding), as llama.cpp does: one scale per
-32 values, or per 256 against the K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K)
-as llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode
+32 values, or per 256 against the K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K, and
+Q6_K in AVX-512 VNNI builds from 2 rows, whose two codes then join into one 16-bit value) as
+llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode
 "int8" (prefills, and decode steps that a prefill joins) round their activations to bfloat16
 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a product is
 compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Otherwise, up to
@@ -22,6 +23,8 @@ weight at a time for torch's GEMM (AVX-512 BF16 or AMX in bfloat16, so a bfloat1
 to tiles at fewer rows). Without a compiler the tiles are widened by gguf-py instead: slow, same results.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -41,16 +44,23 @@ _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
 # through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
 FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 # By activation_quantization: batches up to this many rows take the integer kernel, which beats the
-# float32 one there on the measured shapes (benchmarks/quant_matmul.py; int8 at 16 rows loses on
-# Q6_K only): int8x2's second code costs a second dot product per row of x, so it pays only while
-# unpacking the blocks dominates.
-INT8_MAX_ROWS = {"int8": 16, "int8x2": 2}
-# Mode "int8" against the K-quants, whose products take x a 256-value super-block at a time and
-# apply the sub-block scales to integer sums (csrc int8_super_rows): those still beat bfloat16
-# tiles at 32 rows (1B shapes: Q4_K gate/up 1.5x, Q6_K down 1.4x; at 48 Q6_K ties), where the
-# 32-value types lose from 16-24 rows on (benchmarks/results/quant-matmul-2026-12-03-q6k.json).
+# float32 one there on the measured shapes (benchmarks/quant_matmul.py): int8x2's second code costs a
+# second dot product per row of x, so against AVX-512's float32 kernel it pays only while unpacking
+# the blocks dominates (on 2026-12-04, Intel, quant-matmul-2026-12-04-native.json: it wins at 4 rows
+# on every shape, at 8 on half of them, at 16 on Q4_K only).
+INT8_MAX_ROWS = {"int8": 16, "int8x2": 4}
+# ... and up to WIDE_INT8_MAX_ROWS where the integer kernel keeps winning (wide_int8_types): in mode
+# int8 against the K-quants, whose products take x a 256-value super-block at a time and apply the
+# sub-block scales to integer sums (csrc int8_super_rows; 1B shapes at 32 rows: Q4_K gate/up 1.5x,
+# Q6_K down 1.4x faster than bfloat16 tiles, quant-matmul-2026-12-03-q6k.json), and against every
+# type where the CPU has no bfloat16 tiles to take over; in mode int8x2 against the K-quants where
+# the integer kernels are AVX-512 VNNI, whose products of several rows then join each value's two
+# codes into one 16-bit value (csrc wide_super_rows; at 16 rows Q4_K gate/up 3.7 ms against the
+# float32 kernel's 7.0, Q6_K down 2.4 against 3.7), and against every type in AVX2 builds, whose
+# float32 kernel (8 lanes, 16 registers) loses to two codes at every batch up to 32 on every shape
+# (quant-matmul-2026-12-04-avx2.json: 1.1-1.9x at 16 rows).
 K_QUANTS = frozenset(t for t, name in NATIVE_TYPES.items() if name.endswith("_K"))
-K_QUANT_INT8_MAX_ROWS = 32
+WIDE_INT8_MAX_ROWS = 32
 # Past INT8_MAX_ROWS, mode "int8" rounds the activations to bfloat16 for bfloat16 tiles, where the
 # CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX); "int8x2" keeps float32 products, since its
 # promise is ~15 bits per activation and bfloat16 keeps 8.
@@ -152,9 +162,22 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
 
 def int8_max_rows(activations: str, qtype: int) -> int:
     """The most rows of x a product in mode `activations` gives the integer kernel."""
-    if activations == "int8" and qtype in K_QUANTS:
-        return max(K_QUANT_INT8_MAX_ROWS, INT8_MAX_ROWS["int8"])
-    return INT8_MAX_ROWS[activations]
+    bound = INT8_MAX_ROWS[activations]
+    return max(bound, WIDE_INT8_MAX_ROWS) if qtype in wide_int8_types(activations) else bound
+
+
+@functools.cache
+def wide_int8_types(activations: str) -> frozenset[int]:
+    """The weight types whose products in mode `activations` take the integer kernel up to
+    WIDE_INT8_MAX_ROWS rows (see there), on this CPU and build."""
+    kernels = cpu.quant_kernels()
+    if activations == "int8":
+        return K_QUANTS if BF16_TILES else frozenset(NATIVE_TYPES)
+    if kernels is None:
+        return frozenset()
+    if getattr(kernels, "float_lanes", 16) < 16:
+        return frozenset(NATIVE_TYPES)
+    return K_QUANTS if getattr(kernels, "int8_kernel", "") == "avx512_vnni" else frozenset()
 
 
 def widened_product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:

@@ -53,6 +53,13 @@ class LLMEngine:
         source = load_model_source(config.model, config.load_format, quantization)
         logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,
                     _disk_size(source.path))
+        if device.type == "cpu" and source.weight_format == "gguf":
+            from pagellm.layers.quant.gguf import faster_activations_hint
+
+            hint = faster_activations_hint(config.activation_quantization, source.weight_format,
+                                           config.batch_invariant)
+            if hint:
+                logger.info(hint)
         self.model_path = source.path
         self.tokenizer: Tokenizer = source.tokenizer
         self.arch = source.arch

@@ -234,3 +234,14 @@ def test_types_without_a_kernel_are_dequantized_with_one_warning(mixed_gguf, tmp
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0.0,
                                                                          ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI")
+def test_start_up_log_names_the_faster_activation_modes_only_where_they_were_left_at_none(caplog):
+    with caplog.at_level(logging.INFO, logger="pagellm.engine"):
+        LLM(max_model_len=64, num_kv_blocks=8).shutdown()
+    assert "--activation-quantization int8x2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagellm.engine"):
+        LLM(max_model_len=64, num_kv_blocks=8, activation_quantization="int8x2").shutdown()
+    assert "loading" in caplog.text and "--activation-quantization" not in caplog.text

@@ -858,6 +858,21 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
   }
 }
 
+// Super-block b of a Q4_K / Q5_K row at sb: returns its d and sets `sm` to its scales and mins
+// [sc0..7, m0..7]; adds its mins' term, -dmin * m_j against x's per-32 sums (block_sum), into
+// mins[m] for each of the M rows of x (summed once per super-block, not per chunk).
+template <int M>
+inline float k4_super_header(const uint8_t* sb, const float* block_sum, int64_t K, int64_t b, __m256* mins,
+                             __m128i& sm) {
+  sm = k4_scales_and_mins(sb);
+  const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
+  const __m256 neg_m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                     _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+  for (int m = 0; m < M; ++m)
+    mins[m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(block_sum + m * K / 32 + 8 * b), mins[m]);
+  return _mm_cvtss_f32(dd);
+}
+
 // int8_rows for the K-quants against x from quantize_super. Per 64-value chunk and row of x:
 // VPMADDUBSW multiplies codes by x's codes and sums pairs into 16 bits (at most 2 * 63 * 127),
 // VPDPWSSD multiplies those by their sub-blocks' integer scales (Q4_K / Q5_K: 6-bit, per 32
@@ -901,16 +916,10 @@ void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
             sums[m] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), offset));
           }
         } else {
-          const __m128i sm = k4_scales_and_mins(sb);  // [sc0..7, m0..7]
+          __m128i sm;
+          d = k4_super_header<M>(sb, a.block_sum, K, b, mins[r], sm);
           sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));
-          const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
-          d = _mm_cvtss_f32(dd);
-          const __m256 neg_m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-                                             _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
-          for (int m = 0; m < M; ++m) {
-            mins[r][m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b), mins[r][m]);
-            sums[m] = second[m] = _mm512_setzero_si512();
-          }
+          for (int m = 0; m < M; ++m) sums[m] = second[m] = _mm512_setzero_si512();
         }
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
@@ -970,14 +979,9 @@ void wide_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
           std::memcpy(sc, sb + 192, 16);
           d = half_at(sb + 208);
         } else {
-          const __m128i sm = k4_scales_and_mins(sb);
+          __m128i sm;
+          d = k4_super_header<M>(sb, a.block_sum, K, b, mins[r], sm);
           _mm_store_si128(reinterpret_cast<__m128i*>(sc), sm);
-          const __m128 dd = halves_at(sb, sb, 4);  // [d, dmin, ...]
-          d = _mm_cvtss_f32(dd);
-          const __m256 neg_m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-                                             _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
-          for (int m = 0; m < M; ++m)
-            mins[r][m] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.block_sum + m * K / 32 + 8 * b), mins[r][m]);
         }
         __m512i sums[M];
         for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
@@ -987,10 +991,12 @@ void wide_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
           __m512i lo, hi;  // values 0..31 and 32..63 of the chunk, 16 bits each, times their scales
           if constexpr (kK6) {
             const __m512i q = _mm512_sub_epi8(k6_codes(sb, j), _mm512_set1_epi8(32));
-            lo = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(q)),
-                                    _mm512_inserti64x4(_mm512_set1_epi16(sc[4 * j]), _mm256_set1_epi16(sc[4 * j + 1]), 1));
-            hi = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(q, 1)),
-                                    _mm512_inserti64x4(_mm512_set1_epi16(sc[4 * j + 2]), _mm256_set1_epi16(sc[4 * j + 3]), 1));
+            // 16 values a scale: groups 4j, 4j + 1 in the low half, 4j + 2, 4j + 3 in the high one
+            const auto scales = [&](int g) {
+              return _mm512_inserti64x4(_mm512_set1_epi16(sc[g]), _mm256_set1_epi16(sc[g + 1]), 1);
+            };
+            lo = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(q)), scales(4 * j));
+            hi = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(q, 1)), scales(4 * j + 2));
           } else {
             if constexpr (T == Q4_K) {  // a byte's two nibbles are one code of each sub-block
               const __m512i v = _mm512_cvtepu8_epi16(load32(sb + 16 + 32 * j));

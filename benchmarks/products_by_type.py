@@ -63,20 +63,32 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--int8-max-rows", type=int, nargs="+", default=None,
+                    help="measure the integer mode with each of these row bounds (gguf.INT8_MAX_ROWS), in turn, "
+                         "twice: which bound serves a step of --streams fastest")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     llm = LLM(args.model, activation_quantization=args.activation_quantization, max_model_len=512,
               num_kv_blocks=64 * max(args.streams), max_num_seqs=max(args.streams))
     head_rows = llm.engine.runner.model.cfg.vocab_size
     load = os.getloadavg()
-    results = {str(b): measure(llm, b, args.tokens, args.rounds, head_rows) for b in args.streams}
+    if args.int8_max_rows:
+        results = {}
+        for repeat in (1, 2):  # alternating, so drift hits every bound alike
+            for bound in args.int8_max_rows:
+                gguf.INT8_MAX_ROWS[args.activation_quantization] = bound
+                for b in args.streams:
+                    results[f"{b} streams, bound {bound}, run {repeat}"] = measure(llm, b, args.tokens, args.rounds,
+                                                                                    head_rows)
+    else:
+        results = {str(b): measure(llm, b, args.tokens, args.rounds, head_rows) for b in args.streams}
     for b, r in results.items():
         print(b, json.dumps(r), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, {**metadata("products_by_type"), "model": args.model,
                      "activation_quantization": args.activation_quantization, "tokens": args.tokens,
-                     "rounds": args.rounds, "load_avg_before_after": [load, os.getloadavg()], "streams": results})
+                     "rounds": args.rounds, "int8_max_rows": args.int8_max_rows, "load_avg_before_after": [load, os.getloadavg()], "streams": results})
 
 
 if __name__ == "__main__":

@@ -46,9 +46,10 @@ FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 # By activation_quantization: batches up to this many rows take the integer kernel, which beats the
 # float32 one there on the measured shapes (benchmarks/quant_matmul.py): int8x2's second code costs a
 # second dot product per row of x, so against AVX-512's float32 kernel it pays only while unpacking
-# the blocks dominates (on 2026-12-04, Intel, quant-matmul-2026-12-04-native.json: it wins at 4 rows
-# on every shape, at 8 on half of them, at 16 on Q4_K only).
-INT8_MAX_ROWS = {"int8": 16, "int8x2": 4}
+# the blocks dominates (on 2026-12-04, Intel, quant-matmul-2026-12-04-native.json: alone, it wins at
+# 4 rows on every shape, at 8 on most; in whole decode steps, 8 against 4: SmolLM2 Q4_1 at 6 and 8
+# streams 1.4x faster, a 1B Q8_0 1.2-1.3x, 16 streams even: products-by-type-*-int8x2-bounds-*.json).
+INT8_MAX_ROWS = {"int8": 16, "int8x2": 8}
 # ... and up to WIDE_INT8_MAX_ROWS where the integer kernel keeps winning (wide_int8_types): in mode
 # int8 against the K-quants, whose products take x a 256-value super-block at a time and apply the
 # sub-block scales to integer sums (csrc int8_super_rows; 1B shapes at 32 rows: Q4_K gate/up 1.5x,

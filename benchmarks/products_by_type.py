@@ -88,7 +88,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, {**metadata("products_by_type"), "model": args.model,
                      "activation_quantization": args.activation_quantization, "tokens": args.tokens,
-                     "rounds": args.rounds, "int8_max_rows": args.int8_max_rows, "load_avg_before_after": [load, os.getloadavg()], "streams": results})
+                     "rounds": args.rounds, "int8_max_rows": args.int8_max_rows,
+                     "load_avg_before_after": [load, os.getloadavg()], "streams": results})
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ class LLMEngine:
         source = load_model_source(config.model, config.load_format, quantization)
         logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,
                     _disk_size(source.path))
-        if device.type == "cpu" and source.weight_format == "gguf":
+        if device.type == "cpu":
             from pagellm.layers.quant.gguf import faster_activations_hint
 
             hint = faster_activations_hint(config.activation_quantization, source.weight_format,

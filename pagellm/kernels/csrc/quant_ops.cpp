@@ -593,12 +593,16 @@ inline Rounded32 round32(__m512 v0, __m512 v1, __m512 inv) {
                                    _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)))};
 }
 
-// The second codes of 32 values v0, v1 that round32 rounded to r0, r1 with `inv`: what rounding
-// left, v * inv - r in [-1/2, 1/2] (one rounding: FMA), in steps of 1/128.
+// The second codes of 16 values v that round32 rounded to r with `inv`: what rounding left,
+// v * inv - r in [-1/2, 1/2] (one rounding: FMA), in steps of 1/128, as int32 in [-64, 64].
+inline __m512i residual16(__m512 v, __m512 inv, __m512 r) {
+  return _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v, inv, r), _mm512_set1_ps(128.f)));
+}
+
+// residual16 of 32 values v0, v1, as int8 codes.
 inline __m256i residual32(__m512 v0, __m512 v1, __m512 inv, __m512 r0, __m512 r1) {
-  const __m512 f = _mm512_set1_ps(128.f);
-  return _mm256_set_m128i(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v1, inv, r1), f))),
-                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v0, inv, r0), f))));
+  return _mm256_set_m128i(_mm512_cvtsepi32_epi8(residual16(v1, inv, r1)),
+                          _mm512_cvtsepi32_epi8(residual16(v0, inv, r0)));
 }
 
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
@@ -662,11 +666,8 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms, boo
       const __m512 v0 = _mm512_loadu_ps(x + i + k), v1 = _mm512_loadu_ps(x + i + k + 16);
       const auto [r0, r1, codes] = round32(v0, v1, inv);
       if (wide) {  // the same codes as round32 and residual32 (both in range: no saturation), joined
-        const __m512 f = _mm512_set1_ps(128.f);
-        const __m512i w0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtps_epi32(r0), 7),
-                                            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v0, inv, r0), f)));
-        const __m512i w1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtps_epi32(r1), 7),
-                                            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fmsub_ps(v1, inv, r1), f)));
+        const __m512i w0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtps_epi32(r0), 7), residual16(v0, inv, r0));
+        const __m512i w1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtps_epi32(r1), 7), residual16(v1, inv, r1));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.wide.data() + i + k), _mm512_cvtepi32_epi16(w0));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.wide.data() + i + k + 16), _mm512_cvtepi32_epi16(w1));
         a.block_sum[(i + k) / 32] =

@@ -189,9 +189,9 @@ def wide_int8_types(activations: str) -> frozenset[int]:
         return K_QUANTS if BF16_TILES else frozenset(NATIVE_TYPES)
     if kernels is None:
         return frozenset()
-    if getattr(kernels, "float_lanes", 16) < 16:
+    if kernels.float_lanes < 16:
         return frozenset(NATIVE_TYPES)
-    return K_QUANTS if getattr(kernels, "int8_kernel", "") == "avx512_vnni" else frozenset()
+    return K_QUANTS if kernels.int8_kernel == "avx512_vnni" else frozenset()
 
 
 def widened_product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:

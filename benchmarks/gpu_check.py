@@ -5,7 +5,8 @@
     python benchmarks/gpu_check.py --cpu-smoke     # here: every part's code on tiny shapes, < 1 minute
 
 Writes benchmarks/results/gpu_check-<date>-<machine>.json after every part, so a part that
-fails or runs out of time still leaves the others' figures. Parts, in order of importance:
+fails or runs out of time still leaves the others' figures. Parts (run in the order 2, 3, 1, 4, 5, so that a run cut short still
+brings back the kernels' figures):
 
 1. kernel_tests: pytest on tests/attention and tests/worker/test_cuda_graphs.py, compiled on the GPU;
    gguf_kernel_tests: tests/kernels/test_triton_gguf.py (the Triton GGUF product), compiled.
@@ -14,7 +15,9 @@ fails or runs out of time still leaves the others' figures. Parts, in order of i
    head dim 128, bf16, block sizes 16 and 32, in K/V bytes read per second, against torch's
    scaled_dot_product_attention on contiguous K/V (enable_gqa) in the same run; plus a small sweep
    of tile configs and split counts, so the defaults can be tuned from one run.
-4. e2e_8b, e2e_1b: offline throughput with random weights in the Llama-3-8B and Llama-3.2-1B
+4. graphs_vs_eager: greedy tokens and logprobs of CUDA-graph decode against the eager path, float32
+   and bfloat16, and against transformers in float32, on a small model with sharp attention.
+5. e2e_8b, e2e_1b: offline throughput with random weights in the Llama-3-8B and Llama-3.2-1B
    shapes (256 requests, prompts uniform in 64-512 tokens, 128 output tokens, ignore_eos):
    pagellm (Triton backend, CUDA-graph decode), transformers `generate` (static batch 256) and
    `generate_batch` (its continuous batching); and a roofline of pagellm's decode steps (weights
@@ -234,6 +237,8 @@ def kernel_tests(budget: float, cpu_smoke: bool, paths: tuple[str, ...] = ("test
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
     if cpu_smoke and smoke_filter:
         cmd += ["-k", smoke_filter]
+    elif not cpu_smoke and _has_module("xdist"):  # compiling the kernels is most of the time: in parallel
+        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget - 5)
     out = proc.stdout + proc.stderr
@@ -243,6 +248,12 @@ def kernel_tests(budget: float, cpu_smoke: bool, paths: tuple[str, ...] = ("test
     if proc.returncode != 0:
         raise RuntimeError(f"pytest exited {proc.returncode}: {out.splitlines()[-1] if out else ''}")
     return result
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 # ---- 2. copy bandwidth --------------------------------------------------------------------------------
@@ -349,7 +360,81 @@ def decode_8bit(q, k_cache, v_cache, tables, seq_lens, scale, out, device, iters
     return res
 
 
-# ---- 4. end to end -------------------------------------------------------------------------------------
+# ---- 4. CUDA graphs against eager, and against transformers -----------------------------------------------
+GREEDY_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024)
+
+
+def graphs_vs_eager(device: torch.device, cpu_smoke: bool) -> dict:
+    """Greedy tokens of the CUDA-graph decode against the eager path (same engine, enforce_eager),
+    in float32 and bfloat16, and both against transformers on the same weights in float32.
+
+    Weights of std 0.3 (write_random_model_dir) make attention sharp, so a graph that replays a
+    wrong position, block table or sequence length changes the tokens. Logprobs of the chosen tokens
+    are compared over each pair's common prefix."""
+    from pagellm import LLM, SamplingParams
+    from pagellm.model.synthetic import write_random_model_dir
+
+    n, new = (4, 8) if cpu_smoke else (24, 48)
+    prompts = make_prompts(n, 4, 40 if cpu_smoke else 300, GREEDY_SHAPE["vocab_size"], seed=1)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0)
+    result: dict = {"shape": GREEDY_SHAPE, "requests": n, "output_len": new}
+    runs: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_model_dir(Path(tmp) / "m", GREEDY_SHAPE, std=0.3)
+        for dtype in ("float32", "bfloat16"):
+            for mode in ("eager", "graphs"):
+                llm = LLM(model=model_dir, dtype=dtype, device=device.type, max_model_len=512, max_num_seqs=32,
+                          kv_cache_memory=1 << 28, enforce_eager=(mode == "eager"))
+                graphs = llm.engine.runner.cuda_graphs
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                runs[dtype, mode] = [(o.outputs[0].token_ids,
+                                      [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                                     for o in outs]
+                result[f"{dtype}_{mode}_graphs_captured"] = 0 if graphs is None else len(graphs.graphs)
+                del llm
+                cleanup()
+        reference = _hf_greedy(device, model_dir, prompts[: max(4, n // 2)], new)
+    for dtype in ("float32", "bfloat16"):
+        result[f"{dtype}_graphs_vs_eager"] = _agreement(runs[dtype, "graphs"], runs[dtype, "eager"])
+        result[f"{dtype}_graphs_vs_transformers_fp32"] = _agreement(runs[dtype, "graphs"][: len(reference)], reference)
+    return result
+
+
+def _agreement(a: list, b: list) -> dict:
+    """Identical greedy sequences, tokens matched before the first difference, and the largest
+    chosen-token logprob difference over each pair's common prefix."""
+    same = matched = total = 0
+    worst = 0.0
+    for (ta, la), (tb, lb) in zip(a, b):
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        same += ta == tb
+        matched += k
+        total += len(tb)
+        worst = max([worst] + [abs(x - y) for x, y in zip(la[:k], lb[:k])])
+    return {"identical_sequences": f"{same}/{len(b)}", "tokens_before_first_difference": f"{matched}/{total}",
+            "max_abs_logprob_diff": float(f"{worst:.3g}")}
+
+
+@torch.inference_mode()
+def _hf_greedy(device: torch.device, model_dir: str, prompts: list[list[int]], new: int) -> list:
+    """transformers' greedy tokens and their logprobs in float32, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        gen = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        toks = gen.sequences[0, len(p):].tolist()
+        lps = [torch.log_softmax(sc[0].float(), -1)[t].item() for sc, t in zip(gen.scores, toks)]
+        out.append((toks, lps))
+    del model
+    return out
+
+
+# ---- 5. end to end -------------------------------------------------------------------------------------
 def write_model_dir(path: Path, shape: dict) -> Path:
     """config.json of the shape and a byte-level tokenizer; no EOS, so nothing stops early."""
     from pagellm.model.synthetic import write_dummy_model_dir
@@ -367,7 +452,7 @@ def device_dummy_init(runner, seed: int = 0) -> None:
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in runner.model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):  # as ModelRunner.init_dummy_weights
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
@@ -419,14 +504,13 @@ def instrument_steps(runner, kv_bytes_per_token: int) -> list[dict]:
     steps: list[dict] = []
     execute = runner.execute
 
-    def timed(sched, *args, **kwargs):
-        items = sched.scheduled
-        decodes = [s for s in items if s.num_new_tokens == 1]
-        ctx = sum(s.start + s.num_new_tokens for s in decodes)
-        prefill_tokens = sum(s.num_new_tokens for s in items if s.num_new_tokens != 1)
+    def timed(plan, *args, **kwargs):
+        decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
+        ctx = sum(s.start + 1 for s in decodes)
+        prefill_tokens = sum(len(s.token_ids) for s in plan.seqs if len(s.token_ids) != 1)
         sync(runner.device)
         t0 = time.perf_counter()
-        out = execute(sched, *args, **kwargs)
+        out = execute(plan, *args, **kwargs)
         sync(runner.device)
         steps.append({"ms": (time.perf_counter() - t0) * 1e3, "decodes": len(decodes),
                       "prefill_tokens": prefill_tokens, "kv_bytes": ctx * kv_bytes_per_token})
@@ -624,14 +708,17 @@ def main() -> int:
                     else dict(batch=64, context=4096, heads=32, kv_heads=8, head_dim=128))
     sweep = [(16, 4, 2)] if smoke else [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
     splits = [2] if smoke else [1, 2, 4, 8]
+    # Figures first, then correctness, then end to end: a run cut short by the device's time still
+    # brings back the kernels' numbers.
     parts = [
-        ("kernel_tests", 150, kernel_tests, 150, smoke),
-        # The Triton GGUF product (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) compiled, against gguf-py's dequantization;
-        # needs the real gguf package (its wheel carried in .whl/).
-        ("gguf_kernel_tests", 40, kernel_tests, 40, smoke, ("tests/kernels/test_triton_gguf.py",), None),
         ("copy_bandwidth", 20, copy_part),
         ("decode_bandwidth", 90, decode_bandwidth, device, decode_shape, [4, 16] if smoke else [16, 32], sweep,
          splits, 3 if smoke else 30),
+        ("kernel_tests", 120, kernel_tests, 120, smoke),
+        # The Triton GGUF product (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) compiled, against gguf-py's dequantization;
+        # needs the real gguf package (its wheel carried in .whl/).
+        ("gguf_kernel_tests", 60, kernel_tests, 60, smoke, ("tests/kernels/test_triton_gguf.py",), None),
+        ("graphs_vs_eager", 60, graphs_vs_eager, device, smoke),
     ]
     if smoke:
         budgets = {"pagellm": 60, "hf_generate": 30, "hf_generate_batch": 45}

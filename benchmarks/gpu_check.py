@@ -128,12 +128,14 @@ class Report:
                 part.update(fn(*args) or {})
             part["status"] = "ok"
         except PartTimeout as e:
-            part.update(status="timeout", error=str(e))
+            part.update(getattr(e, "partial", {}), status="timeout", error=str(e))
         except Exception as e:  # one part's failure must not lose the others
-            part.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+            part.update(getattr(e, "partial", {}), status="error", error=f"{type(e).__name__}: {e}",
+                        traceback=traceback.format_exc()[-3000:])
         part["seconds"] = round(time.monotonic() - t0, 1)
         self.doc["parts"][name] = part
-        print(json.dumps({k: v for k, v in part.items() if k != "traceback"}, indent=1)[:3000], flush=True)
+        print(json.dumps({k: v for k, v in part.items() if k not in ("traceback", "tail")}, indent=1)[:3000],
+              flush=True)
         cleanup()
         self.write()
 
@@ -231,23 +233,48 @@ def machine_name(device: torch.device, cpu_smoke: bool) -> str:
 
 
 # ---- 1. kernel tests ---------------------------------------------------------------------------------
-def kernel_tests(budget: float, cpu_smoke: bool, paths: tuple[str, ...] = ("tests/attention",
-                                                                             "tests/worker/test_cuda_graphs.py"),
+def kernel_tests(budget: float, cpu_smoke: bool,
+                 paths: tuple[str, ...] = ("tests/attention/test_triton_kernels.py", "tests/attention/test_kv_format.py",
+                                           "tests/attention/test_triton_compile.py",
+                                           "tests/worker/test_cuda_graphs.py"),
                  smoke_filter: str | None = "choose_num_splits or batch_size_ladder") -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+    """pytest on `paths`, its output to a file as it runs: a run cut by the budget still says which
+    tests passed and failed. (tests/attention/test_torch_backend.py is the CPU backend's.)"""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=10", *paths]
     if cpu_smoke and smoke_filter:
         cmd += ["-k", smoke_filter]
     elif not cpu_smoke and _has_module("xdist"):  # compiling the kernels is most of the time: in parallel
         cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget - 5)
-    out = proc.stdout + proc.stderr
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out.splitlines()[-1])} \
-        if out.strip() else {}
-    result = {"returncode": proc.returncode, "counts": counts, "tail": out[-4000:]}
-    if proc.returncode != 0:
-        raise RuntimeError(f"pytest exited {proc.returncode}: {out.splitlines()[-1] if out else ''}")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            returncode = proc.wait(timeout=budget - 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            returncode = None
+        log.seek(0)
+        out = log.read()
+    results = re.findall(r"(PASSED|FAILED|ERROR|SKIPPED)\s+(\S+::\S+)|(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", out)
+    outcome = [(a or d, b or c) for a, b, c, d in results]
+    counts: dict = {}
+    for status, _ in outcome:
+        counts[status.lower()] = counts.get(status.lower(), 0) + 1
+    result = {"returncode": returncode, "counts": counts,
+              "failed": [name for status, name in outcome if status in ("FAILED", "ERROR")][:40],
+              "tail": out[-6000:]}
+    if returncode is None:
+        raise _with_partial(PartTimeout(f"pytest still running after {budget - 5:.0f} s"), result)
+    if returncode != 0:
+        raise _with_partial(RuntimeError(f"pytest exited {returncode}"), result)
     return result
+
+
+def _with_partial(error: Exception, partial: dict) -> Exception:
+    """An error that carries what the part measured before it (Report.run keeps it)."""
+    error.partial = partial
+    return error
 
 
 def _has_module(name: str) -> bool:
@@ -316,7 +343,7 @@ def decode_bandwidth(device: torch.device, shape: dict, block_sizes: list[int], 
         ms = median_ms(decode, device, warmup=3, iters=iters)
         entry["default"] = {"median_ms": round(ms, 4), "gb_per_s": gbs(kv_bytes, ms),
                             "vs_sdpa": round(kv_bytes / ms / 1e6 / sdpa_gbs, 3)}
-        variants = [(KernelConfig(block_n=bn, num_warps=w, num_stages=s), None) for bn, w, s in sweep]
+        variants = [(KernelConfig(block_n=bn, num_warps=w, num_stages=st), ns) for bn, w, st, ns in sweep]
         variants += [(None, ns) for ns in splits]
         for cfg, ns in variants:
             try:
@@ -482,6 +509,7 @@ def enable_gpu_path(llm, max_num_seqs: int) -> dict:
     else:
         info["backend"] = f"triton (swapped in by gpu_check; the runner chose {type(runner.backend).__name__})"
         backend = TritonAttentionBackend()
+        backend.kv_format = runner.kv_format
         runner.backend = backend
         for layer in runner.model.layers:
             layer.self_attn.backend = backend
@@ -551,7 +579,9 @@ def e2e(device: torch.device, shape_name: str, n: int, lo: int, hi: int, new: in
     result["prompt_tokens"] = sum(map(len, prompts))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / shape_name, shape)
-        for system, fn in (("pagellm", _pagellm), ("hf_generate", _hf_generate), ("hf_generate_batch", _hf_batch)):
+        systems = (("pagellm", _pagellm), ("pagellm_kv_fp8", functools.partial(_pagellm, kv_cache_dtype="fp8_e4m3")),
+                   ("hf_generate", _hf_generate), ("hf_generate_batch", _hf_batch))
+        for system, fn in systems:
             if not budgets.get(system):
                 result[system] = {"skipped": True}
                 continue
@@ -569,14 +599,15 @@ def e2e(device: torch.device, shape_name: str, n: int, lo: int, hi: int, new: in
     return result
 
 
-def _pagellm(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke) -> dict:
+def _pagellm(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke, kv_cache_dtype: str = "auto") -> dict:
+    """pagellm's offline throughput; with an 8-bit `kv_cache_dtype`, without the profile."""
     from pagellm import LLM, SamplingParams
     from pagellm.worker import model_runner as mr
 
     res: dict = {}
-    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * \
-        shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"]) * \
-        (2 if device.type == "cuda" else 4)
+    head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    row_bytes = (head_dim + 2) if kv_cache_dtype != "auto" else head_dim * (2 if device.type == "cuda" else 4)
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * row_bytes
     need = len(prompts) * (max(map(len, prompts)) + new) * kv_per_token
     original_init = mr.ModelRunner.init_dummy_weights
     if device.type == "cuda":
@@ -586,7 +617,8 @@ def _pagellm(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke) -> di
     try:
         llm = LLM(model=str(model_dir), load_format="dummy", dtype="bfloat16" if device.type == "cuda" else "float32",
                   device=device.type, max_model_len=min(1024, shape["max_position_embeddings"]), max_num_seqs=256,
-                  max_num_batched_tokens=8192, kv_cache_memory=int(need * 1.25) + (1 << 28))
+                  max_num_batched_tokens=8192, kv_cache_memory=int(need * 1.25) + (1 << 28),
+                  kv_cache_dtype=kv_cache_dtype)
     finally:
         mr.ModelRunner.init_dummy_weights = original_init
     res["init_s"] = round(time.monotonic() - t0, 1)
@@ -610,8 +642,42 @@ def _pagellm(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke) -> di
     res.update(elapsed_s=round(elapsed, 2), generated_tokens=generated, tok_per_s=round(generated / elapsed, 1),
                total_tok_per_s=round((generated + sum(map(len, prompts))) / elapsed, 1),
                roofline=roofline(steps, weight_bytes, bandwidth.get("gb_per_s_read_plus_write")))
+    res["kv_cache_dtype"] = kv_cache_dtype
+    steps.clear()
+    if device.type == "cuda" and kv_cache_dtype == "auto":
+        res["profile"] = {
+            # One prefill of 8192 tokens (16 prompts of 512), then decode at batch 256 (256 prompts
+            # of 16 tokens: one prefill step of 4096 tokens, then 16 decode steps).
+            "prefill_16x512": profile_generate(llm, [p[:16] * 32 for p in prompts[:16]], 1, device),
+            "decode_256x16": profile_generate(llm, [p[:16] for p in prompts[:256]], 17, device),
+        }
     del llm, model
     return res
+
+
+def profile_generate(llm, prompts: list[list[int]], new: int, device: torch.device, top: int = 15) -> dict:
+    """Wall time of one generate call against the GPU time of its kernels (a GPU busy far less than
+    the wall is waiting on the host), and the kernels that took the most GPU time."""
+    from pagellm import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sync(device)
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            sync(device)
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+        kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        return {"wall_ms": round(wall_ms, 1), "kernel_ms": round(gpu_ms, 1),
+                "gpu_busy_fraction": round(gpu_ms / wall_ms, 3),
+                "top_kernels": [{"name": e.key[:120], "calls": e.count,
+                                 "ms": round(e.self_device_time_total / 1e3, 2)} for e in kernels[:top]]}
+    except Exception as e:  # the figures above must not be lost to a profiler problem
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _hf_model(device, model_dir):
@@ -653,7 +719,9 @@ def _hf_batch(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke) -> d
 
     model = _hf_model(device, model_dir)
     gen_cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode():
+    # no_grad, not inference_mode: generate_batch runs its loop in a thread of its own, where
+    # tensors made here in inference mode cannot be updated in place.
+    with torch.no_grad():
         if cpu_smoke:  # each call costs ~20 s of thread hand-offs on a CPU: one short call shows the path works
             prompts = prompts[:2]
         else:
@@ -706,7 +774,10 @@ def main() -> int:
 
     decode_shape = (dict(batch=2, context=64, heads=4, kv_heads=2, head_dim=16) if smoke
                     else dict(batch=64, context=4096, heads=32, kv_heads=8, head_dim=128))
-    sweep = [(16, 4, 2)] if smoke else [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
+    # (block_n, num_warps, num_stages, num_splits; None: the automatic choice)
+    sweep = [(16, 4, 2, None)] if smoke else [(32, 4, 2, None), (64, 4, 3, None), (128, 4, 2, None), (128, 8, 3, None),
+                                               (128, 4, 2, 1), (128, 4, 3, 1), (128, 8, 2, 1), (64, 8, 2, 1),
+                                               (64, 4, 2, 2), (128, 4, 2, 2)]
     splits = [2] if smoke else [1, 2, 4, 8]
     # Figures first, then correctness, then end to end: a run cut short by the device's time still
     # brings back the kernels' numbers.
@@ -721,14 +792,16 @@ def main() -> int:
         ("graphs_vs_eager", 60, graphs_vs_eager, device, smoke),
     ]
     if smoke:
-        budgets = {"pagellm": 60, "hf_generate": 30, "hf_generate_batch": 45}
+        budgets = {"pagellm": 60, "pagellm_kv_fp8": 60, "hf_generate": 30, "hf_generate_batch": 45}
         parts.append(("e2e_tiny", 90, e2e, device, "tiny", 6, 8, 24, 6, budgets, bandwidth, True))
     else:
         hf = 0 if args.skip_hf else 1
-        parts.append(("e2e_8b", 60 + hf * 110, e2e, device, "8b", 256, 64, 512, 128,
-                      {"pagellm": 60, "hf_generate": 45 * hf, "hf_generate_batch": 60 * hf}, bandwidth, False))
-        parts.append(("e2e_1b", 45 + hf * 70, e2e, device, "1b", 256, 64, 512, 128,
-                      {"pagellm": 45, "hf_generate": 30 * hf, "hf_generate_batch": 40 * hf}, bandwidth, False))
+        parts.append(("e2e_8b", 100 + hf * 110, e2e, device, "8b", 256, 64, 512, 128,
+                      {"pagellm": 60, "pagellm_kv_fp8": 40, "hf_generate": 45 * hf, "hf_generate_batch": 60 * hf},
+                      bandwidth, False))
+        parts.append(("e2e_1b", 70 + hf * 70, e2e, device, "1b", 256, 64, 512, 128,
+                      {"pagellm": 45, "pagellm_kv_fp8": 25, "hf_generate": 30 * hf, "hf_generate_batch": 40 * hf},
+                      bandwidth, False))
     if stubbed:
         skip.add("gguf_kernel_tests")
     for name, budget, fn, *fargs in parts:

@@ -36,7 +36,7 @@ from pagellm.layers.quant import gguf as q
 from pagellm.layers.quant.int_weights import Int4LinearMethod, Int8LinearMethod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.kernels.test_quant_ops import random_blocks  # noqa: E402
+from tests.kernels.gguf_blocks import random_blocks  # noqa: E402
 
 SHAPES = [  # (name, type, rows N, cols K)
     ("smollm2 gate_up", T.Q4_1, 3072, 576),

@@ -37,8 +37,9 @@ exceed 2**31 elements on a large GPU.
 are uint8 [num_blocks, block_size, num_kv_heads, head_dim + 2]: each row's codes, then its
 float16 scale. `store_kv` computes the scale and the codes (rounded to nearest even with integer
 and float32 operations, not the GPU's fp8 conversions: Triton's interpreter truncates those, and
-the bytes must be the ones KVFormat.encode gives in torch); the attention kernels widen the codes
-of each tile as they load it and multiply by the row's scale, in registers.
+the bytes must be the ones KVFormat.encode gives in torch); the attention kernels take each tile's
+codes as float16 (exact) into the products and apply the rows' scales to the scores and the
+probabilities, one factor per key.
 """
 from __future__ import annotations
 
@@ -167,20 +168,24 @@ def _quant_flags(kv_format: KVFormat | None) -> dict:
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_rows(cache_ptr, row, valid, d, mask, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
-    """8-bit rows starting at `row` [BLOCK_N] as float32 values [BLOCK_N, DIM_PAD]: codes widened
-    (fp8 through float16, whose fields they fit), times the row's float16 scale."""
+    """8-bit rows starting at `row` [BLOCK_N]: the codes as float16 [BLOCK_N, DIM_PAD] and each
+    row's scale as float32 [BLOCK_N], value = code * scale. Every code of the three formats is a
+    float16 exactly (and a bfloat16), so the tile goes into tl.dot as it is and the scale is applied
+    to the scores (K) and the probabilities (V), one factor per key: scaling the tile itself would
+    widen it to float32 first, twice the registers of the 16-bit tile the plain path holds."""
     c = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0)
-    if QUANT == 1:
-        x = c.to(tl.int8, bitcast=True).to(tl.float32)
-    elif QUANT == 2:  # e4m3's fields placed in a float16's read 2**8 too small (see the CPU kernel)
-        c16 = c.to(tl.int16)
-        x = (((c16 & 0x80) << 8) | ((c16 & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    else:  # e5m2 is a float16's top byte
-        x = (c.to(tl.int16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
     lo = tl.load(cache_ptr + row + HEAD_DIM, mask=valid, other=0).to(tl.int16)
     hi = tl.load(cache_ptr + row + HEAD_DIM + 1, mask=valid, other=0).to(tl.int16)
     scale = ((hi << 8) | lo).to(tl.float16, bitcast=True).to(tl.float32)
-    return x * scale[:, None]
+    if QUANT == 1:
+        x = c.to(tl.int8, bitcast=True).to(tl.float16)
+    elif QUANT == 2:  # e4m3's fields placed in a float16's read 2**8 too small (see the CPU kernel)
+        c16 = c.to(tl.int16)
+        x = (((c16 & 0x80) << 8) | ((c16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        scale = scale * 256.0
+    else:  # e5m2 is a float16's top byte
+        x = (c.to(tl.int16) << 8).to(tl.float16, bitcast=True)
+    return x, scale
 
 
 @triton.jit
@@ -188,17 +193,20 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_
                   head_offset, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
     """K and V ([BLOCK_N, DIM_PAD]) of positions `pos` of one sequence, read through its block
     table row `table`: a tile may span several pages, so each position looks up its block.
-    8-bit caches (QUANT > 0) come back as float32 values."""
+    8-bit caches (QUANT > 0) come back as float16 codes with their rows' scales (k_scale,
+    v_scale [BLOCK_N] float32, see _decode_rows); plain caches with placeholders for those."""
     block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
     row = block * stride_cb + (pos % block_size) * stride_cs + head_offset
     mask = valid[:, None] & d_mask[None, :]
     if QUANT == 0:
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
+        k_scale = valid  # unused: _attend_tile reads the scales only when QUANT > 0
+        v_scale = valid
     else:
-        k = _decode_rows(k_cache_ptr, row, valid, d, mask, HEAD_DIM, QUANT)
-        v = _decode_rows(v_cache_ptr, row, valid, d, mask, HEAD_DIM, QUANT)
-    return k, v
+        k, k_scale = _decode_rows(k_cache_ptr, row, valid, d, mask, HEAD_DIM, QUANT)
+        v, v_scale = _decode_rows(v_cache_ptr, row, valid, d, mask, HEAD_DIM, QUANT)
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
@@ -211,8 +219,8 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+def _attend_tile(q, k, v, k_scale, v_scale, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, QUANT: tl.constexpr):
     """One online-softmax step (base 2) over a K/V tile, scores where `keep` is false masked
     out. Returns the new running max, sum and accumulator.
 
@@ -220,10 +228,16 @@ def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION: tl.
     passes qk_scale = scale / c and softcap = c * log2(e): score = softcap * tanh(q.k * qk_scale),
     that is c * tanh(scale * q.k / c) in log2 units. MAY_BE_EMPTY: some row may have every score
     of this tile (and of all before it) masked, so its running max is still -inf; exponents are
-    then taken against 0 instead, which keeps them 0 rather than NaN."""
-    k = k.to(q.dtype)  # 8-bit tiles come widened to float32
+    then taken against 0 instead, which keeps them 0 rather than NaN.
+
+    8-bit tiles (QUANT > 0) are codes: q.(code * scale) = (q.code) * scale, so each key's scale
+    multiplies its score column, and each value's scale its probability column before the second
+    product (the running sum l_i takes the probabilities unscaled)."""
+    k = k.to(q.dtype)  # 8-bit tiles come as float16 codes
     v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if QUANT > 0:
+        s = s * k_scale[None, :]
     if HAS_SOFTCAP:
         s = _tanh(s) * softcap
     s = tl.where(keep, s, float("-inf"))
@@ -234,6 +248,8 @@ def _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION: tl.
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if QUANT > 0:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -293,13 +309,13 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
         valid = pos < hi
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
-                             stride_cb, stride_cs, kvh * stride_ch, HEAD_DIM, QUANT)
+        k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
+                                               stride_cb, stride_cs, kvh * stride_ch, HEAD_DIM, QUANT)
         keep = valid
         if HAS_WINDOW:
             keep = keep & (pos >= win_start)
-        m_i, l_i, acc = _attend_tile(q, k, v, keep[None, :], m_i, l_i, acc, qk_scale, softcap, PRECISION,
-                                     HAS_SOFTCAP, False)
+        m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, keep[None, :], m_i, l_i, acc, qk_scale, softcap,
+                                     PRECISION, HAS_SOFTCAP, False, QUANT)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -364,8 +380,10 @@ class KernelConfig:
     block_m: int = 16
 
 
-# Enough programs for a few per multiprocessor, so that the last wave is not mostly idle.
-_DECODE_PROGRAMS_PER_SM = 4
+# Enough programs for a couple per multiprocessor, so that the last wave is not mostly idle; past
+# that a split only adds its partial write and the combine (on an H200, B=64 x 8 KV heads, 3.9
+# programs per SM, read its K/V faster unsplit than in two splits: benchmarks/results/gpu_check-*).
+_DECODE_PROGRAMS_PER_SM = 2
 # Below this many tokens a split's fixed cost (loading q, writing a partial) outweighs its work.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 32
@@ -567,15 +585,15 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
         valid = pos < hi
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
-                             stride_cb, stride_cs, kvh * stride_ch, HEAD_DIM, QUANT)
+        k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
+                                               stride_cb, stride_cs, kvh * stride_ch, HEAD_DIM, QUANT)
         keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             keep = keep & (pos[None, :] > q_pos[:, None] - sliding_window)
         # Without a window every row sees position 0 in the first tile, so the running max is
         # finite from then on; with one, a later row may see nothing in the first tiles.
-        m_i, l_i, acc = _attend_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, softcap, PRECISION,
-                                     HAS_SOFTCAP, HAS_WINDOW)
+        m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, keep, m_i, l_i, acc, qk_scale, softcap,
+                                     PRECISION, HAS_SOFTCAP, HAS_WINDOW, QUANT)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if HAS_SINKS:

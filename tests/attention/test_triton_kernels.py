@@ -183,7 +183,9 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 131072, 132) == 32
     # A short context never makes splits shorter than their fixed cost.
     assert choose_num_splits(1, 8, 300, 132) == 1
-    assert choose_num_splits(64, 8, 4096, 132) == 2
+    # 512 programs are enough for 132 multiprocessors; 128 are not.
+    assert choose_num_splits(64, 8, 4096, 132) == 1
+    assert choose_num_splits(16, 8, 4096, 132) == 3
 
 
 # ---- prefill / extend ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pagellm.attention.torch_backend import INVARIANT_RUN
 from pagellm.kernels import cpu
 from pagellm.layers.invariant import check_in_features, invariant_linear
 from pagellm.layers.quant import gguf as q
-from tests.kernels.test_quant_ops import random_blocks, reference
+from tests.kernels.gguf_blocks import random_blocks, reference
 
 pytestmark = pytest.mark.skipif(cpu.quant_kernels() is None or not cpu.available(),
                                 reason="no compiler for the CPU kernels")

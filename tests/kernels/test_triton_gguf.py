@@ -23,7 +23,7 @@ def test_matches_the_dequantized_product(qtype, m, n, k):
     rng = np.random.default_rng(7)
     if qtype in (T.Q4_K, T.Q6_K):
         # gguf-py cannot quantize to K-quants: random block bytes with finite float16 scales.
-        from tests.kernels.test_quant_ops import random_blocks
+        from tests.kernels.gguf_blocks import random_blocks
 
         raw = random_blocks(qtype, n, k, seed=7)
     else:

@@ -1,39 +1,43 @@
 #!/usr/bin/env python3
-"""The prepared GPU check (issue 6): kernel tests, bandwidths, end-to-end throughput, roofline.
+"""The prepared GPU check: kernel tests, bandwidths, greedy agreement, end-to-end throughput.
 
     bash benchmarks/gpu_check.sh                   # on the GPU machine, from the repository root
-    python benchmarks/gpu_check.py --cpu-smoke     # here: every part's code on tiny shapes, < 1 minute
+    python benchmarks/gpu_check.py --cpu-smoke     # here: every part's code on tiny shapes, ~2 minutes
 
-Writes benchmarks/results/gpu_check-<date>-<machine>.json after every part, so a part that
-fails or runs out of time still leaves the others' figures. Parts (run in the order 2, 3, 1, 4, 5, so that a run cut short still
-brings back the kernels' figures):
+Writes benchmarks/results/gpu_check-<date>-<machine>.json after every part, so a part that fails
+or runs out of time still leaves the others' figures; docs/gpu.md's tables are generated from
+those files (`python -m pagellm.bench.gpu_tables`). Parts, in the order they run (figures first,
+so a run cut short still brings back the kernels' numbers):
 
-1. kernel_tests: pytest on tests/attention and tests/worker/test_cuda_graphs.py, compiled on the GPU;
-   gguf_kernel_tests: tests/kernels/test_triton_gguf.py (the Triton GGUF product), compiled.
-2. copy_bandwidth: a device-to-device copy, bytes read plus written per second.
-3. decode_bandwidth: the paged decode kernel at B=64, context 4096, 32 query heads, 8 KV heads,
+1. copy_bandwidth: a device-to-device copy, bytes read plus written per second.
+2. decode_bandwidth: the paged decode kernel at B=64, context 4096, 32 query heads, 8 KV heads,
    head dim 128, bf16, block sizes 16 and 32, in K/V bytes read per second, against torch's
-   scaled_dot_product_attention on contiguous K/V (enable_gqa) in the same run; plus a small sweep
-   of tile configs and split counts, so the defaults can be tuned from one run.
+   scaled_dot_product_attention on contiguous K/V (enable_gqa), the two timed in alternating
+   rounds after the GPU's clock is warmed; a sweep of tile configs and split counts; the 8-bit
+   KV formats against bf16, also alternating.
+3. kernel_tests: the Triton kernel and CUDA-graph tests compiled on the GPU (in parallel
+   processes, logged as they run); gguf_kernel_tests: the Triton GGUF product, compiled.
 4. graphs_vs_eager: greedy tokens and logprobs of CUDA-graph decode against the eager path, float32
    and bfloat16, and against transformers in float32, on a small model with sharp attention.
 5. e2e_8b, e2e_1b: offline throughput with random weights in the Llama-3-8B and Llama-3.2-1B
    shapes (256 requests, prompts uniform in 64-512 tokens, 128 output tokens, ignore_eos):
-   pagellm (Triton backend, CUDA-graph decode), transformers `generate` (static batch 256) and
-   `generate_batch` (its continuous batching); and a roofline of pagellm's decode steps (weights
-   plus KV bytes per step over the measured copy bandwidth, against the measured step time).
+   pagellm (Triton backend, CUDA-graph decode, as the model runner chooses them; again with an
+   fp8 KV cache), transformers `generate` (static batch 256) and `generate_batch` (its continuous
+   batching); a roofline of pagellm's decode steps (weights plus KV bytes per step over the
+   measured copy bandwidth, against the measured step time); a second workload of the same shape;
+   and a profile of one prefill and of decode steps (GPU busy time, top kernels).
 
 The GPU machine reaches no registry. Its image has torch 2.11, triton 3.6, transformers 5.17,
-tokenizers, safetensors, jinja2, numpy, tqdm, pytest and hypothesis, but not gguf, which
-pagellm.model.loader imports at module level. Carry its pure-Python wheel (gpu_check.sh installs
-.whl/*.whl when present):
+tokenizers, safetensors, jinja2, numpy, tqdm, pytest, pytest-xdist and hypothesis, but not gguf,
+which pagellm.model.loader imports at module level. Carry its pure-Python wheel (gpu_check.sh
+installs .whl/*.whl when present):
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 Without it this script puts a stub `gguf` module in place (the dummy-weight path never reads a
-GGUF file) and says so in the JSON.
+GGUF file), skips the GGUF kernel tests and says so in the JSON.
 
-Until the model runner picks the backend and the CUDA graphs itself, this script swaps in the
-Triton backend and wraps the model with CUDAGraphRunner; the JSON records which happened.
+In --cpu-smoke runs the model runner chooses the torch backend; the script swaps in the Triton
+one (under the interpreter) so that its code runs; the JSON records which happened.
 """
 from __future__ import annotations
 
@@ -663,16 +667,19 @@ def _pagellm(device, model_dir, shape, prompts, new, bandwidth, cpu_smoke, kv_ca
                roofline=roofline(steps, weight_bytes, bandwidth.get("gb_per_s_read_plus_write")))
     res["kv_cache_dtype"] = kv_cache_dtype
     if device.type == "cuda":
-        # The same workload again: a first run may still compile kernels for shapes the short
-        # warm-up did not meet (Triton specializes on arguments' divisibility).
+        # A second workload of the same shape (other prompts: the same ones would hit the prefix
+        # cache): a first run may still compile kernels for shapes the short warm-up did not meet
+        # (Triton specializes on arguments' divisibility).
+        others = make_prompts(len(prompts), min(map(len, prompts)), max(map(len, prompts)), shape["vocab_size"],
+                              seed=1)
         steps.clear()
         sync(device)
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in others], params, use_tqdm=False)
         sync(device)
         again = time.perf_counter() - t0
         res["second_run"] = {"elapsed_s": round(again, 2), "tok_per_s": round(generated / again, 1),
-                             "total_tok_per_s": round((generated + sum(map(len, prompts))) / again, 1),
+                             "total_tok_per_s": round((generated + sum(map(len, others))) / again, 1),
                              "roofline": roofline(steps, weight_bytes, bandwidth.get("gb_per_s_read_plus_write"))}
     steps.clear()
     if device.type == "cuda" and kv_cache_dtype == "auto":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 6), about 6-8 minutes on one H200. From the repository root:
+# The prepared GPU check, 3-5 minutes on one H200 (docs/gpu.md). From the repository root:
 #
 #   PAGELLM_COMMIT=<git hash> bash benchmarks/gpu_check.sh [gpu_check.py options]
 #

@@ -97,7 +97,7 @@ class EngineConfig:
                 "scale per 32 values (per 256 for K-quant weights), and multiplies by integer dot "
                 "products, as llama.cpp does (fastest decode steps, logprobs move); int8x2 adds a second int8 code "
                 "for what the first left (~15 bits, the same scales): most of int8's decode speed, >= 99.9% "
-                "greedy agreement measured. README gives the measured agreement",
+                "greedy agreement measured. docs/quantization.md gives the measured agreement",
         choices=ACTIVATION_QUANTIZATIONS)
     kv_cache_dtype: str = option("auto", "how the KV cache stores K/V: auto (as --dtype), float32, bfloat16, "
                                          "float16, or 8 bits per value with a float16 scale per token and head: "
@@ -123,7 +123,7 @@ class EngineConfig:
                                      "pre-paging baselines, for comparison)", choices=KV_POLICIES)
     batch_invariant: bool = option(False, "a request's logits, and so its seeded samples, do not depend on what "
                                           "else runs beside it: alone, batched, chunked or after preemption (CPU; "
-                                          "dense and GGUF weights; costs throughput, see README)")
+                                          "dense and GGUF weights; costs throughput, see docs/python.md)")
     enforce_eager: bool = option(False, "on a GPU, do not capture CUDA graphs for decode")
     tensor_parallel_size: int = option(1, "split the model over this many ranks (processes; gloo on the CPU, "
                                           "NCCL on GPUs)", check=lambda v: v >= 1, limit="an integer >= 1",

@@ -1,5 +1,5 @@
 """The one list of supported model families. Both loaders, the error for an unknown
-architecture and README's table read it."""
+architecture and the README's models table read it."""
 from __future__ import annotations
 
 import importlib

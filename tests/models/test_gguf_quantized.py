@@ -38,7 +38,7 @@ LOGPROB_ATOL = 2e-3
 MIN_AGREEMENT = 0.99
 # Activations rounded to int8 codes (activation_quantization): each product's inputs carry an error of up to
 # 1/254 of their 32-value block's largest value with one code, 1/32512 with two. One code moves this small
-# model's greedy token at ~2-3% of positions (measured 98.0% on 64 x 64, below MIN_AGREEMENT: README says
+# model's greedy token at ~2-3% of positions (measured 98.0% on 64 x 64, below MIN_AGREEMENT: docs/quantization.md says
 # so); two do not.
 INT8_MIN_AGREEMENT, INT8_LOGPROB_ATOL = 0.95, 1.0
 INT8X2_LOGPROB_ATOL = 1e-2

@@ -19,7 +19,7 @@ from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams
 # OpenAI allows 5 for completions and 20 for chat; vLLM's default cap is 20 for both.
 MAX_LOGPROBS = 20
 
-# OpenAI request fields pagellm takes and does nothing with, and why (README lists them).
+# OpenAI request fields pagellm takes and does nothing with, and why (docs/serving.md lists them).
 ACCEPTED_WITHOUT_EFFECT = {
     "user": "an end-user id for OpenAI's abuse monitoring; pagellm keeps no per-user records",
     "store": "OpenAI keeps completions for its dashboard when true; pagellm stores nothing",

@@ -150,7 +150,7 @@ def faster_activations_hint(mode: str, weight_format: str, batch_invariant: bool
         return None
     return ("GGUF products take float32 activations (activation_quantization none: the dequantized model's "
             "results); on this CPU --activation-quantization int8x2 (two int8 codes a value, >= 99.9% greedy "
-            "agreement measured) or int8 (llama.cpp's arithmetic) decode faster: README, 'Activations'")
+            "agreement measured) or int8 (llama.cpp's arithmetic) decode faster: docs/quantization.md, 'Activations'")
 
 
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,

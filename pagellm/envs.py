@@ -49,11 +49,9 @@ def check_invariants() -> bool:
 def cpu_isa_tag() -> str:
     """The instruction sets benchmarks/build_llama_cpp.sh builds llama.cpp for, named as its
     cache directory names them (a build for one CPU must not run on another)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    from pagellm.cpu_features import cpu_flags
+
+    flags = cpu_flags()
     tag = "avx2"
     for flag, name in (("avx512f", "avx512"), ("avx512_vnni", "vnni"), ("avx512_bf16", "bf16")):
         tag += f"-{name}" if flag in flags else ""

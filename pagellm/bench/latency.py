@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pagellm.bench import report, roofline
-from pagellm.bench.throughput import _phase_breakdown, pagellm_system
+from pagellm.bench.throughput import _phase_breakdown, pagellm_system, system_unavailable
 
 DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-paged-bf16", "llama-bench"]
 LLAMA_BENCH = "llama-bench"
@@ -184,6 +184,9 @@ def run_latency_bench(cfg: LatencyConfig) -> dict:
             policy, options = pagellm_system(name)
             if policy != "paged":
                 raise ValueError(f"{name}: the latency bench runs the paged engine only")
+            if why := system_unavailable(options):
+                skipped[name] = why
+                continue
             runs[name] = PagellmRun(cfg, options)
         # Round by round, every system once per round: on shared cores the machine's speed drifts
         # over minutes, and systems measured one after the other would carry that drift into their ratios.
@@ -231,7 +234,7 @@ def print_tables(results: dict) -> None:
     print(report.format_table(["system", "pp tok/s", "tg tok/s", "tg ms/step", "tg weight GB/s", "of bandwidth",
                                "pp GFLOP/s"], rows))
     print(f"machine: {lim['memory_gbps']} GB/s memory, {lim['gemm_gflops_float32']} GFLOP/s fp32 GEMM, "
-          f"{lim['gemm_gflops_bfloat16']} bf16 (after: {results['machine_limits_after']['memory_gbps']} GB/s)")
+          f"{lim['gemm_gflops_bfloat16'] or 'no'} bf16 (after: {results['machine_limits_after']['memory_gbps']} GB/s)")
     for name, r in results["ratios_to_llama_bench"].items():
         print(f"{name} / llama-bench: pp {r['pp']:.2f}x, tg {r['tg']:.2f}x")
     for name, why in results["skipped"].items():

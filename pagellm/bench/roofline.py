@@ -27,8 +27,12 @@ def median_seconds(fn, repeat: int) -> float:
 
 def machine_limits(threads: int | None = None, buffer_mib: int = 512, gemm_n: int = 2048, repeat: int = 5) -> dict:
     """{"memory_gbps", "gemm_gflops_float32", "gemm_gflops_bfloat16"} measured now on `threads`
-    threads (default: torch's current setting). About 1.5 s."""
+    threads (default: torch's current setting). About 1.5 s. The bfloat16 rate is None on a CPU
+    without bfloat16 instructions: torch's emulation would take minutes, and nothing here runs
+    bfloat16 there (resolve_dtype refuses it)."""
     import torch
+
+    from pagellm import cpu_features
 
     prev = torch.get_num_threads()
     if threads:
@@ -37,7 +41,8 @@ def machine_limits(threads: int | None = None, buffer_mib: int = 512, gemm_n: in
         big = torch.ones(buffer_mib << 18)  # float32: 4 bytes each
         out = {"memory_gbps": big.numel() * 4 / median_seconds(big.sum, repeat) / 1e9}
         del big
-        for dtype in (torch.float32, torch.bfloat16):
+        out["gemm_gflops_bfloat16"] = None
+        for dtype in (torch.float32, torch.bfloat16) if cpu_features.has_bf16() else (torch.float32,):
             a = torch.randn(gemm_n, gemm_n).to(dtype)
             out[f"gemm_gflops_{str(dtype).removeprefix('torch.')}"] = \
                 2 * gemm_n ** 3 / median_seconds(lambda: a @ a, 3) / 1e9

@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pagellm import cpu_features
 from pagellm.bench import report, roofline
 from pagellm.timing import PhaseTimer
 
@@ -148,6 +149,13 @@ def pagellm_system(name: str) -> tuple[str, dict]:
         if rest.endswith(suffix):
             rest, options = rest.removesuffix(suffix), {**SYSTEM_SUFFIXES[suffix], **options}
     return rest, {"dtype": "float32", **options}
+
+
+def system_unavailable(options: dict) -> str | None:
+    """Why this machine cannot run a pagellm system with these engine options (None: it can)."""
+    if options.get("dtype") == "bfloat16" and not cpu_features.has_bf16():
+        return "this CPU has no bfloat16 instructions (pagellm refuses dtype bfloat16 there)"
+    return None
 
 
 def make_llm(cfg: ThroughputConfig, policy: str, **options):
@@ -445,6 +453,9 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     for name in cfg.systems:
         if name.startswith("pagellm-"):
             policy, options = pagellm_system(name)
+            if why := system_unavailable(options):
+                skipped[name] = why
+                continue
             res, outs = run_pagellm(work, policy, cfg, limits=load["machine_limits"], **options)
             res.update(options)
         elif name.startswith("hf-static-"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm import cpu_features
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.kv_format import resolve_kv_format
@@ -40,10 +41,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """A name of config.DTYPES as a torch dtype (the names are torch's own)."""
+    """A name of config.DTYPES as a torch dtype (the names are torch's own). bfloat16 on a CPU
+    without bfloat16 instructions is refused: torch would run it hundreds of times slower."""
     if dtype == "auto":
         # fp32 on the CPU: it matches the reference to the token; bf16 there is the opt-in fast mode.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "bfloat16" and device.type == "cpu" and not cpu_features.has_bf16():
+        raise ValueError("dtype 'bfloat16' needs a CPU with bfloat16 instructions (AVX-512 BF16 or AMX); this "
+                         "one has none, and torch's bfloat16 products run hundreds of times slower than float32 "
+                         "without them. Use dtype 'float32' (the CPU's default, 'auto')")
     return getattr(torch, dtype)
 
 

@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 
+from pagellm import cpu_features
 from pagellm.entrypoints.cli import main
 
 
@@ -17,10 +18,15 @@ def test_latency_bench_tiny(tmp_path, tiny_llama_dir, monkeypatch):
     assert rc == 0
     data = json.loads(stem.with_suffix(".json").read_text())
     assert data["benchmark"] == "latency" and data["command"]
-    assert set(data["systems"]) == {"pagellm-paged", "pagellm-paged-bf16"}
     assert "GGUF" in data["skipped"]["llama-bench"]  # a safetensors directory
     limits = data["machine_limits"]
-    assert limits["memory_gbps"] > 0 and limits["gemm_gflops_float32"] > 0 and limits["gemm_gflops_bfloat16"] > 0
+    assert limits["memory_gbps"] > 0 and limits["gemm_gflops_float32"] > 0
+    if cpu_features.has_bf16():
+        assert set(data["systems"]) == {"pagellm-paged", "pagellm-paged-bf16"}
+        assert limits["gemm_gflops_bfloat16"] > 0
+    else:  # refused there, and its GEMM rate not measured (minutes of emulation)
+        assert set(data["systems"]) == {"pagellm-paged"} and "bfloat16" in data["skipped"]["pagellm-paged-bf16"]
+        assert limits["gemm_gflops_bfloat16"] is None
     for name, s in data["systems"].items():
         assert len(s["pp_runs_s"]) == len(s["tg_runs_s"]) == 2
         assert s["tg_tokens_per_s"] == pytest.approx(6 / statistics.median(s["tg_runs_s"]))
@@ -33,9 +39,10 @@ def test_latency_bench_tiny(tmp_path, tiny_llama_dir, monkeypatch):
     phases = data["systems"]["pagellm-paged"]["decode_phases"]
     assert phases["steps"] == 2 * (6 + 1)
     # bf16 weights are half the bytes of fp32 ones.
-    fp32 = data["systems"]["pagellm-paged"]["roofline_tg"]["weight_bytes_per_step"]
-    bf16 = data["systems"]["pagellm-paged-bf16"]["roofline_tg"]["weight_bytes_per_step"]
-    assert bf16 * 2 == fp32
+    if cpu_features.has_bf16():
+        fp32 = data["systems"]["pagellm-paged"]["roofline_tg"]["weight_bytes_per_step"]
+        bf16 = data["systems"]["pagellm-paged-bf16"]["roofline_tg"]["weight_bytes_per_step"]
+        assert bf16 * 2 == fp32
 
 
 def test_model_cost_counts_what_transformers_counts(tiny_llama_dir):
@@ -54,3 +61,17 @@ def test_model_cost_counts_what_transformers_counts(tiny_llama_dir):
     cost = llm.engine.model_cost()
     assert cost["flops_per_token"] == 2 * multiplied
     assert cost["weight_bytes_per_step"] == 4 * multiplied
+
+
+def test_latency_bench_skips_bfloat16_on_a_cpu_without_it(tmp_path, tiny_llama_dir, monkeypatch):
+    """Where the CPU has no bfloat16 instructions the bf16 system is skipped with the reason, and the
+    machine's bfloat16 GEMM rate is not measured (torch's emulation would take minutes)."""
+    monkeypatch.setattr(cpu_features, "has_bf16", lambda: False)
+    stem = tmp_path / "latency"
+    rc = main(["bench", "latency", "--model", tiny_llama_dir, "--systems", "pagellm-paged,pagellm-paged-bf16",
+               "--input-len", "8", "--output-len", "3", "--repeat", "1", "--out", str(stem)])
+    assert rc == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert set(data["systems"]) == {"pagellm-paged"}
+    assert "bfloat16" in data["skipped"]["pagellm-paged-bf16"]
+    assert data["machine_limits"]["gemm_gflops_bfloat16"] is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from pagellm import LLM, BeamSearchParams, SamplingParams
+from pagellm import LLM, BeamSearchParams, SamplingParams, cpu_features
 from pagellm.bench.report import COMMON_WORDS
 from tests.conftest import hf_greedy_logprobs
 from tests.engine.test_beam_search import hf_beam
@@ -75,6 +75,7 @@ def test_chat_knows_paris(llm):
     assert llm.stats()["used_blocks"] == 0
 
 
+@pytest.mark.skipif(not cpu_features.has_bf16(), reason="this CPU has no bfloat16 instructions (bfloat16 refused)")
 def test_bfloat16_on_the_cpu_reads_its_kv_in_place_and_still_knows_paris(smollm2_gguf):
     # bf16 is the CPU's fast opt-in (AMX matmuls, half the KV bytes); it rounds differently from
     # the fp32 reference, so it is held to the answer, not to transformers' tokens.

@@ -29,7 +29,7 @@ so a run cut short still brings back the kernels' numbers):
 
 The GPU machine reaches no registry. Its image has torch 2.11, triton 3.6, transformers 5.17,
 tokenizers, safetensors, jinja2, numpy, tqdm, pytest, pytest-xdist and hypothesis, but not gguf,
-which pagellm.model.loader imports at module level. Carry its pure-Python wheel (gpu_check.sh
+which pagellm.loader.source imports at module level. Carry its pure-Python wheel (gpu_check.sh
 installs .whl/*.whl when present):
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
@@ -238,7 +238,7 @@ def machine_name(device: torch.device, cpu_smoke: bool) -> str:
 
 # ---- 1. kernel tests ---------------------------------------------------------------------------------
 def kernel_tests(budget: float, cpu_smoke: bool,
-                 paths: tuple[str, ...] = ("tests/attention/test_triton_kernels.py", "tests/attention/test_kv_format.py",
+                 paths: tuple[str, ...] = ("tests/attention/test_triton_kernels.py", "tests/test_kv_format.py",
                                            "tests/attention/test_triton_compile.py",
                                            "tests/worker/test_cuda_graphs.py"),
                  smoke_filter: str | None = "choose_num_splits or batch_size_ladder") -> dict:
@@ -384,10 +384,10 @@ def alternating_ms(fns: dict, device: torch.device, rounds: int, iters: int) -> 
 
 
 def decode_8bit(q, k_cache, v_cache, tables, seq_lens, scale, out, device, iters) -> dict:
-    """The same decode over 8-bit caches (attention/kv_format.py), timed in alternating rounds
+    """The same decode over 8-bit caches (kv_format.py), timed in alternating rounds
     with the plain one: half the bytes of bfloat16, so at least as fast is the target; error
     against the plain kernel over the values the format keeps."""
-    from pagellm.attention.kv_format import resolve_kv_format
+    from pagellm.kv_format import resolve_kv_format
     from pagellm.attention.triton_kernels import paged_decode
 
     res: dict = {}
@@ -423,7 +423,7 @@ def graphs_vs_eager(device: torch.device, cpu_smoke: bool) -> dict:
     wrong position, block table or sequence length changes the tokens. Logprobs of the chosen tokens
     are compared over each pair's common prefix."""
     from pagellm import LLM, SamplingParams
-    from pagellm.model.synthetic import write_random_model_dir
+    from pagellm.loader.synthetic import write_random_model_dir
 
     n, new = (4, 8) if cpu_smoke else (24, 48)
     prompts = make_prompts(n, 4, 40 if cpu_smoke else 300, GREEDY_SHAPE["vocab_size"], seed=1)
@@ -487,7 +487,7 @@ def _hf_greedy(device: torch.device, model_dir: str, prompts: list[list[int]], n
 # ---- 5. end to end -------------------------------------------------------------------------------------
 def write_model_dir(path: Path, shape: dict) -> Path:
     """config.json of the shape and a byte-level tokenizer; no EOS, so nothing stops early."""
-    from pagellm.model.synthetic import write_dummy_model_dir
+    from pagellm.loader.synthetic import write_dummy_model_dir
 
     return Path(write_dummy_model_dir(path, shape, bos_token_id=None, eos_token_id=None, pad_token_id=0))
 

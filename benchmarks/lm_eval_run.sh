@@ -21,7 +21,7 @@ curl -sf "http://127.0.0.1:$PORT/health" > /dev/null || { cat "$WORK/server.log"
 "$PY" - "$WORK/tokenizer" <<'PY'
 import os, sys
 from transformers import AutoTokenizer
-from pagellm.model.bundled import default_model_path
+from pagellm.loader.bundled import default_model_path
 path = default_model_path()
 AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(sys.argv[1])
 PY

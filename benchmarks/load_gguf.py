@@ -15,7 +15,7 @@ from pathlib import Path
 from pagellm import LLM, SamplingParams
 from pagellm.bench.report import metadata, write_json
 from pagellm.config import bytes_or_fraction
-from pagellm.model.gguf_file import GGUFFile
+from pagellm.loader.gguf_file import GGUFFile
 
 
 def main() -> None:

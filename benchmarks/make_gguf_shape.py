@@ -3,7 +3,7 @@ the files the quantized-weights benchmarks run on where no checkpoint can be dow
 
     python benchmarks/make_gguf_shape.py --shape llama-3.2-1b --types Q4_K_M Q8_0 --out /data/shapes
 
-1. config.json of the shape (pagellm.model.synthetic.LLAMA_SHAPES) with the bundled SmolLM2's
+1. config.json of the shape (pagellm.loader.synthetic.LLAMA_SHAPES) with the bundled SmolLM2's
    tokenizer (a byte-level BPE the converter recognises; its 49,152 tokens are padded to the
    shape's vocabulary);
 2. random bfloat16 weights (normal, std 0.02), written tensor by tensor to safetensors shards,
@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagellm import envs
-from pagellm.model.synthetic import LLAMA_SHAPES, write_dummy_model_dir
+from pagellm.loader.synthetic import LLAMA_SHAPES, write_dummy_model_dir
 
 SHARD_BYTES = 2 << 30
 
@@ -77,7 +77,7 @@ def write_random_weights(model_dir: Path, seed: int) -> None:
 def write_smollm2_tokenizer(model_dir: Path) -> None:
     import transformers
 
-    from pagellm.model.bundled import default_model_path
+    from pagellm.loader.bundled import default_model_path
 
     path = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

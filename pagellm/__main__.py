@@ -1,5 +1,5 @@
 import sys
 
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 sys.exit(main())

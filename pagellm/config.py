@@ -21,12 +21,12 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 ACTIVATION_QUANTIZATIONS = ("none", "int8", "int8x2")
 # What preemption does with a victim's KV blocks (pagellm.core.scheduler).
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-# How K/V are stored (pagellm.attention.kv_format): "auto" as --dtype; "fp8" is fp8_e4m3, as in vLLM.
+# How K/V are stored (pagellm.kv_format): "auto" as --dtype; "fp8" is fp8_e4m3, as in vLLM.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # How KV memory is handed out: in blocks (PagedAttention), or one contiguous region per
 # request as before paging (the baselines of `pagellm bench`; see pagellm.core.kv.contiguous).
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
-# Which engine replica serves a request under --data-parallel-size (pagellm.entrypoints.router).
+# Which engine replica serves a request under --data-parallel-size (pagellm.serving.router).
 ROUTER_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagellm.model.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE, write_byte_tokenizer
+from pagellm.loader.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE, write_byte_tokenizer
 
 
 # Test files that start Ray: they check that no Ray process is left, so they run one after another

@@ -9,7 +9,7 @@ import pytest
 
 from pagellm import LLM
 from pagellm.config import EngineConfig, engine_kwargs, make_config
-from pagellm.entrypoints.cli import build_parser
+from pagellm.cli import build_parser
 
 
 def test_every_option_is_a_keyword_of_llm_and_a_flag_of_every_command():

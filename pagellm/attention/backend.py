@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.attention.kv_format import KVFormat
+from pagellm.kv_format import KVFormat
 from pagellm.timing import PhaseTimer
 
 
@@ -104,7 +104,7 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     # Where the attention phase is timed, when a benchmark attaches a timer (pagellm.timing).
     timer: PhaseTimer | None = None
-    # How K/V rows are stored (attention/kv_format.py), set by the model runner; None: as the
+    # How K/V rows are stored (kv_format.py), set by the model runner; None: as the
     # cache tensors' dtype, which is then q's.
     kv_format: KVFormat | None = None
     # Whether this backend stores and reads the 8-bit formats.

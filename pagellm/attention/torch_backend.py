@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
-from pagellm.attention.kv_format import KVFormat
+from pagellm.kv_format import KVFormat
 from pagellm.kernels import cpu
 
 
@@ -70,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
         fmt = self.kv_format
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
         if meta.num_seqs > meta.num_decodes and fmt is not None and (fmt.quantized or fmt.dtype != q.dtype):
-            # Prompts attend to their own K/V as the cache holds them (see attention/kv_format.py).
+            # Prompts attend to their own K/V as the cache holds them (see kv_format.py).
             k = stored_kv(k_cache, meta.slot_mapping, fmt, q.dtype)
             v = stored_kv(v_cache, meta.slot_mapping, fmt, q.dtype)
         if options is not None and options.plain:

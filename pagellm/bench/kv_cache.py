@@ -5,7 +5,7 @@ Per format (--kv-cache-dtype), on one model computing in float32:
   English passage (bench/data/passage.txt) goes in as one prompt with prompt logprobs; at each
   position the format's top-1 next token is compared with the reference's, and the passage's
   perplexity is reported. Every position reads its whole context from the cache as the format
-  stores it (prompts attend to the stored values, attention/kv_format.py), which is what decoding
+  stores it (prompts attend to the stored values, kv_format.py), which is what decoding
   does. Free-running: greedy continuations of a set of prompts, compared position by position
   with the reference's (a single early flip changes everything after it, so this share is lower
   than the teacher-forced one; both are reported).
@@ -116,7 +116,7 @@ def attention_speed(shape: tuple[int, int, int], formats: tuple[str, ...], batch
     keys each, heads (query heads, KV heads, head size) = `shape`."""
     import torch
 
-    from pagellm.attention.kv_format import resolve_kv_format
+    from pagellm.kv_format import resolve_kv_format
     from pagellm.kernels import cpu
 
     h, kvh, d = shape
@@ -159,7 +159,7 @@ def capacity_rows(simulate_peak, budget_slots_bf16: int, formats: tuple[str, ...
     of concurrent requests in that many slots (the memory bench's scheduler replay)."""
     import torch
 
-    from pagellm.attention.kv_format import resolve_kv_format
+    from pagellm.kv_format import resolve_kv_format
 
     out: dict = {"block_size": block_size, "shapes": {}}
     for shape, (layers, kvh, d) in CAPACITY_SHAPES.items():
@@ -193,7 +193,7 @@ def print_capacity_rows(rows: dict) -> None:
 
 
 def _arch_heads(model: str | None, load_format: str) -> tuple[int, int, int]:
-    from pagellm.model.loader import load_model_source
+    from pagellm.loader.source import load_model_source
 
     arch = load_model_source(model, load_format, "none").arch
     return arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
     models: dict[str, tuple[str | None, str]] = {"bundled": (args.model, "auto")}
     tmp = None
     if args.random_model:
-        from pagellm.model.synthetic import write_random_model_dir
+        from pagellm.loader.synthetic import write_random_model_dir
 
         tmp = tempfile.TemporaryDirectory()
         models["random-llama"] = (write_random_model_dir(os.path.join(tmp.name, "random-llama"), RANDOM_SHAPE,

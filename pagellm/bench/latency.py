@@ -156,7 +156,7 @@ def llama_bench_result(cfg: LatencyConfig, rounds: list[dict], cost: dict | None
 def run_latency_bench(cfg: LatencyConfig) -> dict:
     import torch
 
-    from pagellm.model.loader import load_model_source
+    from pagellm.loader.source import load_model_source
 
     torch.set_num_threads(cfg.threads)
     model_path = load_model_source(cfg.model).path

@@ -564,7 +564,7 @@ def main(args: argparse.Namespace) -> int:
     if LLAMA_SERVER in args.launch:
         import torch
 
-        from pagellm.model.bundled import default_model_path
+        from pagellm.loader.bundled import default_model_path
 
         model = args.model or default_model_path()
         if not model.endswith(".gguf"):

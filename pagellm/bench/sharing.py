@@ -30,7 +30,7 @@ PAPER = {
 
 def _tiny_llm(block_size: int, num_blocks: int, max_model_len: int):
     from pagellm import LLM
-    from pagellm.model.synthetic import write_dummy_model_dir
+    from pagellm.loader.synthetic import write_dummy_model_dir
 
     path = write_dummy_model_dir(tempfile.mkdtemp(prefix="pagellm-sharing-"), "tiny",
                                  max_position_embeddings=max_model_len)

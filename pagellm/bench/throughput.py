@@ -404,7 +404,7 @@ def run_throughput_bench(cfg: ThroughputConfig, on_update=None) -> dict:
     run that is cut short still leaves what it measured."""
     import torch
 
-    from pagellm.model.loader import load_model_source
+    from pagellm.loader.source import load_model_source
 
     torch.set_num_threads(cfg.threads)
     if not cfg.show_progress:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from pagellm import envs
 from pagellm.distributed.channel import Channel
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 
 _CTRL_TIMEOUT = timedelta(days=365)
 

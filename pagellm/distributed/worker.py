@@ -24,12 +24,12 @@ import torch.distributed as dist
 from pagellm import envs
 from pagellm.distributed import process_group
 from pagellm.distributed.channel import Channel
-from pagellm.distributed.group import TensorParallelGroup
-from pagellm.model.config import ModelArchConfig
+from pagellm.layers.parallel import TensorParallelGroup
+from pagellm.models.arch import ModelArchConfig
 
 if typing.TYPE_CHECKING:
     from pagellm.config import EngineConfig
-    from pagellm.model.loader import ModelSource
+    from pagellm.loader.source import ModelSource
 
 READY_KEY = "pagellm/ready/{rank}"
 
@@ -48,7 +48,7 @@ class WorkerSpec:
     quantization: str = "auto"
     weight_format: str = "dense"
     sliding_kv: bool = False  # sliding-window layers in their own KV groups (core/kv/groups.py)
-    kv_cache_dtype: str = "auto"  # how K/V are stored (attention/kv_format.py)
+    kv_cache_dtype: str = "auto"  # how K/V are stored (kv_format.py)
     activation_quantization: str = "none"  # "int8" / "int8x2": GGUF products round their activations
 
     @classmethod
@@ -135,7 +135,7 @@ class Worker:
         warm_up_kernels(self.device)
 
     def load_weights(self) -> None:
-        from pagellm.model.loader import load_model_source
+        from pagellm.loader.source import load_model_source
 
         spec = self.spec
         path = self.model_path or spec.model_path

@@ -4,7 +4,7 @@ that needs the model lives here; the parameters' own checks live in SamplingPara
 from __future__ import annotations
 
 from pagellm.core.kv import KVManager
-from pagellm.model.tokenizer import Tokenizer
+from pagellm.loader.tokenizer import Tokenizer
 from pagellm.sampling_params import SamplingParams, check_text
 
 PromptType = str | list[int] | dict

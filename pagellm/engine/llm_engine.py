@@ -27,8 +27,8 @@ from pagellm.engine.groups import BeamRound, SequenceGroup
 from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
-from pagellm.model.loader import load_model_source
-from pagellm.model.tokenizer import Tokenizer
+from pagellm.loader.source import load_model_source
+from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.timing import PhaseTimer, phase

@@ -7,7 +7,7 @@ import time
 from pagellm.core.request import Request, RequestStatus
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.groups import SeqText, SequenceGroup
-from pagellm.model.tokenizer import Tokenizer
+from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.worker.sampler import SamplerOutput
 

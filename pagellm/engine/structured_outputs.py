@@ -26,7 +26,7 @@ from pagellm.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     from pagellm.core.request import Request
     from pagellm.core.step_plan import StepPlan
-    from pagellm.model.tokenizer import Tokenizer
+    from pagellm.loader.tokenizer import Tokenizer
 
 # Compiled grammars kept per engine: a JSON schema of an agent's tools compiles in milliseconds,
 # but a large one takes seconds, and clients send the same few again and again.

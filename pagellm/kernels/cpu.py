@@ -28,7 +28,7 @@ import torch
 from pagellm import envs
 
 if TYPE_CHECKING:
-    from pagellm.attention.kv_format import KVFormat
+    from pagellm.kv_format import KVFormat
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -143,7 +143,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     token_seq: torch.Tensor | None = None, fixed_run: int = 0,
                     kv_format: KVFormat | None = None) -> torch.Tensor:
     """q: [B, H, D] on the CPU, B query tokens; a float32 or bfloat16 cache, or an 8-bit one of
-    `kv_format` (attention/kv_format.py). Returns [B, H, D] in q's dtype.
+    `kv_format` (kv_format.py). Returns [B, H, D] in q's dtype.
 
     Query b reads the first `seq_lens[b]` keys of block-table row `token_seq[b]` (None: row b, one
     decode token per sequence). The arithmetic is float32 either way: a bfloat16 cache is widened

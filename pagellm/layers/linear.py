@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import HeadSplit, divide, load_whole, rank_and_size
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.activation import act_and_mul
 from pagellm.layers.linear import ReplicatedLinear
 from pagellm.layers.module import HotModule

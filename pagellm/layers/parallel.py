@@ -1,13 +1,34 @@
-"""Tensor-parallel bookkeeping shared by the layers: this rank's place in the group and
-how heads are divided (Megatron's split; KV heads replicated when there are fewer of them
-than ranks, as in vLLM)."""
+"""Tensor parallelism as the layers see it: the group (this rank, the group's size, and the two
+collectives a sharded forward needs), this rank's place in it and how heads are divided
+(Megatron's split; KV heads replicated when there are fewer of them than ranks, as in vLLM).
+Starting the ranks and their process groups is pagellm/distributed/'s job."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from pagellm.distributed.group import TensorParallelGroup
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int
+    size: int
+    # A torch.distributed process group; None is the default one (gloo on the CPU, NCCL on CUDA).
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The ranks' `x` side by side along the last dimension on rank 0; None elsewhere."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
 
 def rank_and_size(tp: TensorParallelGroup | None) -> tuple[int, int]:

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.embedding import LogitsHead, VocabParallelEmbedding
 from pagellm.layers.linear import LinearMethod
 from pagellm.layers.parallel import HeadSplit, load_whole
 from pagellm.layers.rotary import RotaryEmbedding
-from pagellm.model.config import ModelArchConfig
+from pagellm.models.arch import ModelArchConfig
 
 # Checkpoint name fragment -> (the fused parameter's fragment, the part it fills).
 STACKED_QKV_GATE_UP = (

@@ -7,10 +7,10 @@ from __future__ import annotations
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.embedding import LogitsHead
 from pagellm.layers.norm import RMSNorm
-from pagellm.model.config import ModelArchConfig
+from pagellm.models.arch import ModelArchConfig
 from pagellm.models.llama import LlamaAttention, LlamaForCausalLM
 
 

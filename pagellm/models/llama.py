@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.activation import act_and_mul, check_activation
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -15,7 +15,7 @@ from pagellm.layers.module import HotModule
 from pagellm.layers.norm import QKNorm, RMSNorm, ShardedRMSNorm
 from pagellm.layers.parallel import rank_and_size
 from pagellm.layers.rotary import RotaryEmbedding, get_rope
-from pagellm.model.config import ModelArchConfig
+from pagellm.models.arch import ModelArchConfig
 from pagellm.models.base import CausalLM, sliding_window
 
 

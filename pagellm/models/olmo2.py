@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.norm import RMSNorm
 from pagellm.models.llama import LlamaForCausalLM
 

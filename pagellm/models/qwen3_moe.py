@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.moe import SparseMoeBlock, route_expert_weight
 from pagellm.models.qwen3 import Qwen3ForCausalLM
 

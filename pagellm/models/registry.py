@@ -87,7 +87,7 @@ def check_tensor_parallel(arch, size: int) -> None:
     import torch
 
     from pagellm.attention.torch_backend import TorchAttentionBackend
-    from pagellm.distributed.group import TensorParallelGroup
+    from pagellm.layers.parallel import TensorParallelGroup
 
     with torch.device("meta"):
         build_model(arch, TorchAttentionBackend(), 1, TensorParallelGroup(0, size))

@@ -14,15 +14,15 @@ import torch
 from pagellm import cpu_features
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.attention.kv_format import resolve_kv_format
+from pagellm.kv_format import resolve_kv_format
 from pagellm.core.kv.groups import plan_kv_groups
 from pagellm.core.step_plan import PlannedSeq, StepPlan
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
 from pagellm.layers.moe import FusedMoE
 from pagellm.layers.quant import linear_methods
-from pagellm.model.config import ModelArchConfig
+from pagellm.models.arch import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
@@ -117,7 +117,7 @@ class ModelRunner:
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
         blocks the KV manager frees, core/kv/hybrid.py); otherwise every layer is in one group.
-        `kv_cache_dtype`: how K/V are stored (attention/kv_format.py; auto: as `dtype`).
+        `kv_cache_dtype`: how K/V are stored (kv_format.py; auto: as `dtype`).
         `activation_quantization` "int8" / "int8x2": GGUF products round their activations to int8
         codes (layers/quant/gguf.py)."""
         self.arch = arch

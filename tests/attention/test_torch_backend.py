@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagellm.attention.backend import AttentionMetadata, AttentionOptions
-from pagellm.attention.kv_format import resolve_kv_format
+from pagellm.kv_format import resolve_kv_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 
 
@@ -50,7 +50,7 @@ def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
 def test_stored_formats_match_naive_on_what_the_cache_holds(block_size, compiled, d, variant, kv_cache_dtype):
     """8-bit (and bfloat16) caches: every path, prompts included, attends to the values the cache
-    holds (attention/kv_format.py), so the reference is exact attention over K/V rounded through
+    holds (kv_format.py), so the reference is exact attention over K/V rounded through
     the format; the compiled kernel reads the codes in place and must agree to float rounding.
     The stored rows are the bytes KVFormat.encode gives (the C++ store matches torch's)."""
     run_mixed_batch(block_size, (8, 2), compiled, d, variant, resolve_kv_format(kv_cache_dtype, torch.float32))

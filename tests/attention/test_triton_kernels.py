@@ -14,7 +14,7 @@ import torch
 import triton  # noqa: E402,F401  (a test dependency on Linux: missing, these tests must fail)
 
 from pagellm.attention.backend import AttentionMetadata, AttentionOptions  # noqa: E402
-from pagellm.attention.kv_format import resolve_kv_format  # noqa: E402
+from pagellm.kv_format import resolve_kv_format  # noqa: E402
 from pagellm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagellm.attention.triton_kernels import (  # noqa: E402

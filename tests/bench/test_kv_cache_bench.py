@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pagellm.bench.memory import MemoryBenchConfig, kv_format_rows
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 
 def test_kv_cache_bench_tiny(tmp_path, tiny_llama_dir):

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from pagellm import cpu_features
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 
 def test_latency_bench_tiny(tmp_path, tiny_llama_dir, monkeypatch):

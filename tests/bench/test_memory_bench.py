@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from pagellm.bench.memory import WORKLOADS, poisson_arrivals, sample_lengths, simulate
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 
 def test_memory_bench_tiny(tmp_path):

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pagellm.bench.serve import ServeConfig, check_loopback, make_requests
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 
 class _Handler(BaseHTTPRequestHandler):

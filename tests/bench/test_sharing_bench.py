@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 
 def test_sharing_bench_tiny(tmp_path, tiny_llama_dir):

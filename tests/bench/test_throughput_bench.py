@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 
 def test_throughput_bench_tiny(tmp_path, tiny_llama_dir):

@@ -19,8 +19,8 @@ from pagellm import LLM, BeamSearchParams, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.distributed.driver import TensorParallelError
 from pagellm.config import engine_kwargs
-from pagellm.entrypoints.cli import build_parser
-from pagellm.model.synthetic import write_dummy_model_dir
+from pagellm.cli import build_parser
+from pagellm.loader.synthetic import write_dummy_model_dir
 from tests.conftest import _save
 
 ENGINE = dict(block_size=4, num_kv_blocks=40, max_num_seqs=8)

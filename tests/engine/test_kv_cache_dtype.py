@@ -97,7 +97,7 @@ def test_tokens_and_logprobs_match_transformers_reading_the_same_rounded_kv(tiny
     by up to 0.08 nats with bfloat16 KV and 1 nat with fp8 e4m3, which a bug could hide in.)"""
     from transformers import AttentionInterface
 
-    from pagellm.attention.kv_format import resolve_kv_format
+    from pagellm.kv_format import resolve_kv_format
 
     name = f"pagellm-kv-{kv_cache_dtype}"
     AttentionInterface.register(name, _rounding_attention(resolve_kv_format(kv_cache_dtype, torch.float32)))

@@ -11,7 +11,7 @@ import sys
 import time
 
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 from pagellm.worker.model_runner import ModelRunner
 
 POISON = "INJECT_FAULT"

@@ -9,7 +9,7 @@ import pytest
 
 from pagellm import __version__
 from pagellm.config import bytes_or_fraction
-from pagellm.entrypoints.cli import build_parser
+from pagellm.cli import build_parser
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

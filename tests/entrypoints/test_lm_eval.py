@@ -20,7 +20,7 @@ def tokenizer_dir(tmp_path_factory) -> str:
     """lm-eval counts context tokens itself: the model's own tokenizer, read out of the GGUF."""
     from transformers import AutoTokenizer
 
-    from pagellm.model.bundled import default_model_path
+    from pagellm.loader.bundled import default_model_path
 
     path, out = default_model_path(), tmp_path_factory.mktemp("tokenizer")
     AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(out)

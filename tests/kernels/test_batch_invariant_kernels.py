@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from pagellm.attention.kv_format import resolve_kv_format
+from pagellm.kv_format import resolve_kv_format
 from pagellm.attention.torch_backend import INVARIANT_RUN
 from pagellm.kernels import cpu
 from pagellm.layers.invariant import check_in_features, invariant_linear

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.kv_format import resolve_kv_format
+from pagellm.kv_format import resolve_kv_format
 from pagellm.kernels import cpu
 from pagellm.layers.rotary import RotaryEmbedding, apply_rope, default_inverse_frequencies, rotate_qk
 

@@ -85,7 +85,7 @@ def test_phi3_long_context(tmp_path):
 
 def test_generate_command_serves_the_family(family, capsys):
     """`pagellm generate --model <dir>` as a user runs it, printing what the Python API gives."""
-    from pagellm.entrypoints.cli import main
+    from pagellm.cli import main
 
     name, path, _, _ = family
     extra = [f"--max-model-len={v}" for v in ENGINE_ARGS.get(name, {}).values()]

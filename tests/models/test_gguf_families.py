@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
-from pagellm.model.bundled import default_model_path
+from pagellm.loader.bundled import default_model_path
 from pagellm.models.registry import FAMILIES as REGISTRY
 from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
 from tests.models.families import build
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 # Qwen2: transformers 5 reads a qwen2 directory's tokenizer with Qwen2's own pre-tokenizer, whose
 # hash the converter does not know with SmolLM2's vocabulary; its GGUF layout is checked on files
-# written in the converter's layout in tests/model/test_gguf_loader.py.
+# written in the converter's layout in tests/loader/test_gguf_loader.py.
 # Mistral: the converter writes it as "llama", which must serve it exactly (without the window).
 GGUF_FAMILIES = sorted([f.name for f in REGISTRY if f.gguf_architectures and f.name != "qwen2"] + ["mistral"])
 VOCAB = 49152

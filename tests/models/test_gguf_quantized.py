@@ -28,7 +28,7 @@ from gguf import GGUFReader
 from pagellm import LLM, SamplingParams
 from pagellm.kernels.cpu import quant_kernels
 from pagellm.layers.quant.gguf import BF16_TILES, INT8_MAX_ROWS
-from pagellm.model.bundled import default_model_path
+from pagellm.loader.bundled import default_model_path
 from tests.models.families import build
 from tests.models.llama_cpp import convert, requantize
 from tests.models.test_gguf_families import smollm2_tokenizer  # noqa: F401  (a fixture)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from pagellm.distributed.group import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.moe import FusedMoE, SparseMoeBlock, route_expert_weight
 
 E, TOP_K, H, INTER = 4, 2, 16, 12

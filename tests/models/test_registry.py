@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagellm.model.hf_loader import read_hf_config
+from pagellm.loader.hf_loader import read_hf_config
 from pagellm.models.registry import FAMILIES, family_for_gguf, family_for_hf, model_class
 
 README = Path(__file__).resolve().parents[2] / "README.md"

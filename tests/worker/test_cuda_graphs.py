@@ -14,7 +14,7 @@ import triton  # noqa: E402,F401  (a test dependency on Linux: missing, these te
 from pagellm.attention.backend import AttentionMetadata  # noqa: E402
 from pagellm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pagellm.model.config import ModelArchConfig  # noqa: E402
+from pagellm.models.arch import ModelArchConfig  # noqa: E402
 from pagellm.models.llama import LlamaForCausalLM  # noqa: E402
 from pagellm.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes  # noqa: E402
 

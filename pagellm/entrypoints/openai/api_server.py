@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -36,6 +38,14 @@ class ServerConfig:
     max_seqs_per_request: int | None = None
     # --enable-auto-tool-choice's --tool-call-parser (None: tool_choice "auto" is refused).
     tool_call_parser: str | None = None
+
+
+def default_model_name(model_path: str) -> str:
+    """`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`; a directory -> its name."""
+    name = os.path.basename(os.path.normpath(model_path))
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    name = re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+    return name or "model"
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
@@ -153,7 +163,6 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
 
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, ServerConfig]:
     from pagellm.config import EngineConfig, engine_kwargs
-    from pagellm.entrypoints.openai.cli_args import default_model_name
 
     if args.data_parallel_size > 1:
         engine, metrics, names = _replica_server(args)
@@ -177,10 +186,9 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
 
 
 def _replica_server(args: argparse.Namespace):
-    """--data-parallel-size N: N engine replicas on Ray behind the router (distributed/replicas.py)."""
+    """--data-parallel-size N: N engine replicas on Ray behind the router (serving/replicas.py)."""
     from pagellm.config import engine_kwargs
-    from pagellm.distributed.replicas import ReplicaSet
-    from pagellm.entrypoints.openai.cli_args import default_model_name
+    from pagellm.serving.replicas import ReplicaSet
 
     options = engine_kwargs(args)
     replicas = ReplicaSet(options, args.data_parallel_size, args.router_policy, ray_address=args.ray_address,

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
 
 from pagellm import envs
 from pagellm.config import ROUTER_POLICIES
@@ -61,14 +59,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
     return p
-
-
-def default_model_name(model_path: str) -> str:
-    """`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`; a directory -> its name."""
-    name = os.path.basename(os.path.normpath(model_path))
-    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
-    name = re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
-    return name or "model"
 
 
 def address_problem(host: str, port: int) -> str | None:

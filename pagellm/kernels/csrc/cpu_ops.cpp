@@ -7,7 +7,7 @@
 //   moves a third of the bytes and skips the padding. A bfloat16 cache is widened to
 //   float32 as it is read (a 16-bit shift), so it moves half the bytes of a float32 one
 //   with the same float32 arithmetic. An 8-bit cache (int8, fp8 e4m3 or e5m2; see
-//   pagellm/attention/kv_format.py) stores each token's row of one KV head as D one-byte codes
+//   pagellm/kv_format.py) stores each token's row of one KV head as D one-byte codes
 //   and a float16 scale: the codes are widened as they are read and the scale multiplies the
 //   row's dot product (K) or its softmax weight (V), so the values are never written out in a
 //   wider type. (Widening a block once into float32 rows for all G query heads measured slower:

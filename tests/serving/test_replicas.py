@@ -1,4 +1,4 @@
-"""Engine replicas on a local Ray instance (distributed/replicas.py): two replicas give one
+"""Engine replicas on a local Ray instance (serving/replicas.py): two replicas give one
 engine's greedy outputs; requests that share a prefix land on one replica, where they hit its
 prefix cache; killing a replica under load fails only its requests that had output, retries the
 others elsewhere, and leaves no Ray process behind."""
@@ -12,7 +12,7 @@ import pytest
 import ray  # a test dependency: missing, these tests must fail
 
 from pagellm import LLM, SamplingParams
-from pagellm.distributed.replicas import NoReplicaError, ReplicaDiedError, ReplicaSet
+from pagellm.serving.replicas import NoReplicaError, ReplicaDiedError, ReplicaSet
 
 OPTIONS = dict(block_size=4, num_kv_blocks=128, seed=0)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

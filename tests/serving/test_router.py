@@ -1,4 +1,4 @@
-"""The replica router's policies (entrypoints/router.py), without replicas: requests that share a
+"""The replica router's policies (serving/router.py), without replicas: requests that share a
 prefix go where it was seen; an overloaded replica is passed over; a dead one is out of rotation."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pagellm.entrypoints.router import NoReplicaError, Router
+from pagellm.serving.router import NoReplicaError, Router
 
 
 def _prompt(system: int, user: int, n: int = 40) -> list[int]:

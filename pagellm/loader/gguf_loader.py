@@ -24,8 +24,8 @@ from gguf import GGUFValueType
 from gguf.quants import dequantize
 
 from pagellm.layers.quant.gguf import NATIVE_TYPES, GGUFBlocks
-from pagellm.model.gguf_file import ByteOrderError, GGUFFile
-from pagellm.model.config import ModelArchConfig, arch_from_hf
+from pagellm.loader.gguf_file import ByteOrderError, GGUFFile
+from pagellm.models.arch import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_gguf
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
-from pagellm.model.bundled import default_model_path
-from pagellm.model.tokenizer import Tokenizer
+from pagellm.loader.bundled import default_model_path
+from pagellm.loader.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagellm.model.config import ModelArchConfig, arch_from_hf
+from pagellm.models.arch import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_hf
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")

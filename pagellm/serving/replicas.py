@@ -2,7 +2,7 @@
 
 Each replica is a Ray actor holding a whole engine (`AsyncLLMEngine` over an `LLMEngine`; a
 replica may itself run tensor parallelism). `ReplicaSet.add_request` routes a request
-(entrypoints/router.py), waits for the replica to accept it (a bad request raises the engine's
+(serving/router.py), waits for the replica to accept it (a bad request raises the engine's
 own error, as a local engine would), and returns a stream of its outputs, sent back by the actor
 through a Ray streaming generator. When a replica dies it leaves the rotation: a request that had
 received no output yet is added again on another replica, one that had output ends with
@@ -26,7 +26,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from pagellm.engine.async_engine import EngineDeadError
-from pagellm.entrypoints.router import NoReplicaError, Router
+from pagellm.serving.router import NoReplicaError, Router
 from pagellm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class ReplicaSet:
 
         from pagellm.config import make_config
         from pagellm.engine.input_processor import resolve_max_model_len
-        from pagellm.model.loader import load_model_source
+        from pagellm.loader.source import load_model_source
 
         self.config = make_config(**options)  # a bad option fails here, before any process starts
         source = load_model_source(self.config.model, self.config.load_format, "none")

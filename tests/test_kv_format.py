@@ -1,10 +1,10 @@
-"""The stored formats of the KV cache (attention/kv_format.py): sizes, error bounds, odd rows."""
+"""The stored formats of the KV cache (kv_format.py): sizes, error bounds, odd rows."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagellm.attention.kv_format import resolve_kv_format
+from pagellm.kv_format import resolve_kv_format
 from pagellm.config import make_config
 
 EIGHT_BIT = ["int8", "fp8_e4m3", "fp8_e5m2"]

@@ -15,11 +15,11 @@ from functools import partial
 import torch
 
 from pagellm.config import LOAD_FORMATS
-from pagellm.model.bundled import default_model_path
-from pagellm.model.config import ModelArchConfig
-from pagellm.model.gguf_loader import has_native_blocks, iter_gguf_weights, open_gguf, read_gguf_config
-from pagellm.model.hf_loader import iter_hf_weights, read_hf_config
-from pagellm.model.tokenizer import Tokenizer
+from pagellm.loader.bundled import default_model_path
+from pagellm.models.arch import ModelArchConfig
+from pagellm.loader.gguf_loader import has_native_blocks, iter_gguf_weights, open_gguf, read_gguf_config
+from pagellm.loader.hf_loader import iter_hf_weights, read_hf_config
+from pagellm.loader.tokenizer import Tokenizer
 
 # "org/name" with nothing that a local path would usually have.
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

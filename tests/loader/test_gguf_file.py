@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from pagellm.model.gguf_file import GGUFFile
+from pagellm.loader.gguf_file import GGUFFile
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagellm.model.bundled import default_model_path
-from pagellm.model.gguf_loader import iter_gguf_weights, read_gguf_config
-from pagellm.model.loader import load_model_source
+from pagellm.loader.bundled import default_model_path
+from pagellm.loader.gguf_loader import iter_gguf_weights, read_gguf_config
+from pagellm.loader.source import load_model_source
 
 # Every matmul input width is a multiple of 256 so that K-quants (256-value blocks) fit.
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 256, 4, 2, 2, 300

@@ -16,8 +16,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from pagellm.model.hf_loader import iter_hf_weights, read_hf_config
-from pagellm.model.loader import load_model_source
+from pagellm.loader.hf_loader import iter_hf_weights, read_hf_config
+from pagellm.loader.source import load_model_source
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)

@@ -280,6 +280,12 @@ class AsyncLLMEngine:
         stream._queue.put_nowait(RequestAborted(f"request {request_id!r} was aborted"))
         self._commands.put(("abort", request_id))
 
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight now with what it has generated, finish_reason "abort"
+        (a stream gets that as its last output; best_of and beam searches end with RequestAborted
+        and `reason`). For a server that shuts down."""
+        self._commands.put(("abort_all", reason))
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between two steps and return its result."""
         self._check_alive()
@@ -315,6 +321,10 @@ class AsyncLLMEngine:
             if out.finished:
                 del self._streams[out.request_id]
             stream._queue.put_nowait(out)
+
+    def _end_aborted(self, outputs: list[RequestOutput], reason: str) -> None:
+        self._deliver([o for o in outputs if o.error is None])
+        self._fail([o.request_id for o in outputs if o.error is not None], RequestAborted(reason))
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         for rid in request_ids:
@@ -392,6 +402,16 @@ class AsyncLLMEngine:
                 request_logger.info("request %s aborted", rid)
                 if self.observer is not None:
                     self.observer.on_abort(rid, time.time())
+        elif kind == "abort_all":
+            rids = sorted(self._live)
+            self._live.clear()
+            outputs = self.engine.abort_with_outputs(rids, cmd[1])
+            now = time.time()
+            for out in outputs:
+                request_logger.info("request %s aborted: %s", out.request_id, cmd[1])
+                if self.observer is not None:
+                    self.observer.on_abort(out.request_id, now)
+            self._to_loop(self._end_aborted, outputs, cmd[1])
         elif kind == "call":
             _, fn, fut = cmd
             try:

@@ -5,6 +5,7 @@ engine core (schedule -> execute -> update) and output processing (text, logprob
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -208,6 +209,27 @@ class LLMEngine:
                 for sid in group.seq_ids():
                     self.core.finish(sid, RequestStatus.FINISHED_ABORTED)
                 self._drop(group)
+
+    def abort_with_outputs(self, request_ids: list[str], reason: str) -> list[RequestOutput]:
+        """Stop requests as `abort_request` does and return each one's final output: what it has
+        generated so far, finish_reason "abort" (the server's answer to requests still running when
+        it shuts down). A best_of or beam-search request, ranked only at its end, has nothing to
+        show yet: its output carries `reason` as its error."""
+        outputs = []
+        for rid in request_ids:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            for sid in group.seq_ids():
+                self.core.finish(sid, RequestStatus.FINISHED_ABORTED)
+            out = None if group.beams is not None or group.num_seqs > group.params.n else self.outputs.output(group)
+            if out is None:
+                out = self.outputs.failure(group, RuntimeError(reason))
+            else:  # samples not forked yet have no text to show: the request still ends here
+                out = dataclasses.replace(out, finished=True)
+            outputs.append(out)
+            self._drop(group)
+        return outputs
 
     def _drop(self, group: SequenceGroup) -> None:
         del self._groups[group.request_id]

@@ -79,6 +79,10 @@ def _replica_class():
         async def abort(self, request_id: str) -> None:
             self.engine.abort(request_id)
 
+        async def abort_all(self, reason: str) -> None:
+            if self._started:
+                self.engine.abort_all(reason)
+
         async def stats(self) -> dict:
             return self.engine.stats()
 
@@ -261,6 +265,14 @@ class ReplicaSet:
         for s in list(self._streams):
             if s.request_id == request_id:
                 s.abort()
+
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight on every replica (AsyncLLMEngine.abort_all)."""
+        for i in self.router.alive:
+            try:
+                self.replicas[i].abort_all.remote(reason)
+            except Exception:  # a replica that died meanwhile has nothing left to end
+                pass
 
     def _abort(self, replica: int, request_id: str) -> None:
         if replica in self.router.alive:

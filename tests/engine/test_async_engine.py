@@ -148,6 +148,31 @@ def test_abort_ends_the_stream(llm_engine):
     assert run(llm_engine, body) is False
 
 
+def test_abort_all_ends_each_stream_with_what_it_has(llm_engine):
+    """A shutting-down server's abort: every request's stream ends with an output of finish_reason
+    "abort" holding the tokens generated so far (n=2 samples each end so); a best_of request,
+    ranked only at its end, ends with RequestAborted; the blocks all return to the pool."""
+    async def body(engine):
+        a = await engine.add_request("a", "hello", params(400))
+        b = await engine.add_request("b", "world", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, n=2))
+        c = await engine.add_request("c", "again", SamplingParams(max_tokens=400, ignore_eos=True, best_of=2, seed=0))
+        first = await a.__anext__()
+        engine.abort_all("the server is shutting down")
+        outs = {"a": [o async for o in a], "b": [o async for o in b]}
+        with pytest.raises(RequestAborted, match="shutting down"):
+            async for _ in c:
+                pass
+        return first, outs
+
+    first, outs = run(llm_engine, body)
+    last_a, last_b = outs["a"][-1], outs["b"][-1]
+    assert last_a.finished and last_b.finished
+    assert [c.finish_reason for c in last_a.outputs] == ["abort"]
+    assert len(last_a.outputs[0].token_ids) >= len(first.outputs[0].token_ids)
+    assert len(last_a.outputs[0].token_ids) < 400
+    assert {c.finish_reason for c in last_b.outputs} == {"abort"}
+
+
 def test_step_failure_fails_its_requests_then_serves(llm_engine, monkeypatch):
     real_step = llm_engine.step
     calls = {"n": 0}

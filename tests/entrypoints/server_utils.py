@@ -1,11 +1,13 @@
 """Helpers for the server tests: a real `pagellm serve` process on a free loopback port."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -94,6 +96,37 @@ class RemoteServer:
                 self.proc.wait()
         self.log.close()
         os.unlink(self.log.name)
+
+
+class Stream(threading.Thread):
+    """A streaming completion read as raw server-sent events."""
+
+    def __init__(self, server: RemoteServer, max_tokens: int, model: str = MODEL_NAME) -> None:
+        super().__init__(daemon=True)
+        self.server, self.max_tokens, self.model = server, max_tokens, model
+        self.events: list[str] = []
+        self.first = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": self.max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", self.server.url + "/v1/completions", json=body, timeout=120) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line.removeprefix("data: "))
+                        self.first.set()
+        except BaseException as e:  # the test reads it
+            self.error = e
+        finally:
+            self.first.set()
+
+    def finish_reason(self) -> str | None:
+        chunks = [json.loads(e) for e in self.events if e != "[DONE]"]
+        return next((c["choices"][0]["finish_reason"] for c in reversed(chunks)
+                     if c["choices"] and c["choices"][0]["finish_reason"]), None)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:

@@ -1,8 +1,8 @@
 """`pagellm serve --data-parallel-size 2`: two engine replicas on a local Ray instance behind the
 cache-aware router, through the official client. Completions equal one engine's; a system
 prompt's later users reach its replica's prefix cache; /health and /metrics report each replica;
-a replica killed mid-run leaves the rotation and the server keeps serving; stopping the server
-leaves no Ray process behind."""
+a replica killed mid-run leaves the rotation and the server keeps serving; SIGTERM ends a stream in
+flight with finish_reason "abort" and the server exits 0, leaving no Ray process behind."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from pagellm import LLM, SamplingParams
-from tests.entrypoints.server_utils import RemoteServer, metric_value
+from tests.entrypoints.server_utils import RemoteServer, Stream, metric_value
 
 ENGINE = ["--block-size", "4", "--num-kv-blocks", "128"]
 SYSTEMS = ["You answer questions about rivers and mountains. ", "You write short letters to friends. ",
@@ -34,7 +34,7 @@ def test_replicas_serve_route_report_and_survive_a_death(tiny_llama_dir):
     want = [o.outputs[0].text for o in LLM(tiny_llama_dir, block_size=4, num_kv_blocks=128).generate(
         prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
     server = RemoteServer(["--model", tiny_llama_dir, "--served-model-name", "m", *ENGINE,
-                           "--data-parallel-size", "2", "--router-policy", "cache_aware"])
+                           "--data-parallel-size", "2", "--router-policy", "cache_aware", "--shutdown-timeout", "0"])
     try:
         client = server.client()
 
@@ -62,6 +62,15 @@ def test_replicas_serve_route_report_and_survive_a_death(tiny_llama_dir):
         assert [r["alive"] for r in health] == [False, True]
         text = httpx.get(server.url + "/metrics", timeout=10).text
         assert metric_value(text, "pagellm:replica_up", model_name="m", replica="0") == 0
+        # SIGTERM with a stream in flight (--shutdown-timeout 0): it ends with finish_reason "abort"
+        # and [DONE], and the server exits 0.
+        stream = Stream(server, 400, model="m")
+        stream.start()
+        stream.first.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        stream.join(60)
+        assert stream.error is None and stream.events[-1] == "[DONE]" and stream.finish_reason() == "abort"
+        assert server.proc.wait(timeout=60) == 0, server.log_tail()
     finally:
         server.close()
     deadline = time.monotonic() + 20

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -25,6 +26,7 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
+from pagellm.entrypoints.openai.shutdown import Drain, DrainingServer, DrainMiddleware
 
 logger = logging.getLogger("pagellm.server")
 
@@ -48,8 +50,10 @@ def default_model_name(model_path: str) -> str:
     return name or "model"
 
 
-def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
-    """The app around an engine that is not started yet; the app's lifespan starts and stops it."""
+def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConfig,
+              drain: Drain | None = None) -> FastAPI:
+    """The app around an engine that is not started yet; the app's lifespan starts and stops it.
+    `drain`: the graceful shutdown that `run_server` drives from its signals (shutdown.py)."""
     model_name = config.served_model_names[0]
     completions = OpenAIServingCompletion(engine, config.served_model_names, config.max_seqs_per_request)
     chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request,
@@ -59,9 +63,12 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        draining = asyncio.create_task(drain.run(engine)) if drain is not None else None
         try:
             yield
         finally:
+            if draining is not None:
+                draining.cancel()
             await engine.shutdown()
             engine.close()  # the engine's own resources: its KV tier's file, tensor-parallel ranks, replicas
 
@@ -158,10 +165,12 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if drain is not None:  # added last, so outermost: a draining server refuses before anything else
+        app.add_middleware(DrainMiddleware, drain=drain)
     return app
 
 
-def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, ServerConfig]:
+def build_server(args: argparse.Namespace, drain: Drain | None = None) -> tuple[FastAPI, AsyncLLMEngine, ServerConfig]:
     from pagellm.config import EngineConfig, engine_kwargs
 
     if args.data_parallel_size > 1:
@@ -182,7 +191,7 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine, Ser
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_seqs_per_request=min(per_request, args.max_num_seqs),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
-    return build_app(engine, metrics, config), engine, config
+    return build_app(engine, metrics, config, drain), engine, config
 
 
 def _replica_server(args: argparse.Namespace):
@@ -205,7 +214,8 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    app, engine, config = build_server(args)
+    drain = Drain(args.shutdown_timeout)
+    app, engine, config = build_server(args, drain)
     stats = engine.stats()
     logger.info("serving %s as %r on http://%s:%d (%s; KV pool: %d blocks of %d tokens, max_model_len %d); "
                 "block map at /dashboard", engine.model_path, config.served_model_names[0], args.host, args.port,
@@ -213,6 +223,12 @@ def run_server(args: argparse.Namespace) -> int:
                 if args.data_parallel_size > 1 else
                 f"{str(engine.engine.dtype).removeprefix('torch.')} on {engine.engine.device}",
                 stats["total_blocks"], stats["block_size"], engine.max_model_len)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=not args.disable_access_log, timeout_graceful_shutdown=5),
+                            drain)
+    drain.server = server
+    server.run()
+    if server.force_exit:  # a second signal: uvicorn skipped the lifespan's shutdown
+        engine.close()
+        return 1
     return 0

@@ -8,6 +8,14 @@ from pagellm.config import ROUTER_POLICIES
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -53,6 +61,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="which replica serves a request: cache_aware (the one that has seen the longest run of "
                         "its leading KV blocks, unless overloaded), round_robin, least_loaded (default: "
                         "cache_aware)")
+    g.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, stop admitting (503 with Retry-After) and let the requests in "
+                        "flight finish for up to this long, then end the rest with finish_reason 'abort'; a "
+                        f"second signal exits at once (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's logging (default: info: each request, and throughput every 5 s)")
     g.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")

@@ -53,7 +53,10 @@ def test_replicas_serve_route_report_and_survive_a_death(tiny_llama_dir):
         assert hits >= 8 * 36  # the 8 later users each found their system prompt's blocks cached
         routed = [metric_value(text, "pagellm:replica_requests_routed_total", model_name="m", replica=str(r))
                   for r in (0, 1)]
-        assert sorted(routed) == [6, 6]  # two system prompts (and their 3 users) per replica
+        # Each system prompt's 3 users on one replica, and both replicas used. How the 4 system prompts
+        # split depends on when each replica's KV usage was last polled (equal loads go to the one
+        # with more free KV): 2 + 2 or 1 + 3.
+        assert sum(routed) == 12 and min(routed) >= 3 and all(r % 3 == 0 for r in routed)
         assert metric_value(text, "pagellm:router_prefix_routed_total", model_name="m") == 8
         # A replica dies: the server notices, takes it out of rotation, and keeps answering.
         os.kill(health[0]["pid"], signal.SIGKILL)

@@ -14,9 +14,10 @@ long as the same steps run offline (hundreds of context switches a step against 
 
 A request whose consumer goes away (cancelled, closed, or `abort()`) is aborted at once
 and its blocks return to the pool. A request that fails in a step (the engine finds which
-one; see `LLMEngine.step`) fails alone and the others carry on. Only if `step()` itself
-raises, which means the scheduler or a tensor-parallel rank is broken, do all live
-requests fail; the engine then goes on serving the next ones if it can.
+one; see `LLMEngine.step`) fails alone and the others carry on. If `step()` itself raises,
+all live requests fail and the engine goes on serving the next ones if it can; if it raises
+an `EngineFatalError` (a tensor-parallel rank died), the engine is dead: every request fails
+with EngineDeadError and none is accepted (the server then exits, see openai/shutdown.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.errors import EngineFatalError
 from pagellm.engine.stats_logger import StatsLogger, log_added, log_finished, request_logger
 from pagellm.outputs import RequestOutput
 from pagellm.beam_search import BeamSearchParams
@@ -361,10 +363,10 @@ class AsyncLLMEngine:
                     self._step()
                 self._stats = self.engine.stats()
                 self._stats_logger.maybe_log(self._stats)
-        except BaseException as e:  # a bug outside step(): nothing can be trusted any more
-            logger.exception("the engine thread died")
+        except BaseException as e:  # a fatal step, or a bug outside step(): nothing can be trusted any more
+            logger.exception("the engine is dead: %r", e)
             self._dead = e
-            self._to_loop(self._fail_all, EngineDeadError(f"the engine thread died: {e!r}"))
+            self._to_loop(self._fail_all, EngineDeadError(f"the engine is dead: {e!r}"))
 
     def _fail_all(self, error: BaseException) -> None:
         self._fail(list(self._streams), error)
@@ -433,6 +435,8 @@ class AsyncLLMEngine:
         tokens_before = core.num_prompt_tokens_computed + core.num_generation_tokens
         try:
             outputs = self.engine.step()
+        except EngineFatalError:
+            raise  # no step can run any more: _run marks the engine dead and fails every request
         except Exception as e:
             self.num_unisolated_failures += 1
             failed = sorted(self._live)

@@ -15,6 +15,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, EngineThread,
                                          QueueFullError, RequestAborted)
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.errors import EngineFatalError
 from pagellm.sampling_params import SamplingParams
 
 
@@ -171,6 +172,27 @@ def test_abort_all_ends_each_stream_with_what_it_has(llm_engine):
     assert len(last_a.outputs[0].token_ids) >= len(first.outputs[0].token_ids)
     assert len(last_a.outputs[0].token_ids) < 400
     assert {c.finish_reason for c in last_b.outputs} == {"abort"}
+
+
+def test_a_fatal_step_kills_the_engine_and_every_request_hears_it(tiny_llama_dir, monkeypatch):
+    """EngineFatalError (a tensor-parallel rank died): the engine is dead, not retried; its
+    requests fail with EngineDeadError naming the cause, and no new one is accepted."""
+    engine_ = LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, max_num_seqs=8))
+    monkeypatch.setattr(engine_, "step", lambda: (_ for _ in ()).throw(EngineFatalError("rank 1 died")))
+
+    async def main():
+        engine = AsyncLLMEngine(engine_)
+        engine.start()
+        stream = await engine.add_request("a", "hello", params(4))
+        with pytest.raises(EngineDeadError, match="rank 1 died"):
+            async for _ in stream:
+                pass
+        assert not engine.is_running and isinstance(engine.dead_error, EngineFatalError)
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("b", "hello", params(4))
+        await engine.shutdown()
+
+    asyncio.run(main())
 
 
 def test_step_failure_fails_its_requests_then_serves(llm_engine, monkeypatch):

@@ -129,3 +129,25 @@ def test_tensor_parallel_ranks_go_with_the_server(tiny_llama_dir):
         assert_gone(server, children, 0, within=60)
     finally:
         server.close()
+
+
+@pytest.mark.slow
+def test_a_dead_engine_answers_503_then_exits_1(tiny_llama_dir):
+    """A tensor-parallel rank dies: the request that finds it fails with 503 (engine_unavailable),
+    /health says 503, the log names the cause once, and the process exits 1 for a supervisor."""
+    server, children = start(5, "--model", tiny_llama_dir, "--served-model-name", MODEL_NAME, "--num-kv-blocks", "96",
+                             "--tensor-parallel-size", "2")
+    try:
+        [rank] = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        rank.kill()
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        assert "died" in r.json()["error"]["message"]
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 503
+        assert_gone(server, children, 1, within=30)
+        log = server.log_tail(50000)
+        assert log.count("exiting with status 1") == 1, log
+    finally:
+        server.close()

@@ -214,7 +214,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    drain = Drain(args.shutdown_timeout)
+    drain = Drain(args.shutdown_timeout, exit_on_engine_death=args.exit_on_engine_death)
     app, engine, config = build_server(args, drain)
     stats = engine.stats()
     logger.info("serving %s as %r on http://%s:%d (%s; KV pool: %d blocks of %d tokens, max_model_len %d); "
@@ -231,4 +231,4 @@ def run_server(args: argparse.Namespace) -> int:
     if server.force_exit:  # a second signal: uvicorn skipped the lifespan's shutdown
         engine.close()
         return 1
-    return 0
+    return drain.exit_code

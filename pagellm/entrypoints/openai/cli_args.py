@@ -65,6 +65,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT, stop admitting (503 with Retry-After) and let the requests in "
                         "flight finish for up to this long, then end the rest with finish_reason 'abort'; a "
                         f"second signal exits at once (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    g.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
+                   help="when the engine dies (a tensor-parallel rank died, say), answer 503 for a moment, then "
+                        "exit with status 1 so that a supervisor restarts the server (default: on)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's logging (default: info: each request, and throughput every 5 s)")
     g.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")

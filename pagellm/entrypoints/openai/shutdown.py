@@ -1,8 +1,15 @@
-"""Graceful shutdown of `pagellm serve`: the first SIGTERM or SIGINT stops admitting (new requests
-get 503 with Retry-After, /health says draining), lets the requests in flight finish for up to
+"""How `pagellm serve` ends.
+
+Graceful shutdown: the first SIGTERM or SIGINT stops admitting (new requests get 503 with
+Retry-After, /health says draining), lets the requests in flight finish for up to
 `--shutdown-timeout` seconds, then ends the rest with finish_reason "abort" (a stream gets its
 final chunk and [DONE]) and lets uvicorn close; the app's lifespan then stops the engine (its
-tensor-parallel ranks, replicas and disk tier). A second signal exits at once."""
+tensor-parallel ranks, replicas and disk tier) and the process exits 0. A second signal exits at
+once.
+
+A dead engine (a tensor-parallel rank died, the engine thread failed): its requests have failed
+and new ones get 503; with `--exit-on-engine-death` (the default) the server logs the cause once
+and exits with status 1 after ENGINE_DEATH_GRACE_SECONDS, so that a supervisor restarts it."""
 from __future__ import annotations
 
 import asyncio
@@ -24,16 +31,21 @@ DRAIN_RETRY_AFTER_SECONDS = 5
 _FLUSH_SECONDS = 2.0
 # Paths still answered while draining: the state of the process, not new work.
 _OPEN_WHILE_DRAINING = ("/metrics",)
+# How long a server whose engine died keeps answering 503 before it exits: enough for the failed
+# requests' answers to reach their clients and for a health check to see it.
+ENGINE_DEATH_GRACE_SECONDS = 2.0
 
 
 class Drain:
     """The server's shutdown state, shared by the middleware, the signal handler and the task
     that ends the requests in flight."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, exit_on_engine_death: bool = True) -> None:
         if timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {timeout}")
         self.timeout = timeout
+        self.exit_on_engine_death = exit_on_engine_death
+        self.exit_code = 0
         self.draining = False
         self.in_flight = 0
         self.started: float | None = None
@@ -45,8 +57,17 @@ class Drain:
 
     async def run(self, engine: Any) -> None:
         """Wait for the drain to begin, then for the requests in flight (up to the timeout), then
-        abort what is left and tell uvicorn to close."""
+        abort what is left and tell uvicorn to close. Or, if the engine dies first, close with
+        status 1 after a grace period."""
         while not self.draining:
+            if self.exit_on_engine_death and not engine.is_running and engine.dead_error is not None:
+                # The engine logged its cause; this says what follows from it.
+                logger.error("exiting with status 1 in %g s: the engine is dead", ENGINE_DEATH_GRACE_SECONDS)
+                self.exit_code = 1
+                await asyncio.sleep(ENGINE_DEATH_GRACE_SECONDS)
+                if self.server is not None:
+                    self.server.should_exit = True
+                return
             await asyncio.sleep(0.05)
         logger.info("shutting down: %d requests in flight, waiting up to %g s for them to finish",
                     self.in_flight, self.timeout)

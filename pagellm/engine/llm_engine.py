@@ -28,6 +28,7 @@ from pagellm.engine.groups import BeamRound, SequenceGroup
 from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
+from pagellm.layers.quant import weight_format
 from pagellm.loader.source import load_model_source
 from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import RequestOutput
@@ -46,10 +47,12 @@ class LLMEngine:
         self.kv_tier = None  # the KV cache's second tier (--kv-offload-dir), if any
         started = time.monotonic()
         device = resolve_device(config.device)
-        # The quantized kernels are CPU code; a GPU gets a GGUF file dequantized (Triton kernels: to come).
-        if config.quantization in ("int8", "int4") and device.type != "cpu":
-            raise ValueError(f"quantization {config.quantization!r} runs on the CPU only for now (torch's packed "
-                             f"CPU kernels); the device is {device}")
+        # A GPU gets a GGUF file dequantized: the Triton GGUF product is not wired into the layers yet.
+        if config.quantization not in ("auto", "none"):
+            fmt = weight_format(config.quantization)
+            if device.type not in fmt.devices:
+                raise ValueError(f"quantization {config.quantization!r} runs on {', '.join(fmt.devices)} only for "
+                                 f"now; the device is {device}")
         quantization = config.quantization if device.type == "cpu" else "none"
         source = load_model_source(config.model, config.load_format, quantization)
         logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from pagellm.config import LOAD_FORMATS
+from pagellm.layers.quant import weight_format as registered_format
 from pagellm.loader.bundled import default_model_path
 from pagellm.models.arch import ModelArchConfig
 from pagellm.loader.gguf_loader import has_native_blocks, iter_gguf_weights, open_gguf, read_gguf_config
@@ -60,25 +61,26 @@ def load_model_source(model: str | None, load_format: str = "auto", quantization
     if load_format == "safetensors" and fmt != "hf":
         raise ValueError(f"load_format 'safetensors' needs a Hugging Face model directory, but {path} is not one")
 
-    if quantization in ("int8", "int4") and fmt == "gguf":
+    quantizes_on_load = quantization not in ("auto", "none") and registered_format(quantization).quantizes_on_load
+    if quantizes_on_load and fmt == "gguf":
         raise ValueError(f"quantization {quantization!r} quantizes a safetensors checkpoint as it loads; a GGUF file "
                          f"is served in its own blocks (quantization 'auto') or dequantized ('none')")
     if fmt == "gguf":
         reader = open_gguf(path)  # parsed once for the config and the weights
         arch, tokenizer = read_gguf_config(path, reader), Tokenizer.from_gguf(path)
         blocks = quantization == "auto" and has_native_blocks(reader)
-        weight_format = "gguf" if blocks else "dense"
+        layers_format = "gguf" if blocks else "dense"
         weights = partial(iter_gguf_weights, path, reader, arch, keep_blocks=blocks)
     else:
         arch, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
         weights = partial(iter_hf_weights, path)
-        weight_format = quantization if quantization in ("int8", "int4") else "dense"
+        layers_format = quantization if quantizes_on_load else "dense"
     return ModelSource(
         path=path,
         format=fmt,
         arch=arch,
         tokenizer=tokenizer,
-        weight_format="dense" if load_format == "dummy" else weight_format,
+        weight_format="dense" if load_format == "dummy" else layers_format,
         weights=None if load_format == "dummy" else weights,
     )
 

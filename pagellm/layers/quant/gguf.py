@@ -34,7 +34,7 @@ from torch import nn
 from pagellm.kernels import cpu
 from pagellm.layers import invariant
 from pagellm.layers.linear import LinearMethod
-from pagellm.layers.quant import tiled_product
+from pagellm.layers.quant import WeightFormat, register, tiled_product
 
 # GGML type id -> name, for the types with a kernel.
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -278,3 +278,7 @@ class GGUFLinearMethod(LinearMethod):
             return F.embedding(ids, w)
         flat = dequantize_rows(w, kind, layer.gguf_shape[1], ids.reshape(-1), self.dtype)
         return flat.reshape(*ids.shape, layer.gguf_shape[1])
+
+
+register(WeightFormat("gguf", lambda dtype, invariant, activations: lambda: GGUFLinearMethod(dtype, invariant,
+                                                                                            activations)))

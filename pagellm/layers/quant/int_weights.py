@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pagellm.layers.linear import LinearMethod, UnquantizedLinearMethod
-from pagellm.layers.quant import tiled_product
+from pagellm.layers.quant import WeightFormat, register, tiled_product
 
 logger = logging.getLogger("pagellm.quant")
 
@@ -153,3 +153,10 @@ class Int4LinearMethod(_StagedLinearMethod):
         if not layer.int4_group:
             return _int8_matmul(x, layer.qweight, layer.scales)
         return torch._weight_int4pack_mm_for_cpu(x, layer.qweight, layer.int4_group, layer.scales_and_zeros)
+
+
+_PACKED = "torch's packed kernels pick their path by batch size"
+register(WeightFormat("int8", lambda dtype, invariant, activations: lambda: Int8LinearMethod(dtype),
+                      batch_invariant=False, why_not_invariant=_PACKED, quantizes_on_load=True, devices=("cpu",)))
+register(WeightFormat("int4", lambda dtype, invariant, activations: lambda: Int4LinearMethod(dtype),
+                      batch_invariant=False, why_not_invariant=_PACKED, quantizes_on_load=True, devices=("cpu",)))

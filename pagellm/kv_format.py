@@ -20,6 +20,7 @@ computed in this step, an earlier chunk, or came from the prefix cache.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,22 @@ _MIN_SCALE = 2.0 ** -14  # float16's smallest normal number
 _MAX_SCALE = 65504.0  # float16's largest finite number
 
 
+class KVCode(enum.IntEnum):
+    """How the kernels know a format: the one numbering shared by Python, the C++ kernels (built
+    with these values as -DPAGELLM_KV_<NAME>, kernel_defines) and the Triton kernels (their
+    constexpr QUANT compared against these)."""
+
+    PLAIN = 0  # values as they are (float32, bfloat16, float16)
+    INT8 = 1
+    FP8_E4M3 = 2
+    FP8_E5M2 = 3
+
+
+def kernel_defines() -> list[str]:
+    """The compiler flags that give the C++ kernels KVCode's values."""
+    return [f"-DPAGELLM_KV_{code.name}={int(code)}" for code in KVCode]
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """One way of storing K/V rows. `dtype` is the value dtype (plain formats) or the dtype of
@@ -38,7 +55,7 @@ class KVFormat:
     name: str
     dtype: torch.dtype
     qmax: float | None = None  # the largest code; None: values stored as they are
-    kernel_code: int = 0  # how the CPU kernel knows the format (0: plain float32 or bfloat16)
+    kernel_code: KVCode = KVCode.PLAIN  # how the kernels know the format
 
     @property
     def quantized(self) -> bool:
@@ -79,9 +96,9 @@ class KVFormat:
 
 
 _QUANTIZED = {
-    "int8": KVFormat("int8", torch.int8, 127.0, 1),
-    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 2),
-    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 3),
+    "int8": KVFormat("int8", torch.int8, 127.0, KVCode.INT8),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, KVCode.FP8_E4M3),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, KVCode.FP8_E5M2),
 }
 _PLAIN = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

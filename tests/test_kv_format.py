@@ -65,3 +65,24 @@ def test_zero_tiny_and_one_hot_rows(name):
     assert torch.equal(got[0], x[0])
     assert got[1].abs().max() <= 2.0 ** -15
     assert (got[2] - x[2]).abs().max() <= 7.0 * BOUND[name] and torch.count_nonzero(got[2]) == 1
+
+
+def test_one_numbering_of_the_formats_reaches_every_kernel():
+    """KVCode is the only place the formats are numbered: the C++ build gets it as defines, the
+    Triton kernels compare against it, and a number that is no KVCode is refused by the kernels."""
+    from pagellm.attention.interpreter import use_interpreter_without_gpu
+
+    use_interpreter_without_gpu()  # before the kernels are defined, as tests/attention does
+    from pagellm.attention import triton_kernels as tk
+    from pagellm.kernels import cpu
+    from pagellm.kv_format import KVCode, kernel_defines
+
+    assert {resolve_kv_format(n, torch.float32).kernel_code for n in ("int8", "fp8_e4m3", "fp8_e5m2")} == \
+        set(KVCode) - {KVCode.PLAIN}
+    assert kernel_defines() == [f"-DPAGELLM_KV_{c.name}={int(c)}" for c in KVCode]
+    assert (tk.KV_PLAIN.value, tk.KV_INT8.value, tk.KV_FP8_E4M3.value) == (KVCode.PLAIN, KVCode.INT8, KVCode.FP8_E4M3)
+    if cpu.available():
+        k = torch.zeros(1, 2, 16)
+        cache = torch.zeros(4, 4, 2, 18, dtype=torch.uint8)
+        with pytest.raises(RuntimeError, match="kv_format 7 is no KVCode"):
+            cpu._load().store_kv(k, k, cache, cache.clone(), torch.zeros(1, dtype=torch.long), 7)

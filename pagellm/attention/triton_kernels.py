@@ -50,9 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kv_format import KVFormat
+from pagellm.kv_format import KVCode, KVFormat
 
 _LOG2E = 1.4426950408889634
+# KVCode's values as the kernels' constexpr QUANT takes them (kv_format.py owns the numbering).
+KV_PLAIN: tl.constexpr = tl.constexpr(int(KVCode.PLAIN))
+KV_INT8: tl.constexpr = tl.constexpr(int(KVCode.INT8))
+KV_FP8_E4M3: tl.constexpr = tl.constexpr(int(KVCode.FP8_E4M3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,10 +78,10 @@ def _encode_rows(x, row_mask, QUANT: tl.constexpr, QMAX: tl.constexpr):
     scale = tl.minimum(tl.maximum(amax / QMAX, 6.103515625e-05), 65504.0).to(tl.float16)
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if QUANT == 1:
+    if QUANT == KV_INT8:
         code = _rne(y).to(tl.int32) & 0xFF
     else:
-        if QUANT == 2:  # e4m3: 3 mantissa bits, exponent bias 7
+        if QUANT == KV_FP8_E4M3:  # e4m3: 3 mantissa bits, exponent bias 7
             MANT: tl.constexpr = 3
             REBIAS: tl.constexpr = 960  # (127 - 7) << 3
             SUB_UNITS: tl.constexpr = 512.0  # 1 / the smallest subnormal, 2**-9
@@ -103,7 +107,7 @@ def _encode_rows(x, row_mask, QUANT: tl.constexpr, QMAX: tl.constexpr):
 @triton.jit
 def _store_rows(x, cache_ptr, dst, mask, head_mask, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr):
-    if QUANT == 0:
+    if QUANT == KV_PLAIN:
         tl.store(cache_ptr + dst, x, mask=mask)
     else:
         code, scale = _encode_rows(x.to(tl.float32), mask, QUANT, QMAX)
@@ -159,8 +163,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def _quant_flags(kv_format: KVFormat | None) -> dict:
     if kv_format is None or not kv_format.quantized:
-        return {"QUANT": 0, "QMAX": 0.0}
-    return {"QUANT": kv_format.kernel_code, "QMAX": kv_format.qmax}
+        return {"QUANT": int(KVCode.PLAIN), "QMAX": 0.0}
+    return {"QUANT": int(kv_format.kernel_code), "QMAX": kv_format.qmax}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,9 +181,9 @@ def _decode_rows(cache_ptr, row, valid, d, mask, HEAD_DIM: tl.constexpr, QUANT: 
     lo = tl.load(cache_ptr + row + HEAD_DIM, mask=valid, other=0).to(tl.int16)
     hi = tl.load(cache_ptr + row + HEAD_DIM + 1, mask=valid, other=0).to(tl.int16)
     scale = ((hi << 8) | lo).to(tl.float16, bitcast=True).to(tl.float32)
-    if QUANT == 1:
+    if QUANT == KV_INT8:
         x = c.to(tl.int8, bitcast=True).to(tl.float16)
-    elif QUANT == 2:  # e4m3's fields placed in a float16's read 2**8 too small (see the CPU kernel)
+    elif QUANT == KV_FP8_E4M3:  # e4m3's fields placed in a float16's read 2**8 too small (see the CPU kernel)
         c16 = c.to(tl.int16)
         x = (((c16 & 0x80) << 8) | ((c16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
         scale = scale * 256.0
@@ -193,15 +197,15 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_
                   head_offset, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
     """K and V ([BLOCK_N, DIM_PAD]) of positions `pos` of one sequence, read through its block
     table row `table`: a tile may span several pages, so each position looks up its block.
-    8-bit caches (QUANT > 0) come back as float16 codes with their rows' scales (k_scale,
+    8-bit caches (QUANT != KV_PLAIN) come back as float16 codes with their rows' scales (k_scale,
     v_scale [BLOCK_N] float32, see _decode_rows); plain caches with placeholders for those."""
     block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
     row = block * stride_cb + (pos % block_size) * stride_cs + head_offset
     mask = valid[:, None] & d_mask[None, :]
-    if QUANT == 0:
+    if QUANT == KV_PLAIN:
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
-        k_scale = valid  # unused: _attend_tile reads the scales only when QUANT > 0
+        k_scale = valid  # unused: _attend_tile reads the scales only for 8-bit tiles
         v_scale = valid
     else:
         k, k_scale = _decode_rows(k_cache_ptr, row, valid, d, mask, HEAD_DIM, QUANT)
@@ -230,13 +234,13 @@ def _attend_tile(q, k, v, k_scale, v_scale, keep, m_i, l_i, acc, qk_scale, softc
     of this tile (and of all before it) masked, so its running max is still -inf; exponents are
     then taken against 0 instead, which keeps them 0 rather than NaN.
 
-    8-bit tiles (QUANT > 0) are codes: q.(code * scale) = (q.code) * scale, so each key's scale
+    8-bit tiles (QUANT != KV_PLAIN) are codes: q.(code * scale) = (q.code) * scale, so each key's scale
     multiplies its score column, and each value's scale its probability column before the second
     product (the running sum l_i takes the probabilities unscaled)."""
     k = k.to(q.dtype)  # 8-bit tiles come as float16 codes
     v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if QUANT > 0:
+    if QUANT != KV_PLAIN:
         s = s * k_scale[None, :]
     if HAS_SOFTCAP:
         s = _tanh(s) * softcap
@@ -248,7 +252,7 @@ def _attend_tile(q, k, v, k_scale, v_scale, keep, m_i, l_i, acc, qk_scale, softc
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if QUANT > 0:
+    if QUANT != KV_PLAIN:
         p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc

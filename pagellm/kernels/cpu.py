@@ -21,14 +21,10 @@ import time
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 
 from pagellm import envs
-
-if TYPE_CHECKING:
-    from pagellm.kv_format import KVFormat
+from pagellm.kv_format import KVCode, KVFormat, kernel_defines
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -45,7 +41,8 @@ def build_name(source: Path | None = None) -> str:
     source = source or _SOURCE
     march = envs.cpu_march()
     suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
-    return f"pagellm_{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}{suffix}"
+    digest = hashlib.sha256(source.read_bytes() + " ".join(kernel_defines()).encode()).hexdigest()[:16]
+    return f"pagellm_{source.stem}_{digest}{suffix}"
 
 
 def _build_directory(name: str) -> str | None:
@@ -97,7 +94,8 @@ def _build(source: Path, what: str):
         start = time.monotonic()
         with build_lock(build_dir) if build_dir else contextlib.nullcontext():
             module = load(name=name, sources=[str(source)],
-                          extra_cflags=["-O3", f"-march={envs.cpu_march()}", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                          extra_cflags=["-O3", f"-march={envs.cpu_march()}", "-fopenmp", *kernel_defines()],
+                          extra_ldflags=["-fopenmp"],
                           verbose=False)
         if not built:
             logger.warning("pagellm: %s built in %.0f s", what, time.monotonic() - start)
@@ -133,8 +131,8 @@ def kv_kernels_usable(x: torch.Tensor, k_cache: torch.Tensor, kv_format: KVForma
 
 
 def _kv_code(kv_format: KVFormat | None) -> int:
-    """The kernels' number for a cache's row format: 0 float32 / bfloat16 (the cache's dtype), 1-3 the 8-bit ones."""
-    return kv_format.kernel_code if kv_format is not None else 0
+    """The kernels' number for a cache's row format (KVCode; PLAIN: float32 or bfloat16, as the cache's dtype)."""
+    return int(kv_format.kernel_code if kv_format is not None else KVCode.PLAIN)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -61,6 +61,16 @@ inline float widen(uint16_t x) {
 struct I8 { int8_t bits; };
 struct E4M3 { uint8_t bits; };  // fp8: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
 struct E5M2 { uint8_t bits; };  // fp8: the top byte of a float16
+// The KV formats' numbering is pagellm/kv_format.py's KVCode, given by the build (kernels/cpu.py).
+#if !defined(PAGELLM_KV_PLAIN) || !defined(PAGELLM_KV_INT8) || !defined(PAGELLM_KV_FP8_E4M3) || \
+    !defined(PAGELLM_KV_FP8_E5M2)
+#error "build through pagellm/kernels/cpu.py, which defines the KV format codes (kv_format.kernel_defines)"
+#endif
+enum KVCode : int64_t {
+  kKvPlain = PAGELLM_KV_PLAIN, kKvInt8 = PAGELLM_KV_INT8, kKvE4M3 = PAGELLM_KV_FP8_E4M3, kKvE5M2 = PAGELLM_KV_FP8_E5M2
+};
+inline bool known_kv_code(int64_t c) { return c == kKvPlain || c == kKvInt8 || c == kKvE4M3 || c == kKvE5M2; }
+
 template <typename T> constexpr bool kQuantized = sizeof(T) == 1;
 
 inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -494,8 +504,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv,
               "k_cache and v_cache must be CPU tensors of one dtype");
-  TORCH_CHECK(kv_format == 0 ? (kv == torch::kFloat || kv == torch::kBFloat16)
-                             : (kv_format <= 3 && kv == torch::kByte),
+  TORCH_CHECK(kv_format == kKvPlain ? (kv == torch::kFloat || kv == torch::kBFloat16)
+                                    : (known_kv_code(kv_format) && kv == torch::kByte),
               "kv_format ", kv_format, " does not match a cache of ", kv,
               " (0: float32 or bfloat16; 1-3: uint8 rows of 8-bit codes and a scale)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
@@ -519,13 +529,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     TORCH_CHECK(block_tables.size(0) >= q.size(0), "block_tables needs a row per query");
   }
   switch (kv_format) {
-    case 1:
+    case kKvInt8:
       return paged_attention_impl<I8>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
                                       fixed_run);
-    case 2:
+    case kKvE4M3:
       return paged_attention_impl<E4M3>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
                                         fixed_run);
-    case 3:
+    case kKvE5M2:
       return paged_attention_impl<E5M2>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
                                         fixed_run);
     default:
@@ -590,16 +600,18 @@ void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slot
 // [num_blocks, block_size, KVH, D + 2] of codes and a float16 scale.
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
               int64_t kv_format) {
-  TORCH_CHECK(kv_format >= 0 && kv_format <= 3, "kv_format must be 0, 1, 2 or 3, got ", kv_format);
+  TORCH_CHECK(known_kv_code(kv_format), "kv_format ", kv_format, " is no KVCode (pagellm/kv_format.py)");
   check_float_cpu(k, "k");
   check_float_cpu(v, "v");
   const auto dtype = k_cache.scalar_type();
-  const int64_t row = kv_format == 0 ? k.size(2) : k.size(2) + 2;
+  const int64_t row = kv_format == kKvPlain ? k.size(2) : k.size(2) + 2;
   for (const auto* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == dtype && c->is_contiguous() && c->dim() == 4 &&
                     c->size(2) == k.size(1) && c->size(3) == row &&
-                    (kv_format == 0 ? (dtype == torch::kFloat || dtype == torch::kBFloat16) : dtype == torch::kByte),
-                "the caches must be contiguous ", kv_format == 0 ? "float32 or bfloat16" : "uint8", " [blocks, block_size, ",
+                    (kv_format == kKvPlain ? (dtype == torch::kFloat || dtype == torch::kBFloat16)
+                                           : dtype == torch::kByte),
+                "the caches must be contiguous ", kv_format == kKvPlain ? "float32 or bfloat16" : "uint8",
+                " [blocks, block_size, ",
                 k.size(1), ", ", row, "]");
   TORCH_CHECK(k.sizes() == v.sizes() && slots.dim() == 1 && slots.size(0) == k.size(0),
               "k, v and slots disagree on the number of tokens");
@@ -610,12 +622,12 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   for (int64_t t = 0; t < sl.size(0); ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_total, "slot ", sp[t], " is outside the cache's ", slots_total);
   switch (kv_format) {
-    case 0:
+    case kKvPlain:
       if (dtype == torch::kFloat) { copy_rows<float>(kf, k_cache, sp); copy_rows<float>(vf, v_cache, sp); }
       else { copy_rows<at::BFloat16>(kf, k_cache, sp); copy_rows<at::BFloat16>(vf, v_cache, sp); }
       break;
-    case 1: store_rows<I8>(kf, k_cache, sp, 127.f); store_rows<I8>(vf, v_cache, sp, 127.f); break;
-    case 2: store_rows<E4M3>(kf, k_cache, sp, 448.f); store_rows<E4M3>(vf, v_cache, sp, 448.f); break;
+    case kKvInt8: store_rows<I8>(kf, k_cache, sp, 127.f); store_rows<I8>(vf, v_cache, sp, 127.f); break;
+    case kKvE4M3: store_rows<E4M3>(kf, k_cache, sp, 448.f); store_rows<E4M3>(vf, v_cache, sp, 448.f); break;
     default: store_rows<E5M2>(kf, k_cache, sp, 57344.f); store_rows<E5M2>(vf, v_cache, sp, 57344.f); break;
   }
 }

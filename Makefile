@@ -24,9 +24,10 @@ run: venv
 	$(VENV)/bin/pagellm chat
 
 # Two workers, each taking whole files (tests/conftest.py groups them): much of the suite waits on
-# servers and spawned ranks starting, which the other worker fills.
+# servers and spawned ranks starting, which the other worker fills. The 20 slowest tests close the
+# log: where the suite's time goes, run by run.
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
 
 clean:
 	rm -rf $(VENV)

@@ -95,6 +95,11 @@ class KVFormat:
         return (codes * scale).to(dtype)
 
 
+def kernel_code(kv_format: KVFormat | None) -> int:
+    """The number the kernels know a cache's rows by (None: values as they are)."""
+    return int(kv_format.kernel_code if kv_format is not None else KVCode.PLAIN)
+
+
 _QUANTIZED = {
     "int8": KVFormat("int8", torch.int8, 127.0, KVCode.INT8),
     "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, KVCode.FP8_E4M3),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagellm.config import QUANTIZATIONS
-from pagellm.layers.quant import WEIGHT_FORMATS, linear_methods, weight_format
+from pagellm.layers.quant import WEIGHT_FORMATS, linear_methods, quantized_on_load, weight_format
 
 
 def test_every_format_is_registered_by_its_module():
@@ -18,6 +18,8 @@ def test_the_quantization_option_offers_the_formats_that_quantize_as_they_load()
     weight_format("dense")
     on_load = {name for name, f in WEIGHT_FORMATS.items() if f.quantizes_on_load}
     assert set(QUANTIZATIONS) == {"auto", "none"} | on_load
+    assert {q: getattr(quantized_on_load(q), "name", None) for q in QUANTIZATIONS} == \
+        {"auto": None, "none": None, **{name: name for name in on_load}}
 
 
 def test_refusals_name_the_format_and_why():

@@ -33,7 +33,7 @@ and sink logits (natural) are multiplied by log2(e) as they are read.
 Block ids and slots are widened to int64 before they multiply a stride: one layer's pool can
 exceed 2**31 elements on a large GPU.
 
-8-bit caches (kv_format.py; constexpr QUANT: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2; 0 plain)
+8-bit caches (kv_format.py; constexpr QUANT: the format's KVCode, compared against KV_INT8 and so on)
 are uint8 [num_blocks, block_size, num_kv_heads, head_dim + 2]: each row's codes, then its
 float16 scale. `store_kv` computes the scale and the codes (rounded to nearest even with integer
 and float32 operations, not the GPU's fp8 conversions: Triton's interpreter truncates those, and
@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kv_format import KVCode, KVFormat
+from pagellm.kv_format import KVCode, KVFormat, kernel_code
 
 _LOG2E = 1.4426950408889634
 # KVCode's values as the kernels' constexpr QUANT takes them (kv_format.py owns the numbering).
@@ -162,9 +162,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _quant_flags(kv_format: KVFormat | None) -> dict:
-    if kv_format is None or not kv_format.quantized:
-        return {"QUANT": int(KVCode.PLAIN), "QMAX": 0.0}
-    return {"QUANT": int(kv_format.kernel_code), "QMAX": kv_format.qmax}
+    code = kernel_code(kv_format)
+    return {"QUANT": code, "QMAX": kv_format.qmax if code != KVCode.PLAIN else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagellm import cpu_features
 from pagellm.bench import report, roofline
 from pagellm.timing import PhaseTimer
 
@@ -152,9 +151,16 @@ def pagellm_system(name: str) -> tuple[str, dict]:
 
 
 def system_unavailable(options: dict) -> str | None:
-    """Why this machine cannot run a pagellm system with these engine options (None: it can)."""
-    if options.get("dtype") == "bfloat16" and not cpu_features.has_bf16():
-        return "this CPU has no bfloat16 instructions (pagellm refuses dtype bfloat16 there)"
+    """Why this machine cannot run a pagellm system with these engine options (None: it can):
+    the engine's own refusal of the dtype (bfloat16 on a CPU without its instructions)."""
+    import torch
+
+    from pagellm.worker.model_runner import resolve_dtype
+
+    try:
+        resolve_dtype(options.get("dtype", "auto"), torch.device("cpu"))
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -28,7 +28,7 @@ from pagellm.engine.groups import BeamRound, SequenceGroup
 from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
-from pagellm.layers.quant import weight_format
+from pagellm.layers.quant import quantized_on_load
 from pagellm.loader.source import load_model_source
 from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import RequestOutput
@@ -48,11 +48,10 @@ class LLMEngine:
         started = time.monotonic()
         device = resolve_device(config.device)
         # A GPU gets a GGUF file dequantized: the Triton GGUF product is not wired into the layers yet.
-        if config.quantization not in ("auto", "none"):
-            fmt = weight_format(config.quantization)
-            if device.type not in fmt.devices:
-                raise ValueError(f"quantization {config.quantization!r} runs on {', '.join(fmt.devices)} only for "
-                                 f"now; the device is {device}")
+        fmt = quantized_on_load(config.quantization)
+        if fmt is not None and device.type not in fmt.devices:
+            raise ValueError(f"quantization {config.quantization!r} runs on {', '.join(fmt.devices)} only for now; "
+                             f"the device is {device}")
         quantization = config.quantization if device.type == "cpu" else "none"
         source = load_model_source(config.model, config.load_format, quantization)
         logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,
@@ -209,9 +208,7 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self._groups.get(rid)
             if group is not None:
-                for sid in group.seq_ids():
-                    self.core.finish(sid, RequestStatus.FINISHED_ABORTED)
-                self._drop(group)
+                self._abort_group(group)
 
     def abort_with_outputs(self, request_ids: list[str], reason: str) -> list[RequestOutput]:
         """Stop requests as `abort_request` does and return each one's final output: what it has
@@ -223,16 +220,19 @@ class LLMEngine:
             group = self._groups.get(rid)
             if group is None:
                 continue
-            for sid in group.seq_ids():
-                self.core.finish(sid, RequestStatus.FINISHED_ABORTED)
+            self._abort_group(group)
             out = None if group.beams is not None or group.num_seqs > group.params.n else self.outputs.output(group)
             if out is None:
                 out = self.outputs.failure(group, RuntimeError(reason))
             else:  # samples not forked yet have no text to show: the request still ends here
                 out = dataclasses.replace(out, finished=True)
             outputs.append(out)
-            self._drop(group)
         return outputs
+
+    def _abort_group(self, group: SequenceGroup) -> None:
+        for sid in group.seq_ids():
+            self.core.finish(sid, RequestStatus.FINISHED_ABORTED)
+        self._drop(group)
 
     def _drop(self, group: SequenceGroup) -> None:
         del self._groups[group.request_id]

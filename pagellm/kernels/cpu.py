@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pagellm import envs
-from pagellm.kv_format import KVCode, KVFormat, kernel_defines
+from pagellm.kv_format import KVFormat, kernel_code, kernel_defines
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -130,11 +130,6 @@ def kv_kernels_usable(x: torch.Tensor, k_cache: torch.Tensor, kv_format: KVForma
     return k_cache.is_cpu and (k_cache.dtype in _DTYPES or not plain) and usable(x)
 
 
-def _kv_code(kv_format: KVFormat | None) -> int:
-    """The kernels' number for a cache's row format (KVCode; PLAIN: float32 or bfloat16, as the cache's dtype)."""
-    return int(kv_format.kernel_code if kv_format is not None else KVCode.PLAIN)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
@@ -151,7 +146,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     out = _load().paged_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
                                   softcap or 0.0, sinks, token_seq, fixed_run,
-                                  _kv_code(kv_format))
+                                  kernel_code(kv_format))
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -161,7 +156,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (kv_format None or unquantized) get the values converted as `.to(dtype)` converts them, uint8
     caches of a quantized `kv_format` the same bytes as `kv_format.encode`; one call instead of
     two index_copy_ (or a dozen torch ops for 8-bit rows) per layer."""
-    _load().store_kv(k, v, k_cache, v_cache, slots, _kv_code(kv_format))
+    _load().store_kv(k, v, k_cache, v_cache, slots, kernel_code(kv_format))
 
 
 def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -181,7 +176,7 @@ def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     q_norm, k_norm, eps, per_head = qk_norm if qk_norm is not None else (None, None, 0.0, False)
     return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
                                         block_tables, seq_lens, scale, sliding_window or 0, softcap or 0.0, sinks,
-                                        _kv_code(kv_format), q_norm, k_norm, eps, per_head)
+                                        kernel_code(kv_format), q_norm, k_norm, eps, per_head)
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:

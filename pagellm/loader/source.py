@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from pagellm.config import LOAD_FORMATS
-from pagellm.layers.quant import weight_format as registered_format
+from pagellm.layers.quant import quantized_on_load
 from pagellm.loader.bundled import default_model_path
 from pagellm.models.arch import ModelArchConfig
 from pagellm.loader.gguf_loader import has_native_blocks, iter_gguf_weights, open_gguf, read_gguf_config
@@ -61,7 +61,7 @@ def load_model_source(model: str | None, load_format: str = "auto", quantization
     if load_format == "safetensors" and fmt != "hf":
         raise ValueError(f"load_format 'safetensors' needs a Hugging Face model directory, but {path} is not one")
 
-    quantizes_on_load = quantization not in ("auto", "none") and registered_format(quantization).quantizes_on_load
+    quantizes_on_load = quantized_on_load(quantization) is not None
     if quantizes_on_load and fmt == "gguf":
         raise ValueError(f"quantization {quantization!r} quantizes a safetensors checkpoint as it loads; a GGUF file "
                          f"is served in its own blocks (quantization 'auto') or dequantized ('none')")

@@ -66,6 +66,15 @@ def weight_format(name: str) -> WeightFormat:
     return WEIGHT_FORMATS[name]
 
 
+def quantized_on_load(quantization: str) -> WeightFormat | None:
+    """The format a `--quantization` value quantizes a safetensors checkpoint into as it loads;
+    None for "auto" and "none" (the file's own form, or dense)."""
+    if quantization in ("auto", "none"):
+        return None
+    fmt = weight_format(quantization)
+    return fmt if fmt.quantizes_on_load else None
+
+
 def linear_methods(weight_format_name: str, dtype: torch.dtype, batch_invariant: bool = False,
                    activation_quantization: str = "none") -> AbstractContextManager:
     """The context to build a model in so that its layers keep weights of the registered format

@@ -106,7 +106,8 @@ class LLMEngine:
             self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
                                       enable_prefix_caching=config.enable_prefix_caching,
                                       windows=self.runner.kv_groups.windows,
-                                      max_chunk_tokens=config.max_num_batched_tokens)
+                                      max_chunk_tokens=config.max_num_batched_tokens,
+                                      state_blocks=self.runner.state_blocks(config.block_size))
         if config.preemption_mode != "recompute" and self.kv_tier is None:
             raise ValueError(f"preemption_mode {config.preemption_mode!r} moves KV blocks to the second tier: it "
                              f"needs kv_offload_dir")
@@ -367,7 +368,7 @@ class LLMEngine:
             ("kv_policy 'paged'", config.kv_policy != "paged"),
             ("enable_prefix_caching (the tier keeps blocks by their prefix hash)", not config.enable_prefix_caching),
             ("tensor_parallel_size 1 (each rank would need its own tier)", config.tensor_parallel_size > 1),
-            ("a model without sliding-window layers", self.runner.kv_groups.hybrid)) if bad]
+            ("a model without sliding-window or recurrent layers", self.runner.kv_groups.hybrid)) if bad]
         if unsupported:
             raise ValueError(f"kv_offload_dir needs {', '.join(unsupported)}")
         block_bytes = self.runner.bytes_per_block(config.block_size)

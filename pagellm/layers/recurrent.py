@@ -26,6 +26,8 @@ class RecurrentMixer(HotModule):
 
     # Field name -> shape of one sequence's state on this rank (float32).
     state_shapes: dict[str, tuple[int, ...]]
+    # The KV group whose state blocks this layer reads (set by the model runner, core/kv/groups.py).
+    kv_group: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -36,9 +38,10 @@ class RecurrentMixer(HotModule):
         raise NotImplementedError
 
     def cached_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-        """forward() on the states held in the pool: `meta.state_block_ids` [num_seqs, blocks] are each
-        sequence's state blocks, `meta.has_state` [num_seqs] whether it has computed tokens before."""
-        rows = read_state(kv_cache, meta.state_block_ids, self.state_bytes)
+        """forward() on the states held in the pool: `meta.state_block_ids[kv_group]` [num_seqs, blocks]
+        are each sequence's state blocks, `meta.has_state` [num_seqs] whether it computed tokens before."""
+        block_ids = meta.state_block_ids[self.kv_group]
+        rows = read_state(kv_cache, block_ids, self.state_bytes)
         rows.mul_(meta.has_state.view(-1, 1))  # a fresh sequence starts from zeros, whatever its blocks held
         state, start = {}, 0
         for name, shape in self.state_shapes.items():
@@ -46,7 +49,7 @@ class RecurrentMixer(HotModule):
             state[name] = rows[:, start:start + n].view(-1, *shape)
             start += n
         out = self.forward(x, state, meta.query_lens)
-        write_state(kv_cache, meta.state_block_ids, rows)
+        write_state(kv_cache, block_ids, rows)
         return out
 
 

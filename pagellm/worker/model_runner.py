@@ -15,13 +15,14 @@ from pagellm import cpu_features
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.kv_format import resolve_kv_format
-from pagellm.core.kv.groups import plan_kv_groups
+from pagellm.core.kv.groups import STATE, plan_kv_groups
 from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
 from pagellm.layers.moe import FusedMoE
 from pagellm.layers.quant import linear_methods
+from pagellm.layers.recurrent import RecurrentMixer, blocks_for_state
 from pagellm.models.arch import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
@@ -137,11 +138,16 @@ class ModelRunner:
             raise ValueError(f"batch-invariant mode does not cover mixture-of-experts models yet ({arch.architecture}: "
                              f"each expert multiplies the tokens routed to it, a batch-dependent set)")
         self.model.eval()
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        windows = [m.options.sliding_window if sliding_kv else None for m in layers]
+        # The layers that cache something, in the order the model hands them kv_caches.
+        layers = [m for m in self.model.modules() if isinstance(m, (Attention, RecurrentMixer))]
+        self.recurrent = [m for m in layers if isinstance(m, RecurrentMixer)]
+        if self.recurrent and not sliding_kv:
+            raise ValueError(f"{arch.architecture} has recurrent layers: their state needs KV groups (sliding_kv)")
+        windows = [STATE if isinstance(m, RecurrentMixer) else m.options.sliding_window if sliding_kv else None
+                   for m in layers]
         self.kv_groups = plan_kv_groups(windows, max_model_len)
-        for attn, group in zip(layers, self.kv_groups.layer_group):
-            attn.kv_group = group
+        for layer, group in zip(layers, self.kv_groups.layer_group):
+            layer.kv_group = group
         if device.type == "cpu":
             cpu_kernels.available()  # built (once) at start-up, not on the first request
         self.sampler = Sampler(seed=seed, device=device)
@@ -169,6 +175,12 @@ class ModelRunner:
         """K and V of one block id: `kv_groups.slots` layers (all of them with one group)."""
         return self.kv_groups.bytes_per_block(block_size, self.model.num_kv_heads,
                                               self.kv_format.bytes_per_row(self.arch.head_dim))
+
+    def state_blocks(self, block_size: int) -> int:
+        """Blocks of one recurrent group that hold a sequence's state (its largest layer's); 0
+        without recurrent layers."""
+        per_layer = self.bytes_per_block(block_size) // self.kv_groups.slots  # K and V of one slot
+        return max((blocks_for_state(m.state_bytes, per_layer) for m in self.recurrent), default=0)
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None:
@@ -254,7 +266,8 @@ class ModelRunner:
         """No layer needs more than causal attention (no window, soft-cap or sinks). The Triton
         kernels take those options, but capturing them in a graph has not run on a GPU yet, so
         such models decode eagerly until it has."""
-        return all(m.options.plain and m.sinks is None for m in self.model.modules() if isinstance(m, Attention))
+        return not self.recurrent and all(m.options.plain and m.sinks is None
+                                          for m in self.model.modules() if isinstance(m, Attention))
 
     def attach_timer(self, timer: PhaseTimer | None) -> None:
         """Report the runner's phases, and the attention backend's, to `timer` (None: stop)."""
@@ -322,6 +335,9 @@ class ModelRunner:
     def _prepare(self, seqs: list[PlannedSeq], block_copies: list[tuple[int, int]]) -> StepInputs:
         bs = self.block_size
         groups = self.kv_groups.num_groups
+        state_groups = {g for g, w in enumerate(self.kv_groups.windows) if w == STATE}
+        state_tables: list[list[list[int]]] = [[] for _ in range(groups)]
+        has_state: list[float] = []
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(groups)]
@@ -336,8 +352,14 @@ class ModelRunner:
             tokens.extend(s.token_ids)
             positions.extend(range(start, end))
             for g, table in enumerate(s.block_tables):
+                if g in state_groups:  # not positions: the sequence's state blocks
+                    slots[g].extend([0] * n)
+                    tables[g].append([])
+                    state_tables[g].append(table)
+                    continue
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 tables[g].append(table)
+            has_state.append(float(start > 0))
             query_lens.append(n)
             seq_lens.append(end)
             rows.extend([len(tokens) - 1] * len(s.samplers))
@@ -361,6 +383,11 @@ class ModelRunner:
             group_slot_mappings=slot_mapping if groups > 1 else None,
             group_block_tables=block_tables if groups > 1 else None,
         )
+        if state_groups:
+            m = max(len(t) for g in state_groups for t in state_tables[g])
+            rows_of = [state_tables[g] if g in state_groups else [[0] * m] * len(seqs) for g in range(groups)]
+            meta.state_block_ids = torch.tensor(rows_of, dtype=torch.long, device=dev)
+            meta.has_state = torch.tensor(has_state, dtype=torch.float32, device=dev)
         return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows)
 

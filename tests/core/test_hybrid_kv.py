@@ -3,12 +3,14 @@ slid out), driven by hypothesis against a shadow of what each physical block hol
 prefix-cache hits), step, fork, preempt and recompute, free; after every operation the
 bookkeeping invariants hold, every cached block holds the tokens its hash stands for, every
 sequence reads back its own tokens inside each group's window, and a sliding group's footprint
-stays bounded by its window."""
+stays bounded by its window. Recurrent (STATE) groups: each step reads the state its sequence's
+blocks hold and writes the next one; a sequence finds there the state of exactly its own computed
+tokens (a fork's sibling never overwrites it), and holds state_blocks blocks a group."""
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pagellm.core.kv.groups import plan_kv_groups
+from pagellm.core.kv.groups import STATE, plan_kv_groups
 from pagellm.core.kv.hybrid import NULL_BLOCK, HybridKVManager
 from pagellm.core.kv.interface import cdiv
 from pagellm.core.request import Request
@@ -26,8 +28,21 @@ class Shadow(SharingShadow):
         super().__init__(kv)
         self.last_start: dict[str, int] = {}
 
+    def write(self, group: int, table: list[int], req: Request, n: int) -> None:
+        if self.kv.windows[group] != STATE:
+            return super().write(group, table, req, n)
+        # A recurrent layer reads its state (none before the first token) and writes the next.
+        computed = req.num_computed_tokens
+        if computed:
+            for b in table:
+                assert self.slots.get((b, 0)) == tuple(req.all_token_ids[:computed]), (req.request_id, group, b)
+        for b in table:
+            self.slots[(b, 0)] = tuple(req.all_token_ids[:computed + n])
+
     def on_step(self, req: Request, n: int) -> None:
-        for table in self.kv.group_tables(req.request_id):
+        for g, table in enumerate(self.kv.group_tables(req.request_id)):
+            if self.kv.windows[g] == STATE:
+                continue
             for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
                 assert table[p // self.kv.block_size] != NULL_BLOCK, "a token written into the null block"
         self.last_start[req.request_id] = req.num_computed_tokens
@@ -42,6 +57,10 @@ def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> Non
     for rid, req in reqs.items():
         tokens, nxt = req.all_token_ids, req.num_computed_tokens
         for g, (w, table) in enumerate(zip(kv.windows, kv.group_tables(rid))):
+            if w == STATE:
+                assert len(table) == kv.state_blocks, (rid, g, table)
+                assert all(shadow.slots.get((b, 0)) == tuple(tokens[:nxt]) for b in table) or nxt == 0, (rid, g)
+                continue
             first = 0 if w is None else max(0, nxt - w + 1)
             # Every position the next token reads is there, and holds this sequence's token.
             for p in range(first, nxt):
@@ -65,10 +84,12 @@ op = st.one_of(
 
 @settings(max_examples=200, deadline=None)
 @given(num_blocks=st.integers(3, 40), block_size=st.sampled_from([1, 2, 4]),
-       windows=st.sampled_from([(None, 3), (5,), (None, 2, 7), (4, 4)]), ops=st.lists(op, max_size=80),
+       windows=st.sampled_from([(None, 3), (5,), (None, 2, 7), (4, 4), (None, STATE), (None, 3, STATE, STATE)]),
+       state_blocks=st.integers(1, 3), ops=st.lists(op, max_size=80),
        prefixes=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=MAX_STEP), min_size=4, max_size=4))
-def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, ops, prefixes):
-    kv = HybridKVManager(num_blocks, block_size, windows, max_chunk_tokens=MAX_STEP)
+def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, state_blocks, ops, prefixes):
+    kv = HybridKVManager(num_blocks, block_size, windows, max_chunk_tokens=MAX_STEP,
+                         state_blocks=state_blocks if STATE in windows else 0)
     shadow = Shadow(kv)
     reqs: dict[str, Request] = {}
     next_id, token = 0, 100
@@ -185,3 +206,26 @@ def test_group_plan_shares_tensors_evenly():
     # Uneven counts: 3 sliding, 2 full -> groups of 2, the last sliding group half empty.
     uneven = plan_kv_groups([8, None, 8, None, 8], 64)
     assert uneven.slots == 2 and uneven.windows == (None, 8, 8)
+
+
+def test_a_fork_copies_the_state_before_either_sequence_writes_it():
+    """n > 1 and beams fork a sequence mid-generation: both then hold the same state blocks, and
+    the first step of each must write into its own copy, or the other reads a state that has
+    seen a token it never had."""
+    kv = HybridKVManager(20, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
+    shadow = Shadow(kv)
+    parent = Request("a", [1, 2, 3], SamplingParams())
+    assert kv.allocate_slots(parent, 3)
+    shadow.run_step(parent, 3)
+    child = parent.fork("b", 1, parent.sampling_params)
+    kv.fork(parent, child)
+    shadow.last_start["b"] = shadow.last_start["a"]
+    assert kv.group_tables("b")[1] == kv.group_tables("a")[1]
+    for req, token in ((child, 9), (parent, 8)):
+        req.output_token_ids.append(token)
+        assert kv.allocate_slots(req, 1)
+        shadow.run_step(req, 1)
+        _check(kv, {"a": parent, "b": child}, shadow)
+    assert not set(kv.group_tables("a")[1]) & set(kv.group_tables("b")[1])
+    # One step's blocks: 2 attention blocks each, 2 state blocks each.
+    assert kv.blocks_for(4) == 2 + 2 and kv.num_used_blocks == 2 + 1 + 2 + 2

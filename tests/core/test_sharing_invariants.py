@@ -22,6 +22,12 @@ class Shadow:
     def on_step(self, req: Request, n: int) -> None:
         """Called with each request a step writes (its next n tokens), before it advances."""
 
+    def write(self, group: int, table: list[int], req: Request, n: int) -> None:
+        """The step's tokens written through one group's table."""
+        bs, tokens = self.kv.block_size, req.all_token_ids
+        for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
+            self.slots[(table[p // bs], p % bs)] = tokens[p]
+
     def run_step(self, req: Request, n: int) -> None:
         for src, dst in self.kv.take_copies():
             for off in range(self.kv.block_size):
@@ -29,13 +35,12 @@ class Shadow:
                     self.slots[(dst, off)] = self.slots[(src, off)]
                 else:
                     self.slots.pop((dst, off), None)
-        bs, tokens = self.kv.block_size, req.all_token_ids
-        for table in self.kv.group_tables(req.request_id):  # one table, or one per KV group
-            for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
-                self.slots[(table[p // bs], p % bs)] = tokens[p]
+        for g, table in enumerate(self.kv.group_tables(req.request_id)):  # one table, or one per KV group
+            self.write(g, table, req, n)
         self.on_step(req, n)
         req.num_computed_tokens += n
         self.kv.cache_full_blocks(req)
+        bs, tokens = self.kv.block_size, req.all_token_ids
         for i, h in enumerate(req.block_hashes[:req.num_hashed_blocks]):
             self.hash_tokens.setdefault(h, tokens[i * bs:(i + 1) * bs])
 

@@ -345,8 +345,8 @@ def test_metrics_count_exactly(server, client):
     assert metric_value(text, "pagellm:kv_cache_total_blocks", **labels) == stats["total_blocks"]
     assert metric_value(text, "pagellm:kv_cache_free_blocks", **labels) == stats["free_blocks"]
     # One KV group (no sliding-window layers): it holds every used block.
-    assert stats["kv_groups"] == [{"window": None, "used_blocks": stats["used_blocks"]}]
-    assert metric_value(text, "pagellm:kv_cache_group_used_blocks", group="0", window="none",
+    assert stats["kv_groups"] == [{"kind": "full", "window": None, "used_blocks": stats["used_blocks"]}]
+    assert metric_value(text, "pagellm:kv_cache_group_used_blocks", group="0", kind="full", window="none",
                         **labels) == stats["used_blocks"]
     assert metric_value(text, "pagellm:cache_config_info", block_size="16",
                         num_gpu_blocks=str(stats["total_blocks"]), enable_prefix_caching="True") == 1

@@ -44,6 +44,11 @@ FAMILIES = {
                dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
                     rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
                     pad_token_id=0)),
+    # An attention layer, then convolution layers; a kernel of 4 (3 inputs of state).
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
+             dict(num_hidden_layers=3, layer_types=["full_attention", "conv", "conv"], conv_L_cache=4,
+                  conv_bias=True, block_auto_adjust_ff_dim=True, block_multiple_of=16, norm_eps=1e-5,
+                  pad_token_id=0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

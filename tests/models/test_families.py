@@ -42,7 +42,10 @@ ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 # The pool of the chunked test: too small for every request at once. Families with sliding-window
 # layers give back what slid out (and a block of a group holds only that group's layers), so they
 # need a smaller pool to be preempted.
-CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "gemma2": 20, "gemma3": 20}
+CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "gemma2": 20, "gemma3": 20, "lfm2": 12}
+# Families with recurrent layers: a cached prefix would need their state at its end, which no
+# block keeps yet, so they are served without prefix caching.
+NO_PREFIX_CACHE = {"lfm2"}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
 
@@ -70,7 +73,8 @@ def test_chunked_preempted_cached_and_shared(family):
         assert [c.token_ids for c in out.outputs] == [tokens, tokens]
     assert_matches(tokens_and_logprobs(got), expected)
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_preemptions"] > 0
+    assert (stats["prefix_cache_hits"] == 0) if name in NO_PREFIX_CACHE else (stats["prefix_cache_hits"] > 0)
     assert stats["free_blocks"] == stats["total_blocks"]
 
 

@@ -1,6 +1,7 @@
-"""Which layers share a block table: the KV groups of a model with sliding-window layers.
+"""Which layers share a block table: the KV groups of a model with sliding-window or recurrent layers.
 
-Layers are grouped by attention kind (full, or sliding with window W); a window as long as the
+Layers are grouped by cache kind (full attention, sliding with window W, or recurrent STATE:
+a fixed-size state per sequence, layers/recurrent.py); a window as long as the
 longest sequence never slides anything out and counts as full. Every group gets the same number
 of layers S (the fewest layers of any kind; a kind whose count S does not divide gets a last,
 partly empty group), so that the KV pool can be S pairs of K/V tensors shared by one layer of
@@ -12,10 +13,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The kind of a group of recurrent layers: each sequence holds a fixed number of blocks of it,
+# which hold its state (core/kv/hybrid.py).
+STATE = "state"
+
+
+def kind_name(kind: int | None | str) -> str:
+    """"full", "sliding" or "state": how stats and metrics name a group's kind."""
+    return "full" if kind is None else STATE if kind == STATE else "sliding"
+
 
 @dataclass(frozen=True)
 class KVGroupPlan:
-    windows: tuple[int | None, ...]  # per group: None (full attention) or its window
+    windows: tuple[int | None | str, ...]  # per group: None (full attention), its window, or STATE
     layer_group: tuple[int, ...]     # per layer: its group
     layer_slot: tuple[int, ...]      # per layer: which of the `slots` K/V tensor pairs it uses
     slots: int                       # K/V tensor pairs in the pool (layers per group)
@@ -31,16 +41,26 @@ class KVGroupPlan:
 
     @property
     def hybrid(self) -> bool:
-        """Some group slides: the KV manager must keep per-group tables."""
+        """Some group slides or holds state: the KV manager must keep per-group tables."""
         return any(w is not None for w in self.windows)
 
+    @property
+    def has_state(self) -> bool:
+        """Some layers are recurrent (their groups hold per-sequence state)."""
+        return STATE in self.windows
 
-def plan_kv_groups(layer_windows: list[int | None], max_model_len: int) -> KVGroupPlan:
-    """The groups for layers with these windows (None: full attention), in layer order."""
+
+def plan_kv_groups(layer_windows: list[int | None | str], max_model_len: int) -> KVGroupPlan:
+    """The groups for layers of these kinds (None: full attention, W: a window, STATE: recurrent),
+    in layer order."""
     if not layer_windows:
         raise ValueError("a model with no attention layers has no KV cache")
-    windows = [None if w is None or w >= max_model_len else w for w in layer_windows]
-    kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # full first, then by window
+    if all(w == STATE for w in layer_windows):
+        raise ValueError("a model with recurrent layers alone is not served yet: the pool's blocks are sized by "
+                         "its attention layers")
+    windows = [w if w is None or w == STATE or w < max_model_len else None for w in layer_windows]
+    # Full first, then by window, then the recurrent layers: group 0 is always an attention group.
+    kinds = sorted(set(windows), key=lambda w: (0, 0) if w is None else (2, 0) if w == STATE else (1, w))
     by_kind = {k: [i for i, w in enumerate(windows) if w == k] for k in kinds}
     size = min(len(layers) for layers in by_kind.values())
     group_windows: list[int | None] = []

@@ -1,5 +1,6 @@
-"""PagedAttention for models with sliding-window layers: one block table per group of layers,
-and the blocks that slid out of a window given back to the pool.
+"""PagedAttention for models with sliding-window or recurrent layers: one block table per group
+of layers, the blocks that slid out of a window given back to the pool, and each sequence's
+recurrent state held in blocks of the same pool.
 
 Layers are grouped by attention kind (full, or sliding with window W), every group with the same
 number of layers (kv/groups.py plans that); all groups draw blocks from one pool, and a block
@@ -12,6 +13,13 @@ entries point at NULL_BLOCK, a block that is never handed out and stays zero: ke
 a whole table under a mask read zeros there. A sliding request thus holds about
 ceil(W / block_size) + 1 blocks per sliding group however long it runs.
 
+Recurrent groups (kind STATE, core/kv/groups.py): a sequence's table in such a group is
+`state_blocks` blocks from its first step to its end, holding its layers' state (its bytes,
+layers/recurrent.py), overwritten every step. A fork shares them by reference like any block,
+so the first step of either sequence copies them (copy-on-write); preemption by recompute frees
+them and the recomputation starts from zeros. Their tables are not positions: the attention
+groups' tables all have one length, the state groups' `state_blocks`.
+
 Prefix caching: a group's cached blocks are found by the chained block hash qualified with the
 group; a prefix of k blocks is a hit only if every full group holds all k and every sliding
 group holds the ones inside the window of the prefix's end.
@@ -21,6 +29,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pagellm.core.block_pool import BlockPool
+from pagellm.core.kv.groups import STATE, kind_name
 from pagellm.core.kv.interface import KVManager, cdiv
 from pagellm.core.kv.paged import request_block_hashes
 from pagellm.core.request import Request
@@ -32,19 +41,26 @@ NULL_BLOCK = 0
 class HybridKVManager(KVManager):
     """Per-group block tables over one pool; sliding groups release what slid out."""
 
-    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None],
-                 enable_prefix_caching: bool = True, max_chunk_tokens: int = 2048) -> None:
-        """`windows`: per group, None (full attention) or its window W >= 1. `max_chunk_tokens`:
-        the most tokens a sequence computes in one step (how far a sliding group's blocks reach)."""
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None | str],
+                 enable_prefix_caching: bool = True, max_chunk_tokens: int = 2048, state_blocks: int = 0) -> None:
+        """`windows`: per group, None (full attention), its window W >= 1, or STATE (recurrent
+        layers, whose state takes `state_blocks` blocks a sequence). `max_chunk_tokens`: the most
+        tokens a sequence computes in one step (how far a sliding group's blocks reach)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not windows or any(w is not None and w < 1 for w in windows):
-            raise ValueError(f"windows must be a non-empty list of None or ints >= 1, got {windows}")
+        if not windows or any(w is not None and w != STATE and w < 1 for w in windows) or windows[0] == STATE:
+            raise ValueError(f"windows must be a non-empty list of None, ints >= 1 or {STATE!r} (not first), "
+                             f"got {windows}")
+        if (STATE in windows) != (state_blocks > 0):
+            raise ValueError(f"state_blocks must be > 0 exactly when a group is {STATE!r}, got {state_blocks}")
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 with sliding windows (one is the null block), got {num_blocks}")
         self.block_size = block_size
         self.windows = list(windows)
-        self.enable_prefix_caching = enable_prefix_caching
+        self.state_blocks = state_blocks
+        self._state_groups = [g for g, w in enumerate(self.windows) if w == STATE]
+        # A cached prefix needs the recurrent state at its end, which no block keeps yet.
+        self.enable_prefix_caching = enable_prefix_caching and not self._state_groups
         self.max_chunk_tokens = max_chunk_tokens
         self.pool = BlockPool(num_blocks)
         (null,) = self.pool.allocate(1)
@@ -72,7 +88,8 @@ class HybridKVManager(KVManager):
     def blocks_for(self, num_tokens: int) -> int:
         """The most blocks one sequence of `num_tokens` holds at once, all groups together."""
         full = cdiv(num_tokens, self.block_size)
-        return sum(full if w is None else min(full, cdiv(w - 1 + self.max_chunk_tokens, self.block_size) + 1)
+        return sum(full if w is None else self.state_blocks if w == STATE
+                   else min(full, cdiv(w - 1 + self.max_chunk_tokens, self.block_size) + 1)
                    for w in self.windows)
 
     def _key(self, group: int, block_hash: bytes) -> bytes:
@@ -81,7 +98,7 @@ class HybridKVManager(KVManager):
     def _first_needed(self, group: int, position: int) -> int:
         """The first logical block a token at `position` reads in `group`."""
         w = self.windows[group]
-        return 0 if w is None else max(0, position - w + 1) // self.block_size
+        return 0 if w is None or w == STATE else max(0, position - w + 1) // self.block_size
 
     # ---- tables ----------------------------------------------------------------------------------
     def group_tables(self, request_id: str) -> tuple[list[int], ...]:
@@ -107,7 +124,8 @@ class HybridKVManager(KVManager):
         return [c == 0 and h is not None for c, h in zip(self.pool.ref_cnt, self.pool.block_hash)]
 
     def group_stats(self) -> list[dict]:
-        return [{"window": w, "used_blocks": n} for w, n in zip(self.windows, self._held)]
+        return [{"kind": kind_name(w), "window": None if w == STATE else w, "used_blocks": n}
+                for w, n in zip(self.windows, self._held)]
 
     def snapshot(self) -> dict:
         """The block map's data, every pool block drawn (the null block among them, held)."""
@@ -123,12 +141,15 @@ class HybridKVManager(KVManager):
         group_of: dict[int, int] = {}
         for rid, tables in self._tables.items():
             assert len(tables) == self.num_groups, f"{rid} has {len(tables)} tables for {self.num_groups} groups"
-            assert len({len(t) for t in tables}) == 1, f"{rid}'s tables differ in length: {[len(t) for t in tables]}"
+            lengths = [len(t) for g, t in enumerate(tables) if g not in self._state_groups]
+            assert len(set(lengths)) == 1, f"{rid}'s attention tables differ in length: {lengths}"
+            assert all(len(tables[g]) in (0, self.state_blocks) for g in self._state_groups), \
+                f"{rid}'s state tables are not {self.state_blocks} blocks: {[tables[g] for g in self._state_groups]}"
             for g, table in enumerate(tables):
                 real = [b for b in table if b != NULL_BLOCK]
                 assert len(set(real)) == len(real), f"{rid}'s table of group {g} holds a block twice: {table}"
-                if self.windows[g] is None:
-                    assert len(real) == len(table), f"{rid}: a full-attention group's table has null entries"
+                if self.windows[g] is None or self.windows[g] == STATE:
+                    assert len(real) == len(table), f"{rid}: a full-attention or state group's table has null entries"
                 for b in real:
                     held[b] += 1
                     assert group_of.setdefault(b, g) == g, f"block {b} is held by groups {group_of[b]} and {g}"
@@ -242,10 +263,15 @@ class HybridKVManager(KVManager):
         revived = sum(1 for b in taken if self.pool.ref_cnt[b] == 0)
         extra = {b: 1 for b in taken}
         first, last = start // bs, min(cdiv(end, bs), len(tables[0]))
-        shared = [(g, i) for g, t in enumerate(tables) for i in range(first, last)
-                  if self.pool.ref_cnt[t[i]] + extra.get(t[i], 0) > 1]
+        # Blocks this step writes: its positions' in attention groups, all of a state group's.
+        written = [(g, i) for g, t in enumerate(tables)
+                   for i in (range(len(t)) if g in self._state_groups else range(first, last))]
+        shared = [(g, i) for g, i in written if self.pool.ref_cnt[tables[g][i]] + extra.get(tables[g][i], 0) > 1]
         grow = max(0, cdiv(end, bs) - len(tables[0]))
-        if revived + len(shared) + grow * self.num_groups > self.pool.num_free_blocks:
+        new_state = [g for g in self._state_groups if not tables[g]]
+        attention_groups = self.num_groups - len(self._state_groups)
+        need = revived + len(shared) + grow * attention_groups + len(new_state) * self.state_blocks
+        if need > self.pool.num_free_blocks:
             return False
         for g, table in enumerate(computed_blocks):
             self._revive(g, [b for b in table if b != NULL_BLOCK])
@@ -254,8 +280,11 @@ class HybridKVManager(KVManager):
             self.pending_copies.append((tables[g][i], new))
             self._give_back(g, [tables[g][i]])
             tables[g][i] = new
-        if grow:
-            for g, table in enumerate(tables):
+        for g, table in enumerate(tables):
+            if g in self._state_groups:
+                if not table:
+                    table.extend(self._take(g, self.state_blocks))
+            elif grow:
                 table.extend(self._take(g, grow))
         self._tables[rid] = tables
         return True

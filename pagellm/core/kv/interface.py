@@ -47,8 +47,9 @@ class KVManager(ABC):
         return 0
 
     def group_stats(self) -> list[dict]:
-        """Per KV group: its window (None: full attention) and the blocks it holds."""
-        return [{"window": None, "used_blocks": self.num_used_blocks}]
+        """Per KV group: its kind ("full", "sliding" or "state"), window (None unless sliding) and the
+        blocks it holds."""
+        return [{"kind": "full", "window": None, "used_blocks": self.num_used_blocks}]
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks

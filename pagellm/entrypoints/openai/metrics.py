@@ -88,12 +88,13 @@ class _EngineCollector(Collector):
         yield family(GaugeMetricFamily, "pagellm:kv_cache_free_blocks", "Number of free KV cache blocks.",
                      s.get("free_blocks", 0))
         groups = GaugeMetricFamily("pagellm:kv_cache_group_used_blocks",
-                                   "KV blocks held per group of layers (window: none for full attention, else "
-                                   "its sliding window; a block holds one group's layers).",
-                                   labels=["model_name", "group", "window"])
+                                   "KV blocks held per group of layers (kind: full, sliding or state, the "
+                                   "recurrent layers' per-sequence state; window: none, else the sliding window; "
+                                   "a block holds one group's layers).",
+                                   labels=["model_name", "group", "kind", "window"])
         for g, group in enumerate(s.get("kv_groups", [])):
             window = "none" if group["window"] is None else str(group["window"])
-            groups.add_metric(labels + [str(g), window], group["used_blocks"])
+            groups.add_metric(labels + [str(g), group["kind"], window], group["used_blocks"])
         yield groups
         yield family(CounterMetricFamily, "pagellm:num_preemptions", "Cumulative number of preemptions.",
                      s.get("num_preemptions", 0))

@@ -5,6 +5,7 @@ parallelism without processes (the ranks of a group as threads whose all_reduce 
 shared memory)."""
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,10 @@ def load(layer: RecurrentMixer, ref: nn.Module) -> RecurrentMixer:
 
 
 def fresh_state(layer: RecurrentMixer, num_seqs: int) -> dict[str, torch.Tensor]:
-    return {name: torch.zeros(num_seqs, *shape) for name, shape in layer.state_shapes.items()}
+    """Zero states laid out as cached_forward hands them over: views into one row per sequence."""
+    sizes = [math.prod(shape) for shape in layer.state_shapes.values()]
+    rows = torch.zeros(num_seqs, sum(sizes)).split(sizes, dim=1)
+    return {name: r.view(-1, *shape) for r, (name, shape) in zip(rows, layer.state_shapes.items())}
 
 
 def step(layer: RecurrentMixer, seqs: list[torch.Tensor], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,124 @@
+"""Gated DeltaNet against transformers' Qwen3_5GatedDeltaNet (its torch fallbacks) with random
+weights, fp32: sequences batched from zero state, a prompt in chunks then one token a step,
+a batch of decodes, the states left behind, and the layer split over two ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+from pagellm.layers.gated_delta_net import GatedDeltaNet
+from pagellm.layers.parallel import TensorParallelGroup
+from tests.layers.recurrent_checks import fresh_state, load, reference, run_ranks, step
+
+ATOL = 1e-4
+CONFIG = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                           linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                           layer_types=["linear_attention"])
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def ref() -> Qwen3_5GatedDeltaNet:
+    torch.manual_seed(0)
+    module = Qwen3_5GatedDeltaNet(CONFIG, 0).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.25)
+        module.conv1d.weight.normal_(0, 0.5)
+        # Slow heads (A_log -4) remember across the whole 155 tokens, fast ones (0) a few tokens.
+        module.A_log.copy_(torch.linspace(-4, 0, 4) + 0.1 * torch.randn(4))
+        module.dt_bias.normal_(0, 1)
+        module.norm.weight.copy_(1 + 0.3 * torch.randn(8))
+    return module
+
+
+@pytest.fixture(scope="module")
+def layer(ref) -> GatedDeltaNet:
+    return load(GatedDeltaNet(CONFIG), ref)
+
+
+def seqs(*lens: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 64, generator=g) for n in lens]
+
+
+def test_batched_sequences_equal_each_alone_and_leave_its_states(ref, layer):
+    xs = seqs(1, 7, 150)  # 150: three chunks of 64, the last one part-filled
+    state = fresh_state(layer, 3)
+    outs = step(layer, xs, state)
+    for i, x in enumerate(xs):
+        out, conv, ssm = reference(ref, CONFIG, x)
+        close(outs[i], out)
+        close(state["conv"][i], conv)
+        close(state["ssm"][i], ssm)
+
+
+def test_prompt_in_chunks_then_decodes_equals_the_whole_sequence(ref, layer):
+    (x,) = seqs(155, seed=2)
+    expected = reference(ref, CONFIG, x)[0]
+    state = fresh_state(layer, 1)
+    outs, start = [], 0
+    for n in (10, 64, 76) + (1,) * 5:
+        outs += step(layer, [x[start:start + n]], state)
+        start += n
+    close(torch.cat(outs), expected)
+    # The context matters: the last tokens alone give something else.
+    alone = step(layer, [x[-20:]], fresh_state(layer, 1))[0]
+    assert (alone[-5:] - expected[-5:]).abs().max() > 0.05
+
+
+def test_a_batch_of_decodes_equals_one_at_a_time(ref, layer):
+    prompts, nxt = seqs(3, 70, 12, seed=3), seqs(1, 1, 1, seed=4)
+    state = fresh_state(layer, 3)
+    step(layer, prompts, state)
+    alone = {k: v.clone() for k, v in state.items()}
+    together = step(layer, nxt, state)
+    for i in range(3):
+        one = {k: v[i:i + 1] for k, v in alone.items()}
+        close(together[i], step(layer, [nxt[i]], one)[0])
+        close(together[i][0], reference(ref, CONFIG, torch.cat([prompts[i], nxt[i]]))[0][-1])
+        for k in state:
+            close(state[k][i], one[k][0])
+
+
+def test_two_ranks_compute_what_one_does(ref, layer):
+    xs = seqs(1, 1, 9, 70, seed=5)  # two decodes (from a fresh start) and two prefills
+    expected = step(layer, xs, fresh_state(layer, 4))
+
+    def rank(tp: TensorParallelGroup) -> list[torch.Tensor]:
+        shard = load(GatedDeltaNet(CONFIG, tp), ref)
+        assert shard.state_shapes == {"conv": (48, 3), "ssm": (2, 16, 8)}  # half the heads and channels
+        return step(shard, xs, fresh_state(shard, 4))
+
+    for outs in run_ranks(2, rank):
+        for got, want in zip(outs, expected):
+            close(got, want)
+
+
+def test_a_split_that_does_not_divide_the_heads_is_refused():
+    with torch.device("meta"):
+        with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) must be divisible by 4"):
+            GatedDeltaNet(CONFIG, TensorParallelGroup(0, 4))
+        big = Qwen3_5TextConfig(**{**CONFIG.to_dict(), "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+                                   "linear_key_head_dim": 128, "linear_value_head_dim": 128, "hidden_size": 2048})
+        shard = GatedDeltaNet(big, TensorParallelGroup(0, 2))  # Qwen3.5's sizes, as rank 0 of 2
+    assert shard.in_proj.weight.shape == (2 * 8 * 128 + 2 * 24 * 128 + 2 * 24, 2048)  # q, k, v, z, b, a
+    assert shard.conv1d.weight.shape == (2 * 8 * 128 + 24 * 128, 1, 4)
+    assert shard.out_proj.weight.shape == (2048, 24 * 128)
+    assert shard.state_shapes == {"conv": (2 * 8 * 128 + 24 * 128, 3), "ssm": (24, 128, 128)}
+
+
+def test_bfloat16_weights_and_inputs_give_bfloat16_near_float32(ref, layer):
+    xs = seqs(1, 90, seed=6)
+    expected = step(layer, xs, fresh_state(layer, 2))
+    half = load(GatedDeltaNet(CONFIG), ref).to(torch.bfloat16)
+    outs = step(half, [x.bfloat16() for x in xs], fresh_state(half, 2))  # the recurrence still in float32
+    for got, want in zip(outs, expected):
+        assert got.dtype == torch.bfloat16
+        error = ((got.float() - want).norm() / want.norm()).item()
+        assert error < 0.03, error  # a few bf16 roundings (weights, projections, norm) of ~0.4% each

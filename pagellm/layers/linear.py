@@ -150,14 +150,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix, split by heads (KV heads replicated on the ranks
-    that share one when there are fewer KV heads than ranks)."""
+    that share one when there are fewer KV heads than ranks). `q_per_head` 2: each query head's
+    rows are its query then an output gate (Qwen3.5's gated attention), kept together."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp: TensorParallelGroup | None = None, method: LinearMethod | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, method: LinearMethod | None = None,
+                 q_per_head: int = 1) -> None:
         self.heads = HeadSplit.of(num_heads, num_kv_heads, tp)
         self.head_dim = head_dim
-        self.total = (num_heads * head_dim, num_kv_heads * head_dim)
-        self.q_size = self.heads.num_heads * head_dim
+        self.total = (num_heads * head_dim * q_per_head, num_kv_heads * head_dim)
+        self.q_size = self.heads.num_heads * head_dim * q_per_head
         self.kv_size = self.heads.num_kv_heads * head_dim
         _, size = rank_and_size(tp)
         # ColumnParallelLinear divides by the group size; hand it the whole-model width.

@@ -10,7 +10,7 @@ from torch import nn
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.kernels import cpu
 from pagellm.layers.module import HotModule
-from pagellm.layers.parallel import load_rows, load_whole, rank_and_size
+from pagellm.layers.parallel import load_whole, rank_and_size
 
 
 def _kernel_serves(norm: nn.Module, x: torch.Tensor) -> bool:
@@ -68,7 +68,8 @@ class ShardedRMSNorm(HotModule):
         self.unit_offset = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        load_rows(param, loaded, self.rank)
+        n = param.shape[0]
+        load_whole(param, loaded.narrow(0, self.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

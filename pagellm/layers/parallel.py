@@ -64,13 +64,6 @@ class HeadSplit:
         return cls(local, 1, rank // (size // num_kv_heads))
 
 
-def load_rows(param: torch.Tensor, loaded: torch.Tensor, rank: int) -> None:
-    """Load this rank's rows of a checkpoint tensor split along its first dimension (a parameter
-    of `param.shape[0]` rows on each rank)."""
-    n = param.shape[0]
-    load_whole(param, loaded.narrow(0, rank * n, n))
-
-
 def load_whole(param: torch.Tensor, loaded) -> None:
     """The default weight loader: the checkpoint tensor is the parameter, whole. A quantized
     checkpoint tensor (GGUF blocks) reaching a dense parameter is dequantized here."""

@@ -72,13 +72,14 @@ class PartsColumnParallelLinear(LinearBase):
 
 
 class PartsConv1d(HotModule):
-    """A causal depthwise convolution (SiLU after it) with Hugging Face's nn.Conv1d parameters
-    (`weight` [channels, 1, K], optional `bias`), of this rank's channels of `parts`. Computes in
-    float32 whatever the model's dtype, like the state it carries."""
+    """A causal depthwise convolution (`activation` after it: SiLU, or None) with Hugging Face's
+    nn.Conv1d parameters (`weight` [channels, 1, K], optional `bias`), of this rank's channels of
+    `parts`. Computes in float32 whatever the model's dtype, like the state it carries."""
 
-    def __init__(self, parts: list[Part], kernel_size: int, bias: bool) -> None:
+    def __init__(self, parts: list[Part], kernel_size: int, bias: bool, activation: str | None = "silu") -> None:
         super().__init__()
         self.parts = parts
+        self.activation = activation
         channels = sum(p.local for p in parts)
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
@@ -92,7 +93,7 @@ class PartsConv1d(HotModule):
     def forward(self, x: torch.Tensor, state: torch.Tensor, query_lens: list[int]) -> torch.Tensor:
         """x [T, channels] -> [T, channels] float32; state [num_seqs, channels, K - 1] updated."""
         bias = None if self.bias is None else self.bias.float()
-        return causal_conv1d(x.float(), self.weight[:, 0].float(), bias, state, query_lens, "silu")
+        return causal_conv1d(x.float(), self.weight[:, 0].float(), bias, state, query_lens, self.activation)
 
 
 def sharded_vector(part: Part) -> nn.Parameter:

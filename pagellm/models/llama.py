@@ -21,16 +21,19 @@ from pagellm.models.base import CausalLM, sliding_window
 
 class LlamaAttention(HotModule):
     """`qk_norm`: "head" normalizes q and k per head (Qwen3, Gemma 3), "full" over all heads
-    at once (OLMo 2); `rope_name` None: this layer has no rotary embedding (SmolLM3)."""
+    at once (OLMo 2); `rope_name` None: this layer has no rotary embedding (SmolLM3);
+    `output_gate`: q_proj also yields a gate per head, and the output is multiplied by its
+    sigmoid before o_proj (Qwen3.5)."""
 
     def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None,
                  *, qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
                  norm_eps: float | None = None, scale: float | None = None, softcap: float | None = None,
-                 unit_offset_norm: bool = False) -> None:
+                 unit_offset_norm: bool = False, output_gate: bool = False) -> None:
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_attention_heads, arch.num_key_value_heads,
-                                          qkv_bias, tp)
+                                          qkv_bias, tp, q_per_head=2 if output_gate else 1)
+        self.output_gate = output_gate
         heads = self.qkv_proj.heads
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
         self.o_proj = RowParallelLinear(arch.num_attention_heads * d, arch.hidden_size, o_bias, tp)
@@ -52,7 +55,15 @@ class LlamaAttention(HotModule):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), rope, kv_cache, meta, self.qk_norm))
+        qkv = self.qkv_proj(x)
+        if not self.output_gate:
+            return self.o_proj(self.attn.forward_qkv(qkv, rope, kv_cache, meta, self.qk_norm))
+        h, d = self.num_heads, self.head_dim
+        query_gate, kv = qkv.split([2 * h * d, qkv.shape[-1] - 2 * h * d], dim=-1)
+        query, gate = query_gate.view(-1, h, 2 * d).split(d, dim=-1)
+        o = self.attn.forward_qkv(torch.cat([query.reshape(-1, h * d), kv], dim=-1), rope, kv_cache, meta,
+                                  self.qk_norm)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(-1, h * d)))
 
 
 class LlamaMLP(HotModule):

@@ -44,6 +44,20 @@ FAMILIES = {
                dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
                     rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
                     pad_token_id=0)),
+    # A gated attention layer, then Gated DeltaNet layers (4 value heads over 2 key heads).
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(head_dim=16, num_hidden_layers=3, layer_types=["full_attention", "linear_attention",
+                                                                    "linear_attention"],
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_conv_kernel_dim=4, pad_token_id=0)),
+    # Granite 4 hybrid: Mamba-2 layers (2 groups) around an attention layer without rotary
+    # embeddings, 4 experts (top-2) beside the shared MLP, Granite's multipliers.
+    "granite_moe_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                           dict(num_hidden_layers=3, layer_types=["attention", "linear_attention", "linear_attention"],
+                                mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4,
+                                mamba_expand=2, mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                shared_intermediate_size=96, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                attention_multiplier=0.3, logits_scaling=2.0, pad_token_id=0)),
     # An attention layer, then convolution layers; a kernel of 4 (3 inputs of state).
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
              dict(num_hidden_layers=3, layer_types=["full_attention", "conv", "conv"], conv_L_cache=4,

@@ -24,7 +24,7 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     path = str(build(request.param, tmp_path_factory.mktemp(request.param)))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=REFERENCE_DTYPE.get(request.param, torch.float32),
                                                            attn_implementation="eager").eval()
     prompts = _prompts(3, [1, 6, 19, 37])
     shared = _prompts(4, [21])[0]  # a prefix two prompts share (prefix caching)
@@ -32,6 +32,11 @@ def family(request, tmp_path_factory):
     expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
     return request.param, path, prompts, expected
 
+
+# The reference in float64 where transformers' own float32 rounding is not far enough below the
+# tolerance: on the Qwen3.5 test model its float32 logprobs differ from float64's by up to 7.5e-5
+# (the delta rule's chunked solve), while the engine's, in float32, stay within 4e-5 of float64's.
+REFERENCE_DTYPE = {"qwen3_5": torch.float64}
 
 # Phi-3's LongRoPE uses its short factors for sequences within the original context (64 here)
 # and its long ones beyond; an engine fixes the choice by its max_model_len, so these tests,
@@ -42,10 +47,8 @@ ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 # The pool of the chunked test: too small for every request at once. Families with sliding-window
 # layers give back what slid out (and a block of a group holds only that group's layers), so they
 # need a smaller pool to be preempted.
-CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "gemma2": 20, "gemma3": 20, "lfm2": 12}
-# Families with recurrent layers: a cached prefix would need their state at its end, which no
-# block keeps yet, so they are served without prefix caching.
-NO_PREFIX_CACHE = {"lfm2"}
+CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "gemma2": 20, "gemma3": 20, "lfm2": 12, "qwen3_5": 12,
+                 "granite_moe_hybrid": 12}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
 
@@ -74,7 +77,10 @@ def test_chunked_preempted_cached_and_shared(family):
     assert_matches(tokens_and_logprobs(got), expected)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
-    assert (stats["prefix_cache_hits"] == 0) if name in NO_PREFIX_CACHE else (stats["prefix_cache_hits"] > 0)
+    # Families with recurrent layers: a cached prefix would need their state at its end, which no
+    # block keeps yet, so they are served without prefix caching.
+    recurrent = llm.engine.runner.kv_groups.has_state
+    assert (stats["prefix_cache_hits"] == 0) if recurrent else (stats["prefix_cache_hits"] > 0)
     assert stats["free_blocks"] == stats["total_blocks"]
 
 

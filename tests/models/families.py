@@ -29,6 +29,13 @@ FAMILIES = {
               dict(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, pad_token_id=0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # A window layer, then a full one whose rope is YaRN-scaled; the sliding layer's rope is its
+    # own (unscaled, another base).
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                       "original_max_position_embeddings": 64},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
                      logits_scaling=2.0)),

@@ -31,7 +31,7 @@ from pagellm.models.registry import family_for_gguf
 logger = logging.getLogger(__name__)
 
 # llama.cpp's converter reorders q/k rows for these architectures (its non-NeoX rope).
-_PERMUTED_ARCHS = ("llama", "smollm3", "granite")
+_PERMUTED_ARCHS = ("llama", "smollm3", "granite", "mistral3")
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
 _NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 
@@ -85,6 +85,7 @@ _ROPE_SCALING_KEYS = {
     "attn_factor": "attention_factor",
     "yarn_beta_fast": "beta_fast",
     "yarn_beta_slow": "beta_slow",
+    "yarn_log_multiplier": "mscale_all_dim",
 }
 
 
@@ -154,6 +155,9 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     rope = {"rope_type": "default", "rope_theta": theta, **scaling}
     if "original_max_position_embeddings" in scaling:  # Phi-3's config also keeps it at the top level
         fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    temperature = _value(reader, f"{arch}.attention.temperature_scale")
+    if temperature:  # Ministral 3's query scaling, stepping (in llama.cpp too) at the YaRN original context
+        rope["llama_4_scaling_beta"] = temperature
     local_theta = _value(reader, f"{arch}.rope.freq_base_swa")
     if arch in _SWA_GLOBAL_BASE_ARCHS and fields.get("sliding_window"):
         local_theta = theta
@@ -329,8 +333,11 @@ def _rope_scaling(reader: GGUFFile, arch: str, head_dim: int, theta: float, path
     if kind not in (None, "none"):
         scaling = {"rope_type": kind}
         if kind == "yarn":
-            # llama.cpp computes YaRN's attention factor from the factor, not from this key.
+            # llama.cpp computes YaRN's attention factor from the factor and yarn_log_multiplier
+            # (mscale_all_dim, with mscale taken as 1), not from this key.
             raw.pop("yarn_attn_factor", None)
+            if "yarn_log_multiplier" in raw:
+                scaling["mscale"] = 1.0
         scaling.update({_ROPE_SCALING_KEYS.get(k, k): v for k, v in raw.items()})
         return scaling
     linear = _value(reader, f"{arch}.rope.scale_linear")  # older files' spelling of linear scaling

@@ -37,6 +37,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", "phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("gemma2", "gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3_text",)),
+    Family("ministral3", "ministral3", "Ministral3ForCausalLM", ("Ministral3ForCausalLM",), ("mistral3",),
+           ("ministral3",)),
     Family("mixtral", "mixtral", "MixtralForCausalLM", ("MixtralForCausalLM",), ("llama",), ("mixtral",), moe=True),
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3moe",),
            ("qwen3_moe",), moe=True),

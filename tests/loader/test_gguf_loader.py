@@ -288,6 +288,23 @@ def test_olmo3_is_olmo2_with_a_window(tmp_path, llama_sd):
         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
 
 
+def test_ministral3_yarn_and_query_scale(tmp_path, llama_sd):
+    """Mistral 3 files: YaRN's mscale_all_dim as yarn_log_multiplier (mscale taken as 1, as llama.cpp
+    does) and the query scale's beta as attention.temperature_scale."""
+    def extra(w: gguf.GGUFWriter) -> None:
+        _yarn(w)
+        w.add_rope_scaling_yarn_log_mul(0.5)
+        w.add_attn_temperature_scale(0.1)
+
+    write_gguf(tmp_path / "m.gguf", {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)},
+               arch="mistral3", extra=extra)
+    cfg = read_gguf_config(str(tmp_path / "m.gguf"))
+    assert cfg.architecture == "ministral3"
+    assert cfg.hf_config["rope_parameters"] == {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1}
+
+
 def test_bundled_model_config():
     cfg = read_gguf_config(default_model_path())
     assert cfg.architecture == "llama"

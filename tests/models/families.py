@@ -51,6 +51,13 @@ FAMILIES = {
                dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
                     rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
                     pad_token_id=0)),
+    # YaRN (a non-trivial attention factor from mscale / mscale_all_dim) and queries scaled up at
+    # every 16 positions (original_max_position_embeddings), so each prompt crosses a step; a window.
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM",
+                   dict(head_dim=16, sliding_window=16,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                                         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.3})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -49,6 +49,9 @@ GGUF_CHANGES = {
     "olmo3": dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                       "original_max_position_embeddings": 64},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # No sliding window in llama.cpp's Mistral 3 (real Ministral 3 has none); it takes YaRN's mscale
+    # as 1 (as here) and steps the query scale at the YaRN original context (as transformers).
+    "ministral3": dict(sliding_window=None),
 }
 N_NEW = 12
 SENTENCEPIECE = ("gemma2", "phi3")

@@ -27,14 +27,18 @@ class Attention(HotModule):
         # The KV group whose block tables this layer reads (set by the model runner, core/kv/groups.py).
         self.kv_group = 0
 
-    def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+    def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...] | None,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                     qk_norm: QKNorm | None = None) -> torch.Tensor:
-        """qkv: [T, (H + 2 KVH) * D], the fused projection; rope: (cos, sin) for q and k, or None;
-        qk_norm: the family's q/k norms, applied before RoPE. -> [T, H * D]. The backend's fused
-        decode path where it has one, else split, normalize, rotate, forward."""
+        """qkv: [T, (H + 2 KVH) * D], the fused projection; rope: (cos, sin) for q and k, or
+        (cos, sin, scale) where the rotated queries are then multiplied by a factor per token
+        (RotaryEmbedding.scale_queries), or None; qk_norm: the family's q/k norms, applied before
+        RoPE. -> [T, H * D]. The backend's fused decode path where it has one, else split,
+        normalize, rotate, forward."""
+        # The fused kernels rotate q and k alike: scaled queries take the split path.
+        query_scale = rope[2] if rope is not None and len(rope) > 2 else None
         norm_args = qk_norm.kernel_args(qkv) if qk_norm is not None else None
-        if qk_norm is None or norm_args is not None:
+        if query_scale is None and (qk_norm is None or norm_args is not None):
             timer = self.backend.timer
             start = time.perf_counter() if timer is not None else 0.0
             o = self.backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, rope, kv_cache[0], kv_cache[1],
@@ -51,7 +55,9 @@ class Attention(HotModule):
         if qk_norm is not None and qk_norm.per_head:
             q, k = qk_norm.q(q), qk_norm.k(k)
         if rope is not None:
-            q, k = rotate_qk(q, k, *rope)
+            q, k = rotate_qk(q, k, rope[0], rope[1])
+        if query_scale is not None:
+            q = q * query_scale[:, None, None]  # after the rotation, as the reference scales them
         return self.forward(q, k, v, kv_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -5,7 +5,9 @@ rows once and hands them to every layer that rotates. Partial rotary (only the f
 `rotary_dim` features of each head rotate: Phi-4-mini) and the scaled variants follow the
 model's config: the default frequencies are computed here, every scaled kind (linear,
 llama3, YaRN, LongRoPE) by transformers' own `ROPE_INIT_FUNCTIONS`, so the frequencies and
-the attention factor folded into cos/sin are the reference's by construction.
+the attention factor folded into cos/sin are the reference's by construction. A model that
+scales its queries by position (Ministral 3's Llama 4-style temperature tuning) gets the
+factors from the same table lookup, as a third entry beside cos and sin.
 """
 from __future__ import annotations
 
@@ -33,10 +35,23 @@ class RotaryEmbedding(torch.nn.Module):
             cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
+        self.register_buffer("query_scale", None, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, rotary_dim] tables for this step's positions."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+    def scale_queries(self, scale: torch.Tensor) -> None:
+        """Multiply the rotated queries (not the keys) by `scale` [max_positions], a factor per
+        position, e.g. llama4_query_scale's; the step's factors then come with cos and sin."""
+        if scale.shape != self.cos.shape[:1]:
+            raise ValueError(f"query scale has {tuple(scale.shape)} entries, expected one per position "
+                             f"({self.cos.shape[0]})")
+        self.query_scale = scale.to(self.cos.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """[T, rotary_dim] tables for this step's positions; and where queries are scaled by
+        position, third, the [T] factors (see Attention.forward_qkv)."""
+        tables = (self.cos[positions].to(dtype), self.sin[positions].to(dtype))
+        if self.query_scale is None:
+            return tables
+        return (*tables, self.query_scale[positions].to(dtype))
 
 
 def rope_parameters(hf, layer_type: str | None = None) -> dict:
@@ -79,6 +94,16 @@ def _get_rope(hf, head_dim: int, max_positions: int, layer_type: str | None, mod
     if inv_freq.numel() * 2 != rotary_dim:
         raise ValueError(f"{model}: rope gives {inv_freq.numel() * 2} rotary dimensions, expected {rotary_dim}")
     return RotaryEmbedding(inv_freq, max_positions, float(scaling))
+
+
+def llama4_query_scale(max_positions: int, beta: float, floor_scale: int) -> torch.Tensor:
+    """Llama 4's attention temperature tuning as Ministral 3 configures it (`llama_4_scaling_beta`,
+    stepping at the YaRN original context): the factor 1 + beta * log(1 + floor(pos / floor_scale))
+    for every position, computed in float32 as the reference computes it from position ids, so
+    that attention far past the original context stays as sharp as within it."""
+    with torch.device("cpu"):
+        positions = torch.arange(max_positions)
+        return 1 + beta * torch.log(1 + torch.floor(positions / floor_scale))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from pagellm.models.registry import family_for_gguf
 logger = logging.getLogger(__name__)
 
 # llama.cpp's converter reorders q/k rows for these architectures (its non-NeoX rope).
-_PERMUTED_ARCHS = ("llama", "smollm3", "granite")
+_PERMUTED_ARCHS = ("llama", "smollm3", "granite", "mistral3")
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
 _NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 
@@ -67,6 +67,10 @@ _LLAMA_CPP_FIXED: dict[str, dict[str, Any]] = {
     "qwen3moe": {"norm_topk_prob": True},       # top-k routing weights renormalized
 }
 
+# llama.cpp's OLMo 3 graph ("olmo2" with a window) rotates its sliding-window layers unscaled with the
+# global base, whatever rope.freq_base_swa says.
+_SWA_GLOBAL_BASE_ARCHS = ("olmo2",)
+
 # Stacked expert tensors -> the HF name of every expert's matrices at once (FusedMoE loads them).
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _EXPERT_TENSOR_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
@@ -81,6 +85,7 @@ _ROPE_SCALING_KEYS = {
     "attn_factor": "attention_factor",
     "yarn_beta_fast": "beta_fast",
     "yarn_beta_slow": "beta_slow",
+    "yarn_log_multiplier": "mscale_all_dim",
 }
 
 
@@ -95,7 +100,8 @@ def read_gguf_config(path: str, reader: GGUFFile | None = None) -> ModelArchConf
 
     reader = reader or open_gguf(path)
     arch = _value(reader, "general.architecture")
-    family = family_for_gguf(arch, path, experts=bool(_value(reader, f"{arch}.expert_count")))
+    family = family_for_gguf(arch, path, experts=bool(_value(reader, f"{arch}.expert_count")),
+                             sliding=bool(_value(reader, f"{arch}.attention.sliding_window")))
     fields = _hf_fields(reader, arch, path)
     if family.name == "mixtral":
         fields["num_local_experts"] = fields.pop("num_experts")
@@ -149,7 +155,12 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     rope = {"rope_type": "default", "rope_theta": theta, **scaling}
     if "original_max_position_embeddings" in scaling:  # Phi-3's config also keeps it at the top level
         fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    temperature = _value(reader, f"{arch}.attention.temperature_scale")
+    if temperature:  # Ministral 3's query scaling, stepping (in llama.cpp too) at the YaRN original context
+        rope["llama_4_scaling_beta"] = temperature
     local_theta = _value(reader, f"{arch}.rope.freq_base_swa")
+    if arch in _SWA_GLOBAL_BASE_ARCHS and fields.get("sliding_window"):
+        local_theta = theta
     if local_theta is not None:  # Gemma 3: the sliding-window layers rotate with their own base
         rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
     fields["rope_parameters"] = rope
@@ -321,6 +332,12 @@ def _rope_scaling(reader: GGUFFile, arch: str, head_dim: int, theta: float, path
         return scaling
     if kind not in (None, "none"):
         scaling = {"rope_type": kind}
+        if kind == "yarn":
+            # llama.cpp computes YaRN's attention factor from the factor and yarn_log_multiplier
+            # (mscale_all_dim, with mscale taken as 1), not from this key.
+            raw.pop("yarn_attn_factor", None)
+            if "yarn_log_multiplier" in raw:
+                scaling["mscale"] = 1.0
         scaling.update({_ROPE_SCALING_KEYS.get(k, k): v for k, v in raw.items()})
         return scaling
     linear = _value(reader, f"{arch}.rope.scale_linear")  # older files' spelling of linear scaling

@@ -103,12 +103,15 @@ class LlamaForCausalLM(CausalLM):
     """With `tp`, this rank's shard of the network; without, all of it.
 
     The families that are Llama with a part changed subclass this and override what differs:
-    a class attribute (`qk_norm`, `act_field`, `unit_offset_norms`) or one of the hooks
-    `make_ropes`, `rope_for`, `make_attention`, `make_mlp`, `make_layer`."""
+    a class attribute (`qk_norm`, `act_field`, `unit_offset_norms`, `ropes_by_layer_type`) or one
+    of the hooks `make_ropes`, `rope_for`, `make_attention`, `make_mlp`, `make_layer`."""
 
     qk_norm: str | None = None          # "head" (Qwen3, Gemma 3) or "full" (OLMo 2): see LlamaAttention
     act_field = "hidden_act"            # the config field naming the MLP's activation
     unit_offset_norms = False           # RMSNorm weights applied as 1 + w (Gemma)
+    # A rotary table per layer type (config `layer_types`), each from its own rope parameters:
+    # the sliding-window layers rotate unscaled, or with another base (Gemma 3, OLMo 3).
+    ropes_by_layer_type = False
 
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, max_positions: int,
                  tp: TensorParallelGroup | None = None) -> None:
@@ -121,11 +124,14 @@ class LlamaForCausalLM(CausalLM):
 
     def make_ropes(self, max_positions: int) -> dict[str, RotaryEmbedding]:
         """The rotary tables, by name (one, "default", unless layers rotate differently)."""
+        if self.ropes_by_layer_type:
+            return {t: get_rope(self.hf, self.cfg.head_dim, max_positions, layer_type=t, model=self.cfg.model_name)
+                    for t in sorted(set(self.hf.layer_types))}
         return {"default": get_rope(self.hf, self.cfg.head_dim, max_positions, model=self.cfg.model_name)}
 
     def rope_for(self, layer: int) -> str | None:
         """The rotary table layer `layer` uses; None: it does not rotate."""
-        return "default"
+        return self.hf.layer_types[layer] if self.ropes_by_layer_type else "default"
 
     def make_attention(self, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
         arch = self.cfg

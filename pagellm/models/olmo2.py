@@ -11,10 +11,10 @@ from pagellm.models.llama import LlamaForCausalLM
 
 
 class Olmo2DecoderLayer(nn.Module):
-    rope_name = "default"
-
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 rope_name: str = "default") -> None:
         super().__init__()
+        self.rope_name = rope_name
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
@@ -30,4 +30,4 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
         return Olmo2DecoderLayer(self.make_attention(layer, backend, tp), self.make_mlp(layer, tp),
-                                 self.cfg.hidden_size, self.cfg.rms_norm_eps)
+                                 self.cfg.hidden_size, self.cfg.rms_norm_eps, self.rope_for(layer))

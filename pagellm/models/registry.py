@@ -19,6 +19,9 @@ class Family:
     # A mixture of experts: told apart from a dense family of the same GGUF architecture by
     # the file's expert count (llama.cpp writes Mixtral as "llama").
     moe: bool = False
+    # Takes the files of its GGUF architectures that have sliding-window layers, which another
+    # family's files of that architecture lack (llama.cpp writes OLMo 3 as "olmo2").
+    gguf_sliding: bool = False
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -29,10 +32,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", "qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("smollm3", "smollm3", "SmolLM3ForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     Family("olmo2", "olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
+    Family("olmo3", "olmo3", "Olmo3ForCausalLM", ("Olmo3ForCausalLM",), ("olmo2",), ("olmo3",), gguf_sliding=True),
     Family("granite", "granite", "GraniteForCausalLM", ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family("phi3", "phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("gemma2", "gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3_text",)),
+    Family("ministral3", "ministral3", "Ministral3ForCausalLM", ("Ministral3ForCausalLM",), ("mistral3",),
+           ("ministral3",)),
     Family("qwen3_5", "qwen3_5", "Qwen3_5ForCausalLM", ("Qwen3_5ForCausalLM",), (), ("qwen3_5_text",)),
     Family("granite_moe_hybrid", "granite_moe_hybrid", "GraniteMoeHybridForCausalLM",
            ("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
@@ -43,7 +49,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 HF_ARCHITECTURES = {a: f for f in FAMILIES for a in f.hf_architectures}
-GGUF_ARCHITECTURES = {(a, f.moe): f for f in FAMILIES for a in f.gguf_architectures}
+GGUF_ARCHITECTURES = {(a, f.moe, f.gguf_sliding): f for f in FAMILIES for a in f.gguf_architectures}
 _BY_NAME = {f.name: f for f in FAMILIES}
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
@@ -63,12 +69,15 @@ def family_for_hf(config: dict, where: str) -> Family:
     return family
 
 
-def family_for_gguf(arch: str | None, where: str, experts: bool = False) -> Family:
-    """The family of a GGUF file's `general.architecture` (`experts`: the file has an expert count)."""
-    family = GGUF_ARCHITECTURES.get((arch, experts))  # type: ignore[arg-type]
+def family_for_gguf(arch: str | None, where: str, experts: bool = False, sliding: bool = False) -> Family:
+    """The family of a GGUF file's `general.architecture` (`experts`: the file has an expert count;
+    `sliding`: it has sliding-window layers, which most families take as they come)."""
+    family = GGUF_ARCHITECTURES.get((arch, experts, sliding))  # type: ignore[arg-type]
+    if family is None and sliding:
+        family = GGUF_ARCHITECTURES.get((arch, experts, False))  # type: ignore[arg-type]
     if family is None:
-        supported = ", ".join(sorted({a for a, _ in GGUF_ARCHITECTURES}))
-        kind = " with experts" if experts and any(a == arch for a, _ in GGUF_ARCHITECTURES) else ""
+        supported = ", ".join(sorted({a for a, _, _ in GGUF_ARCHITECTURES}))
+        kind = " with experts" if experts and any(a == arch for a, _, _ in GGUF_ARCHITECTURES) else ""
         raise ValueError(f"{where}: architecture {arch!r}{kind} is not supported (supported: {supported})")
     return family
 

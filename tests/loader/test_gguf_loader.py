@@ -256,6 +256,55 @@ def test_llama3_rope_freqs_tensor_becomes_hf_rope_scaling(tmp_path):
     assert math.isclose(cfg.rope_theta, theta)
 
 
+def _yarn(w: gguf.GGUFWriter) -> None:
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(8.0)
+    w.add_rope_scaling_orig_ctx_len(256)
+    w.add_rope_scaling_yarn_beta_fast(32.0)
+    w.add_rope_scaling_yarn_beta_slow(1.0)
+    w.add_rope_scaling_yarn_attn_factor(1.5)  # llama.cpp computes its own
+
+
+def test_olmo3_is_olmo2_with_a_window(tmp_path, llama_sd):
+    """llama.cpp writes OLMo 3 as "olmo2" with its window and layer pattern; its graph rotates the
+    sliding layers with the global base, unscaled, whatever rope.freq_base_swa says."""
+    def extra(w: gguf.GGUFWriter) -> None:
+        _yarn(w)
+        w.add_sliding_window(8)
+        w.add_sliding_window_pattern([True, False])
+        w.add_rope_freq_base_swa(1000.0)
+
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "olmo2.gguf", tensors, arch="olmo2")
+    assert read_gguf_config(str(tmp_path / "olmo2.gguf")).architecture == "olmo2"
+    write_gguf(tmp_path / "olmo3.gguf", tensors, arch="olmo2", theta=500000.0, extra=extra)
+    cfg = read_gguf_config(str(tmp_path / "olmo3.gguf"))
+    assert cfg.architecture == "olmo3"
+    assert cfg.hf_config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert cfg.hf_config["sliding_window"] == 8
+    assert cfg.hf_config["rope_parameters"] == {
+        "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                           "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+
+
+def test_ministral3_yarn_and_query_scale(tmp_path, llama_sd):
+    """Mistral 3 files: YaRN's mscale_all_dim as yarn_log_multiplier (mscale taken as 1, as llama.cpp
+    does) and the query scale's beta as attention.temperature_scale."""
+    def extra(w: gguf.GGUFWriter) -> None:
+        _yarn(w)
+        w.add_rope_scaling_yarn_log_mul(0.5)
+        w.add_attn_temperature_scale(0.1)
+
+    write_gguf(tmp_path / "m.gguf", {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)},
+               arch="mistral3", extra=extra)
+    cfg = read_gguf_config(str(tmp_path / "m.gguf"))
+    assert cfg.architecture == "ministral3"
+    assert cfg.hf_config["rope_parameters"] == {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1}
+
+
 def test_bundled_model_config():
     cfg = read_gguf_config(default_model_path())
     assert cfg.architecture == "llama"

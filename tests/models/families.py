@@ -29,6 +29,13 @@ FAMILIES = {
               dict(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, pad_token_id=0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # A window layer, then a full one whose rope is YaRN-scaled; the sliding layer's rope is its
+    # own (unscaled, another base).
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                       "original_max_position_embeddings": 64},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
                      logits_scaling=2.0)),
@@ -44,6 +51,13 @@ FAMILIES = {
                dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
                     rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
                     pad_token_id=0)),
+    # YaRN (a non-trivial attention factor from mscale / mscale_all_dim) and queries scaled up at
+    # every 16 positions (original_max_position_embeddings), so each prompt crosses a step; a window.
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM",
+                   dict(head_dim=16, sliding_window=16,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                                         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.3})),
     # A gated attention layer, then Gated DeltaNet layers (4 value heads over 2 key heads).
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 dict(head_dim=16, num_hidden_layers=3, layer_types=["full_attention", "linear_attention",

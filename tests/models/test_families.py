@@ -47,8 +47,8 @@ ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 # The pool of the chunked test: too small for every request at once. Families with sliding-window
 # layers give back what slid out (and a block of a group holds only that group's layers), so they
 # need a smaller pool to be preempted.
-CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "gemma2": 20, "gemma3": 20, "lfm2": 12, "qwen3_5": 12,
-                 "granite_moe_hybrid": 12}
+CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "olmo3": 20, "gemma2": 20, "gemma3": 20, "ministral3": 20, "lfm2": 12,
+                 "qwen3_5": 12, "granite_moe_hybrid": 12}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
 

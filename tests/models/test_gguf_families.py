@@ -44,6 +44,14 @@ GGUF_CHANGES = {
     "gemma3": dict(sliding_window_pattern=6, num_hidden_layers=6),
     # llama.cpp's Qwen3-MoE has experts in every layer and always renormalizes.
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True),
+    # llama.cpp writes OLMo 3 as "olmo2" with its window and layer pattern, and rotates the sliding
+    # layers with the full layers' base (unscaled): one base here (real OLMo 3 has one).
+    "olmo3": dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                      "original_max_position_embeddings": 64},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # No sliding window in llama.cpp's Mistral 3 (real Ministral 3 has none); it takes YaRN's mscale
+    # as 1 (as here) and steps the query scale at the YaRN original context (as transformers).
+    "ministral3": dict(sliding_window=None),
 }
 N_NEW = 12
 SENTENCEPIECE = ("gemma2", "phi3")

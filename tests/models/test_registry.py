@@ -49,4 +49,8 @@ def test_unknown_architectures_name_what_is_supported(tmp_path):
     with pytest.raises(ValueError, match="'qwen3' with experts is not supported"):
         family_for_gguf("qwen3", "x.gguf", experts=True)
     assert family_for_gguf("llama", "x.gguf", experts=True).name == "mixtral"
+    # llama.cpp writes OLMo 3 as "olmo2": its sliding layers tell it apart; Gemma's come as they are.
+    assert family_for_gguf("olmo2", "x.gguf").name == "olmo2"
+    assert family_for_gguf("olmo2", "x.gguf", sliding=True).name == "olmo3"
+    assert family_for_gguf("gemma3", "x.gguf", sliding=True).name == "gemma3"
     assert family_for_hf({"model_type": "gemma3_text"}, "config.json").name == "gemma3"

@@ -117,3 +117,14 @@ def test_sinks_load_per_rank_by_head():
         attn.sinks.weight_loader(attn.sinks, sinks[:4])
     assert Attention(4, 1, 16, backend=None).sinks is None
 
+
+def test_mxfp4_experts_are_refused_by_name():
+    from pagellm.attention.torch_backend import TorchAttentionBackend
+    from pagellm.models.arch import arch_from_hf
+    from pagellm.models.gpt_oss import GptOssForCausalLM
+
+    arch = arch_from_hf(config(), "gpt_oss", bos_token_id=None, eos_token_ids=[], model_name="m")
+    with torch.device("meta"):
+        model = GptOssForCausalLM(arch, TorchAttentionBackend(), 16)
+    with pytest.raises(ValueError, match="gate_up_proj_blocks.*MXFP4"):
+        model.load_weights([("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(1))])

@@ -1,31 +1,46 @@
 """The attention layer: this step's q/k/v for this rank's heads, through the backend that
 reads and writes the paged cache, with the layer's own options (scale, sliding window,
-logit soft-cap)."""
+logit soft-cap) and, in gpt-oss, its learned sinks."""
 from __future__ import annotations
 
 import time
 
 import torch
+from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.layers.module import HotModule
 from pagellm.layers.norm import QKNorm
+from pagellm.layers.parallel import TensorParallelGroup, load_whole, rank_and_size
 from pagellm.layers.rotary import rotate_qk
 from pagellm.timing import phase
 
 
 class Attention(HotModule):
+    """`num_heads`, `num_kv_heads`: this rank's. `sinks`: the layer has a learned logit per head
+    (gpt-oss's `self_attn.sinks`, [num_attention_heads] in the checkpoint) that joins each of
+    that head's softmax denominators and attends to nothing; a rank of `tp` loads its own heads'."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
                  scale: float | None = None, sliding_window: int | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, sinks: bool = False, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
-        # gpt-oss's learned per-head sink logits; the backends take them, no family here has them yet.
-        self.sinks: torch.Tensor | None = None
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+            rank, size = rank_and_size(tp)
+            self._first_head, self._all_heads = rank * num_heads, size * num_heads
         self.options = AttentionOptions(scale if scale is not None else head_dim ** -0.5, sliding_window, softcap)
         # The KV group whose block tables this layer reads (set by the model runner, core/kv/groups.py).
         self.kv_group = 0
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (self._all_heads,):
+            raise ValueError(f"sinks of shape {tuple(loaded.shape)}, expected ({self._all_heads},): one per head")
+        load_whole(param, loaded.narrow(0, self._first_head, self.num_heads))
 
     def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...] | None,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,

@@ -1,9 +1,11 @@
 """A mixture-of-experts MLP: a router picks each token's top-k experts, and each expert runs
 as one matrix product over all the tokens routed to it (never a loop over tokens).
 
-Expert weights are stacked: `w13` [E, 2I, H] (gate then up), `w2` [E, H, I]. Tensor
-parallelism splits every expert's intermediate dimension, like a dense MLP (column-parallel
-w13, row-parallel w2), and one all-reduce sums the partial outputs.
+Expert weights are stacked: `w13` [E, 2I, H] (gate then up), `w2` [E, H, I], and where the
+experts have biases (gpt-oss) `w13_bias` [E, 2I], `w2_bias` [E, H]. Tensor parallelism splits
+every expert's intermediate dimension, like a dense MLP (column-parallel w13 and its bias,
+row-parallel w2), and one all-reduce sums the partial outputs; w2's bias is added by rank 0
+alone, so the sum holds it once.
 """
 from __future__ import annotations
 
@@ -12,18 +14,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.parallel import TensorParallelGroup
-from pagellm.layers.activation import act_and_mul
+from pagellm.layers.activation import Activation, act_and_mul
 from pagellm.layers.linear import ReplicatedLinear
 from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import divide, load_whole, rank_and_size
 
 # What a checkpoint tensor of one expert is: its gate (w1), up (w3) or down (w2) projection.
 EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
+# gpt-oss's checkpoints (transformers' GptOssExperts): every expert stacked, each matrix stored
+# [in, out] (the "_t" kinds), gate and up interleaved feature by feature, each with a bias.
+# Checkpoint tensor -> (the parameter it fills, the kind of part).
+INTERLEAVED_EXPERT_TENSORS = {
+    "gate_up_proj": ("w13", "w13_interleaved_t"),
+    "gate_up_proj_bias": ("w13_bias", "w13_interleaved"),
+    "down_proj": ("w2", "w2_t"),
+    "down_proj_bias": ("w2_bias", "w2"),
+}
 
 
 class FusedMoE(HotModule):
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: str,
-                 tp: TensorParallelGroup | None = None) -> None:
+    """`act`: a `hidden_act` name or an activation object (layers/activation.py); `bias`: every
+    expert's gate/up and down projections add a bias (gpt-oss)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: Activation,
+                 tp: TensorParallelGroup | None = None, bias: bool = False) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.act = num_experts, top_k, act
         self.tp = tp
@@ -31,7 +45,14 @@ class FusedMoE(HotModule):
         self.inter = divide(intermediate_size, size, "moe_intermediate_size")  # this rank's
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
-        for p, parts in ((self.w13, ("w1", "w3")), (self.w2, ("w2",))):
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        for p, parts in ((self.w13, ("w1", "w3")), (self.w2, ("w2",)), (self.w13_bias, ("w1", "w3")),
+                         (self.w2_bias, ("w2",))):
+            if p is None:
+                continue
             p.weight_loader = self.weight_loader
             # Filled when every expert's parts arrived, one by one or stacked (part ("all", kind)).
             p.parts_needed = {(e, part) for e in range(num_experts) for part in parts}
@@ -39,26 +60,37 @@ class FusedMoE(HotModule):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: tuple) -> None:
         """`part`: (expert, "w1" | "w3" | "w2") for one expert's matrix, or ("all", kind) for
-        every expert's at once: "w13" (transformers 5's gate_up_proj), "w1", "w3" or "w2"
-        (GGUF's ffn_{gate,up,down}_exps, transformers 5's down_proj)."""
+        every expert's at once: "w13" (transformers 5's gate_up_proj), "w13_interleaved" (gate
+        and up alternating feature by feature: gpt-oss), "w1", "w3" or "w2" (GGUF's
+        ffn_{gate,up,down}_exps, transformers 5's down_proj). A kind ending in "_t": the
+        checkpoint stores the matrix transposed, [in, out]. A bias takes the same kinds as its
+        matrix, without the input dimension."""
         expert, kind = part
         n, r = self.inter, self.rank
-        experts = slice(None) if expert == "all" else expert
-        if kind == "w13":
-            gate, up = loaded.chunk(2, dim=-2)
-            load_whole(param.data[experts, :n], gate.narrow(-2, r * n, n))
-            load_whole(param.data[experts, n:], up.narrow(-2, r * n, n))
+        dst = param.data[slice(None) if expert == "all" else expert]
+        if kind.endswith("_t"):
+            kind, loaded = kind[:-2], loaded.transpose(-1, -2)
+        if param is self.w2_bias:
+            load_whole(dst, loaded)  # whole on every rank; rank 0 adds it (forward)
+            return
+        if param is self.w13_bias:  # as a matrix of one input feature: the rows split as w13's
+            dst, loaded = dst.unsqueeze(-1), loaded.unsqueeze(-1)
+        if kind in ("w13", "w13_interleaved"):
+            gate, up = loaded.chunk(2, dim=-2) if kind == "w13" else (loaded[..., 0::2, :], loaded[..., 1::2, :])
+            load_whole(dst[..., :n, :], gate.narrow(-2, r * n, n))
+            load_whole(dst[..., n:, :], up.narrow(-2, r * n, n))
         elif kind == "w2":
-            load_whole(param.data[experts], loaded.narrow(-1, r * n, n))
+            load_whole(dst, loaded.narrow(-1, r * n, n))
         else:
             rows = slice(0, n) if kind == "w1" else slice(n, 2 * n)
-            load_whole(param.data[experts, rows], loaded.narrow(-2, r * n, n))
+            load_whole(dst[..., rows, :], loaded.narrow(-2, r * n, n))
 
     def expand_part(self, part: tuple) -> set[tuple]:
         """The (expert, matrix) pairs a loaded part fills."""
         expert, kind = part
+        kind = kind.removesuffix("_t")
         experts = range(self.num_experts) if expert == "all" else (expert,)
-        kinds = ("w1", "w3") if kind == "w13" else (kind,)
+        kinds = ("w1", "w3") if kind in ("w13", "w13_interleaved") else (kind,)
         return {(e, k) for e in experts for k in kinds}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -71,35 +103,45 @@ class FusedMoE(HotModule):
         scale = weights.reshape(-1)[order]
         out = torch.zeros_like(x)
         start = 0
+        b13 = self.w13_bias
+        b2 = self.w2_bias if self.rank == 0 else None  # once in the all-reduced sum
         # Experts in index order, each adding into its tokens' rows: the reference's summation order.
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            h = act_and_mul(F.linear(routed[rows], self.w13[e]), self.act)
-            y = F.linear(h, self.w2[e]) * scale[rows, None]
+            h = act_and_mul(F.linear(routed[rows], self.w13[e], None if b13 is None else b13[e]), self.act)
+            y = F.linear(h, self.w2[e], None if b2 is None else b2[e]) * scale[rows, None]
             out.index_add_(0, tokens[rows], y.to(out.dtype))
             start += n
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class SparseMoeBlock(HotModule):
-    """Router + experts. `renormalize`: the top-k routing weights are rescaled to sum to 1
-    (Mixtral always; Qwen3-MoE when norm_topk_prob)."""
+    """Router + experts. By default the router's softmax runs over every expert and the top-k
+    are taken from it; `renormalize`: those weights are rescaled to sum to 1 (Mixtral always;
+    Qwen3-MoE when norm_topk_prob). `softmax_after_topk`: the top-k router logits are taken
+    first and the softmax runs over them alone (gpt-oss). `bias`: the router and the experts
+    have biases (gpt-oss)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: str,
-                 renormalize: bool, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: Activation,
+                 renormalize: bool, tp: TensorParallelGroup | None = None, *, softmax_after_topk: bool = False,
+                 bias: bool = False) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, act, tp)
-        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, act, tp, bias)
+        self.top_k, self.renormalize, self.softmax_after_topk = top_k, renormalize, softmax_after_topk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.softmax_after_topk:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            weights = F.softmax(top, dim=-1, dtype=torch.float32)
+        else:
+            probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, weights.to(x.dtype), experts)
 
 
@@ -118,3 +160,13 @@ def route_expert_weight(name: str) -> tuple[str, tuple] | None:
     if not (expert == "all" or expert.isdigit()) or kind is None:
         return None
     return f"{head}.experts.{'w2' if kind == 'w2' else 'w13'}", (expert if expert == "all" else int(expert), kind)
+
+
+def route_interleaved_expert_weight(name: str) -> tuple[str, tuple] | None:
+    """A checkpoint name of gpt-oss's experts (INTERLEAVED_EXPERT_TENSORS:
+    `...experts.<gate_up_proj|down_proj>[_bias]`) -> (the stacked parameter, its part), or None."""
+    head, sep, tail = name.partition(".experts.")
+    if not sep or tail not in INTERLEAVED_EXPERT_TENSORS:
+        return None
+    param, kind = INTERLEAVED_EXPERT_TENSORS[tail]
+    return f"{head}.experts.{param}", ("all", kind)

@@ -2,7 +2,8 @@
 
 Each exercises what makes its family different, at sizes where a bug would show: windows
 shorter than the prompts, soft-caps low enough to bite, norms and biases that are not the
-identity, partial rotary, layers without rotary, several experts per token. Weights are drawn
+identity, partial rotary, layers without rotary, several experts per token, attention sinks
+and expert activations clamped often enough to matter. Weights are drawn
 with std 0.3 and norms and biases perturbed, so outputs depend on positions and context
 (`assert_sees_context` checks it when a fixture is built)."""
 from __future__ import annotations
@@ -81,6 +82,13 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                        norm_topk_prob=True, mlp_only_layers=[1])),
+    # A sliding layer then a full one (layer_types' default), YaRN beyond an original context of
+    # 64, clamps at 1.5 (the experts' products reach past it often at std 0.3), sinks (see build).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=16, sliding_window=8, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                     swiglu_limit=1.5, pad_token_id=0,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
 }
 
 
@@ -96,6 +104,10 @@ def build(family: str, path: Path, seed: int = 0, **changes) -> Path:
                 p.add_(torch.randn_like(p) * 0.3)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.5)
+            elif name.endswith(".sinks"):
+                # gpt-oss's sink logits: transformers draws them at initializer_range; at std 2 a
+                # head's sink takes a visible share of its softmax, more so over few keys.
+                p.normal_(0.0, 2.0)
         if family.startswith("gemma"):
             # Gemma multiplies embeddings by sqrt(hidden_size) (8 here) and ties its head: at std
             # 0.3 the token's own embedding would swamp the residual stream and the model would

@@ -47,8 +47,8 @@ ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 # The pool of the chunked test: too small for every request at once. Families with sliding-window
 # layers give back what slid out (and a block of a group holds only that group's layers), so they
 # need a smaller pool to be preempted.
-CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "olmo3": 20, "gemma2": 20, "gemma3": 20, "ministral3": 20, "lfm2": 12,
-                 "qwen3_5": 12, "granite_moe_hybrid": 12}
+CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "olmo3": 20, "gemma2": 20, "gemma3": 20, "ministral3": 20, "gpt_oss": 20,
+                 "lfm2": 12, "qwen3_5": 12, "granite_moe_hybrid": 12}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
 
@@ -172,3 +172,26 @@ def test_decode_steps_normalize_q_and_k_in_the_fused_kernel(name, fused_norms, t
     llm = LLM(str(build(name, tmp_path / name)), num_kv_blocks=64)
     _gen(llm, _prompts(5, [3, 9]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert (len(calls) > 0 and all(calls)) if fused_norms else calls == []
+
+
+def test_decode_steps_attend_with_sinks_in_the_fused_kernel(tmp_path, monkeypatch):
+    """gpt-oss's decode steps run cpu.decode_attention_qkv with each layer's sinks (its result
+    against transformers: the tests above), on the sliding layer and on the full one."""
+    import inspect
+
+    from pagellm.kernels import cpu
+
+    calls = []
+    fused = cpu.decode_attention_qkv
+    signature = inspect.signature(fused)
+
+    def counted(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        calls.append((bound.get("sinks") is not None, bound.get("sliding_window")))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decode_attention_qkv", counted)
+    llm = LLM(str(build("gpt_oss", tmp_path / "gpt_oss")), num_kv_blocks=64)
+    _gen(llm, _prompts(5, [3, 9]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(calls) > 0 and all(has_sinks for has_sinks, _ in calls)
+    assert {window for _, window in calls} == {8, None}

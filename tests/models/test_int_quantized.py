@@ -14,22 +14,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagellm import LLM, SamplingParams
-from pagellm.layers.quant.int_weights import int4_group, quantize_int4, quantize_int8
+from pagellm.layers.quant.int_weights import INT4_ROWS, int4_group, quantize_int4, quantize_int8
+from tests.models.families import build
 from tests.models.test_gguf_quantized import MIN_AGREEMENT, _compare
 
 LOGPROB_ATOL = 2e-3
 
 
 def _dequantized_copy(src: str, dst, scheme: str) -> str:
-    """The model at `src` with every linear weight (not the embedding or head) replaced by what
-    `scheme` quantizes it to, dequantized: the function the quantized engine computes."""
+    """The model at `src` with every linear weight (not the embedding or head; a mixture of
+    experts' router, not its stacked experts) replaced by what `scheme` quantizes it to,
+    dequantized: the function the quantized engine computes."""
     shutil.copytree(src, dst)
     path = dst / "model.safetensors"
     tensors = load_file(str(path))
     for name, w in tensors.items():
-        if not name.endswith("proj.weight"):
+        if not name.endswith(("proj.weight", "router.weight")):
             continue
-        if scheme == "int8" or int4_group(w.shape[1]) is None:
+        if scheme == "int8" or int4_group(w.shape[1]) is None or w.shape[0] % INT4_ROWS:
             q, s = quantize_int8(w)
             tensors[name] = (q.float() * s[:, None]).to(w.dtype)
         else:
@@ -63,6 +65,21 @@ def test_quantized_matches_its_dequantized_weights(tiny_llama_dir, tmp_path, sch
     assert dense_matrices == []  # only int8 / packed int4 weights (and their scales) remain
     int_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.is_floating_point())
     assert int_bytes > 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_mixture_of_experts_with_biases_quantizes(tmp_path, scheme):
+    """gpt-oss: biases on every linear layer (kept as they are) and on the experts (which stay
+    dense), and routers over 8 experts, too few outputs for int4's packing (kept in int8)."""
+    path = str(build("gpt_oss", tmp_path / "gpt_oss"))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 20))] for _ in range(8)]
+    quantized = LLM(path, quantization=scheme, num_kv_blocks=128, block_size=4)
+    reference = LLM(_dequantized_copy(path, tmp_path / "deq", scheme), num_kv_blocks=128, block_size=4)
+    agreement, worst = _compare(quantized, reference, prompts, 16)
+    assert agreement >= MIN_AGREEMENT and worst < LOGPROB_ATOL, (agreement, worst)
+    experts = quantized.engine.runner.model.layers[0].mlp.experts
+    assert experts.w13.is_floating_point() and experts.w2_bias is not None
 
 
 def test_int_quantization_needs_a_dense_checkpoint(smollm2_gguf):

@@ -6,7 +6,8 @@ load, multiplied by torch's packed CPU kernels.
 - int4: asymmetric in groups of `group_size` input features (128, or the largest of 128, 64, 32
   that divides the layer's inputs), W ~ q * s + m with q in [0, 15]; packed by
   `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`.
-  A layer whose inputs no group divides is kept in int8.
+  A layer whose inputs no group divides, or whose outputs the packing cannot take (a multiple of
+  INT4_ROWS: a mixture of experts' router over 8 experts), is kept in int8.
 
 The token embedding and the LM head stay in the model's dtype, as other engines keep them:
 they are one lookup and one product per step, and the head decides every token.
@@ -27,6 +28,8 @@ from pagellm.layers.quant import WeightFormat, register, tiled_product
 logger = logging.getLogger("pagellm.quant")
 
 INT4_GROUP_SIZES = (128, 64, 32)
+# torch's int4 packing takes output features in multiples of this.
+INT4_ROWS = 16
 
 
 def _is_table(layer: nn.Module) -> bool:
@@ -133,11 +136,11 @@ class Int4LinearMethod(_StagedLinearMethod):
         self.group_size = group_size
 
     def quantize(self, layer: nn.Module, weight: torch.Tensor) -> None:
-        k = weight.shape[1]
+        n, k = weight.shape
         group = int4_group(k, self.group_size)
-        if group is None:
-            logger.info("a layer with %d input features is kept in int8: no int4 group size of %s divides it",
-                        k, INT4_GROUP_SIZES)
+        if group is None or n % INT4_ROWS:
+            logger.info("a layer of %d x %d is kept in int8: int4 takes inputs that a group size of %s divides and "
+                        "outputs in multiples of %d", n, k, INT4_GROUP_SIZES, INT4_ROWS)
             layer.int4_group = 0
             _int8(layer, weight, self.dtype)
             return

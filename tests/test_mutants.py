@@ -72,6 +72,12 @@ MUTANTS = [
            "        pass",
            ("tests/layers/test_recurrent_state.py::"
             "test_cached_forward_carries_state_across_steps_and_restarts_fresh_sequences",)),
+    Mutant("a prefix hit resumes without restoring the state checkpoint",
+           "pagellm/core/kv/hybrid.py",
+           "                        self.pending_copies.extend(zip(computed_blocks[g], table))",
+           "                        pass",
+           ("tests/core/test_hybrid_kv.py::test_a_prefix_resumes_from_the_state_checkpoint_at_its_end",
+            "tests/models/test_families.py::test_chunked_preempted_cached_and_shared[qwen3_5]")),
     Mutant("the oldest running request is preempted instead of the newest",
            "pagellm/core/scheduler.py",
            "victim = self.running.pop()",

@@ -121,7 +121,7 @@ class Scheduler:
             if req.num_tokens_to_compute == 0:
                 i += 1  # a beam holding its blocks while its siblings catch up
                 continue
-            n = min(req.num_tokens_to_compute, budget)
+            n = self.kv.chunk_tokens(req, min(req.num_tokens_to_compute, budget))
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -156,8 +156,8 @@ class Scheduler:
         """Start a waiting request from its longest cached prefix, if its blocks can be had."""
         # Prompt logprobs need every prompt position to pass through the model.
         blocks, num_cached = ([], 0) if req.prompt_logprobs_pending else self.kv.get_computed_blocks(req)
-        n = min(req.num_tokens - num_cached, budget)
         req.num_computed_tokens = num_cached
+        n = self.kv.chunk_tokens(req, min(req.num_tokens - num_cached, budget))
         if not self.kv.allocate_slots(req, n, blocks):
             req.num_computed_tokens = 0
             return None

@@ -51,7 +51,13 @@ class Shadow(SharingShadow):
 def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> None:
     kv.check_integrity()
     bs = kv.block_size
+    copying = {dst for _, dst in kv.pending_copies}
     for key, b in kv.pool.cached.items():
+        if len(key) == 16 + 2:
+            # A state checkpoint (block hash, group, part): once its copy is made, the state of every
+            # token up to the block's end.
+            assert b in copying or shadow.slots.get((b, 0)) == shadow.hash_prefix[key[:16]], (key, b)
+            continue
         # The group's key is the block hash and a group byte.
         assert [shadow.slots.get((b, o)) for o in range(bs)] == shadow.hash_tokens[key[:-1]]
     for rid, req in reqs.items():
@@ -142,6 +148,7 @@ def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, st
         _check(kv, reqs, shadow)
     for req in reqs.values():
         kv.free(req)
+    kv.take_copies()  # the next step hands out the last copies, and the checkpoints they fill go to the cache
     assert kv.pool.num_free_blocks == kv.num_blocks
     assert kv.pool.ref_cnt[NULL_BLOCK] == 1 and sum(kv.pool.ref_cnt) == 1
 
@@ -229,3 +236,36 @@ def test_a_fork_copies_the_state_before_either_sequence_writes_it():
     assert not set(kv.group_tables("a")[1]) & set(kv.group_tables("b")[1])
     # One step's blocks: 2 attention blocks each, 2 state blocks each.
     assert kv.blocks_for(4) == 2 + 2 and kv.num_used_blocks == 2 + 1 + 2 + 2
+
+
+def test_a_prefix_resumes_from_the_state_checkpoint_at_its_end():
+    """Prefill chunks of a recurrent model end at block boundaries, each leaving a checkpoint of the
+    state there; a later prompt sharing the prefix restores the latest checkpoint it covers (a copy
+    into its own state blocks) and computes from there; checkpoints outlive their request only as
+    evictable cached blocks."""
+    kv = HybridKVManager(40, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
+    shadow = Shadow(kv)
+    first = Request("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams())
+    steps = []
+    while first.num_computed_tokens < first.num_tokens:
+        n = kv.chunk_tokens(first, min(first.num_tokens - first.num_computed_tokens, 3))
+        steps.append(n)
+        assert kv.allocate_slots(first, n)
+        shadow.run_step(first, n)
+        _check(kv, {"a": first}, shadow)
+    # Chunks of at most 3 cut to block boundaries (2, 4), the last at the final boundary (6).
+    assert steps == [2, 2, 2, 1] and kv.num_checkpoints == 3
+    kv.free(first)
+    kv.take_copies()
+    assert kv.num_used_blocks == 0 and kv.num_cached_free_blocks > 0
+    second = Request("b", [5, 6, 7, 8, 9, 10, 12, 13], SamplingParams())
+    blocks, cached = kv.get_computed_blocks(second)
+    assert cached == 6 and blocks[1] == kv._checkpoint(1, second.block_hashes[2])
+    second.num_computed_tokens = cached
+    assert kv.allocate_slots(second, 2, blocks)
+    assert not set(kv.group_tables("b")[1]) & set(blocks[1])  # restored into its own blocks
+    shadow.run_step(second, 2)  # reads the state of [5 .. 10], as its own
+    _check(kv, {"b": second}, shadow)
+    # A prompt that ends inside the prefix: the state must be restored where it resumes, one block back.
+    third = Request("c", [5, 6, 7, 8, 9], SamplingParams())
+    assert kv.get_computed_blocks(third)[1] == 4

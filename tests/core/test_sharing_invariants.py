@@ -18,6 +18,7 @@ class Shadow:
         self.kv = kv
         self.slots: dict[tuple[int, int], int] = {}
         self.hash_tokens: dict[bytes, list[int]] = {}
+        self.hash_prefix: dict[bytes, tuple[int, ...]] = {}  # every token up to the block's end
 
     def on_step(self, req: Request, n: int) -> None:
         """Called with each request a step writes (its next n tokens), before it advances."""
@@ -43,6 +44,7 @@ class Shadow:
         bs, tokens = self.kv.block_size, req.all_token_ids
         for i, h in enumerate(req.block_hashes[:req.num_hashed_blocks]):
             self.hash_tokens.setdefault(h, tokens[i * bs:(i + 1) * bs])
+            self.hash_prefix.setdefault(h, tuple(tokens[:(i + 1) * bs]))
 
 
 def _check(kv: KVCacheManager, reqs: dict[str, Request], shadow: Shadow) -> None:

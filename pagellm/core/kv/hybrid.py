@@ -20,6 +20,16 @@ so the first step of either sequence copies them (copy-on-write); preemption by 
 them and the recomputation starts from zeros. Their tables are not positions: the attention
 groups' tables all have one length, the state groups' `state_blocks`.
 
+State checkpoints (prefix caching for recurrent models): a cached prefix is only of use with the
+recurrent state at its end. So prefill chunks end at block boundaries (`chunk_tokens`: the last
+one is split at the prompt's last boundary), and when a step leaves a prompt's computed tokens at
+a boundary, the state blocks are copied into `state_blocks` new blocks per state group, indexed by
+the hash of the block the state follows (and the group and part). They are pinned until the copy
+is handed to the runner, then left to the pool's LRU like any cached block: no request holds
+them, and memory pressure evicts them first-cached first. A request whose prompt starts with k
+cached blocks and a checkpoint after block k restores it (copied into its own state blocks) and
+computes from token k * block_size. Each checkpoint costs state_blocks blocks per state group.
+
 Prefix caching: a group's cached blocks are found by the chained block hash qualified with the
 group; a prefix of k blocks is a hit only if every full group holds all k and every sliding
 group holds the ones inside the window of the prefix's end.
@@ -59,9 +69,11 @@ class HybridKVManager(KVManager):
         self.windows = list(windows)
         self.state_blocks = state_blocks
         self._state_groups = [g for g, w in enumerate(self.windows) if w == STATE]
-        # A cached prefix needs the recurrent state at its end, which no block keeps yet.
-        self.enable_prefix_caching = enable_prefix_caching and not self._state_groups
+        self.enable_prefix_caching = enable_prefix_caching
         self.max_chunk_tokens = max_chunk_tokens
+        # Checkpoint blocks whose copies are queued (taken or restored): held until take_copies.
+        self._pinned: list[tuple[int, int]] = []
+        self.num_checkpoints = 0
         self.pool = BlockPool(num_blocks)
         (null,) = self.pool.allocate(1)
         assert null == NULL_BLOCK
@@ -153,11 +165,15 @@ class HybridKVManager(KVManager):
                 for b in real:
                     held[b] += 1
                     assert group_of.setdefault(b, g) == g, f"block {b} is held by groups {group_of[b]} and {g}"
+        for g, b in self._pinned:
+            held[b] += 1
+            assert group_of.setdefault(b, g) == g, f"block {b} is held by groups {group_of[b]} and {g}"
         wrong = [(b, c, h) for b, (c, h) in enumerate(zip(self.pool.ref_cnt, held)) if c != h]
         assert not wrong, f"ref counts differ from the tables' references (block, ref_cnt, held): {wrong[:5]}"
         held_per_group = [len({b for b, g in group_of.items() if g == k}) for k in range(self.num_groups)]
         assert held_per_group == self._held, f"blocks held per group {self._held}, counted {held_per_group}"
         owned = {b for tables in self._tables.values() for t in tables for b in t if b != NULL_BLOCK}
+        owned |= {b for _, b in self._pinned}
         assert all(dst in owned for _, dst in self.pending_copies), f"a copy into an unowned block: " \
             f"{self.pending_copies}"
 
@@ -179,15 +195,18 @@ class HybridKVManager(KVManager):
         # Per sliding group, run[i]: cached blocks in a row ending at block i.
         runs = {}
         for g, w in enumerate(self.windows):
-            if w is not None:
+            if w is not None and w != STATE:
                 run, r = [], 0
                 for b in found[g]:
                     r = r + 1 if b is not None else 0
                     run.append(r)
                 runs[g] = run
+        if self._state_groups:  # the state must be restorable exactly where computing resumes
+            k = min(k, (n - 1) // bs)
         while k > 0:
             computed = min(k * bs, n - 1)
-            if all(runs[g][k - 1] >= k - self._first_needed(g, computed) for g in runs):
+            if (all(runs[g][k - 1] >= k - self._first_needed(g, computed) for g in runs)
+                    and all(self._checkpoint(g, hashes[k - 1]) for g in self._state_groups)):
                 break
             k -= 1
         if k == 0:
@@ -195,9 +214,57 @@ class HybridKVManager(KVManager):
         computed = min(k * bs, n - 1)
         blocks = []
         for g, w in enumerate(self.windows):
+            if w == STATE:
+                blocks.append(self._checkpoint(g, hashes[k - 1]))
+                continue
             first = self._first_needed(g, computed)
             blocks.append([NULL_BLOCK] * first + found[g][first:k])
         return blocks, computed
+
+    def _checkpoint_key(self, group: int, block_hash: bytes, part: int) -> bytes:
+        return block_hash + bytes([group, part])
+
+    def _checkpoint(self, group: int, block_hash: bytes) -> list[int] | None:
+        """The blocks of state group `group`'s checkpoint after the block hashed `block_hash`, if
+        all are cached."""
+        blocks = [self.pool.lookup(self._checkpoint_key(group, block_hash, j)) for j in range(self.state_blocks)]
+        return None if None in blocks else blocks
+
+    def chunk_tokens(self, request: Request, num_tokens: int) -> int:
+        """With state checkpoints, a prefill chunk ends at a block boundary: the last one is cut at
+        the last boundary before the final token, so that the prompt's state there is kept."""
+        if not (self._state_groups and self.enable_prefix_caching) or num_tokens <= 1:
+            return num_tokens
+        bs, start = self.block_size, request.num_computed_tokens
+        end = start + num_tokens
+        if end == request.num_tokens:
+            boundary = (end - 1) // bs * bs
+        else:
+            boundary = end // bs * bs
+        return boundary - start if boundary > start else num_tokens
+
+    def _take_checkpoint(self, request: Request, tables: list[list[int]], block_hash: bytes) -> None:
+        """Copy the request's state blocks into new blocks indexed as the checkpoint after the
+        block hashed `block_hash` (skipped when one exists or the pool lacks the blocks)."""
+        if all(self._checkpoint(g, block_hash) for g in self._state_groups):
+            return
+        if len(self._state_groups) * self.state_blocks > self.pool.num_free_blocks:
+            return
+        for g in self._state_groups:
+            for j, (src, dst) in enumerate(zip(tables[g], self._take(g, self.state_blocks))):
+                self.pending_copies.append((src, dst))
+                self.pool.cache(dst, self._checkpoint_key(g, block_hash, j))
+                self._pinned.append((g, dst))
+        self.num_checkpoints += 1
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued copies; the checkpoint blocks they read or write are released to the cache
+        (the runner makes the copies before anything can reuse them)."""
+        copies = super().take_copies()
+        for g, b in self._pinned:
+            self._give_back(g, [b])
+        self._pinned = []
+        return copies
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index, in every group, the blocks its computed tokens have filled (those still held)."""
@@ -211,7 +278,12 @@ class HybridKVManager(KVManager):
         if full <= start:
             return
         hashes = request_block_hashes(request, self.block_size, full)
+        computed = request.num_computed_tokens
+        if self._state_groups and computed % self.block_size == 0 and computed <= request.num_prompt_tokens:
+            self._take_checkpoint(request, tables, hashes[full - 1])
         for g, table in enumerate(tables):
+            if g in self._state_groups:
+                continue
             for i in range(start, full):
                 if table[i] != NULL_BLOCK:
                     self.pool.cache(table[i], self._key(g, hashes[i]))
@@ -252,7 +324,8 @@ class HybridKVManager(KVManager):
         tables = self._tables.get(rid)
         if computed_blocks:
             assert tables is None, "a cached prefix is only taken at admission"
-            tables = [list(t) for t in computed_blocks]
+            # A state group's "blocks" are the checkpoint to restore: copied, never shared.
+            tables = [[] if g in self._state_groups else list(t) for g, t in enumerate(computed_blocks)]
         elif tables is None:
             tables = [[] for _ in self.windows]
         start = request.num_computed_tokens
@@ -284,6 +357,9 @@ class HybridKVManager(KVManager):
             if g in self._state_groups:
                 if not table:
                     table.extend(self._take(g, self.state_blocks))
+                    if computed_blocks:  # restore the checkpoint: pinned until the copy is handed out
+                        self.pending_copies.extend(zip(computed_blocks[g], table))
+                        self._pinned.extend((g, b) for b in computed_blocks[g])
             elif grow:
                 table.extend(self._take(g, grow))
         self._tables[rid] = tables

@@ -91,6 +91,11 @@ class KVManager(ABC):
             self.prefix_queries += num_tokens
             self.prefix_hits += num_cached
 
+    def chunk_tokens(self, request: Request, num_tokens: int) -> int:
+        """How many of the request's next `num_tokens` to compute this step (a layout may end
+        prefill chunks at block boundaries: core/kv/hybrid.py's state checkpoints)."""
+        return num_tokens
+
     @abstractmethod
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Room for the request's next `num_new_tokens`; all or nothing (False changes nothing)."""

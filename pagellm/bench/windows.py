@@ -1,6 +1,8 @@
-"""The sliding-window rows of `pagellm bench memory`: KV bytes one request holds, and how many
-requests fit a fixed budget, for model shapes with sliding-window layers, with the hybrid KV
-manager (core/kv/hybrid.py, what slid out given back) against full caching of every layer.
+"""The layer-kind rows of `pagellm bench memory`: cache bytes one request holds, and how many
+requests fit a fixed budget, for model shapes with sliding-window or recurrent layers, with the
+hybrid KV manager (core/kv/hybrid.py: what slid out given back, a fixed-size state for recurrent
+layers) against caching every layer as full attention of the same attention shape (what serving
+the model takes without those kinds: the same model with a plain per-head cache).
 
 Each request is prefilled in chunks of `chunk` tokens through the real managers and the KV
 groups planned for the shape (core/kv/groups.py); the bytes of a block id are the K and V of the
@@ -8,10 +10,13 @@ layers one group holds. No model runs: the shapes are configs, the bytes their r
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagellm.core.kv import HybridKVManager, KVCacheManager
-from pagellm.core.kv.groups import plan_kv_groups
+from pagellm.core.kv.groups import STATE, plan_kv_groups
+from pagellm.layers.recurrent import blocks_for_state
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -19,10 +24,17 @@ from pagellm.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class WindowShape:
     name: str
-    layers: list[int | None]  # per layer: its window (None: full attention)
+    layers: list[int | None | str]  # per layer: its window (None: full attention), or STATE (recurrent)
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2  # bfloat16 KV
+    state_bytes: int = 0  # one sequence's state in one recurrent layer (float32)
+
+
+def _gdn_state_bytes(key_heads: int, value_heads: int, dk: int, dv: int, conv: int) -> int:
+    """Gated DeltaNet's state per sequence (layers/gated_delta_net.py): the delta rule's matrix per
+    value head and the convolution's last inputs of q, k and v."""
+    return 4 * (value_heads * dk * dv + (2 * key_heads * dk + value_heads * dv) * (conv - 1))
 
 
 SHAPES = {
@@ -30,6 +42,12 @@ SHAPES = {
     "mistral-like": WindowShape("mistral-like", [4096] * 32, 8, 128),
     # Gemma-3-12B: 48 layers, five of window 1,024 for each full one; 8 KV heads of 256.
     "gemma3-like": WindowShape("gemma3-like", [None if i % 6 == 5 else 1024 for i in range(48)], 8, 256),
+    # gpt-oss-20b: 24 layers alternating a 128-token window and full attention; 8 KV heads of 64.
+    "gpt-oss-like": WindowShape("gpt-oss-like", [128 if i % 2 == 0 else None for i in range(24)], 8, 64),
+    # Qwen3.5 (transformers' default text config): 32 layers, three Gated DeltaNet layers (16 key and 32
+    # value heads of 128, convolution of 4) for each full-attention layer (4 KV heads of 256).
+    "qwen3.5-like": WindowShape("qwen3.5-like", [None if i % 4 == 3 else STATE for i in range(32)], 4, 256,
+                                state_bytes=_gdn_state_bytes(16, 32, 128, 128, 4)),
 }
 
 
@@ -52,8 +70,9 @@ def _manager(shape: WindowShape, hybrid: bool, num_blocks: int, block_size: int,
     plan = plan_kv_groups(shape.layers if hybrid else [None] * len(shape.layers), context + 1)
     bytes_per_block = plan.bytes_per_block(block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes)
     if plan.hybrid:
+        state_blocks = blocks_for_state(shape.state_bytes, bytes_per_block // plan.slots) if plan.has_state else 0
         kv = HybridKVManager(num_blocks, block_size, plan.windows, enable_prefix_caching=False,
-                             max_chunk_tokens=chunk)
+                             max_chunk_tokens=chunk, state_blocks=state_blocks)
     else:
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
     return kv, bytes_per_block, plan
@@ -78,6 +97,7 @@ def window_rows(contexts: tuple[int, ...] = (8192, 32768), budget_bytes: int = 1
                 while _fill(fits_kv, f"r{fit}", context, chunk):
                     fit += 1
                 row[label] = {"groups": list(plan.windows), "bytes_per_block": per_block, "blocks_held": held,
+                              "bytes_per_token": held * per_block / context,
                               "bytes_per_request": held * per_block, "requests_in_budget": fit}
             row["hybrid_share_of_full"] = row["hybrid"]["bytes_per_request"] / row["full"]["bytes_per_request"]
             rows[str(context)] = row
@@ -89,8 +109,10 @@ def window_rows(contexts: tuple[int, ...] = (8192, 32768), budget_bytes: int = 1
     return out
 
 
+
 def print_window_rows(rows: dict) -> None:
-    print(f"\nsliding windows: KV per generating request (bf16, blocks of {rows['block_size']}), and requests that fit "
+    print(f"\nlayer kinds: cache per generating request (bf16 K/V, float32 state, blocks of {rows['block_size']}), "
+          f"and requests that fit "
           f"{rows['budget_bytes'] / (1 << 30):.0f} GiB")
     table = []
     for name, by_context in rows["shapes"].items():
@@ -103,3 +125,59 @@ def print_window_rows(rows: dict) -> None:
     print(report.format_table(["shape", "context", "hybrid", "full caching", "share", "fit (hybrid)",
                                "fit (full)"], table))
     report.print_targets(rows["targets"])
+
+
+# docs/kv-cache.md's table of these rows, drawn from the newest committed layer-kinds JSON.
+PAGE = Path("docs") / "kv-cache.md"
+RESULTS = Path("benchmarks") / "results"
+BEGIN = "<!-- layer-kinds-table: generated by `python -m pagellm.bench.windows` from benchmarks/results/layer-kinds-*.json -->"
+END = "<!-- end layer-kinds-table -->"
+
+
+def render(doc: dict, source: str) -> str:
+    """The markdown table of one layer-kinds result (`source`: its file name)."""
+    gib = doc["budget_bytes"] / (1 << 30)
+    lines = [BEGIN,
+             f"| shape | context | per request, by kind | all layers full attention | share | bytes per token "
+             f"(by kind / full) | requests in {gib:.0f} GiB (by kind / full) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, by_context in doc["shapes"].items():
+        for context, r in by_context.items():
+            h, f = r["hybrid"], r["full"]
+            lines.append(f"| {name} | {int(context):,} | {h['bytes_per_request'] / (1 << 20):,.0f} MiB | "
+                         f"{f['bytes_per_request'] / (1 << 20):,.0f} MiB | {r['hybrid_share_of_full']:.1%} | "
+                         f"{h['bytes_per_token'] / 1024:,.1f} / {f['bytes_per_token'] / 1024:,.1f} KiB | "
+                         f"{h['requests_in_budget']} / {f['requests_in_budget']} |")
+    lines.append(f"\n(`{source}`; bf16 K/V, float32 state, blocks of {doc['block_size']}, prefill in chunks of "
+                 f"{doc['chunk']:,}.)")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def newest(results: Path = RESULTS) -> Path:
+    return sorted(results.glob("layer-kinds-*.json"))[-1]
+
+
+def update_page(page: Path = PAGE, results: Path = RESULTS) -> None:
+    """Rewrite the generated table in `page` from the newest result."""
+    path = newest(results)
+    text = page.read_text()
+    section = text[text.index(BEGIN):text.index(END) + len(END)]
+    page.write_text(text.replace(section, render(json.loads(path.read_text()), path.name)))
+
+
+def main() -> None:
+    """`python -m pagellm.bench.windows`: compute the rows (no model runs: real managers, real
+    sizes), write benchmarks/results/layer-kinds-<date>.json, print them and update the page."""
+    from pagellm.bench import report
+
+    rows = window_rows()
+    print_window_rows(rows)
+    json_path, _ = report.output_paths("layer-kinds", None)
+    report.write_json(json_path, {**report.metadata("layer-kinds"), **rows})
+    update_page()
+    print(f"\nwrote {json_path} and the table in {PAGE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -261,10 +261,12 @@ def test_a_prefix_resumes_from_the_state_checkpoint_at_its_end():
     second = Request("b", [5, 6, 7, 8, 9, 10, 12, 13], SamplingParams())
     blocks, cached = kv.get_computed_blocks(second)
     assert cached == 6 and blocks[1] == kv._checkpoint(1, second.block_hashes[2])
+    assert kv.group_stats()[1]["checkpoints_taken"] == 3
     second.num_computed_tokens = cached
     assert kv.allocate_slots(second, 2, blocks)
     assert not set(kv.group_tables("b")[1]) & set(blocks[1])  # restored into its own blocks
     shadow.run_step(second, 2)  # reads the state of [5 .. 10], as its own
+    assert kv.group_stats()[1]["checkpoints_restored"] == 1
     _check(kv, {"b": second}, shadow)
     # A prompt that ends inside the prefix: the state must be restored where it resumes, one block back.
     third = Request("c", [5, 6, 7, 8, 9], SamplingParams())

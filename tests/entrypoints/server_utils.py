@@ -74,11 +74,12 @@ class RemoteServer:
         return r.json()
 
     def wait_all_blocks_free(self, timeout: float = 30.0) -> dict:
-        """Poll the block map until no request holds a block; returns that state."""
+        """Poll the block map until no request holds a block; returns that state. (A hybrid pool's
+        null block stays held by the manager: used_blocks does not count it.)"""
         deadline = time.monotonic() + timeout
         while True:
             s = self.state()
-            if not s["tables"] and not any(s["ref_cnt"]) and s["stats"]["num_running"] == 0 \
+            if not s["tables"] and s["stats"]["used_blocks"] == 0 and s["stats"]["num_running"] == 0 \
                     and s["stats"]["num_waiting"] == 0:
                 return s
             if time.monotonic() > deadline:

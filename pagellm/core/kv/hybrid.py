@@ -73,7 +73,8 @@ class HybridKVManager(KVManager):
         self.max_chunk_tokens = max_chunk_tokens
         # Checkpoint blocks whose copies are queued (taken or restored): held until take_copies.
         self._pinned: list[tuple[int, int]] = []
-        self.num_checkpoints = 0
+        self.num_checkpoints = 0  # taken
+        self.num_restores = 0  # prefix hits resumed from one
         self.pool = BlockPool(num_blocks)
         (null,) = self.pool.allocate(1)
         assert null == NULL_BLOCK
@@ -136,8 +137,11 @@ class HybridKVManager(KVManager):
         return [c == 0 and h is not None for c, h in zip(self.pool.ref_cnt, self.pool.block_hash)]
 
     def group_stats(self) -> list[dict]:
-        return [{"kind": kind_name(w), "window": None if w == STATE else w, "used_blocks": n}
-                for w, n in zip(self.windows, self._held)]
+        groups = [{"kind": kind_name(w), "window": None if w == STATE else w, "used_blocks": n}
+                  for w, n in zip(self.windows, self._held)]
+        for g in self._state_groups:
+            groups[g].update(checkpoints_taken=self.num_checkpoints, checkpoints_restored=self.num_restores)
+        return groups
 
     def snapshot(self) -> dict:
         """The block map's data, every pool block drawn (the null block among them, held)."""
@@ -358,6 +362,7 @@ class HybridKVManager(KVManager):
                 if not table:
                     table.extend(self._take(g, self.state_blocks))
                     if computed_blocks:  # restore the checkpoint: pinned until the copy is handed out
+                        self.num_restores += g == self._state_groups[0]
                         self.pending_copies.extend(zip(computed_blocks[g], table))
                         self._pinned.extend((g, b) for b in computed_blocks[g])
             elif grow:

@@ -96,6 +96,12 @@ class _EngineCollector(Collector):
             window = "none" if group["window"] is None else str(group["window"])
             groups.add_metric(labels + [str(g), group["kind"], window], group["used_blocks"])
         yield groups
+        state = next((g for g in s.get("kv_groups", []) if g["kind"] == "state"), None)
+        if state is not None:  # recurrent models: prefix caching by state checkpoints (core/kv/hybrid.py)
+            yield family(CounterMetricFamily, "pagellm:state_checkpoints_taken",
+                         "State checkpoints taken at block boundaries of prompts.", state["checkpoints_taken"])
+            yield family(CounterMetricFamily, "pagellm:state_checkpoints_restored",
+                         "Prefix-cache hits resumed from a state checkpoint.", state["checkpoints_restored"])
         yield family(CounterMetricFamily, "pagellm:num_preemptions", "Cumulative number of preemptions.",
                      s.get("num_preemptions", 0))
         yield family(CounterMetricFamily, "pagellm:prefix_cache_queries",

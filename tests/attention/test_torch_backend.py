@@ -200,3 +200,9 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
         assert qk_norm.kernel_args(qkv) is None
     assert TorchAttentionBackend(batch_invariant=True).decode_from_qkv(
         qkv.clone(), h, kvh, rope, *caches_f, meta, options, sinks) is None
+
+
+@pytest.mark.parametrize("field", ["sliding_window", "attention_chunk"])
+def test_window_and_chunk_below_one_are_refused_by_name(field):
+    with pytest.raises(ValueError, match=f"{field} must be at least 1, got 0"):
+        AttentionOptions(0.5, **{field: 0})

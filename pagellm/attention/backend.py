@@ -89,16 +89,35 @@ class AttentionOptions:
     """A layer's attention beyond scaled dot products, as in Hugging Face.
 
     `sliding_window` W: a query at position i sees keys at positions j with i - W < j <= i.
-    `softcap` c: each scaled score s becomes c * tanh(s / c) (Gemma 2)."""
+    `softcap` c: each scaled score s becomes c * tanh(s / c) (Gemma 2).
+    `attention_chunk` C: a query at position i sees keys at positions j <= i of its own chunk,
+    j // C == i // C (Llama 4's chunked layers)."""
 
     scale: float
     sliding_window: int | None = None
     softcap: float | None = None
+    attention_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("sliding_window", "attention_chunk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
 
     @property
     def plain(self) -> bool:
         """Causal attention over the whole context, nothing else."""
-        return self.sliding_window is None and not self.softcap
+        return self.sliding_window is None and not self.softcap and self.attention_chunk is None
+
+    def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """Which keys at positions `kpos` queries at positions `qpos` see (broadcast together):
+        causal, within the window and the chunk where the layer has them."""
+        mask = kpos <= qpos
+        if self.sliding_window is not None:
+            mask = mask & (kpos > qpos - self.sliding_window)
+        if self.attention_chunk is not None:
+            mask = mask & (kpos // self.attention_chunk == qpos // self.attention_chunk)
+        return mask
 
 
 class AttentionBackend(ABC):

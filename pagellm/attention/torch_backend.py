@@ -79,7 +79,8 @@ class TorchAttentionBackend(AttentionBackend):
             token_seq, key_lens = meta.query_token_keys()
             return cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, key_lens, scale,
                                        options.sliding_window if options else None,
-                                       options.softcap if options else None, sinks, token_seq, INVARIANT_RUN, fmt)
+                                       options.softcap if options else None, sinks, token_seq, INVARIANT_RUN, fmt,
+                                       options.attention_chunk if options else None)
         nd = meta.num_decodes
         compiled = nd > 0 and self._use_compiled(q, k_cache)
         if compiled and nd == meta.num_seqs:  # decodes only: the kernel's output is the step's, no copy
@@ -110,7 +111,8 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         return cpu.decode_attention_qkv(qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta.slot_mapping,
                                         meta.block_tables, meta.seq_lens_tensor, options.scale,
-                                        options.sliding_window, options.softcap, sinks, self.kv_format, qk_norm=qk_norm)
+                                        options.sliding_window, options.softcap, sinks, self.kv_format, qk_norm=qk_norm,
+                                        attention_chunk=options.attention_chunk)
 
     @staticmethod
     def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -120,7 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
         nd = q.shape[0]
         return cpu.paged_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale,
                                    options.sliding_window if options else None,
-                                   options.softcap if options else None, sinks, kv_format=kv_format)
+                                   options.softcap if options else None, sinks, kv_format=kv_format,
+                                   attention_chunk=options.attention_chunk if options else None)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,
@@ -141,9 +144,7 @@ class TorchAttentionBackend(AttentionBackend):
         qg = q.view(nd, kvh, h // kvh, d)
         kpos = torch.arange(nb * bs, device=q.device)[None, :]
         lens = meta.seq_lens_tensor[:nd, None]
-        mask = kpos < lens
-        if options is not None and options.sliding_window is not None:
-            mask &= kpos >= lens - options.sliding_window
+        mask = kpos < lens if options is None else options.visible(lens - 1, kpos)
         if (options is not None and options.softcap) or sinks is not None:
             # [B, KVH, G, 1, D] against [B, KVH, 1, L, D]: every query head of a group reads its KV head.
             o = attend(qg.unsqueeze(3), keys.unsqueeze(2), vals.unsqueeze(2), mask[:, None, None, None, :], scale,
@@ -160,18 +161,18 @@ class TorchAttentionBackend(AttentionBackend):
         ql = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
         if options is not None or sinks is not None:
-            # With a window, read from the block holding the first query's first visible key.
-            window = options.sliding_window if options is not None else None
-            first = 0 if window is None or ctx == ql else max(0, ctx - ql - window + 1) // k_cache.shape[1] * \
-                k_cache.shape[1]
+            # With a window or chunks, read from the block holding the first query's first visible key.
+            first = 0
+            if options is not None and ctx != ql:
+                q0, window, chunk = ctx - ql, options.sliding_window, options.attention_chunk
+                first_visible = max(0, q0 - window + 1 if window else 0, q0 // chunk * chunk if chunk else 0)
+                first = first_visible // k_cache.shape[1] * k_cache.shape[1]
             keys = k if ctx == ql else read_kv(gather_kv(k_cache, block_table, ctx, first), kv_format, q.dtype)
             vals = v if ctx == ql else read_kv(gather_kv(v_cache, block_table, ctx, first), kv_format, q.dtype)
             h, kvh = q.shape[1], keys.shape[1]
             qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
             kpos = torch.arange(first, ctx, device=q.device)[None, :]
-            mask = kpos <= qpos
-            if options is not None and options.sliding_window is not None:
-                mask &= kpos > qpos - options.sliding_window
+            mask = kpos <= qpos if options is None else options.visible(qpos, kpos)
             # [KVH, G, ql, D] against [KVH, 1, ctx, D].
             o = attend(q.transpose(0, 1).reshape(kvh, h // kvh, ql, -1), keys.transpose(0, 1).unsqueeze(1),
                        vals.transpose(0, 1).unsqueeze(1), mask, scale, options.softcap if options else None,

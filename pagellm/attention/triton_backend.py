@@ -3,7 +3,7 @@
 Same contract as `TorchAttentionBackend.forward`: store the step's K/V through the slot
 mapping, then attend; decodes (first `num_decodes` rows) go through the split-K decode
 kernel, everything else (fresh prompts, chunks, prompts with a cached prefix) through one
-prefill launch. A layer's options (sliding window, soft-cap) and sinks go into the same
+prefill launch. A layer's options (sliding window, attention chunk, soft-cap) and sinks go into the same
 kernels. The decode path touches only tensors and shapes (the options are per-layer constants,
 the sinks a tensor), so a decode-only step can be captured in a CUDA graph
 (`supports_cuda_graphs`), whatever the layers' options.
@@ -42,6 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         window = options.sliding_window if options is not None else None
+        chunk = options.attention_chunk if options is not None else None
         softcap = (options.softcap or None) if options is not None else None
         fmt = self.kv_format if self.kv_format is not None and self.kv_format.quantized else None
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
@@ -50,12 +51,13 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale,
                          out=out[:nd], num_splits=self.num_splits, config=self.decode_config,
-                         sliding_window=window, softcap=softcap, sinks=sinks, kv_format=fmt)
+                         sliding_window=window, softcap=softcap, sinks=sinks, kv_format=fmt,
+                         attention_chunk=chunk)
         if meta.num_seqs > nd:
             cfg = self.prefill_config or default_prefill_config(q.device, q.shape[-1])
             paged_prefill(q[nd:], k_cache, v_cache, meta.block_tables, self._prefill_tiles(meta, cfg, q.device),
                           scale, out=out[nd:], config=cfg, sliding_window=window, softcap=softcap, sinks=sinks,
-                          kv_format=fmt)
+                          kv_format=fmt, attention_chunk=chunk)
         return out
 
     def _prefill_tiles(self, meta: AttentionMetadata, cfg: KernelConfig, device: torch.device) -> torch.Tensor:

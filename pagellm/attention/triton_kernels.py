@@ -18,11 +18,12 @@ Owns three jobs over the paged KV pool:
   put them (still in L2).
 
 Both attention kernels also take a layer's options, as in Hugging Face: a sliding window W (a
-query at position i sees keys i - W < j <= i), a logit soft-cap c (each scaled score s becomes
+query at position i sees keys i - W < j <= i), an attention chunk C (Llama 4: it sees keys j <= i
+with j // C == i // C), a logit soft-cap c (each scaled score s becomes
 c * tanh(s / c)) and sinks (one logit per query head that joins each softmax's denominator and
-attends to nothing, gpt-oss). Each comes with a constexpr flag (HAS_WINDOW, HAS_SOFTCAP,
-HAS_SINKS), so a plain layer compiles to exactly the plain kernel. With a window, decode and
-prefill skip the tiles wholly before it. In split-K decode the sink joins the softmax once, in
+attends to nothing, gpt-oss). Each comes with a constexpr flag (HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+HAS_SINKS), so a plain layer compiles to exactly the plain kernel. With a window or a chunk, decode
+and prefill skip the tiles wholly before the first visible key. In split-K decode the sink joins the softmax once, in
 `_combine_kernel` (or at the end of the decode kernel when there is a single split).
 
 Every cache is [num_blocks, block_size, num_kv_heads, head_dim] (the backend's default
@@ -261,7 +262,7 @@ def _attend_tile(q, k, v, k_scale, v_scale, keep, m_i, l_i, acc, qk_scale, softc
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
-    qk_scale, softcap, sliding_window, num_splits, block_size,
+    qk_scale, softcap, sliding_window, attention_chunk, num_splits, block_size,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
@@ -270,7 +271,7 @@ def _decode_kernel(
     stride_ls, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -281,11 +282,15 @@ def _decode_kernel(
     # captured with many splits (sized for the longest context) still spreads a short sequence
     # over all of them instead of leaving it on the first. Empty splits (seq_len 0 for padded
     # graph rows, or fewer tiles than splits) run no iteration and report lse = -inf.
-    if HAS_WINDOW:
+    if HAS_WINDOW or HAS_CHUNK:
         # The query (position seq_len - 1) sees keys from win_start on: the tiles are laid from
-        # the tile holding win_start, so none wholly before the window is read, and every tile
-        # read still holds a visible key (win_start itself, or positions after it).
-        win_start = tl.maximum(seq_len - sliding_window, 0)
+        # the tile holding win_start, so none wholly before the window (or its chunk) is read, and
+        # every tile read still holds a visible key (win_start itself, or positions after it).
+        win_start = seq_len * 0
+        if HAS_WINDOW:
+            win_start = tl.maximum(seq_len - sliding_window, 0)
+        if HAS_CHUNK:
+            win_start = tl.maximum(win_start, tl.maximum(seq_len - 1, 0) // attention_chunk * attention_chunk)
         first = (win_start // BLOCK_N) * BLOCK_N
         tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
         lo = first + split * tiles_per_split * BLOCK_N
@@ -315,7 +320,7 @@ def _decode_kernel(
         k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, block_size,
                                                stride_cb, stride_cs, kvh * stride_ch, HEAD_DIM, QUANT)
         keep = valid
-        if HAS_WINDOW:
+        if HAS_WINDOW or HAS_CHUNK:
             keep = keep & (pos >= win_start)
         m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, keep[None, :], m_i, l_i, acc, qk_scale, softcap,
                                      PRECISION, HAS_SOFTCAP, False, QUANT)
@@ -444,16 +449,19 @@ class _Options:
     qk_scale: float
     softcap: float
     sliding_window: int
+    attention_chunk: int
     sinks: torch.Tensor | None
     flags: dict
 
 
 def _kernel_options(scale: float, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
-                    num_heads: int) -> _Options:
+                    num_heads: int, attention_chunk: int | None = None) -> _Options:
     """Scores become c * tanh(scale * q.k / c) in log2 units as (q.k * qk_scale) -> tanh ->
     * softcap: so with a cap, qk_scale = scale / c and softcap = c * log2(e) (see _attend_tile)."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if attention_chunk is not None and attention_chunk < 1:
+        raise ValueError(f"attention_chunk must be at least 1, got {attention_chunk}")
     if sinks is not None:
         if tuple(sinks.shape) != (num_heads,):
             raise ValueError(f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
@@ -462,8 +470,9 @@ def _kernel_options(scale: float, sliding_window: int | None, softcap: float | N
         qk_scale, cap = scale / softcap, softcap * _LOG2E
     else:
         qk_scale, cap = scale * _LOG2E, 0.0
-    return _Options(qk_scale, cap, sliding_window or 0, sinks,
-                    {"HAS_WINDOW": sliding_window is not None, "HAS_SOFTCAP": bool(softcap),
+    return _Options(qk_scale, cap, sliding_window or 0, attention_chunk or 0, sinks,
+                    {"HAS_WINDOW": sliding_window is not None, "HAS_CHUNK": attention_chunk is not None,
+                     "HAS_SOFTCAP": bool(softcap),
                      "HAS_SINKS": sinks is not None})
 
 
@@ -471,13 +480,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  num_splits: int | None = None, config: KernelConfig | None = None, *,
                  sliding_window: int | None = None, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None, kv_format: KVFormat | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, kv_format: KVFormat | None = None,
+                 attention_chunk: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [B, H, D]; block_tables: [B, W]; seq_lens: [B] (context length including the token just
     stored; 0 gives a zero output). `num_splits` None picks from the shapes. Writes `out`
     [B, H, D] (may be a strided view) and returns it. No host synchronisation: capturable, with
-    or without options. `sliding_window` (None: the whole context), `softcap` (None or 0: none)
+    or without options. `sliding_window` and `attention_chunk` (None: the whole context), `softcap` (None or 0: none)
     and `sinks` ([H] natural-log logits, any float dtype) as in `AttentionOptions`. `kv_format`:
     an 8-bit format for uint8 caches (None: the caches hold values).
     """
@@ -496,7 +506,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_splits = choose_num_splits(b, kvh, block_tables.shape[1] * block_size, _num_sms(q.device))
     group = h // kvh
     dim_pad = dot_pad(d)
-    opts = _kernel_options(scale, sliding_window, softcap, sinks, h)
+    opts = _kernel_options(scale, sliding_window, softcap, sinks, h, attention_chunk)
     sinks_arg = out if opts.sinks is None else opts.sinks  # an unused placeholder without sinks
     direct = num_splits == 1
     if direct:
@@ -510,7 +520,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _decode_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse, sinks_arg,
-        opts.qk_scale, opts.softcap, opts.sliding_window, num_splits, block_size,
+        opts.qk_scale, opts.softcap, opts.sliding_window, opts.attention_chunk, num_splits, block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -544,14 +554,14 @@ _TILE_FIELDS = 5
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, out_ptr, sinks_ptr,
-    qk_scale, softcap, sliding_window, block_size,
+    qk_scale, softcap, sliding_window, attention_chunk, block_size,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr,
 ):
     tile = tiles_ptr + tl.program_id(0) * 5  # _TILE_FIELDS
@@ -585,6 +595,9 @@ def _prefill_kernel(
     if HAS_WINDOW:
         # Nor before the first row's window: start at the tile holding its first visible key.
         lo = (tl.maximum(prefix + m_start - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
+    if HAS_CHUNK:
+        # Nor before the first row's chunk.
+        lo = tl.maximum(lo, ((prefix + m_start) // attention_chunk * attention_chunk // BLOCK_N) * BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
         valid = pos < hi
@@ -593,10 +606,12 @@ def _prefill_kernel(
         keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             keep = keep & (pos[None, :] > q_pos[:, None] - sliding_window)
-        # Without a window every row sees position 0 in the first tile, so the running max is
-        # finite from then on; with one, a later row may see nothing in the first tiles.
+        if HAS_CHUNK:
+            keep = keep & (pos[None, :] // attention_chunk == q_pos[:, None] // attention_chunk)
+        # Without a window or chunks every row sees position 0 in the first tile, so the running
+        # max is finite from then on; with them, a later row may see nothing in the first tiles.
         m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, keep, m_i, l_i, acc, qk_scale, softcap,
-                                     PRECISION, HAS_SOFTCAP, HAS_WINDOW, QUANT)
+                                     PRECISION, HAS_SOFTCAP, HAS_WINDOW or HAS_CHUNK, QUANT)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if HAS_SINKS:
@@ -629,7 +644,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   tiles: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                   config: KernelConfig | None = None, *, sliding_window: int | None = None,
                   softcap: float | None = None, sinks: torch.Tensor | None = None,
-                  kv_format: KVFormat | None = None) -> torch.Tensor:
+                  kv_format: KVFormat | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """Causal attention of the prefill tokens q [T, H, D] over their paged contexts.
 
     `tiles` comes from `prefill_tiles` with the same `config.block_m`; every query token's K/V
@@ -647,10 +662,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_tiles == 0:
         return out
     cfg = config or default_prefill_config(q.device, d)
-    opts = _kernel_options(scale, sliding_window, softcap, sinks, h)
+    opts = _kernel_options(scale, sliding_window, softcap, sinks, h, attention_chunk)
     _prefill_kernel[(num_tiles, h)](
         q, k_cache, v_cache, block_tables, tiles, out, out if opts.sinks is None else opts.sinks,
-        opts.qk_scale, opts.softcap, opts.sliding_window, k_cache.shape[1],
+        opts.qk_scale, opts.softcap, opts.sliding_window, opts.attention_chunk, k_cache.shape[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),

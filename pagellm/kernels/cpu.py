@@ -134,18 +134,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
                     token_seq: torch.Tensor | None = None, fixed_run: int = 0,
-                    kv_format: KVFormat | None = None) -> torch.Tensor:
+                    kv_format: KVFormat | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """q: [B, H, D] on the CPU, B query tokens; a float32 or bfloat16 cache, or an 8-bit one of
     `kv_format` (kv_format.py). Returns [B, H, D] in q's dtype.
 
     Query b reads the first `seq_lens[b]` keys of block-table row `token_seq[b]` (None: row b, one
     decode token per sequence). The arithmetic is float32 either way: a bfloat16 cache is widened
     as it is read, 8-bit codes are widened and scaled by their row's scale. With a sliding window
-    W only the last W keys are read; `softcap` caps each score (Gemma 2); `sinks` [H] join each head's softmax denominator (gpt-oss). `fixed_run` > 0
+    W only the last W keys are read; with `attention_chunk` C only the keys of the query's own chunk
+    of C positions (Llama 4); `softcap` caps each score (Gemma 2); `sinks` [H] join each head's softmax
+    denominator (gpt-oss). `fixed_run` > 0
     splits long contexts at fixed positions (batch-invariant mode); 0 splits by the batch's load.
     """
     out = _load().paged_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
-                                  softcap or 0.0, sinks, token_seq, fixed_run,
+                                  attention_chunk or 0, softcap or 0.0, sinks, token_seq, fixed_run,
                                   kernel_code(kv_format))
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
@@ -165,17 +167,20 @@ def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                          seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                          softcap: float | None = None, sinks: torch.Tensor | None = None,
                          kv_format: KVFormat | None = None,
-                         qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor:
+                         qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
+                         attention_chunk: int | None = None) -> torch.Tensor:
     """A decode step's attention for one layer, from its fused projection qkv [T, (H + 2 KVH) * D]
     (T decode tokens, one per block-table row): q and k normalized in place where `qk_norm` =
     (q weight, k weight, eps, per_head) is given (rms_norm's roundings; per head, weights [D], or
     over all heads, weights [H * D] and [KVH * D]), rotary_embedding_ of q and k in place with
-    rope = (cos, sin) [T, D] (None: no rotation), store_kv, then paged_attention, in one call.
+    rope = (cos, sin) [T, D] (None: no rotation), store_kv, then paged_attention (with its window,
+    chunk, soft-cap and sinks), in one call.
     Returns [T, H * D] in qkv's dtype."""
     cos, sin = rope if rope is not None else (None, None)
     q_norm, k_norm, eps, per_head = qk_norm if qk_norm is not None else (None, None, 0.0, False)
     return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
-                                        block_tables, seq_lens, scale, sliding_window or 0, softcap or 0.0, sinks,
+                                        block_tables, seq_lens, scale, sliding_window or 0, attention_chunk or 0,
+                                        softcap or 0.0, sinks,
                                         kernel_code(kv_format), q_norm, k_norm, eps, per_head)
 
 

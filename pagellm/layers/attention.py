@@ -23,7 +23,8 @@ class Attention(HotModule):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
                  scale: float | None = None, sliding_window: int | None = None,
-                 softcap: float | None = None, sinks: bool = False, tp: TensorParallelGroup | None = None) -> None:
+                 softcap: float | None = None, sinks: bool = False, tp: TensorParallelGroup | None = None,
+                 attention_chunk: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
@@ -33,7 +34,8 @@ class Attention(HotModule):
             self.sinks.weight_loader = self._load_sinks
             rank, size = rank_and_size(tp)
             self._first_head, self._all_heads = rank * num_heads, size * num_heads
-        self.options = AttentionOptions(scale if scale is not None else head_dim ** -0.5, sliding_window, softcap)
+        self.options = AttentionOptions(scale if scale is not None else head_dim ** -0.5, sliding_window, softcap,
+                                        attention_chunk)
         # The KV group whose block tables this layer reads (set by the model runner, core/kv/groups.py).
         self.kv_group = 0
 
@@ -47,7 +49,8 @@ class Attention(HotModule):
                     qk_norm: QKNorm | None = None) -> torch.Tensor:
         """qkv: [T, (H + 2 KVH) * D], the fused projection; rope: (cos, sin) for q and k, or
         (cos, sin, scale) where the rotated queries are then multiplied by a factor per token
-        (RotaryEmbedding.scale_queries), or None; qk_norm: the family's q/k norms, applied before
+        (RotaryEmbedding.scale_queries; cos and sin None: scaled, not rotated, rotary.QueryScale), or
+        None; qk_norm: the family's q/k norms, applied before
         RoPE. -> [T, H * D]. The backend's fused decode path where it has one, else split,
         normalize, rotate, forward."""
         # The fused kernels rotate q and k alike: scaled queries take the split path.
@@ -69,7 +72,7 @@ class Attention(HotModule):
         q, k = q.view(-1, h, d), k.view(-1, kvh, d)
         if qk_norm is not None and qk_norm.per_head:
             q, k = qk_norm.q(q), qk_norm.k(k)
-        if rope is not None:
+        if rope is not None and rope[0] is not None:
             q, k = rotate_qk(q, k, rope[0], rope[1])
         if query_scale is not None:
             q = q * query_scale[:, None, None]  # after the rotation, as the reference scales them

@@ -34,12 +34,14 @@ INTERLEAVED_EXPERT_TENSORS = {
 
 class FusedMoE(HotModule):
     """`act`: a `hidden_act` name or an activation object (layers/activation.py); `bias`: every
-    expert's gate/up and down projections add a bias (gpt-oss)."""
+    expert's gate/up and down projections add a bias (gpt-oss); `scale_inputs`: a token's routing
+    weight multiplies what goes into the expert instead of what comes out (Llama 4)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: Activation,
-                 tp: TensorParallelGroup | None = None, bias: bool = False) -> None:
+                 tp: TensorParallelGroup | None = None, bias: bool = False, scale_inputs: bool = False) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.act = num_experts, top_k, act
+        self.scale_inputs = scale_inputs
         self.tp = tp
         self.rank, size = rank_and_size(tp)
         self.inter = divide(intermediate_size, size, "moe_intermediate_size")  # this rank's
@@ -101,6 +103,8 @@ class FusedMoE(HotModule):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         routed = x[tokens]
         scale = weights.reshape(-1)[order]
+        if self.scale_inputs:
+            routed = routed * scale[:, None]
         out = torch.zeros_like(x)
         start = 0
         b13 = self.w13_bias
@@ -111,7 +115,9 @@ class FusedMoE(HotModule):
                 continue
             rows = slice(start, start + n)
             h = act_and_mul(F.linear(routed[rows], self.w13[e], None if b13 is None else b13[e]), self.act)
-            y = F.linear(h, self.w2[e], None if b2 is None else b2[e]) * scale[rows, None]
+            y = F.linear(h, self.w2[e], None if b2 is None else b2[e])
+            if not self.scale_inputs:
+                y = y * scale[rows, None]
             out.index_add_(0, tokens[rows], y.to(out.dtype))
             start += n
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -106,6 +106,27 @@ def llama4_query_scale(max_positions: int, beta: float, floor_scale: int) -> tor
         return 1 + beta * torch.log(1 + torch.floor(positions / floor_scale))
 
 
+def llama4_attention_temperature(max_positions: int, attn_scale: float, floor_scale: int) -> torch.Tensor:
+    """Llama 4's attention temperature tuning on its NoPE layers (attn_temperature_tuning): the
+    factor 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)) for every position, with the
+    reference's float32 operations in its order."""
+    with torch.device("cpu"):
+        positions = torch.arange(max_positions).float()
+        return torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+class QueryScale(torch.nn.Module):
+    """A query scale per position for layers that do not rotate (Llama 4's NoPE layers): it
+    travels where a rotary table would, as (None, None, factors) (see Attention.forward_qkv)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("query_scale", scale.to(torch.get_default_device()), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[None, None, torch.Tensor]:
+        return None, None, self.query_scale[positions].to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] rotated in the rotate-half layout (the reference formula)."""
     half = x.shape[-1] // 2

@@ -23,12 +23,14 @@ class LlamaAttention(HotModule):
     """`qk_norm`: "head" normalizes q and k per head (Qwen3, Gemma 3), "full" over all heads
     at once (OLMo 2); `rope_name` None: this layer has no rotary embedding (SmolLM3); `sinks`:
     a learned sink logit per head (gpt-oss, layers/attention.py); `output_gate`: q_proj also
-    yields a gate per head, and the output is multiplied by its sigmoid before o_proj (Qwen3.5)."""
+    yields a gate per head, and the output is multiplied by its sigmoid before o_proj (Qwen3.5);
+    `attention_chunk`: queries see their own chunk of that many positions only (Llama 4)."""
 
     def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend, tp: TensorParallelGroup | None,
                  *, qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
                  norm_eps: float | None = None, scale: float | None = None, softcap: float | None = None,
-                 unit_offset_norm: bool = False, sinks: bool = False, output_gate: bool = False) -> None:
+                 unit_offset_norm: bool = False, sinks: bool = False, output_gate: bool = False,
+                 attention_chunk: int | None = None) -> None:
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_attention_heads, arch.num_key_value_heads,
@@ -51,7 +53,8 @@ class LlamaAttention(HotModule):
         if qk_norm is not None:
             self.qk_norm = QKNorm(self.q_norm, self.k_norm, per_head=qk_norm == "head")
         self.attn = Attention(heads.num_heads, heads.num_kv_heads, d, backend, scale=scale,
-                              sliding_window=sliding_window(arch.hf, layer), softcap=softcap, sinks=sinks, tp=tp)
+                              sliding_window=sliding_window(arch.hf, layer), softcap=softcap, sinks=sinks, tp=tp,
+                              attention_chunk=attention_chunk)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:

@@ -32,14 +32,14 @@ def compile_kernel(fn, pointers: dict[str, str], scalars: dict[str, str], conste
 
 
 # The per-layer attention options: none (the plain kernels), and all of them at once.
-OPTIONS = [dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False),
-           dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True)]
+OPTIONS = [dict(HAS_WINDOW=False, HAS_CHUNK=False, HAS_SOFTCAP=False, HAS_SINKS=False),
+           dict(HAS_WINDOW=True, HAS_CHUNK=True, HAS_SOFTCAP=True, HAS_SINKS=True)]
 OPTION_SCALARS = {"qk_scale": "fp32", "softcap": "fp32"}
 PLAIN = dict(QUANT=0, QMAX=0.0)  # caches that hold values (not 8-bit codes)
 
 
 def _opts_name(opts: dict) -> str:
-    return "" if not any(opts.values()) else " window softcap sinks"
+    return "" if not any(opts.values()) else " window chunk softcap sinks"
 
 
 def cases(full: bool):

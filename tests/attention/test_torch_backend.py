@@ -11,9 +11,9 @@ from pagellm.kv_format import resolve_kv_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 
 
-def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
+def naive(q, k, v, scale, window=None, softcap=None, sinks=None, chunk=None):
     """q: [ql, H, D] for the last ql positions of a context whose K/V are k, v: [ctx, KVH, D];
-    a query at position i sees keys j with i - window < j <= i; scores capped as
+    a query at position i sees keys j with i - window < j <= i, and with j // chunk == i // chunk; scores capped as
     softcap * tanh(s / softcap); sinks: [H] extra logits in each softmax's denominator."""
     ql, h, _ = q.shape
     ctx, kvh, _ = k.shape
@@ -27,6 +27,8 @@ def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
     hidden = kpos > qpos
     if window:
         hidden |= kpos <= qpos - window
+    if chunk:
+        hidden |= kpos // chunk != qpos // chunk
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks[:, None, None].expand(h, ql, 1)], dim=-1)
@@ -38,7 +40,7 @@ def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("d", [8, 64])  # 64: the compiled kernel's unrolled path; 8: its generic one
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "chunk"])
 def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
     run_mixed_batch(block_size, heads, compiled, d, variant, None)
 
@@ -47,7 +49,7 @@ def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
 @pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled-decode"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("d", [8, 64, 128])
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "chunk"])
 def test_stored_formats_match_naive_on_what_the_cache_holds(block_size, compiled, d, variant, kv_cache_dtype):
     """8-bit (and bfloat16) caches: every path, prompts included, attends to the values the cache
     holds (kv_format.py), so the reference is exact attention over K/V rounded through
@@ -101,9 +103,10 @@ def run_mixed_batch(block_size, heads, compiled, d, variant, fmt):
     window = 5 if variant == "window" else None
     softcap = 0.7 if variant == "softcap" else None
     sinks = torch.randn(h) if variant == "sinks" else None
-    options = AttentionOptions(scale, window, softcap)
+    chunk = 6 if variant == "chunk" else None  # contexts up to 40: chunk starts inside blocks and at their edges
+    options = AttentionOptions(scale, window, softcap, chunk)
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale, options, sinks)
-    expected = torch.cat([naive(q, read(k), read(v), scale, window, softcap, sinks)
+    expected = torch.cat([naive(q, read(k), read(v), scale, window, softcap, sinks, chunk)
                           for q, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # Every new token's K/V landed in its slot.
@@ -115,7 +118,8 @@ def run_mixed_batch(block_size, heads, compiled, d, variant, fmt):
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float32, None), (torch.float32, "int8"),
                                                   (torch.bfloat16, None)], ids=["f32", "f32-int8kv", "bf16"])
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "no-rope", "qk-norm-head", "qk-norm-full"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "chunk", "no-rope", "qk-norm-head",
+                                     "qk-norm-full"])
 def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
     """The fused decode path (normalize, rotate, store and attend from the q/k/v projection in one
     call) gives the bits the split path gives: the q/k norms (per head as Qwen3, over all heads as
@@ -134,7 +138,8 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
     slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_lens=[1] * len(lens), seq_lens=lens,
                              seq_lens_tensor=torch.tensor(lens), num_decodes=len(lens), block_size=bs)
-    options = AttentionOptions(d ** -0.5, 6 if variant == "window" else None, 0.7 if variant == "softcap" else None)
+    options = AttentionOptions(d ** -0.5, 6 if variant == "window" else None, 0.7 if variant == "softcap" else None,
+                               8 if variant == "chunk" else None)
     sinks = torch.randn(h) if variant == "sinks" else None
     rope = None
     if variant != "no-rope":
@@ -195,3 +200,9 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
         assert qk_norm.kernel_args(qkv) is None
     assert TorchAttentionBackend(batch_invariant=True).decode_from_qkv(
         qkv.clone(), h, kvh, rope, *caches_f, meta, options, sinks) is None
+
+
+@pytest.mark.parametrize("field", ["sliding_window", "attention_chunk"])
+def test_window_and_chunk_below_one_are_refused_by_name(field):
+    with pytest.raises(ValueError, match=f"{field} must be at least 1, got 0"):
+        AttentionOptions(0.5, **{field: 0})

@@ -34,9 +34,9 @@ TOL = {torch.float32: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=2e-2
 
 
 def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+          softcap: float | None = None, sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """q: [ql, H, D], the last ql positions of a context with K/V k, v: [ctx, KVH, D]; fp64, causal.
-    A query at position i sees keys j with i - window < j <= i; scores capped as
+    A query at position i sees keys j with i - window < j <= i and j // chunk == i // chunk; scores capped as
     softcap * tanh(s / softcap); sinks: [H] extra logits in each softmax's denominator."""
     ql, h, _ = q.shape
     ctx, kvh, _ = k.shape
@@ -49,6 +49,8 @@ def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, windo
     hidden = kpos > qpos
     if window:
         hidden |= kpos <= qpos - window
+    if chunk:
+        hidden |= kpos // chunk != qpos // chunk
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.double()[:, None, None].expand(h, ql, 1)], dim=-1)
@@ -258,20 +260,24 @@ def test_odd_head_dims_and_wide_gqa_groups(heads, head_dim):
 # ---- per-layer options: sliding window, soft-cap, sinks -------------------------------------------
 def layer_options(variant: str, heads: int, window: int) -> dict:
     """Keyword options of `naive` and the kernels for one variant; sinks seeded, O(1) like the scores."""
-    w = window if variant in ("window", "all") else None
+    w = window if variant in ("window", "all", "window+chunk") else None
+    # Chunks start inside 4-slot blocks and key tiles; beside a window, each of the two is the
+    # tighter limit for some query.
+    chunk = {"chunk": 6, "window+chunk": 5}.get(variant)
     cap = 0.7 if variant in ("softcap", "all") else None  # below the scores' spread: the cap bites
     sinks = (torch.randn(heads, generator=torch.Generator().manual_seed(heads)).to(DEVICE)
              if variant in ("sinks", "all") else None)
-    return {"window": w, "softcap": cap, "sinks": sinks}
+    return {"window": w, "softcap": cap, "sinks": sinks, "chunk": chunk}
 
 
 def kernel_kwargs(opts: dict) -> dict:
-    return {"sliding_window": opts["window"], "softcap": opts["softcap"], "sinks": opts["sinks"]}
+    return {"sliding_window": opts["window"], "softcap": opts["softcap"], "sinks": opts["sinks"],
+            "attention_chunk": opts["chunk"]}
 
 
 def assert_options_matter(got: torch.Tensor, scale: float, b: Batch, opts: dict) -> None:
     """The case could fail: each option changes the answer (a window shorter than the context)."""
-    for name in ("window", "softcap", "sinks"):
+    for name in ("window", "softcap", "sinks", "chunk"):
         if opts[name] is not None:
             without = b.expected(scale, **{**opts, name: None})
             assert (got.double() - without).abs().max() > 1e-2, f"{name} changes nothing in this case"
@@ -279,7 +285,8 @@ def assert_options_matter(got: torch.Tensor, scale: float, b: Batch, opts: dict)
 
 # One split: sinks join in the decode kernel; three: in the combine, and the window's tiles are split.
 @pytest.mark.parametrize("variant,window,num_splits", [("window", 6, 3), ("softcap", None, 1), ("sinks", None, 1),
-                                                       ("sinks", None, 3), ("all", 20, 1), ("all", 20, 3)])
+                                                       ("sinks", None, 3), ("all", 20, 1), ("all", 20, 3),
+                                                       ("chunk", None, 1), ("chunk", None, 3), ("window+chunk", 3, 3)])
 def test_decode_with_options_matches_naive(variant, window, num_splits):
     """Contexts shorter and longer than the window (6: the tiles before it skipped; 20: its start
     inside a tile, the split across tiles), and a padded graph row (seq_len 0), which gives zeros."""
@@ -299,7 +306,8 @@ def test_decode_with_options_matches_naive(variant, window, num_splits):
         assert_options_matter(out[:-1], scale, b, opts)
 
 
-@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 20)])
+@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 20),
+                                            ("chunk", None), ("window+chunk", 4)])
 def test_prefill_with_options_matches_naive(variant, window):
     """A fresh prompt, a chunk on earlier chunks, a cached prefix, and a 40-token chunk over three
     query tiles. Window 5 is shorter than a key tile (16 here), so a tile's later rows see nothing
@@ -329,7 +337,7 @@ def run_both_backends(variant: str, window: int | None, head_dim: int = 16, kv_f
     heads, block_size = (8, 2), 4
     scale = head_dim ** -0.5
     opts = layer_options(variant, heads[0], window)
-    options = AttentionOptions(scale, opts["window"], opts["softcap"])
+    options = AttentionOptions(scale, opts["window"], opts["softcap"], opts["chunk"])
     outs, caches = {}, {}
     for name, backend in (("torch", TorchAttentionBackend(compiled_decode=False)),
                           ("triton", TritonAttentionBackend(num_splits=2))):
@@ -347,7 +355,8 @@ def run_both_backends(variant: str, window: int | None, head_dim: int = 16, kv_f
     return outs, caches, b, opts, scale
 
 
-@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 9)])
+@pytest.mark.parametrize("variant,window", [("window", 5), ("softcap", None), ("sinks", None), ("all", 9),
+                                            ("chunk", None)])
 def test_backend_with_options_matches_torch_backend_on_mixed_batch(variant, window):
     """The Triton backend serves window, soft-cap and sink layers itself, as the torch reference does."""
     outs, caches, b, opts, scale = run_both_backends(variant, window)
@@ -363,6 +372,8 @@ def test_option_arguments_are_checked():
     seq_lens = torch.tensor(b.seq_lens, device=DEVICE)
     with pytest.raises(ValueError, match="sliding_window"):
         paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, seq_lens, 0.25, sliding_window=0)
+    with pytest.raises(ValueError, match="attention_chunk"):
+        paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, seq_lens, 0.25, attention_chunk=0)
     with pytest.raises(ValueError, match="sinks"):
         paged_decode(b.q, b.k_cache, b.v_cache, b.block_tables, seq_lens, 0.25, sinks=torch.zeros(2, device=DEVICE))
 

@@ -89,6 +89,14 @@ FAMILIES = {
                      swiglu_limit=1.5, pad_token_id=0,
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    # A chunked RoPE layer (chunks of 8, shorter than the prompts) with q/k L2 norms and a dense
+    # MLP, then a global NoPE layer whose queries scale up every 4 positions, with 4 experts
+    # (top-1, sigmoid router) beside a shared expert.
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(head_dim=16, attention_chunk_size=8, no_rope_layer_interval=2, interleave_moe_layer_step=2,
+                    num_local_experts=4, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=128,
+                    attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, pad_token_id=0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 

@@ -408,7 +408,7 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 template <typename T>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, const int64_t* token_seq,
-                                   double scale, int64_t window, double softcap, const float* sinks,
+                                   double scale, int64_t window, int64_t chunk, double softcap, const float* sinks,
                                    int64_t fixed_run) {
   q = q.contiguous();
   block_tables = block_tables.to(torch::kLong).contiguous();
@@ -426,7 +426,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   // A sliding window of W: the query at position len - 1 reads keys len - W .. len - 1 only.
-  auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, sl[b] - window) : int64_t{0}; };
+  // Chunked attention of C (Llama 4): it reads its own chunk's keys, from (len - 1) / C * C on.
+  auto first_key = [&](int64_t b) {
+    const int64_t from_window = window > 0 ? std::max<int64_t>(0, sl[b] - window) : int64_t{0};
+    return chunk > 0 ? std::max(from_window, (sl[b] - 1) / chunk * chunk) : from_window;
+  };
 
   // Runs of whole blocks, sized so that every thread gets several.
   int64_t total = 0;
@@ -491,14 +495,15 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   return out;
 }
 
-// window: keys in the last `window` positions only (0: all); softcap: scores capped as
+// window: keys in the last `window` positions only (0: all); chunk: keys in the query's own chunk of
+// `chunk` positions only (0: all; Llama 4's chunked attention); softcap: scores capped as
 // softcap * tanh(score / softcap) (0: none); sinks: None, or [H] float32 logits, one per query
 // head, that join each softmax's denominator and attend to nothing (gpt-oss). kv_format: 0 for
 // a float32 or bfloat16 cache (its dtype says which), or the 8-bit format of a uint8 cache of
 // [num_blocks, block_size, KVH, D + 2] rows: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                              double softcap, c10::optional<torch::Tensor> sinks,
+                              int64_t chunk, double softcap, c10::optional<torch::Tensor> sinks,
                               c10::optional<torch::Tensor> token_seq, int64_t fixed_run, int64_t kv_format) {
   check_cpu_dtype(q, "q", torch::kFloat);
   const auto kv = k_cache.scalar_type();
@@ -530,22 +535,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   }
   switch (kv_format) {
     case kKvInt8:
-      return paged_attention_impl<I8>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
-                                      fixed_run);
+      return paged_attention_impl<I8>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk,
+                                      softcap, sp, fixed_run);
     case kKvE4M3:
-      return paged_attention_impl<E4M3>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
-                                        fixed_run);
+      return paged_attention_impl<E4M3>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk,
+                                        softcap, sp, fixed_run);
     case kKvE5M2:
-      return paged_attention_impl<E5M2>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
-                                        fixed_run);
+      return paged_attention_impl<E5M2>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk,
+                                        softcap, sp, fixed_run);
     default:
       break;
   }
   if (kv == torch::kBFloat16)
-    return paged_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
-                                          fixed_run);
-  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, softcap, sp,
-                                     fixed_run);
+    return paged_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk,
+                                          softcap, sp, fixed_run);
+  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk,
+                                     softcap, sp, fixed_run);
 }
 
 // Encoding one K/V row into 8-bit codes and its float16 scale, as KVFormat.encode does in torch
@@ -900,8 +905,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor h, torch:
 torch::Tensor decode_attention_qkv(torch::Tensor qkv, int64_t H, int64_t KVH, c10::optional<torch::Tensor> cos,
                                    c10::optional<torch::Tensor> sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                                   double scale, int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
-                                   int64_t kv_format, c10::optional<torch::Tensor> q_norm,
+                                   double scale, int64_t window, int64_t chunk, double softcap,
+                                   c10::optional<torch::Tensor> sinks, int64_t kv_format,
+                                   c10::optional<torch::Tensor> q_norm,
                                    c10::optional<torch::Tensor> k_norm, double norm_eps, bool norm_per_head) {
   check_float_cpu(qkv, "qkv");
   TORCH_CHECK(H > 0 && KVH > 0 && qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) % (H + 2 * KVH) == 0,
@@ -943,7 +949,8 @@ torch::Tensor decode_attention_qkv(torch::Tensor qkv, int64_t H, int64_t KVH, c1
   if (cos.has_value()) rotary_embedding_(q, k, *cos, *sin);
   store_kv(k, v, k_cache, v_cache, slots, kv_format);
   auto out = paged_attention(q.to(torch::kFloat), k_cache, v_cache, block_tables.narrow(0, 0, T),
-                             seq_lens.narrow(0, 0, T), scale, window, softcap, sinks, c10::nullopt, 0, kv_format);
+                             seq_lens.narrow(0, 0, T), scale, window, chunk, softcap, sinks, c10::nullopt, 0,
+                             kv_format);
   return out.view({T, H * D}).to(qkv.scalar_type());
 }
 

@@ -151,6 +151,21 @@ class SparseMoeBlock(HotModule):
         return self.experts(x, weights.to(x.dtype), experts)
 
 
+class GatedSharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts plus one shared expert every token goes through, its output scaled by the
+    sigmoid of its own one-output gate (Qwen2-MoE, Qwen3.5-MoE). Checkpoint names: `gate`,
+    `experts`, `shared_expert`, `shared_expert_gate`."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: Activation,
+                 renormalize: bool, shared_expert: nn.Module, tp: TensorParallelGroup | None = None) -> None:
+        super().__init__(num_experts, top_k, hidden_size, intermediate_size, act, renormalize, tp)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
 def route_expert_weight(name: str) -> tuple[str, tuple] | None:
     """A checkpoint name of experts' matrices -> (the stacked parameter, its part), or None.
     One expert per tensor: `...experts.<e>.<w1|w3|w2|gate_proj|up_proj|down_proj>.weight`; all

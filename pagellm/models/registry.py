@@ -40,6 +40,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "ministral3", "Ministral3ForCausalLM", ("Ministral3ForCausalLM",), ("mistral3",),
            ("ministral3",)),
     Family("qwen3_5", "qwen3_5", "Qwen3_5ForCausalLM", ("Qwen3_5ForCausalLM",), (), ("qwen3_5_text",)),
+    Family("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", ("Qwen3_5MoeForCausalLM",), (),
+           ("qwen3_5_moe_text",), moe=True),
     Family("granite_moe_hybrid", "granite_moe_hybrid", "GraniteMoeHybridForCausalLM",
            ("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
     Family("lfm2", "lfm2", "Lfm2ForCausalLM", ("Lfm2ForCausalLM",), (), ("lfm2",)),

@@ -65,6 +65,13 @@ FAMILIES = {
                                                                     "linear_attention"],
                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                      linear_value_head_dim=16, linear_conv_kernel_dim=4, pad_token_id=0)),
+    # Qwen3.5's layers with 8 experts (top-2) and a gated shared expert in every layer.
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(head_dim=16, num_hidden_layers=3, layer_types=["full_attention", "linear_attention",
+                                                                        "linear_attention"],
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=48, pad_token_id=0)),
     # Granite 4 hybrid: Mamba-2 layers (2 groups) around an attention layer without rotary
     # embeddings, 4 experts (top-2) beside the shared MLP, Granite's multipliers.
     "granite_moe_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",

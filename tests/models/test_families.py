@@ -24,8 +24,10 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     path = str(build(request.param, tmp_path_factory.mktemp(request.param)))
+    # Experts multiplied one by one ("eager"): transformers' grouped products take no float64.
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=REFERENCE_DTYPE.get(request.param, torch.float32),
-                                                           attn_implementation="eager").eval()
+                                                           attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
     prompts = _prompts(3, [1, 6, 19, 37])
     shared = _prompts(4, [21])[0]  # a prefix two prompts share (prefix caching)
     prompts += [shared + [5, 6, 7], shared + [8]]
@@ -36,7 +38,7 @@ def family(request, tmp_path_factory):
 # The reference in float64 where transformers' own float32 rounding is not far enough below the
 # tolerance: on the Qwen3.5 test model its float32 logprobs differ from float64's by up to 7.5e-5
 # (the delta rule's chunked solve), while the engine's, in float32, stay within 4e-5 of float64's.
-REFERENCE_DTYPE = {"qwen3_5": torch.float64}
+REFERENCE_DTYPE = {"qwen3_5": torch.float64, "qwen3_5_moe": torch.float64}
 
 # Phi-3's LongRoPE uses its short factors for sequences within the original context (64 here)
 # and its long ones beyond; an engine fixes the choice by its max_model_len, so these tests,
@@ -48,7 +50,7 @@ ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 # layers give back what slid out (and a block of a group holds only that group's layers), so they
 # need a smaller pool to be preempted.
 CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "olmo3": 20, "gemma2": 20, "gemma3": 20, "ministral3": 20, "gpt_oss": 20,
-                 "lfm2": 14, "qwen3_5": 12, "granite_moe_hybrid": 12}
+                 "lfm2": 14, "qwen3_5": 12, "qwen3_5_moe": 12, "granite_moe_hybrid": 12}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
 

@@ -11,6 +11,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.kernels import cpu
 from pagellm.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.rotary import get_rope
@@ -37,8 +38,9 @@ def reference(cfg: DeepseekV3Config, seed: int = 0) -> DeepseekV3Attention:
     return module
 
 
-def build(cfg: DeepseekV3Config, ref: DeepseekV3Attention, tp: TensorParallelGroup | None = None):
-    layer = MultiHeadLatentAttention(64, 4, cfg.q_lora_rank, 32, 16, 8, 16, TorchAttentionBackend(),
+def build(cfg: DeepseekV3Config, ref: DeepseekV3Attention, tp: TensorParallelGroup | None = None,
+          backend: TorchAttentionBackend | None = None):
+    layer = MultiHeadLatentAttention(64, 4, cfg.q_lora_rank, 32, 16, 8, 16, backend or TorchAttentionBackend(),
                                      mla_softmax_scale(cfg.rope_parameters, 24), tp=tp)
     _Holder(layer).load_weights((f"model.layer.{n}", p.detach()) for n, p in ref.named_parameters())
     return layer
@@ -80,10 +82,16 @@ class Pool:
         return list(out.split([x.shape[0] for _, x, _ in work]))
 
 
-def make(q_lora_rank: int | None = 48):
+def make(q_lora_rank: int | None = 48, backend: TorchAttentionBackend | None = None):
     cfg = config(q_lora_rank)
     ref = reference(cfg)
-    return cfg, ref, build(cfg, ref)
+    return cfg, ref, build(cfg, ref, backend=backend)
+
+
+# The torch reference; the compiled kernel reading the rows in place for decodes; the kernel for
+# every token at fixed runs (batch-invariant mode).
+BACKENDS = {"torch": dict(compiled_decode=False), "compiled": dict(compiled_decode=True),
+            "invariant": dict(batch_invariant=True)}
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -105,10 +113,14 @@ def test_prompts_batched_equal_each_alone(q_lora_rank):
     close(c_kv, layer.kv_a_layernorm(layer.kv_a_proj_with_mqa(xs[2])[:, :32]))
 
 
-def test_chunks_then_decodes_beside_a_prefill():
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_chunks_then_decodes_beside_a_prefill(backend, monkeypatch):
     """Sequence 0 in chunks of 7 then one token a step; sequence 1 decodes beside it; sequence 2
     arrives mid-way as a prefill in the same steps as the decodes."""
-    cfg, ref, layer = make()
+    calls = []
+    kernel = cpu.paged_attention
+    monkeypatch.setattr(cpu, "paged_attention", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    cfg, ref, layer = make(backend=TorchAttentionBackend(**BACKENDS[backend]))
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(n, 64, generator=g) for n in (25, 12, 9)]
     want = [ref_out(cfg, ref, x) for x in xs]
@@ -127,6 +139,10 @@ def test_chunks_then_decodes_beside_a_prefill():
         got[0] += pool.step([(0, xs[0][p:p + 1], p)])
     for i in range(3):
         close(torch.cat(got[i]), want[i])
+    if backend == "torch" or not cpu.available():
+        assert calls == []
+    else:  # decodes alone (1 token), beside prefills (1), or every token of each step
+        assert calls == ([8, 8, 8, 8, 10, 1, 1, 1, 1] if backend == "invariant" else [1, 1, 1, 1, 1, 1, 1, 1])
 
 
 def test_two_ranks_sum_to_one():

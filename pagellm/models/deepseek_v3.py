@@ -51,14 +51,21 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             return super().make_mlp(layer, tp)
         return DeepseekV3MoE(self.hf, self.act, tp)
 
+    @property
+    def num_kv_heads(self) -> int:
+        return 1  # one latent row per token and layer, read by every head
+
     def kv_cache_rows(self) -> tuple[int, int, int]:
-        # One latent row per token, every rank the whole row (it does not depend on the head).
+        # Every rank caches the whole row (it does not depend on the head).
         return 1, self.hf.kv_lora_rank + self.hf.qk_rope_head_dim, 0
 
     def checkpoint_name(self, name: str) -> str | None:
         parts = name.split(".")
         if name.startswith("model.layers.") and int(parts[2]) >= self.cfg.num_hidden_layers:
             return None  # the multi-token-prediction layers (num_nextn_predict_layers) after the stack
+        if name.endswith("weight_scale_inv"):
+            raise ValueError(f"{self.cfg.model_name}: weight {name!r} is an FP8 block scale: DeepSeek-V3's FP8 "
+                             "checkpoints are not read yet; serve one converted to bfloat16")
         name = super().checkpoint_name(name)
         return None if name is None else name.replace(".mlp.gate.e_score_correction_bias",
                                                       ".mlp.e_score_correction_bias")

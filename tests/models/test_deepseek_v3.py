@@ -55,11 +55,15 @@ def test_moe_equals_transformers(norm_topk_prob):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_pool_holds_one_latent_row_per_token_per_layer(tmp_path):
+def test_pool_holds_one_latent_row_per_token_per_layer_and_fp8_checkpoints_are_refused(tmp_path):
     llm = LLM(str(build("deepseek_v3", tmp_path / "ds")), num_kv_blocks=8, block_size=4)
     runner = llm.engine.runner
     k, v = runner.kv_caches[0]
     assert tuple(k.shape) == (8, 4, 1, 32 + 8) and v.numel() == 0  # kv_lora_rank + qk_rope_head_dim
     assert runner.bytes_per_block(4) == 2 * 4 * 40 * 4  # 2 layers, 4 tokens, 40 float32s
+    [report] = llm.engine.memory_report()
+    assert report["kv_cache_bytes"] == 8 * runner.bytes_per_block(4) and report["num_kv_heads"] == 1
+    with pytest.raises(ValueError, match="q_a_proj.weight_scale_inv' is an FP8 block scale"):
+        runner.model.load_weights([("model.layers.0.self_attn.q_a_proj.weight_scale_inv", torch.ones(1))])
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not read by latent attention"):
         LLM(str(tmp_path / "ds"), num_kv_blocks=8, kv_cache_dtype="int8")

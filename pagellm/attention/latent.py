@@ -57,8 +57,10 @@ def prefill_latent(q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, met
     for i in range(meta.num_decodes, meta.num_seqs):
         ql, ctx = meta.query_lens[i], meta.seq_lens[i]
         end = start + ql
-        if ctx == ql:
-            keys = rows[start:end].to(q.dtype)
+        if ctx == ql and cache.dtype == q.dtype:
+            keys = rows[start:end]
+        elif ctx == ql:  # a narrower cache: prompts attend to their rows as the cache holds them
+            keys = cache.flatten(0, 2)[meta.slot_mapping[start:end]].to(q.dtype)
         else:
             keys = cache[meta.block_tables[i, :-(-ctx // bs)]].flatten(0, 2)[:ctx].to(q.dtype)
         s = torch.matmul(q[start:end].transpose(0, 1), keys.T) * scale  # [H, ql, ctx]

@@ -168,3 +168,13 @@ class AttentionBackend(ABC):
         or None where this backend has no such path for these inputs (the caller then splits qkv and
         calls forward). A fused path must give what the split one gives."""
         return None
+
+    def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, v_dim: int) -> torch.Tensor:
+        """Multi-head latent attention (layers/mla.py): store this step's latent rows [T, R] in
+        cache [blocks, block_size, 1, R], then attend with absorbed queries q [T, H, R], each row
+        the key of every head and its first `v_dim` features the value -> [T, H, v_dim]. The torch
+        reference (attention/latent.py) unless a backend has its own."""
+        from pagellm.attention.latent import latent_attention
+
+        return latent_attention(q, rows, cache, meta, scale, v_dim)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention import latent
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.kv_format import KVFormat
 from pagellm.kernels import cpu
@@ -113,6 +114,29 @@ class TorchAttentionBackend(AttentionBackend):
                                         meta.block_tables, meta.seq_lens_tensor, options.scale,
                                         options.sliding_window, options.softcap, sinks, self.kv_format, qk_norm=qk_norm,
                                         attention_chunk=options.attention_chunk)
+
+    def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, v_dim: int) -> torch.Tensor:
+        """Decodes through the compiled kernel, reading the latent rows in place: a latent row is
+        one KV head whose value is its own first v_dim features, so the kernel gets the cache as
+        both K and V and its output's last R - v_dim features (the rows' rotary part) are dropped.
+        Batch-invariant mode sends every token that way; prefills otherwise go through torch."""
+        if not self._use_compiled(q, cache) or (meta.num_decodes == 0 and not self.batch_invariant):
+            return super().forward_latent(q, rows, cache, meta, scale, v_dim)
+        latent.write_rows(rows, cache, meta.slot_mapping)
+        if self.batch_invariant:
+            token_seq, key_lens = meta.query_token_keys()
+            return cpu.paged_attention(q, cache, cache, meta.block_tables, key_lens, scale, token_seq=token_seq,
+                                       fixed_run=INVARIANT_RUN, kv_format=self.kv_format)[..., :v_dim]
+        nd = meta.num_decodes
+        decoded = cpu.paged_attention(q[:nd], cache, cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale,
+                                      kv_format=self.kv_format)[..., :v_dim]
+        if nd == meta.num_seqs:
+            return decoded
+        out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+        out[:nd] = decoded
+        latent.prefill_latent(q, rows, cache, meta, scale, out)
+        return out
 
     @staticmethod
     def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

@@ -21,6 +21,9 @@ class Attention(HotModule):
     (gpt-oss's `self_attn.sinks`, [num_attention_heads] in the checkpoint) that joins each of
     that head's softmax denominators and attends to nothing; a rank of `tp` loads its own heads'."""
 
+    # Caches one latent row per token in K and nothing in V (layers/mla.py's LatentAttention).
+    latent = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
                  scale: float | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, sinks: bool = False, tp: TensorParallelGroup | None = None,

@@ -128,19 +128,35 @@ class SparseMoeBlock(HotModule):
     are taken from it; `renormalize`: those weights are rescaled to sum to 1 (Mixtral always;
     Qwen3-MoE when norm_topk_prob). `softmax_after_topk`: the top-k router logits are taken
     first and the softmax runs over them alone (gpt-oss). `bias`: the router and the experts
-    have biases (gpt-oss)."""
+    have biases (gpt-oss).
+
+    DeepSeek-V3's router (`sigmoid`): each expert scores sigmoid(logit); experts are chosen by
+    score + `e_score_correction_bias` (a loaded parameter) but weighted by the score alone; with
+    `groups` (n_group, topk_group) only the topk_group groups whose two best choice scores sum
+    highest are eligible; the weights are renormalized (+ 1e-20) when `renormalize`, then
+    multiplied by `routed_scaling_factor`."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: Activation,
                  renormalize: bool, tp: TensorParallelGroup | None = None, *, softmax_after_topk: bool = False,
-                 bias: bool = False) -> None:
+                 bias: bool = False, sigmoid: bool = False, groups: tuple[int, int] | None = None,
+                 routed_scaling_factor: float = 1.0) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, act, tp, bias)
         self.top_k, self.renormalize, self.softmax_after_topk = top_k, renormalize, softmax_after_topk
+        self.sigmoid, self.routed_scaling_factor = sigmoid, routed_scaling_factor
+        self.e_score_correction_bias = None
+        if sigmoid:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        if groups is not None and num_experts % groups[0]:
+            raise ValueError(f"n_group={groups[0]} does not divide the {num_experts} experts")
+        self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.softmax_after_topk:
+        if self.sigmoid:
+            weights, experts = self._sigmoid_route(logits)
+        elif self.softmax_after_topk:
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             weights = F.softmax(top, dim=-1, dtype=torch.float32)
         else:
@@ -149,6 +165,21 @@ class SparseMoeBlock(HotModule):
             if self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, weights.to(x.dtype), experts)
+
+    def _sigmoid_route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.float().sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.groups is not None:
+            n_group, topk_group = self.groups
+            grouped = choice.view(-1, n_group, choice.shape[-1] // n_group)
+            best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), topk_group, dim=-1)[1]
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
 
 
 class GatedSharedExpertMoeBlock(SparseMoeBlock):

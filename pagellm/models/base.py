@@ -66,6 +66,11 @@ class CausalLM(nn.Module):
         """KV heads this rank caches per layer."""
         return self.heads.num_kv_heads
 
+    def kv_cache_rows(self) -> tuple[int, int, int]:
+        """(heads, K row features, V row features) of one token in one layer's cache on this rank.
+        Latent attention (layers/mla.py) overrides it: one head, one row, no V."""
+        return self.num_kv_heads, self.cfg.head_dim, self.cfg.head_dim
+
     def set_ropes(self, ropes: dict[str, RotaryEmbedding]) -> None:
         self.ropes = ropes
         for name, rope in ropes.items():

@@ -50,6 +50,8 @@ FAMILIES: tuple[Family, ...] = (
            ("qwen3_moe",), moe=True),
     Family("gpt_oss", "gpt_oss", "GptOssForCausalLM", ("GptOssForCausalLM",), (), ("gpt_oss",), moe=True),
     Family("llama4", "llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM",), (), ("llama4_text",), moe=True),
+    Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), (), ("deepseek_v3",),
+           moe=True),
 )
 
 HF_ARCHITECTURES = {a: f for f in FAMILIES for a in f.hf_architectures}

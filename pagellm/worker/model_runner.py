@@ -143,6 +143,10 @@ class ModelRunner:
         self.recurrent = [m for m in layers if isinstance(m, RecurrentMixer)]
         if self.recurrent and not sliding_kv:
             raise ValueError(f"{arch.architecture} has recurrent layers: their state needs KV groups (sliding_kv)")
+        if self.kv_format.quantized and any(getattr(m, "latent", False) for m in layers):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not read by latent attention layers "
+                             f"({arch.architecture}: their rows are read whole by every head, unscaled); use "
+                             f"kv_cache_dtype 'auto'")
         windows = [STATE if isinstance(m, RecurrentMixer) else m.options.sliding_window if sliding_kv else None
                    for m in layers]
         self.kv_groups = plan_kv_groups(windows, max_model_len)
@@ -173,8 +177,12 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block id: `kv_groups.slots` layers (all of them with one group)."""
-        return self.kv_groups.bytes_per_block(block_size, self.model.num_kv_heads,
-                                              self.kv_format.bytes_per_row(self.arch.head_dim))
+        heads, k_row, v_row = self.model.kv_cache_rows()
+        if k_row == v_row:
+            return self.kv_groups.bytes_per_block(block_size, heads, self.kv_format.bytes_per_row(k_row))
+        # A latent layer's one row in K and none in V (layers/mla.py; 8-bit formats refused for it).
+        row_bytes = self.kv_format.bytes_per_row(k_row) + (self.kv_format.bytes_per_row(v_row) if v_row else 0)
+        return self.kv_groups.slots * block_size * heads * row_bytes
 
     def state_blocks(self, block_size: int) -> int:
         """Blocks of one recurrent group that hold a sequence's state (its largest layer's); 0
@@ -199,19 +207,18 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the pool, after checking the machine has the memory (the kernel's OOM killer
         would end the process without a word)."""
-        a = self.arch
         need, free = num_blocks * self.bytes_per_block(block_size), free_memory_bytes(self.device)
         if need > free:
             gib = 1 << 30
             raise ValueError(f"the KV cache needs {need / gib:.2f} GiB ({num_blocks} blocks of "
                              f"{self.bytes_per_block(block_size)} bytes) but {self.device} has {free / gib:.2f} GiB "
                              f"available; lower kv_cache_memory (e.g. 0.5 of free memory) or num_kv_blocks")
-        shape = self.backend.kv_cache_shape(num_blocks, block_size, self.model.num_kv_heads, a.head_dim)
+        heads, k_row, v_row = self.model.kv_cache_rows()
+        shapes = [self.backend.kv_cache_shape(num_blocks, block_size, heads, row) for row in (k_row, v_row)]
         # Zeroed, not empty: attention reads padding slots (and the KV manager's null block) under a
         # mask, and 0 * NaN is NaN. One pair per slot, shared by one layer of each KV group.
         self._kv_slots = [
-            (torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device))
+            tuple(torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device) for shape in shapes)
             for _ in range(self.kv_groups.slots)
         ]
         self.kv_caches = [self._kv_slots[slot] for slot in self.kv_groups.layer_slot]
@@ -263,10 +270,11 @@ class ModelRunner:
             self.cuda_graphs.capture()
 
     def _plain_attention(self) -> bool:
-        """No layer needs more than causal attention (no window, soft-cap or sinks). The Triton
+        """No layer needs more than causal attention (no window, soft-cap, sinks or latent rows,
+        whose torch decode reads the step's lengths as Python ints). The Triton
         kernels take those options, but capturing them in a graph has not run on a GPU yet, so
         such models decode eagerly until it has."""
-        return not self.recurrent and all(m.options.plain and m.sinks is None
+        return not self.recurrent and all(m.options.plain and m.sinks is None and not m.latent
                                           for m in self.model.modules() if isinstance(m, Attention))
 
     def attach_timer(self, timer: PhaseTimer | None) -> None:

@@ -104,6 +104,17 @@ FAMILIES = {
                     num_local_experts=4, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=128,
                     attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, pad_token_id=0,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Multi-head latent attention (q_lora_rank 48; layers/test_mla.py covers None), YaRN with
+    # mscale != mscale_all_dim; a dense layer, then a MoE layer of 4 experts in 2 groups (top-2 from
+    # the best group), a shared expert, correction biases drawn in build.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                         topk_group=1, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, pad_token_id=0,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                          "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707})),
 }
 
 
@@ -123,6 +134,9 @@ def build(family: str, path: Path, seed: int = 0, **changes) -> Path:
                 # gpt-oss's sink logits: transformers draws them at initializer_range; at std 2 a
                 # head's sink takes a visible share of its softmax, more so over few keys.
                 p.normal_(0.0, 2.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router: zeros at init
+                b.normal_(0.0, 0.3)
         if family.startswith("gemma"):
             # Gemma multiplies embeddings by sqrt(hidden_size) (8 here) and ties its head: at std
             # 0.3 the token's own embedding would swamp the residual stream and the model would

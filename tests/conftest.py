@@ -53,7 +53,7 @@ INIT_STD = 0.3
 def _save(model, path: Path) -> Path:
     assert_sees_context(model)
     model.save_pretrained(path, safe_serialization=True)
-    write_byte_tokenizer(path, model.config.vocab_size, CHAT_TEMPLATE)
+    write_byte_tokenizer(path, model.config.get_text_config().vocab_size, CHAT_TEMPLATE)
     return path
 
 
@@ -61,7 +61,7 @@ def assert_sees_context(model, n: int = 24) -> None:
     """The model's greedy text must vary, and must change when an early prompt token changes or
     when the same tokens sit at other positions: a test model blind to either cannot tell a
     correct engine from one with a position or attention bug."""
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(3, vocab) for _ in range(12)]
     out = hf_greedy(model, prompt, n)

@@ -2,11 +2,14 @@
 
 transformers reads config.json (so its defaults are the reference's); this module finds the
 family, the stop tokens and the weight files, and owns the rule that pickled weights are never opened.
+An image-text checkpoint (models.registry.MULTIMODAL) is read as its text model: its text_config,
+its language model's weights renamed as the text family names them, nothing else read.
 """
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -15,8 +18,9 @@ import torch
 from safetensors import safe_open
 
 from pagellm.models.arch import ModelArchConfig, arch_from_hf
-from pagellm.models.registry import family_for_hf
+from pagellm.models.registry import Multimodal, family_for_hf, multimodal_for_hf
 
+logger = logging.getLogger(__name__)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -29,7 +33,16 @@ def read_hf_config(model_dir: str) -> ModelArchConfig:
     config_path = os.path.join(model_dir, "config.json")
     raw = _read_json(config_path)
     family = family_for_hf(raw, config_path)
-    hf = _transformers_config(model_dir, config_path, raw, family.model_types[0])
+    config = _transformers_config(model_dir, config_path, raw, family.model_types[0])
+    hf = config.get_text_config()
+    multimodal = multimodal_for_hf(raw)
+    if multimodal is not None:
+        logger.info("%s: serving the %s text model of this %s; its image inputs are not served",
+                    model_dir, family.name, raw["architectures"][0])
+        if not multimodal.tie_from_text:
+            hf.tie_word_embeddings = config.tie_word_embeddings
+        # Token ids may be in either config (Gemma 3 and Mistral 3 keep them in the text one).
+        raw = {**raw.get("text_config", {}), **{k: v for k, v in raw.items() if v is not None}}
     return arch_from_hf(hf, family.name, bos_token_id=raw.get("bos_token_id"),
                         eos_token_ids=_eos_ids(raw, model_dir), model_name=model_dir)
 
@@ -39,27 +52,32 @@ def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type
 
     try:
         if "model_type" in raw:
-            config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        else:  # older hand-written configs name only the architecture; the family says the type
-            config = AutoConfig.for_model(model_type, **raw)
+            return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        # Older hand-written configs name only the architecture; the family says the type.
+        return AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise ValueError(f"{config_path}: transformers cannot read this config: {exc}") from None
-    return config.get_text_config()
 
 
 def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` from the directory's safetensors files, one tensor at a time, as stored.
+    """Yield `(name, tensor)` from the directory's safetensors files, one tensor at a time, as stored
+    (an image-text checkpoint's text weights alone, named as its text family names them; the
+    others are never read, nor the shards that hold only them).
 
     The weight files are found before this returns, so a directory without usable weights fails here.
     """
-    return _tensors(_safetensors_files(model_dir))
+    config_path = os.path.join(model_dir, "config.json")
+    multimodal = multimodal_for_hf(_read_json(config_path)) if os.path.isfile(config_path) else None
+    return _tensors(_safetensors_files(model_dir, multimodal), multimodal)
 
 
-def _tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(files: list[str], multimodal: Multimodal | None) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+            for stored in handle.keys():
+                name = stored if multimodal is None else multimodal.text_name(stored)
+                if name is not None:
+                    yield name, handle.get_tensor(stored)
 
 
 def _read_json(path: str) -> dict:
@@ -89,10 +107,12 @@ def _eos_ids(cfg: dict, model_dir: str) -> list[int]:
     return ids
 
 
-def _safetensors_files(model_dir: str) -> list[str]:
+def _safetensors_files(model_dir: str, multimodal: Multimodal | None = None) -> list[str]:
     index_path = os.path.join(model_dir, _INDEX_FILE)
     if os.path.isfile(index_path):
         weight_map: dict[str, Any] = _read_json(index_path).get("weight_map") or {}
+        if multimodal is not None:
+            weight_map = {k: v for k, v in weight_map.items() if multimodal.text_name(k) is not None}
         root = os.path.realpath(model_dir)
         files = []
         for shard in dict.fromkeys(weight_map.values()):  # unique, in first-use order

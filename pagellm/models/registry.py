@@ -1,5 +1,6 @@
 """The one list of supported model families. Both loaders, the error for an unknown
-architecture and the README's models table read it."""
+architecture and the README's models table read it. Beside it, the image-text checkpoints
+whose text model is served as one of these families."""
 from __future__ import annotations
 
 import importlib
@@ -54,15 +55,59 @@ FAMILIES: tuple[Family, ...] = (
            moe=True),
 )
 
+
+@dataclass(frozen=True)
+class Multimodal:
+    """An image-text checkpoint served as its text model alone (the family its text_config's
+    model_type names): its image inputs are not served and its vision weights are never read."""
+    # (checkpoint prefix, the text family's): a weight under none of them is not the text model's.
+    text_prefixes: tuple[tuple[str, str], ...]
+    # Whose tie_word_embeddings transformers obeys: the outer config's, or (Llama 4, whose text
+    # model is a model of its own) the text config's.
+    tie_from_text: bool = False
+
+    def text_name(self, name: str) -> str | None:
+        """The text family's name of checkpoint tensor `name`; None for another modality's."""
+        for prefix, text in self.text_prefixes:
+            if name.startswith(prefix):
+                return text + name[len(prefix):]
+        return None
+
+
+# transformers saves Gemma 3, Mistral 3 and Llama 4 in the layout their original checkpoints
+# have (language_model.model.*, language_model.lm_head) and reads the newer one too.
+_SAVED = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_NEWER = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+MULTIMODAL: dict[str, Multimodal] = {
+    "Qwen3_5ForConditionalGeneration": Multimodal(_NEWER),
+    "Gemma3ForConditionalGeneration": Multimodal(_SAVED + _NEWER),
+    "Mistral3ForConditionalGeneration": Multimodal(_SAVED + _NEWER),  # a ministral3 or a mistral text model
+    "Llama4ForConditionalGeneration": Multimodal(_SAVED, tie_from_text=True),
+}
+
 HF_ARCHITECTURES = {a: f for f in FAMILIES for a in f.hf_architectures}
 GGUF_ARCHITECTURES = {(a, f.moe, f.gguf_sliding): f for f in FAMILIES for a in f.gguf_architectures}
 _BY_NAME = {f.name: f for f in FAMILIES}
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
 
-def family_for_hf(config: dict, where: str) -> Family:
-    """The family of a config.json's contents; ValueError naming what is supported."""
+def multimodal_for_hf(config: dict) -> Multimodal | None:
+    """The image-text checkpoint a config.json's contents describe; None for a text model."""
     names = config.get("architectures") or []
+    return MULTIMODAL.get(names[0]) if names else None
+
+
+def family_for_hf(config: dict, where: str) -> Family:
+    """The family of a config.json's contents (of its text model, for an image-text
+    checkpoint); ValueError naming what is supported."""
+    names = config.get("architectures") or []
+    if names and names[0] in MULTIMODAL:
+        text_type = (config.get("text_config") or {}).get("model_type")
+        family = _BY_MODEL_TYPE.get(text_type)
+        if family is None:
+            raise ValueError(f"{where}: {names[0]} is served as its text model, but its text_config's model_type "
+                             f"{text_type!r} is not a supported family (supported: {', '.join(_BY_MODEL_TYPE)})")
+        return family
     # A config saved from a config object alone lists no architectures; model_type still says which.
     if names:
         family = HF_ARCHITECTURES.get(names[0])
@@ -71,7 +116,7 @@ def family_for_hf(config: dict, where: str) -> Family:
     if family is None:
         shown = names[0] if names else config.get("model_type")
         raise ValueError(f"{where}: architecture {shown!r} is not supported "
-                         f"(supported: {', '.join(HF_ARCHITECTURES)})")
+                         f"(supported: {', '.join([*HF_ARCHITECTURES, *MULTIMODAL])})")
     return family
 
 

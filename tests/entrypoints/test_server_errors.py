@@ -124,6 +124,15 @@ def test_invalid_chat_params(server, fields, param):
     assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
 
 
+def test_image_content_part_is_refused(server):
+    """The text model of an image-text checkpoint is served alone: an image part is refused by name."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {"model": NAME, "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]}
+    assert_error(post(server, "/v1/chat/completions", body), 400, param="messages",
+                 contains=("'image_url'", "messages[0].content[1]", "not served"))
+
+
 def test_malformed_json(server):
     r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "hi",', timeout=30,
                    headers={**server.headers(), "Content-Type": "application/json"})

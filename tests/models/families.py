@@ -118,12 +118,55 @@ FAMILIES = {
 }
 
 
+# Image-text checkpoints: name -> (config class, model class, text family, vision config, outer
+# config fields). The text model is the family's test model; the vision tower is as small as its
+# class allows. Whose tie_word_embeddings counts differs: the outer ones here but Gemma 3's
+# disagree with their text config's (False), so a loader that reads the wrong one fails. (Gemma 3's
+# test model, tied, echoes itself: see _perturb.)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+               patch_size=4)
+MULTIMODAL = {
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5",
+                   dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64,
+                        num_position_embeddings=16), dict(tie_word_embeddings=True)),
+    "gemma3_vl": ("Gemma3Config", "Gemma3ForConditionalGeneration", "gemma3", _VISION,
+                  dict(tie_word_embeddings=False, mm_tokens_per_image=4)),
+    "mistral3_vl": ("Mistral3Config", "Mistral3ForConditionalGeneration", "ministral3", {**_VISION, "head_dim": 16},
+                    dict(tie_word_embeddings=True)),
+    # Mistral Small 3.1's text model is a plain Mistral one.
+    "mistral3_mistral_vl": ("Mistral3Config", "Mistral3ForConditionalGeneration", "mistral",
+                            {**_VISION, "head_dim": 16}, dict(tie_word_embeddings=True)),
+    "llama4_vl": ("Llama4Config", "Llama4ForConditionalGeneration", "llama4",
+                  {**_VISION, "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64},
+                  dict(tie_word_embeddings=True)),
+}
+
+
 def build(family: str, path: Path, seed: int = 0, **changes) -> Path:
     """Family `family`'s test model saved in `path`; `changes`: config fields to set besides."""
     config_cls, model_cls, overrides = FAMILIES[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**{**COMMON, **overrides, **changes})
     model = getattr(transformers, model_cls)(cfg).eval()
+    _perturb(model, family)
+    return _save(model, path)
+
+
+def build_multimodal(name: str, path: Path, seed: int = 0) -> Path:
+    """Image-text checkpoint `name` of MULTIMODAL, its text model the family's test model, saved in `path`."""
+    config_cls, model_cls, family, vision, outer = MULTIMODAL[name]
+    text_cls, _, overrides = FAMILIES[family]
+    torch.manual_seed(seed)
+    text = getattr(transformers, text_cls)(**{**COMMON, **overrides})
+    cfg = getattr(transformers, config_cls)(text_config=text.to_dict(), vision_config=vision,
+                                            **{"initializer_range": INIT_STD, **outer})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    _perturb(model, family)
+    return _save(model, path)
+
+
+def _perturb(model: torch.nn.Module, family: str) -> None:
+    hidden_size = model.config.get_text_config().hidden_size
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # transformers starts norms at the identity (1, or 0 for Gemma's 1 + w)
@@ -141,5 +184,4 @@ def build(family: str, path: Path, seed: int = 0, **changes) -> Path:
             # Gemma multiplies embeddings by sqrt(hidden_size) (8 here) and ties its head: at std
             # 0.3 the token's own embedding would swamp the residual stream and the model would
             # echo its input. Scaled back, the blocks' outputs (normalized to ~1) carry the context.
-            model.model.embed_tokens.weight.div_(cfg.hidden_size ** 0.5)
-    return _save(model, path)
+            model.get_input_embeddings().weight.div_(hidden_size ** 0.5)

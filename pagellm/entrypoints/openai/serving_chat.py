@@ -88,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         return message, finish_reason
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, **kwargs) -> list[int]:
-        conversation = [self.message_dict(m) for m in messages]
+        conversation = [self.message_dict(m, i) for i, m in enumerate(messages)]
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
@@ -99,13 +99,15 @@ class OpenAIServingChat(OpenAIServing):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod
-    def message_dict(m: ChatMessage) -> dict:
+    def message_dict(m: ChatMessage, index: int = -1) -> dict:
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             parts = []
-            for p in m.content:
+            for j, p in enumerate(m.content):
                 if p.type != "text" or p.text is None:
-                    raise bad_request(f"only text content parts are supported, got type {p.type!r}",
+                    # The text model of an image-text checkpoint is served alone (models.registry.MULTIMODAL).
+                    raise bad_request(f"messages[{index}].content[{j}]: only text content parts are supported "
+                                      f"(image and audio inputs are not served), got type {p.type!r}",
                                       param="messages")
                 parts.append(p.text)
             d["content"] = "\n".join(parts)

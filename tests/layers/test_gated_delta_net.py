@@ -10,16 +10,13 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 from pagellm.layers.parallel import TensorParallelGroup
-from tests.layers.recurrent_checks import fresh_state, load, reference, run_ranks, step
+from tests.layers.recurrent_checks import (check_batched_decodes, check_chunks_then_decodes, close, fresh_state,
+                                          load, reference, run_ranks, seqs, step)
 
-ATOL = 1e-4
 CONFIG = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
                            layer_types=["linear_attention"])
 
-
-def close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +39,6 @@ def layer(ref) -> GatedDeltaNet:
     return load(GatedDeltaNet(CONFIG), ref)
 
 
-def seqs(*lens: int, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, 64, generator=g) for n in lens]
-
 
 def test_batched_sequences_equal_each_alone_and_leave_its_states(ref, layer):
     xs = seqs(1, 7, 150)  # 150: three chunks of 64, the last one part-filled
@@ -59,31 +52,11 @@ def test_batched_sequences_equal_each_alone_and_leave_its_states(ref, layer):
 
 
 def test_prompt_in_chunks_then_decodes_equals_the_whole_sequence(ref, layer):
-    (x,) = seqs(155, seed=2)
-    expected = reference(ref, CONFIG, x)[0]
-    state = fresh_state(layer, 1)
-    outs, start = [], 0
-    for n in (10, 64, 76) + (1,) * 5:
-        outs += step(layer, [x[start:start + n]], state)
-        start += n
-    close(torch.cat(outs), expected)
-    # The context matters: the last tokens alone give something else.
-    alone = step(layer, [x[-20:]], fresh_state(layer, 1))[0]
-    assert (alone[-5:] - expected[-5:]).abs().max() > 0.05
+    check_chunks_then_decodes(layer, lambda x: reference(ref, CONFIG, x)[0])
 
 
 def test_a_batch_of_decodes_equals_one_at_a_time(ref, layer):
-    prompts, nxt = seqs(3, 70, 12, seed=3), seqs(1, 1, 1, seed=4)
-    state = fresh_state(layer, 3)
-    step(layer, prompts, state)
-    alone = {k: v.clone() for k, v in state.items()}
-    together = step(layer, nxt, state)
-    for i in range(3):
-        one = {k: v[i:i + 1] for k, v in alone.items()}
-        close(together[i], step(layer, [nxt[i]], one)[0])
-        close(together[i][0], reference(ref, CONFIG, torch.cat([prompts[i], nxt[i]]))[0][-1])
-        for k in state:
-            close(state[k][i], one[k][0])
+    check_batched_decodes(layer, lambda x: reference(ref, CONFIG, x)[0])
 
 
 def test_two_ranks_compute_what_one_does(ref, layer):

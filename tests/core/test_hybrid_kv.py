@@ -271,3 +271,27 @@ def test_a_prefix_resumes_from_the_state_checkpoint_at_its_end():
     # A prompt that ends inside the prefix: the state must be restored where it resumes, one block back.
     third = Request("c", [5, 6, 7, 8, 9], SamplingParams())
     assert kv.get_computed_blocks(third)[1] == 4
+
+
+def test_a_prompt_sharing_only_part_of_a_prefix_leaves_a_checkpoint_where_the_sharing_ends():
+    """A shared system prompt ends inside another prompt: the first prompt's checkpoint is at its own
+    last boundary, past the shared part; the second finds the shared blocks but no checkpoint, so its
+    prefill stops where they end; the third resumes there."""
+    kv = HybridKVManager(60, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=1)
+    shadow = Shadow(kv)
+    system = [5, 6, 7, 8, 9, 10]
+    for i, (rid, user) in enumerate((("a", [20, 21, 22]), ("b", [30, 31, 32]), ("c", [40, 41, 42]))):
+        req = Request(rid, system + user, SamplingParams())
+        blocks, cached = kv.get_computed_blocks(req)
+        assert cached == [0, 0, 6][i]
+        req.num_computed_tokens = cached
+        chunks = []
+        while req.num_computed_tokens < req.num_tokens:
+            n = kv.chunk_tokens(req, req.num_tokens - req.num_computed_tokens)
+            assert kv.allocate_slots(req, n, blocks if not chunks else ())
+            chunks.append(n)
+            shadow.run_step(req, n)
+            _check(kv, {rid: req}, shadow)
+        assert chunks == [[8, 1], [6, 2, 1], [2, 1]][i]
+        kv.free(req)
+        kv.take_copies()

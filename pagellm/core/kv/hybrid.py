@@ -28,7 +28,9 @@ the hash of the block the state follows (and the group and part). They are pinne
 is handed to the runner, then left to the pool's LRU like any cached block: no request holds
 them, and memory pressure evicts them first-cached first. A request whose prompt starts with k
 cached blocks and a checkpoint after block k restores it (copied into its own state blocks) and
-computes from token k * block_size. Each checkpoint costs state_blocks blocks per state group.
+computes from token k * block_size. Where its cached attention blocks reach further than any
+checkpoint (a shared system prompt ending mid-prompt), its prefill also stops there, leaving a
+checkpoint for the prompts after it. Each checkpoint costs state_blocks blocks per state group.
 
 Prefix caching: a group's cached blocks are found by the chained block hash qualified with the
 group; a prefix of k blocks is a hit only if every full group holds all k and every sliding
@@ -73,6 +75,8 @@ class HybridKVManager(KVManager):
         self.max_chunk_tokens = max_chunk_tokens
         # Checkpoint blocks whose copies are queued (taken or restored): held until take_copies.
         self._pinned: list[tuple[int, int]] = []
+        # Per request, where cached attention blocks end beyond the last checkpoint: its prefill stops there.
+        self._cuts: dict[str, int] = {}
         self.num_checkpoints = 0  # taken
         self.num_restores = 0  # prefix hits resumed from one
         self.pool = BlockPool(num_blocks)
@@ -207,12 +211,18 @@ class HybridKVManager(KVManager):
                 runs[g] = run
         if self._state_groups:  # the state must be restorable exactly where computing resumes
             k = min(k, (n - 1) // bs)
-        while k > 0:
+
+        def served(k: int, with_state: bool) -> bool:
             computed = min(k * bs, n - 1)
-            if (all(runs[g][k - 1] >= k - self._first_needed(g, computed) for g in runs)
-                    and all(self._checkpoint(g, hashes[k - 1]) for g in self._state_groups)):
-                break
-            k -= 1
+            return (all(runs[g][k - 1] >= k - self._first_needed(g, computed) for g in runs)
+                    and (not with_state or all(self._checkpoint(g, hashes[k - 1]) for g in self._state_groups)))
+
+        longest = next((j for j in range(k, 0, -1) if served(j, False)), 0)
+        k = next((j for j in range(longest, 0, -1) if served(j, True)), 0)
+        if k < longest:
+            # The attention blocks reach further than any checkpoint: this request's prefill stops at
+            # their end too (chunk_tokens), so that the next prompt sharing them finds a checkpoint there.
+            self._cuts[request.request_id] = longest * bs
         if k == 0:
             return [], 0
         computed = min(k * bs, n - 1)
@@ -245,6 +255,9 @@ class HybridKVManager(KVManager):
             boundary = (end - 1) // bs * bs
         else:
             boundary = end // bs * bs
+        cut = self._cuts.get(request.request_id, 0)
+        if start < cut < boundary:
+            boundary = cut
         return boundary - start if boundary > start else num_tokens
 
     def _take_checkpoint(self, request: Request, tables: list[list[int]], block_hash: bytes) -> None:
@@ -382,5 +395,6 @@ class HybridKVManager(KVManager):
     def free(self, request: Request) -> None:
         """Drop the request's reference to each of its blocks, each group's tail first."""
         tables = self._tables.pop(request.request_id, None)
+        self._cuts.pop(request.request_id, None)
         for g, table in enumerate(tables or ()):
             self._give_back(g, [b for b in reversed(table) if b != NULL_BLOCK])

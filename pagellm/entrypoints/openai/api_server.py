@@ -40,6 +40,8 @@ class ServerConfig:
     max_seqs_per_request: int | None = None
     # --enable-auto-tool-choice's --tool-call-parser (None: tool_choice "auto" is refused).
     tool_call_parser: str | None = None
+    # --reasoning-parser, `auto` resolved from the chat template (None: replies are not split).
+    reasoning_parser: str | None = None
 
 
 def default_model_name(model_path: str) -> str:
@@ -57,7 +59,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     model_name = config.served_model_names[0]
     completions = OpenAIServingCompletion(engine, config.served_model_names, config.max_seqs_per_request)
     chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request,
-                             tool_call_parser=config.tool_call_parser)
+                             tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -190,8 +192,21 @@ def build_server(args: argparse.Namespace, drain: Drain | None = None) -> tuple[
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_seqs_per_request=min(per_request, args.max_num_seqs),
-                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          reasoning_parser=resolve_reasoning_parser(args.reasoning_parser,
+                                                                    engine.tokenizer.chat_template))
     return build_app(engine, metrics, config, drain), engine, config
+
+
+def resolve_reasoning_parser(name: str | None, chat_template: str | None) -> str | None:
+    """--reasoning-parser: a parser's name, or `auto`: the one the chat template's markers call for."""
+    from pagellm.entrypoints.openai.reasoning import parser_for_template
+
+    if name != "auto":
+        return name
+    picked = parser_for_template(chat_template)
+    logger.info("--reasoning-parser auto: %s", picked or "the chat template marks no reasoning; replies are not split")
+    return picked
 
 
 def _replica_server(args: argparse.Namespace):

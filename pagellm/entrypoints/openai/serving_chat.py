@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagellm.engine.async_engine import RequestStream
 from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS, ToolCall, ToolParser, ToolPlan,
@@ -18,10 +19,13 @@ from pagellm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, tool_call_parser: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Set with --enable-auto-tool-choice: the format this model writes tool calls in.
         self.tool_call_parser = tool_call_parser
+        # Set with --reasoning-parser (auto already resolved): how this model marks its reasoning.
+        self.reasoning: ReasoningParser | None = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
@@ -42,9 +46,9 @@ class OpenAIServingChat(OpenAIServing):
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt false: one continues the last "
                               "message, the other starts a new one", param="continue_final_message")
-        ids = self.render(req.messages, req.add_generation_prompt, tools=req.tools,
-                          continue_final_message=req.continue_final_message, **kwargs)
-        ids = self.truncate(ids, req.truncate_prompt_tokens)
+        text = self.render_text(req.messages, req.add_generation_prompt, tools=req.tools,
+                                continue_final_message=req.continue_final_message, **kwargs)
+        ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=False), req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
         if req.use_beam_search:
@@ -60,19 +64,31 @@ class OpenAIServingChat(OpenAIServing):
                                           prompt_logprobs=req.prompt_logprobs, structured=structured)
             if tools.mode == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
                 params.skip_special_tokens = False
+            if self.reasoning is not None and self.reasoning.keeps_special_tokens:
+                params.skip_special_tokens = False
+        # The reply is split into reasoning and answer, unless a forced tool call's grammar made
+        # all of it JSON; a prompt that ends inside the reasoning (the template opened it) starts there.
+        thinks = self.reasoning is not None and tools.mode not in ("required", "named")
+        thinking = ReasoningStream(self.reasoning, self.reasoning.opens_in(text)) if thinks else None
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [(None, ids)], [params])
         if req.stream:
-            return StreamingResponse(guarded_sse(self.events(req, request_id, streams[0], tools), streams),
-                                     media_type="text/event-stream")
+            return StreamingResponse(guarded_sse(self.events(req, request_id, streams[0], tools, thinking),
+                                                 streams), media_type="text/event-stream")
         (final,) = await self.collect(raw_request, streams)
-        return JSONResponse(self.response(req, request_id, final, tools))
+        return JSONResponse(self.response(req, request_id, final, tools, thinking))
 
     def parser(self) -> ToolParser:
         return PARSERS[self.tool_call_parser]()
 
-    def reply(self, tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """(the message, the finish reason) of a finished choice: its tool calls taken out of the text."""
+    def reply(self, tools: ToolPlan, text: str, finish_reason: str | None,
+              thinking: ReasoningStream | None = None) -> tuple[dict, str | None]:
+        """(the message, the finish reason) of a finished choice: its reasoning and its tool calls
+        taken out of the text (tool calls only from the answer, after the reasoning)."""
+        reasoning = None
+        if thinking is not None:
+            split = thinking.parser.split(text, thinking.opened)
+            reasoning, text = split.reasoning, split.content or ""
         content, calls = text, None
         if tools.mode in ("required", "named"):
             calls = forced_calls(tools, text)
@@ -80,6 +96,9 @@ class OpenAIServingChat(OpenAIServing):
         elif tools.mode == "auto":
             content, calls = tools.parse_auto(self.parser(), text)
         message: dict = {"role": "assistant", "content": content}
+        if thinking is not None:
+            message["content"] = content or None
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [c.to_json() for c in calls]
             # OpenAI: "tool_calls" when the model chose to call; a named function was not its choice.
@@ -88,6 +107,10 @@ class OpenAIServingChat(OpenAIServing):
         return message, finish_reason
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, **kwargs) -> list[int]:
+        return self.tokenizer.encode(self.render_text(messages, add_generation_prompt, **kwargs),
+                                     add_special_tokens=False)
+
+    def render_text(self, messages: list[ChatMessage], add_generation_prompt: bool, **kwargs) -> str:
         conversation = [self.message_dict(m) for m in messages]
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
@@ -96,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, param="messages") from None
         check_request_text("messages", text)  # the template may have pasted in a lone surrogate from any field
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
     @staticmethod
     def message_dict(m: ChatMessage) -> dict:
@@ -130,11 +153,12 @@ class OpenAIServingChat(OpenAIServing):
             return ""
         return OpenAIServingChat.message_dict(last).get("content") or ""
 
-    def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolPlan) -> dict:
+    def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolPlan,
+                 thinking: ReasoningStream | None = None) -> dict:
         choices = []
         echo = self.echoed(req)
         for c in sorted(final.outputs, key=lambda c: c.index):
-            message, finish_reason = self.reply(tools, echo + c.text, c.finish_reason)
+            message, finish_reason = self.reply(tools, echo + c.text, c.finish_reason, thinking)
             choice = {"index": c.index, "message": message,
                       "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
                       "finish_reason": finish_reason, "stop_reason": c.stop_reason}
@@ -152,7 +176,8 @@ class OpenAIServingChat(OpenAIServing):
         return body
 
     async def events(self, req: ChatCompletionRequest, request_id: str,
-                     stream: RequestStream, tools: ToolPlan) -> AsyncIterator[str]:
+                     stream: RequestStream, tools: ToolPlan,
+                     thinking: ReasoningStream | None = None) -> AsyncIterator[str]:
         """The chunks of a streamed answer (sent through guarded_sse)."""
         created = self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -183,6 +208,7 @@ class OpenAIServingChat(OpenAIServing):
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": echo})
         deltas = {i: ToolDeltas(tools, self.parser() if tools.mode == "auto" else None) for i in range(req.n)}
+        thoughts = {i: ReasoningStream(thinking.parser, thinking.opened) for i in range(req.n)} if thinking else {}
         async for _, out in merge_streams([stream]):
             prompt_tokens = len(out.prompt_token_ids)
             cached = getattr(out, "num_cached_tokens", 0) or 0
@@ -191,7 +217,13 @@ class OpenAIServingChat(OpenAIServing):
                     continue  # its last chunk is sent; later outputs of the request still list it
                 done_tokens = sent_tokens.get(c.index, 0)
                 finished = c.finish_reason is not None
-                delta, finish_reason = deltas[c.index].advance(c.text, finished, c.finish_reason)
+                text, reasoning = c.text, ""
+                if thinking is not None:  # the answer's text goes on to the tool-call deltas
+                    reasoning, answer = thoughts[c.index].advance(c.text, finished)
+                    text = answer or ""
+                delta, finish_reason = deltas[c.index].advance(text, finished, c.finish_reason)
+                if reasoning:
+                    delta = {"reasoning_content": reasoning, **delta}
                 new_ids = c.token_ids[done_tokens:]
                 # A chunk only when it carries text, tokens the client asked to see, or the end.
                 shows_tokens = new_ids and (req.logprobs or req.return_token_ids)

@@ -173,3 +173,32 @@ def test_tool_calls_come_from_the_answer_only(thinking_server):
     assert reasoning == choice.message.reasoning_content and len(calls) == 1
     assert "".join(c.delta.content or "" for c in chunks).strip() == "ok"
     assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_thinking_blocks_in_the_messages_api(thinking_server):
+    """Anthropic's Messages API gives the reasoning as a thinking block before the text, and
+    streams it as thinking_delta events; a thinking block sent back reaches the template."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=thinking_server.url, api_key="none", max_retries=0, timeout=120)
+    kwargs = dict(model="thinker", max_tokens=64, messages=ASK,
+                  extra_body={"temperature": 0, **forced(r"two and two</think>four")})
+    r = client.messages.create(**kwargs)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in r.content] == \
+        [("thinking", "two and two"), ("text", "four")]
+    with client.messages.stream(**kwargs) as stream:
+        thought = "".join(e.delta.thinking for e in stream
+                          if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+        final = stream.get_final_message()
+    assert thought == "two and two" and [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[1].text == "four" and final.stop_reason == "end_turn"
+    off = client.messages.create(**{**kwargs, "extra_body": {"temperature": 0, **forced("four")}},
+                                 thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"]
+    back = ASK + [{"role": "assistant", "content": [{"type": "thinking", "thinking": "two and two", "signature": ""},
+                                                    {"type": "text", "text": "four"}]},
+                  {"role": "user", "content": "and 3+3?"}]
+    with_thought = client.messages.count_tokens(model="thinker", messages=back).input_tokens
+    without = client.messages.count_tokens(model="thinker", messages=[back[0], {"role": "assistant", "content": "four"},
+                                                                      back[2]]).input_tokens
+    assert with_thought == without + len("<think>two and two</think>")  # one token a byte

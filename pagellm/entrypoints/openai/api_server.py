@@ -17,6 +17,8 @@ from starlette.responses import Response
 
 import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai import dashboard
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_request_text, validation_error
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -60,6 +62,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     completions = OpenAIServingCompletion(engine, config.served_model_names, config.max_seqs_per_request)
     chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request,
                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+    messages = AnthropicServingMessages(chat)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -77,26 +80,28 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, e: OpenAIError) -> Response:
-        return e.response()
+    async def openai_error(request: Request, e: OpenAIError) -> Response:
+        return e.response_for(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, e: RequestValidationError) -> Response:
+    async def invalid_body(request: Request, e: RequestValidationError) -> Response:
         # FastAPI answers 422; OpenAI (and vLLM) answer 400 for a malformed body.
-        return validation_error(list(e.errors()), getattr(e, "body", None)).response()
+        return validation_error(list(e.errors()), getattr(e, "body", None)).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
-        return OpenAIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)).response()
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return OpenAIError(e.status_code, str(e.detail),
+                           headers=getattr(e, "headers", None)).response_for(request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, e: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> Response:
+    async def internal_error(request: Request, e: Exception) -> Response:
         logger.exception("internal error")
-        return OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}", code="internal_error").response()
+        return OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}",
+                           code="internal_error").response_for(request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -130,6 +135,14 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(req, raw_request)
+
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, raw_request: Request) -> Response:
+        return await messages.create_message(req, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: CountTokensRequest) -> dict:
+        return messages.count_tokens(req)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -18,6 +19,17 @@ from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS
 from pagellm.outputs import CompletionOutput, RequestOutput
 
 
+@dataclass
+class ChatRun:
+    """A chat request added to the engine: its streams, and how its replies are taken apart."""
+
+    request_id: str
+    streams: list[RequestStream]
+    tools: ToolPlan
+    thinking: ReasoningStream | None
+    prompt_tokens: int
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                  **kwargs) -> None:
@@ -28,6 +40,16 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning: ReasoningParser | None = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        run = await self.start(req)
+        if req.stream:
+            return StreamingResponse(guarded_sse(self.events(req, run.request_id, run.streams[0], run.tools,
+                                                             run.thinking), run.streams),
+                                     media_type="text/event-stream")
+        (final,) = await self.collect(raw_request, run.streams)
+        return JSONResponse(self.response(req, run.request_id, final, run.tools, run.thinking))
+
+    async def start(self, req: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
+        """Check a chat request, render it and add it to the engine (what every chat-shaped API shares)."""
         self.check_model(req.model)
         self.check_common(req)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser is not None)
@@ -38,16 +60,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs are not available when streaming; send stream: false",
                               param="stream")
-        kwargs = req.chat_template_kwargs or {}
-        reserved = sorted(self.tokenizer.reserved_template_variables & kwargs.keys())
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
-                              f"from the request's own fields", param="chat_template_kwargs")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise bad_request("continue_final_message needs add_generation_prompt false: one continues the last "
-                              "message, the other starts a new one", param="continue_final_message")
-        text = self.render_text(req.messages, req.add_generation_prompt, tools=req.tools,
-                                continue_final_message=req.continue_final_message, **kwargs)
+        text = self.render_request(req)
         ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=False), req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
@@ -70,13 +83,27 @@ class OpenAIServingChat(OpenAIServing):
         # all of it JSON; a prompt that ends inside the reasoning (the template opened it) starts there.
         thinks = self.reasoning is not None and tools.mode not in ("required", "named")
         thinking = ReasoningStream(self.reasoning, self.reasoning.opens_in(text)) if thinks else None
-        request_id = random_id("chatcmpl")
+        request_id = random_id(id_prefix)
         streams = await self.add_requests(request_id, [(None, ids)], [params])
-        if req.stream:
-            return StreamingResponse(guarded_sse(self.events(req, request_id, streams[0], tools, thinking),
-                                                 streams), media_type="text/event-stream")
-        (final,) = await self.collect(raw_request, streams)
-        return JSONResponse(self.response(req, request_id, final, tools, thinking))
+        return ChatRun(request_id, streams, tools, thinking, len(ids))
+
+    def render_request(self, req: ChatCompletionRequest) -> str:
+        """The prompt a chat request renders to, through the chat template."""
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(self.tokenizer.reserved_template_variables & kwargs.keys())
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
+                              f"from the request's own fields", param="chat_template_kwargs")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false: one continues the last "
+                              "message, the other starts a new one", param="continue_final_message")
+        return self.render_text(req.messages, req.add_generation_prompt, tools=req.tools,
+                                continue_final_message=req.continue_final_message, **kwargs)
+
+    def choice_deltas(self, tools: ToolPlan, thinking: ReasoningStream | None) -> ChoiceDeltas:
+        """What turns one streamed choice's text into OpenAI-shaped deltas."""
+        return ChoiceDeltas(ToolDeltas(tools, self.parser() if tools.mode == "auto" else None),
+                            ReasoningStream(thinking.parser, thinking.opened) if thinking else None)
 
     def parser(self) -> ToolParser:
         return PARSERS[self.tool_call_parser]()
@@ -207,8 +234,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = self.echoed(req)
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": echo})
-        deltas = {i: ToolDeltas(tools, self.parser() if tools.mode == "auto" else None) for i in range(req.n)}
-        thoughts = {i: ReasoningStream(thinking.parser, thinking.opened) for i in range(req.n)} if thinking else {}
+        deltas = {i: self.choice_deltas(tools, thinking) for i in range(req.n)}
         async for _, out in merge_streams([stream]):
             prompt_tokens = len(out.prompt_token_ids)
             cached = getattr(out, "num_cached_tokens", 0) or 0
@@ -217,13 +243,7 @@ class OpenAIServingChat(OpenAIServing):
                     continue  # its last chunk is sent; later outputs of the request still list it
                 done_tokens = sent_tokens.get(c.index, 0)
                 finished = c.finish_reason is not None
-                text, reasoning = c.text, ""
-                if thinking is not None:  # the answer's text goes on to the tool-call deltas
-                    reasoning, answer = thoughts[c.index].advance(c.text, finished)
-                    text = answer or ""
-                delta, finish_reason = deltas[c.index].advance(text, finished, c.finish_reason)
-                if reasoning:
-                    delta = {"reasoning_content": reasoning, **delta}
+                delta, finish_reason = deltas[c.index].advance(c.text, finished, c.finish_reason)
                 new_ids = c.token_ids[done_tokens:]
                 # A chunk only when it carries text, tokens the client asked to see, or the end.
                 shows_tokens = new_ids and (req.logprobs or req.return_token_ids)
@@ -253,6 +273,23 @@ def _template_call(call: dict) -> dict:
             raise bad_request(f"messages: the arguments of the call to {fn['name']!r} are not JSON: {args!r}",
                               param="messages") from None
     return {**call, "function": {**fn, "arguments": args}, "name": fn["name"], "arguments": args}
+
+
+class ChoiceDeltas:
+    """One streamed choice's deltas: its reasoning (`reasoning_content`) first, then the answer's
+    content and tool calls, each from the whole text so far."""
+
+    def __init__(self, tools: ToolDeltas, thinking: ReasoningStream | None) -> None:
+        self.tools = tools
+        self.thinking = thinking
+
+    def advance(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
+        reasoning = ""
+        if self.thinking is not None:  # only the answer goes on to the tool-call parser
+            reasoning, answer = self.thinking.advance(text, finished)
+            text = answer or ""
+        delta, finish_reason = self.tools.advance(text, finished, finish_reason)
+        return ({"reasoning_content": reasoning, **delta} if reasoning else delta), finish_reason
 
 
 class ToolDeltas:

@@ -71,6 +71,9 @@ def test_the_prompt_says_whether_the_reasoning_is_open():
     assert not QWEN3.opens_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
     assert not QWEN3.opens_in("<|im_start|>assistant\n")
     assert GRANITE.opens_in("... Here is my thought process:")
+    earlier = "<|start|>assistant<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>commentary"
+    assert not GPT_OSS.opens_in(earlier + " to=functions.f<|message|>{}<|call|><|start|>assistant")
+    assert GPT_OSS.opens_in("<|start|>assistant<|channel|>analysis<|message|>")
 
 
 def test_auto_reads_the_chat_template():

@@ -45,6 +45,11 @@ def test_create_and_count_tokens(client):
                                          system=[{"type": "text", "text": "You answer in one word."}])
     assert count.input_tokens == r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) > 10
     assert 1 <= r.usage.output_tokens <= 24
+    # A last assistant message is a prefill: the reply continues it, without repeating it.
+    prefill = "The capital of France is"
+    cont = client.messages.create(model=MODEL_NAME, max_tokens=4, extra_body=GREEDY,
+                                  messages=ASK + [{"role": "assistant", "content": prefill}])
+    assert "Paris" in cont.content[0].text and prefill not in cont.content[0].text
 
 
 def test_stop_reasons(client):

@@ -226,6 +226,8 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": tools,
                             "tool_choice": tool_choice, "parallel_tool_calls": parallel,
                             "chat_template_kwargs": _thinking(req)}
+    if req.messages[-1].role == "assistant":  # a prefill: the reply continues it
+        body.update(add_generation_prompt=False, continue_final_message=True)
     if isinstance(req, MessagesRequest):
         if req.max_tokens < 1:
             raise bad_request(f"max_tokens must be >= 1, got {req.max_tokens}", param="max_tokens")

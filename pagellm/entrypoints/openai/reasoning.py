@@ -105,6 +105,11 @@ class GptOssReasoningParser(ReasoningParser):
     ends = ("<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
     keeps_special_tokens = True
 
+    def opens_in(self, prompt: str) -> bool:
+        # Earlier turns keep their analysis closed by a bare <|end|> (then a commentary call, say),
+        # so only a prompt that ends on the analysis header is inside it.
+        return prompt.rstrip().endswith(self.starts[0])
+
     def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
         # No analysis channel at all: the final channel's header alone opens the answer.
         lead = text.lstrip()

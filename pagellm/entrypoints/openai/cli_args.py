@@ -53,8 +53,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: Qwen, "
                         "Hermes, SmolLM3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS][...])")
     g.add_argument("--reasoning-parser", default=None, choices=["auto", *REASONING_PARSERS],
-                   help="split a thinking model's replies into reasoning_content and content: qwen3 (<think>...</think>), "
-                        "deepseek_r1 (the same, <think> possibly opened by the template), gpt_oss (harmony's analysis "
+                   help="split a thinking model's replies into reasoning_content and content: qwen3 "
+                        "(<think>...</think>), deepseek_r1 (the same, <think> possibly opened by the template), "
+                        "gpt_oss (harmony's analysis "
                         "channel), granite (\"Here is my thought process:\"), auto (from the chat template) "
                         "(default: not split)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,

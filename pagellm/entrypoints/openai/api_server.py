@@ -17,6 +17,8 @@ from starlette.responses import Response
 
 import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai import dashboard
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_request_text, validation_error
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -40,6 +42,8 @@ class ServerConfig:
     max_seqs_per_request: int | None = None
     # --enable-auto-tool-choice's --tool-call-parser (None: tool_choice "auto" is refused).
     tool_call_parser: str | None = None
+    # --reasoning-parser, `auto` resolved from the chat template (None: replies are not split).
+    reasoning_parser: str | None = None
 
 
 def default_model_name(model_path: str) -> str:
@@ -57,7 +61,8 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     model_name = config.served_model_names[0]
     completions = OpenAIServingCompletion(engine, config.served_model_names, config.max_seqs_per_request)
     chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request,
-                             tool_call_parser=config.tool_call_parser)
+                             tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+    messages = AnthropicServingMessages(chat)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -75,26 +80,28 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, e: OpenAIError) -> Response:
-        return e.response()
+    async def openai_error(request: Request, e: OpenAIError) -> Response:
+        return e.response_for(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, e: RequestValidationError) -> Response:
+    async def invalid_body(request: Request, e: RequestValidationError) -> Response:
         # FastAPI answers 422; OpenAI (and vLLM) answer 400 for a malformed body.
-        return validation_error(list(e.errors()), getattr(e, "body", None)).response()
+        return validation_error(list(e.errors()), getattr(e, "body", None)).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
-        return OpenAIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)).response()
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return OpenAIError(e.status_code, str(e.detail),
+                           headers=getattr(e, "headers", None)).response_for(request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, e: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> Response:
+    async def internal_error(request: Request, e: Exception) -> Response:
         logger.exception("internal error")
-        return OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}", code="internal_error").response()
+        return OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}",
+                           code="internal_error").response_for(request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -128,6 +135,14 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(req, raw_request)
+
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, raw_request: Request) -> Response:
+        return await messages.create_message(req, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: CountTokensRequest) -> dict:
+        return messages.count_tokens(req)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
@@ -190,8 +205,21 @@ def build_server(args: argparse.Namespace, drain: Drain | None = None) -> tuple[
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_seqs_per_request=min(per_request, args.max_num_seqs),
-                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          reasoning_parser=resolve_reasoning_parser(args.reasoning_parser,
+                                                                    engine.tokenizer.chat_template))
     return build_app(engine, metrics, config, drain), engine, config
+
+
+def resolve_reasoning_parser(name: str | None, chat_template: str | None) -> str | None:
+    """--reasoning-parser: a parser's name, or `auto`: the one the chat template's markers call for."""
+    from pagellm.entrypoints.openai.reasoning import parser_for_template
+
+    if name != "auto":
+        return name
+    picked = parser_for_template(chat_template)
+    logger.info("--reasoning-parser auto: %s", picked or "the chat template marks no reasoning; replies are not split")
+    return picked
 
 
 def _replica_server(args: argparse.Namespace):

@@ -5,6 +5,7 @@ import argparse
 
 from pagellm import envs
 from pagellm.config import ROUTER_POLICIES
+from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -51,6 +52,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: Qwen, "
                         "Hermes, SmolLM3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS][...])")
+    g.add_argument("--reasoning-parser", default=None, choices=["auto", *REASONING_PARSERS],
+                   help="split a thinking model's replies into reasoning_content and content: qwen3 "
+                        "(<think>...</think>), deepseek_r1 (the same, <think> possibly opened by the template), "
+                        "gpt_oss (harmony's analysis "
+                        "channel), granite (\"Here is my thought process:\"), auto (from the chat template) "
+                        "(default: not split)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each a whole engine in its own Ray actor, behind a router (default: 1, "
                         "no Ray)")

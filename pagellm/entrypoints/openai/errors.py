@@ -51,6 +51,32 @@ class OpenAIError(Exception):
         """The error as one server-sent event, for a stream whose 200 has already gone out."""
         return f"data: {json.dumps(self.body())}\n\n"
 
+    def anthropic_body(self) -> dict:
+        """The same error in the shape of Anthropic's API (the /v1/messages routes answer in it)."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response_for(self, path: str) -> Response:
+        """The error in the shape of the API `path` belongs to."""
+        if not path.startswith(ANTHROPIC_PREFIX):
+            return self.response()
+        return Response(json.dumps(self.anthropic_body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+
+# Anthropic's Messages API routes, whose errors take Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
 
 _FIELD = re.compile(r"^([a-z_]+)[ \[]")
 

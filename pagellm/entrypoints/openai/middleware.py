@@ -16,15 +16,20 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
             # Compared in constant time, so the key cannot be guessed byte by byte from timings.
-            if not hmac.compare_digest(given, self.expected):
-                error = OpenAIError(401, "Invalid or missing API key; send it as `Authorization: Bearer <key>`.",
+            # Anthropic's clients send the key as x-api-key.
+            if not (hmac.compare_digest(given, self.expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+                error = OpenAIError(401, "Invalid or missing API key; send it as `Authorization: Bearer <key>` "
+                                         "(or `x-api-key: <key>`).",
                                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error.response()(scope, receive, send)
+                await error.response_for(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -72,4 +77,4 @@ class BodyLimitMiddleware:
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = OpenAIError(413, f"The request body is larger than the server's limit of {self.max_bytes} bytes.",
                             code="request_too_large", headers={"Connection": "close"})
-        await error.response()(scope, receive, send)
+        await error.response_for(scope["path"])(scope, receive, send)

@@ -110,6 +110,7 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back in an agent loop
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning, sent back (templates that show it read it)
 
 
 class ChatCompletionRequest(SamplingFields):

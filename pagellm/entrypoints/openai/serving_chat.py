@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -10,6 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagellm.engine.async_engine import RequestStream
 from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS, ToolCall, ToolParser, ToolPlan,
@@ -17,13 +19,37 @@ from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS
 from pagellm.outputs import CompletionOutput, RequestOutput
 
 
+@dataclass
+class ChatRun:
+    """A chat request added to the engine: its streams, and how its replies are taken apart."""
+
+    request_id: str
+    streams: list[RequestStream]
+    tools: ToolPlan
+    thinking: ReasoningStream | None
+    prompt_tokens: int
+
+
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, tool_call_parser: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Set with --enable-auto-tool-choice: the format this model writes tool calls in.
         self.tool_call_parser = tool_call_parser
+        # Set with --reasoning-parser (auto already resolved): how this model marks its reasoning.
+        self.reasoning: ReasoningParser | None = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        run = await self.start(req)
+        if req.stream:
+            return StreamingResponse(guarded_sse(self.events(req, run.request_id, run.streams[0], run.tools,
+                                                             run.thinking), run.streams),
+                                     media_type="text/event-stream")
+        (final,) = await self.collect(raw_request, run.streams)
+        return JSONResponse(self.response(req, run.request_id, final, run.tools, run.thinking))
+
+    async def start(self, req: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
+        """Check a chat request, render it and add it to the engine (what every chat-shaped API shares)."""
         self.check_model(req.model)
         self.check_common(req)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser is not None)
@@ -34,17 +60,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs are not available when streaming; send stream: false",
                               param="stream")
-        kwargs = req.chat_template_kwargs or {}
-        reserved = sorted(self.tokenizer.reserved_template_variables & kwargs.keys())
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
-                              f"from the request's own fields", param="chat_template_kwargs")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise bad_request("continue_final_message needs add_generation_prompt false: one continues the last "
-                              "message, the other starts a new one", param="continue_final_message")
-        ids = self.render(req.messages, req.add_generation_prompt, tools=req.tools,
-                          continue_final_message=req.continue_final_message, **kwargs)
-        ids = self.truncate(ids, req.truncate_prompt_tokens)
+        text = self.render_request(req)
+        ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=False), req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
         if req.use_beam_search:
@@ -60,19 +77,45 @@ class OpenAIServingChat(OpenAIServing):
                                           prompt_logprobs=req.prompt_logprobs, structured=structured)
             if tools.mode == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
                 params.skip_special_tokens = False
-        request_id = random_id("chatcmpl")
+            if self.reasoning is not None and self.reasoning.keeps_special_tokens:
+                params.skip_special_tokens = False
+        # The reply is split into reasoning and answer, unless a forced tool call's grammar made
+        # all of it JSON; a prompt that ends inside the reasoning (the template opened it) starts there.
+        thinks = self.reasoning is not None and tools.mode not in ("required", "named")
+        thinking = ReasoningStream(self.reasoning, self.reasoning.opens_in(text)) if thinks else None
+        request_id = random_id(id_prefix)
         streams = await self.add_requests(request_id, [(None, ids)], [params])
-        if req.stream:
-            return StreamingResponse(guarded_sse(self.events(req, request_id, streams[0], tools), streams),
-                                     media_type="text/event-stream")
-        (final,) = await self.collect(raw_request, streams)
-        return JSONResponse(self.response(req, request_id, final, tools))
+        return ChatRun(request_id, streams, tools, thinking, len(ids))
+
+    def render_request(self, req: ChatCompletionRequest) -> str:
+        """The prompt a chat request renders to, through the chat template."""
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(self.tokenizer.reserved_template_variables & kwargs.keys())
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
+                              f"from the request's own fields", param="chat_template_kwargs")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false: one continues the last "
+                              "message, the other starts a new one", param="continue_final_message")
+        return self.render_text(req.messages, req.add_generation_prompt, tools=req.tools,
+                                continue_final_message=req.continue_final_message, **kwargs)
+
+    def choice_deltas(self, tools: ToolPlan, thinking: ReasoningStream | None) -> ChoiceDeltas:
+        """What turns one streamed choice's text into OpenAI-shaped deltas."""
+        return ChoiceDeltas(ToolDeltas(tools, self.parser() if tools.mode == "auto" else None),
+                            ReasoningStream(thinking.parser, thinking.opened) if thinking else None)
 
     def parser(self) -> ToolParser:
         return PARSERS[self.tool_call_parser]()
 
-    def reply(self, tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """(the message, the finish reason) of a finished choice: its tool calls taken out of the text."""
+    def reply(self, tools: ToolPlan, text: str, finish_reason: str | None,
+              thinking: ReasoningStream | None = None) -> tuple[dict, str | None]:
+        """(the message, the finish reason) of a finished choice: its reasoning and its tool calls
+        taken out of the text (tool calls only from the answer, after the reasoning)."""
+        reasoning = None
+        if thinking is not None:
+            split = thinking.parser.split(text, thinking.opened)
+            reasoning, text = split.reasoning, split.content or ""
         content, calls = text, None
         if tools.mode in ("required", "named"):
             calls = forced_calls(tools, text)
@@ -80,6 +123,9 @@ class OpenAIServingChat(OpenAIServing):
         elif tools.mode == "auto":
             content, calls = tools.parse_auto(self.parser(), text)
         message: dict = {"role": "assistant", "content": content}
+        if thinking is not None:
+            message["content"] = content or None
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [c.to_json() for c in calls]
             # OpenAI: "tool_calls" when the model chose to call; a named function was not its choice.
@@ -88,6 +134,10 @@ class OpenAIServingChat(OpenAIServing):
         return message, finish_reason
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, **kwargs) -> list[int]:
+        return self.tokenizer.encode(self.render_text(messages, add_generation_prompt, **kwargs),
+                                     add_special_tokens=False)
+
+    def render_text(self, messages: list[ChatMessage], add_generation_prompt: bool, **kwargs) -> str:
         conversation = [self.message_dict(m, i) for i, m in enumerate(messages)]
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
@@ -96,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, param="messages") from None
         check_request_text("messages", text)  # the template may have pasted in a lone surrogate from any field
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
     @staticmethod
     def message_dict(m: ChatMessage, index: int = -1) -> dict:
@@ -132,11 +182,12 @@ class OpenAIServingChat(OpenAIServing):
             return ""
         return OpenAIServingChat.message_dict(last).get("content") or ""
 
-    def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolPlan) -> dict:
+    def response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput, tools: ToolPlan,
+                 thinking: ReasoningStream | None = None) -> dict:
         choices = []
         echo = self.echoed(req)
         for c in sorted(final.outputs, key=lambda c: c.index):
-            message, finish_reason = self.reply(tools, echo + c.text, c.finish_reason)
+            message, finish_reason = self.reply(tools, echo + c.text, c.finish_reason, thinking)
             choice = {"index": c.index, "message": message,
                       "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
                       "finish_reason": finish_reason, "stop_reason": c.stop_reason}
@@ -154,7 +205,8 @@ class OpenAIServingChat(OpenAIServing):
         return body
 
     async def events(self, req: ChatCompletionRequest, request_id: str,
-                     stream: RequestStream, tools: ToolPlan) -> AsyncIterator[str]:
+                     stream: RequestStream, tools: ToolPlan,
+                     thinking: ReasoningStream | None = None) -> AsyncIterator[str]:
         """The chunks of a streamed answer (sent through guarded_sse)."""
         created = self.now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -184,7 +236,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = self.echoed(req)
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": echo})
-        deltas = {i: ToolDeltas(tools, self.parser() if tools.mode == "auto" else None) for i in range(req.n)}
+        deltas = {i: self.choice_deltas(tools, thinking) for i in range(req.n)}
         async for _, out in merge_streams([stream]):
             prompt_tokens = len(out.prompt_token_ids)
             cached = getattr(out, "num_cached_tokens", 0) or 0
@@ -223,6 +275,23 @@ def _template_call(call: dict) -> dict:
             raise bad_request(f"messages: the arguments of the call to {fn['name']!r} are not JSON: {args!r}",
                               param="messages") from None
     return {**call, "function": {**fn, "arguments": args}, "name": fn["name"], "arguments": args}
+
+
+class ChoiceDeltas:
+    """One streamed choice's deltas: its reasoning (`reasoning_content`) first, then the answer's
+    content and tool calls, each from the whole text so far."""
+
+    def __init__(self, tools: ToolDeltas, thinking: ReasoningStream | None) -> None:
+        self.tools = tools
+        self.thinking = thinking
+
+    def advance(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
+        reasoning = ""
+        if self.thinking is not None:  # only the answer goes on to the tool-call parser
+            reasoning, answer = self.thinking.advance(text, finished)
+            text = answer or ""
+        delta, finish_reason = self.tools.advance(text, finished, finish_reason)
+        return ({"reasoning_content": reasoning, **delta} if reasoning else delta), finish_reason
 
 
 class ToolDeltas:

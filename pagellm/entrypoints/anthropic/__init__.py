@@ -1,0 +1,1 @@
+"""Anthropic's Messages API (`/v1/messages`), an adapter onto the chat endpoint's engine path."""

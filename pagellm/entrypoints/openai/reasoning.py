@@ -1,0 +1,167 @@
+"""Reasoning parsers (`--reasoning-parser`): a thinking model's reply split into its reasoning
+and its answer, as vLLM's parsers of the same names split it.
+
+- `qwen3`: `<think>...</think>` then the answer; no tags at all is all answer (the thinking
+  switch off);
+- `deepseek_r1`: the same tags, but an R1 distill may start without `<think>` (its template
+  opens it), so text before `</think>` is reasoning even when no `<think>` was written;
+- `granite`: "Here is my thought process:" ... "Here is my response:" (Granite 3.x's `thinking`);
+- `gpt_oss`: the harmony channels: `<|channel|>analysis<|message|>` ... `<|end|>`, then the
+  `final` channel's message.
+
+A parser splits the whole text seen so far (`split`), so a stream is split the same way as a
+full reply, however its chunks cut a tag: while a tag may still be forming, its characters are
+held back. A prompt that already ends inside the reasoning (the template opened `<think>`, as
+Qwen3's thinking mode and R1 distills do) is passed as `opened`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a reply holds so far: reasoning (None: the reply has none), and the answer after it
+    (None: not begun). Both only grow as more text comes, which is what lets a stream send deltas."""
+
+    reasoning: str | None
+    content: str | None
+
+
+def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` are a proper prefix of one of `markers`."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+def _find(text: str, markers: tuple[str, ...]) -> tuple[int, int]:
+    """(start, end) of the first of `markers` in `text`, or (-1, -1)."""
+    hits = [(i, i + len(m)) for m in markers if (i := text.find(m)) >= 0]
+    return min(hits) if hits else (-1, -1)
+
+
+class ReasoningParser:
+    """Reasoning between one of `starts` and one of `ends`. `implicit_start`: text before an end
+    is reasoning even without a start (R1). `keeps_special_tokens`: the markers are special tokens,
+    which must stay in the text."""
+
+    starts: tuple[str, ...] = ("<think>",)
+    ends: tuple[str, ...] = ("</think>",)
+    implicit_start = False
+    keeps_special_tokens = False
+
+    def opens_in(self, prompt: str) -> bool:
+        """Whether a rendered prompt ends inside the reasoning (the template opened it)."""
+        start = max(prompt.rfind(m) for m in self.starts)
+        end = max(prompt.rfind(m) for m in self.ends)
+        return start > end
+
+    def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
+        """Split `text`, all of a reply so far; `final`: no more will come (nothing is held back)."""
+        body = text
+        if not opened:
+            lead = text.lstrip()
+            begin, after = _find(lead[:max(len(m) for m in self.starts)], self.starts)
+            if begin == 0:
+                body = lead[after:]
+            elif not final and any(m.startswith(lead) for m in self.starts):
+                return Split(None, None)  # a start tag may be forming
+            elif not self.implicit_start:
+                return Split(None, self._content(text, final))
+        stop, after = _find(body, self.ends)
+        if stop < 0:  # still thinking (or cut short while thinking)
+            held = 0 if final else _partial_suffix(body, self.ends)
+            reasoning = body[:len(body) - held].lstrip()
+            return Split(reasoning if final else reasoning.rstrip(), None)
+        return Split(body[:stop].strip(), self._content(body[after:], final, answer=True))
+
+    def _content(self, text: str, final: bool, answer: bool = False) -> str | None:
+        """The answer's text; after the reasoning its leading blank lines go (held until the text begins)."""
+        if answer:
+            text = text.lstrip()
+        return text if text or final else None
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    pass
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    implicit_start = True
+
+
+class GraniteReasoningParser(ReasoningParser):
+    starts = ("Here is my thought process:", "Here's my thought process:")
+    ends = ("Here is my response:", "Here's my response:")
+
+
+class GptOssReasoningParser(ReasoningParser):
+    starts = ("<|channel|>analysis<|message|>",)
+    ends = ("<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
+    keeps_special_tokens = True
+
+    def opens_in(self, prompt: str) -> bool:
+        # Earlier turns keep their analysis closed by a bare <|end|> (then a commentary call, say),
+        # so only a prompt that ends on the analysis header is inside it.
+        return prompt.rstrip().endswith(self.starts[0])
+
+    def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
+        # No analysis channel at all: the final channel's header alone opens the answer.
+        lead = text.lstrip()
+        header = self.ends[1]
+        if not opened and lead.startswith(header):
+            return Split(None, self._content(lead[len(header):], final, answer=True))
+        if not opened and not final and header.startswith(lead) and lead:
+            return Split(None, None)
+        out = super().split(text, opened, final)
+        if out.content is not None:  # harmony ends a reply with <|return|> (or <|end|> mid-conversation)
+            content = out.content
+            for tail in ("<|return|>", "<|end|>"):
+                content = content.removesuffix(tail)
+            if not final:
+                content = content[:len(content) - _partial_suffix(content, ("<|return|>", "<|end|>"))]
+            out = Split(out.reasoning, content)
+        return out
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+    "gpt_oss": GptOssReasoningParser,
+    "granite": GraniteReasoningParser,
+}
+
+
+def parser_for_template(chat_template: str | None) -> str | None:
+    """`--reasoning-parser auto`: the parser a chat template's own markers call for (None: the
+    template writes no reasoning)."""
+    template = chat_template or ""
+    if "<|channel|>" in template:
+        return "gpt_oss"
+    if "thought process" in template:
+        return "granite"
+    if "<think>" in template:
+        # Qwen3's template has the thinking switch; an R1 distill's opens <think> unconditionally.
+        return "qwen3" if "enable_thinking" in template else "deepseek_r1"
+    return None
+
+
+class ReasoningStream:
+    """One streamed choice: the reasoning delta and the answer's text so far, from the whole text."""
+
+    def __init__(self, parser: ReasoningParser, opened: bool) -> None:
+        self.parser = parser
+        self.opened = opened
+        self.sent = 0  # characters of reasoning already sent
+
+    def advance(self, text: str, finished: bool) -> tuple[str, str | None]:
+        """(new reasoning, the answer so far or None when it has not begun)."""
+        split = self.parser.split(text, self.opened, final=finished)
+        reasoning = split.reasoning or ""
+        new, self.sent = reasoning[self.sent:], max(self.sent, len(reasoning))
+        return new, split.content

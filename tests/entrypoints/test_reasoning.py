@@ -1,0 +1,207 @@
+"""Reasoning parsers: each one on whole replies and on the same replies cut into chunks at every
+place (tags split across chunks), a prompt that already ends inside the reasoning, no tags at
+all; `auto` from chat templates; and end to end, `reasoning_content` from a served tiny random
+model whose chat template opens `<think>` (Qwen3's shape), with the official `openai` client."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagellm.entrypoints.openai.cli_args import add_serve_parser
+from pagellm.entrypoints.openai.reasoning import (REASONING_PARSERS, ReasoningStream, Split,
+                                                  parser_for_template)
+
+QWEN3 = REASONING_PARSERS["qwen3"]()
+R1 = REASONING_PARSERS["deepseek_r1"]()
+GRANITE = REASONING_PARSERS["granite"]()
+GPT_OSS = REASONING_PARSERS["gpt_oss"]()
+
+
+@pytest.mark.parametrize("parser, text, opened, want", [
+    (QWEN3, "<think>\nstep 1\n</think>\n\nThe answer.", False, Split("step 1", "The answer.")),
+    (QWEN3, "step 1\n</think>\n\nThe answer.", True, Split("step 1", "The answer.")),  # the template opened it
+    (QWEN3, "The answer.", False, Split(None, "The answer.")),  # no tags: thinking off
+    (QWEN3, "<think>cut short", False, Split("cut short", None)),  # max_tokens inside the reasoning
+    (QWEN3, "still thinking", True, Split("still thinking", None)),
+    (QWEN3, "<think></think>Hi", False, Split("", "Hi")),
+    (QWEN3, "Hi <think>not at the start</think>", False, Split(None, "Hi <think>not at the start</think>")),
+    (R1, "no start tag</think>Answer", False, Split("no start tag", "Answer")),  # an R1 distill's shape
+    (R1, "<think>a</think>b", False, Split("a", "b")),
+    (R1, "only reasoning", False, Split("only reasoning", None)),
+    (GRANITE, "Here is my thought process: sum it Here is my response: 4", False, Split("sum it", "4")),
+    (GRANITE, "Here's my thought process: x\nHere's my response: y", False, Split("x", "y")),
+    (GRANITE, "Just 4.", False, Split(None, "Just 4.")),
+    (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>",
+     False, Split("think", "Hi")),
+    (GPT_OSS, "<|channel|>final<|message|>Hi", False, Split(None, "Hi")),
+])
+def test_split_whole_and_in_every_pair_of_chunks(parser, text, opened, want):
+    assert parser.split(text, opened) == want
+    # Streamed: each prefix is a chunk boundary; the deltas add up to the whole reply's split,
+    # and no tag (nor part of one) leaks into what was sent before the end.
+    for cut in range(len(text) + 1):
+        stream = ReasoningStream(parser, opened)
+        first, content_then = stream.advance(text[:cut], finished=False)
+        rest, content = stream.advance(text, finished=True)
+        assert first + rest == (want.reasoning or ""), cut
+        assert content == want.content
+        if content_then is not None:
+            assert (want.content or "").startswith(content_then), (cut, content_then)
+        assert "<th" not in first and "</" not in first and "<|" not in first, (cut, first)
+
+
+def test_a_stream_sends_nothing_it_takes_back():
+    """Character by character: the reasoning sent only grows, the answer never contains a tag."""
+    text = "<think>\nabc </thin</think>\n\nHello <think> world"
+    stream = ReasoningStream(QWEN3, False)
+    sent, contents = "", []
+    for i in range(1, len(text) + 1):
+        new, content = stream.advance(text[:i], finished=False)
+        sent += new
+        if content is not None:
+            contents.append(content)
+    assert sent == "abc </thin" and contents[-1] == "Hello <think> world"
+    assert all(b.startswith(a) for a, b in zip(contents, contents[1:]))
+
+
+def test_the_prompt_says_whether_the_reasoning_is_open():
+    assert QWEN3.opens_in("<|im_start|>assistant\n<think>\n")
+    assert not QWEN3.opens_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
+    assert not QWEN3.opens_in("<|im_start|>assistant\n")
+    assert GRANITE.opens_in("... Here is my thought process:")
+    earlier = "<|start|>assistant<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>commentary"
+    assert not GPT_OSS.opens_in(earlier + " to=functions.f<|message|>{}<|call|><|start|>assistant")
+    assert GPT_OSS.opens_in("<|start|>assistant<|channel|>analysis<|message|>")
+
+
+def test_auto_reads_the_chat_template():
+    assert parser_for_template("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == "gpt_oss"
+    assert parser_for_template("{% if enable_thinking is false %}<think>\n\n</think>{% endif %}") == "qwen3"
+    assert parser_for_template("{{ '<｜Assistant｜><think>\\n' }}") == "deepseek_r1"
+    assert parser_for_template("Here is my thought process: ...") == "granite"
+    assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
+
+
+def test_the_cli_offers_every_parser():
+    serve = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    action = next(a for a in serve._actions if a.dest == "reasoning_parser")
+    assert set(action.choices) == {"auto", *REASONING_PARSERS}
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+# Qwen3's shape: the generation prompt opens <think>, unless enable_thinking is false; an
+# assistant's reasoning sent back is shown in its turn.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% else %}<think>{% endif %}"
+    "{% endif %}"
+)
+ASK = [{"role": "user", "content": "2+2?"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    from pagellm.loader.synthetic import write_byte_tokenizer, write_dummy_model_dir
+    from server_utils import RemoteServer
+
+    path = write_dummy_model_dir(tmp_path_factory.mktemp("thinking"), "tiny")
+    write_byte_tokenizer(path, 320, THINKING_TEMPLATE)
+    server = RemoteServer([path, "--load-format", "dummy", "--served-model-name", "thinker",
+                           "--kv-cache-memory", "16M", "--max-model-len", "512", "--reasoning-parser", "auto",
+                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    yield server
+    server.close()
+
+
+def forced(regex: str) -> dict:
+    """The random model's reply held to `regex` (it writes nothing sensible by itself)."""
+    return {"structured_outputs": {"regex": regex}}
+
+
+def test_reasoning_content_whole_and_streamed(thinking_server):
+    client = thinking_server.client(timeout=120)
+    kwargs = dict(model="thinker", messages=ASK, max_tokens=64, temperature=0,
+                  extra_body=forced(r"two and two\n</think>\n\nfour"))
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.reasoning_content == "two and two" and message.content == "four"
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    reasoning = "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks)
+    content = "".join(c.delta.content or "" for c in chunks)
+    assert (reasoning, content) == ("two and two", "four")
+    first_content = next(i for i, c in enumerate(chunks) if c.delta.content)
+    assert all(not getattr(c.delta, "reasoning_content", None) for c in chunks[first_content:])
+
+    # Cut short while thinking: all reasoning, no answer.
+    cut = client.chat.completions.create(**{**kwargs, "max_tokens": 5}).choices[0]
+    assert cut.finish_reason == "length" and cut.message.reasoning_content == "two a"
+    assert cut.message.content is None
+
+
+def test_thinking_switched_off_and_reasoning_sent_back(thinking_server):
+    client = thinking_server.client(timeout=120)
+    off = client.chat.completions.create(model="thinker", messages=ASK, max_tokens=16, temperature=0,
+                                         extra_body={**forced("four"),
+                                                     "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content == "four" and off.choices[0].message.reasoning_content is None
+    history = ASK + [{"role": "assistant", "content": "four", "reasoning_content": "two and two"},
+                     {"role": "user", "content": "and 3+3?"}]
+    ids = json.loads(__import__("httpx").post(thinking_server.url + "/tokenize",
+                                              json={"messages": history}).text)["tokens"]
+    detok = __import__("httpx").post(thinking_server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "<think>two and two</think>four" in detok
+
+
+def test_tool_calls_come_from_the_answer_only(thinking_server):
+    """A call written in the reasoning is thought, not called; the one in the answer is."""
+    client = thinking_server.client(timeout=120)
+    call = r'<tool_call>\{"name": "add", "arguments": \{"a": 2\}\}</tool_call>'
+    kwargs = dict(model="thinker", messages=ASK, tools=TOOLS, max_tokens=200, temperature=0,
+                  extra_body=forced(r"maybe " + call + r"</think>ok " + call))
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content.startswith("maybe <tool_call>")
+    assert choice.message.content == "ok"
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "add" and json.loads(tc.function.arguments) == {"a": 2}
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    reasoning = "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks)
+    calls = [d for c in chunks for d in (c.delta.tool_calls or [])]
+    assert reasoning == choice.message.reasoning_content and len(calls) == 1
+    assert "".join(c.delta.content or "" for c in chunks).strip() == "ok"
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_thinking_blocks_in_the_messages_api(thinking_server):
+    """Anthropic's Messages API gives the reasoning as a thinking block before the text, and
+    streams it as thinking_delta events; a thinking block sent back reaches the template."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=thinking_server.url, api_key="none", max_retries=0, timeout=120)
+    kwargs = dict(model="thinker", max_tokens=64, messages=ASK,
+                  extra_body={"temperature": 0, **forced(r"two and two</think>four")})
+    r = client.messages.create(**kwargs)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in r.content] == \
+        [("thinking", "two and two"), ("text", "four")]
+    with client.messages.stream(**kwargs) as stream:
+        thought = "".join(e.delta.thinking for e in stream
+                          if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+        final = stream.get_final_message()
+    assert thought == "two and two" and [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[1].text == "four" and final.stop_reason == "end_turn"
+    off = client.messages.create(**{**kwargs, "extra_body": {"temperature": 0, **forced("four")}},
+                                 thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"]
+    back = ASK + [{"role": "assistant", "content": [{"type": "thinking", "thinking": "two and two", "signature": ""},
+                                                    {"type": "text", "text": "four"}]},
+                  {"role": "user", "content": "and 3+3?"}]
+    with_thought = client.messages.count_tokens(model="thinker", messages=back).input_tokens
+    without = client.messages.count_tokens(model="thinker", messages=[back[0], {"role": "assistant", "content": "four"},
+                                                                      back[2]]).input_tokens
+    assert with_thought == without + len("<think>two and two</think>")  # one token a byte

@@ -187,11 +187,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         meta = f.metadata
         names = ["--" + f.name.replace("_", "-")] + ([meta["alias"]] if meta["alias"] else [])
         default = None if f.default is MISSING else f.default
-        help_text = meta["help"] + ("" if default is None else f" (default: {default})")
+        # argparse formats help with %: a literal one (">= 99.9%") must be doubled.
+        help_text = (meta["help"] + ("" if default is None else f" (default: {default})")).replace("%", "%%")
         allowed = [t for t in _types(hints[f.name]) if t is not type(None)]
         if allowed == [bool]:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=meta["help"])
+                               help=meta["help"].replace("%", "%%"))
         else:
             group.add_argument(*names, dest=f.name, type=meta["parse"] or allowed[0], default=default,
                                choices=meta["choices"], help=help_text)

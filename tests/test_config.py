@@ -64,3 +64,4 @@ def test_every_flag_has_help():
         for action in commands[name]._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"pagellm {name} {action.option_strings[0]} has no help"
+        commands[name].format_help()  # argparse expands every help text: a stray % fails here

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gguf
@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 
 # llama.cpp's converter reorders q/k rows for these architectures (its non-NeoX rope).
 _PERMUTED_ARCHS = ("llama", "smollm3", "granite", "mistral3")
-# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
-_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+# llama.cpp's converter stores these architectures' `1 + w` RMSNorm weights with the 1 added
+# (Qwen3.5's gated norm inside the delta-rule layers is a plain `w` norm, stored as it is).
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3", "qwen35")
+_PLAIN_NORMS = (".linear_attn.norm.weight",)
 
 # `{arch}.<key>` metadata -> Hugging Face config field, for every architecture.
 _CONFIG_KEYS = {
@@ -67,12 +69,55 @@ _LLAMA_CPP_FIXED: dict[str, dict[str, Any]] = {
     "qwen3moe": {"norm_topk_prob": True},       # top-k routing weights renormalized
 }
 
+
+
+def _lfm2_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
+    """LFM2: the convolution layers are those with no key/value heads; the file's feed-forward
+    length is the MLP's width after transformers' adjustment (so none is applied again)."""
+    kv_heads = per_layer.pop("attention.head_count_kv")
+    fields["layer_types"] = ["full_attention" if n else "conv" for n in kv_heads]
+    fields["num_key_value_heads"] = _one_value({n for n in kv_heads if n}, "attention.head_count_kv", path)
+    fields["conv_L_cache"] = value("shortconv.l_cache")
+    fields["norm_eps"] = fields.pop("rms_norm_eps")
+    fields["block_auto_adjust_ff_dim"] = False
+
+
+
+def _qwen35_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
+    """Qwen3.5: the delta-rule layers are the recurrent ones; their sizes come as llama.cpp's
+    state-space keys (state size = key head size, group count = key heads, time-step rank =
+    value heads, inner size = all value heads)."""
+    recurrent = value("attention.recurrent_layers")
+    if recurrent is None:
+        raise ValueError(f"{path}: required metadata key qwen35.attention.recurrent_layers is missing")
+    fields["layer_types"] = ["linear_attention" if r else "full_attention"
+                             for r in recurrent[:fields["num_hidden_layers"]]]
+    value_heads = value("ssm.time_step_rank")
+    fields.update(linear_conv_kernel_dim=value("ssm.conv_kernel"), linear_key_head_dim=value("ssm.state_size"),
+                  linear_num_key_heads=value("ssm.group_count"), linear_num_value_heads=value_heads,
+                  linear_value_head_dim=value("ssm.inner_size") // value_heads)
+
+
+# Family fields that llama.cpp writes in its own shape (per-layer lists, its own keys):
+# fn(value of `{arch}.<key>`, the per-layer lists (fn takes those it reads), fields so far, path).
+_ARCH_FIELDS: dict[str, Callable[[Callable[[str], Any], dict[str, list], dict[str, Any], str], None]] = {
+    "lfm2": _lfm2_fields,
+    "qwen35": _qwen35_fields,
+}
+
+# Tensors whose GGUF names the name table cannot map back (the converter renamed them first):
+# arch -> {name within a block: HF name within a layer}.
+_LAYER_TENSORS = {
+    "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+}
+
 # llama.cpp's OLMo 3 graph ("olmo2" with a window) rotates its sliding-window layers unscaled with the
 # global base, whatever rope.freq_base_swa says.
 _SWA_GLOBAL_BASE_ARCHS = ("olmo2",)
 
 # Stacked expert tensors -> the HF name of every expert's matrices at once (FusedMoE loads them).
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _EXPERT_TENSOR_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
 # Per-frequency llama3 rope factors; folded into the config by read_gguf_config, not a parameter.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -126,17 +171,24 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
         if _value(reader, f"{arch}.{key}") is None:
             raise ValueError(f"{path}: required metadata key {arch}.{key} is missing")
     fields: dict[str, Any] = {}
+    per_layer: dict[str, list] = {}
     for key, field in _CONFIG_KEYS.items():
         value = _value(reader, f"{arch}.{key}")
         if key == "attention.sliding_window" and value == 0:
             value = None  # what the converter writes for "no window" (Phi-3)
-        if value is not None:
-            if isinstance(value, list):  # per-layer values (hybrid models) are not served
-                raise ValueError(f"{path}: metadata key {arch}.{key} varies per layer ({value[:4]}...), "
-                                 "which no supported family does")
+        if isinstance(value, list):  # per-layer values: the hybrid families read theirs
+            per_layer[key] = value
+        elif value is not None:
             fields[field] = value
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
         fields[key] = _as_int(fields[key], key, path)
+    # Multi-token-prediction layers follow the model's own in the block count; they are not served.
+    fields["num_hidden_layers"] -= _value(reader, f"{arch}.nextn_predict_layers") or 0
+    if arch in _ARCH_FIELDS:
+        _ARCH_FIELDS[arch](lambda key: _value(reader, f"{arch}.{key}"), per_layer, fields, path)
+    for key, value in per_layer.items():
+        raise ValueError(f"{path}: metadata key {arch}.{key} varies per layer ({value[:4]}...), "
+                         "which no supported family of this architecture does")
     fields.setdefault("vocab_size", _vocab_size(reader, arch, path))
     heads = fields["num_attention_heads"]
     head_dim = int(fields.get("head_dim") or fields["hidden_size"] // heads)
@@ -195,14 +247,14 @@ def iter_gguf_weights(path: str, reader: GGUFFile | None = None, cfg: ModelArchC
     reader = reader or open_gguf(path)
     cfg = cfg or read_gguf_config(path, reader)
     arch = _value(reader, "general.architecture")
-    names = _hf_names(reader, arch, cfg, path)
+    names, shapes = _hf_names(reader, arch, cfg, path)
     if keep_blocks:
         widened = sorted({t.tensor_type.name for t in reader.tensors if names.get(t.name) and not _as_blocks(t)
                           and t.tensor_type.name not in ("F32", "F16", "BF16", "F64")})
         if widened:
             logger.warning("pagellm: %s: %s weights have no quantized kernel here and are dequantized to the "
                            "model's dtype at load", os.path.basename(path), ", ".join(widened))
-    return _weights(reader, names, arch, cfg, path, keep_blocks)
+    return _weights(reader, names, shapes, arch, cfg, path, keep_blocks)
 
 
 def has_native_blocks(reader: GGUFFile) -> bool:
@@ -215,8 +267,8 @@ def _as_blocks(tensor: Any) -> bool:
     return len(tensor.shape) == 2 and int(tensor.tensor_type) in NATIVE_TYPES
 
 
-def _weights(reader: GGUFFile, names: dict[str, str], arch: str, cfg: ModelArchConfig,
-             path: str, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+def _weights(reader: GGUFFile, names: dict[str, str], shapes: dict[str, torch.Size], arch: str,
+             cfg: ModelArchConfig, path: str, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     permuted = arch in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         name = names.get(tensor.name)
@@ -227,41 +279,54 @@ def _weights(reader: GGUFFile, names: dict[str, str], arch: str, cfg: ModelArchC
             data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1))
             weight = GGUFBlocks(data, int(tensor.tensor_type), int(tensor.shape[0]))
         else:
-            weight = _to_torch(tensor, path)
+            weight = _unsqueezed(_to_torch(tensor, path), shapes.get(name))
         if permuted and ".q_proj." in name:
             weight = _unpermute(weight, cfg.num_attention_heads, name, path)
         elif permuted and ".k_proj." in name:
             weight = _unpermute(weight, cfg.num_key_value_heads, name, path)
-        elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+        elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight") and not name.endswith(_PLAIN_NORMS):
             weight -= 1.0
+        if name.endswith(".A_log"):  # stored as A = -exp(A_log)
+            weight = torch.log(-weight)
+        if arch == "qwen35" and ".linear_attn." in name:
+            weight = _qwen35_grouped_value_heads(weight, name, cfg.hf_config)
         yield name, weight
 
 
-def _hf_names(reader: GGUFFile, arch: str, cfg: ModelArchConfig, path: str) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face name. The converter maps HF names forward through
-    `gguf.TensorNameMap`, which knows many spellings of each tensor; of those, the one the
-    reference model of this family has (transformers' own module names) is the way back."""
+def _hf_names(reader: GGUFFile, arch: str, cfg: ModelArchConfig,
+              path: str) -> tuple[dict[str, str], dict[str, torch.Size]]:
+    """GGUF tensor name -> Hugging Face name, and each HF name's shape in the reference model.
+    The converter maps HF names forward through `gguf.TensorNameMap`, which knows many spellings
+    of each tensor; of those, the one the reference model of this family has (transformers' own
+    module names) is the way back."""
     import transformers
 
     with torch.device("meta"):
         reference = transformers.AutoModelForCausalLM.from_config(cfg.hf)
-    modules = {name.rsplit(".", 1)[0] for name in reference.state_dict()}
+    shapes = {name: p.shape for name, p in reference.state_dict().items()}
+    modules = {name.rsplit(".", 1)[0] for name in shapes}
     table = gguf.get_tensor_name_map(_MODEL_ARCHS[arch], cfg.num_hidden_layers)
     back = {gguf_name: hf_name for hf_name, (_, gguf_name) in table.mapping.items() if hf_name in modules}
+    renamed = _LAYER_TENSORS.get(arch, {})
     names: dict[str, str] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS or tensor.name in _LONGROPE_FACTORS:
             continue  # folded into the config
+        block = _BLOCK_RE.fullmatch(tensor.name)
+        if block and int(block.group(1)) >= cfg.num_hidden_layers and _value(reader, f"{arch}.nextn_predict_layers"):
+            continue  # a multi-token-prediction layer (not served)
         base, _, suffix = tensor.name.rpartition(".")
         expert = _EXPERT_TENSOR_RE.fullmatch(tensor.name)
-        if expert and cfg.hf_config.get("num_experts_per_tok"):
+        if block and block.group(2) in renamed:
+            names[tensor.name] = f"model.layers.{block.group(1)}.{renamed[block.group(2)]}"
+        elif expert and cfg.hf_config.get("num_experts_per_tok"):
             names[tensor.name] = f"model.layers.{expert.group(1)}.mlp.experts.{_EXPERT_TENSORS[expert.group(2)]}"
         elif base in back:
             names[tensor.name] = f"{back[base]}.{suffix}"
         else:
             # Failing beats silently dropping a weight the model would then run without.
             raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {cfg.architecture} model")
-    return names
+    return names, shapes
 
 
 _MODEL_ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -294,6 +359,14 @@ def _value(reader: GGUFFile, key: str) -> Any:
         # The shortest decimal that round-trips in float32, so 1e-5 reads back as 1e-5.
         return float(str(np.float32(value)))
     return value
+
+
+def _one_value(values: set, key: str, path: str) -> Any:
+    """The one value a per-layer list holds where it is set (ValueError if it holds several)."""
+    if len(values) != 1:
+        raise ValueError(f"{path}: metadata key {key} holds {sorted(values)} in different layers; "
+                         "one value is supported")
+    return values.pop()
 
 
 def _as_int(value: Any, key: str, path: str) -> int:
@@ -409,6 +482,37 @@ def _to_torch(tensor: Any, path: str) -> torch.Tensor:
     if not values.flags.writeable:
         values = values.copy()  # F32 comes back as a view of the read-only mmap
     return torch.from_numpy(values)
+
+
+def _qwen35_grouped_value_heads(weight: torch.Tensor, name: str, hf: dict) -> torch.Tensor:
+    """Undo the converter's reordering of Qwen3.5's delta-rule value heads: it stores them tiled
+    across key heads ([v0 of every key head, v1 of every key head, ...]) where the checkpoint
+    groups them by key head; rows (or out_proj's columns) of value heads go back to grouped."""
+    key_heads, value_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+    if key_heads == value_heads:
+        return weight
+    per_key, head_dim, qk = value_heads // key_heads, hf["linear_value_head_dim"], 2 * key_heads * hf["linear_key_head_dim"]
+
+    def grouped(t: torch.Tensor, size: int) -> torch.Tensor:  # along dim 0
+        return t.reshape(per_key, key_heads, size, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        return torch.cat([weight[:qk], grouped(weight[qk:], head_dim)])
+    if name.endswith(".in_proj_z.weight"):
+        return grouped(weight, head_dim)
+    if name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return grouped(weight, 1)
+    if name.endswith(".out_proj.weight"):
+        return grouped(weight.t(), head_dim).t().contiguous()
+    return weight
+
+
+def _unsqueezed(weight: torch.Tensor, shape: torch.Size | None) -> torch.Tensor:
+    """The weight in its reference shape where the converter squeezed out dimensions of size 1
+    (convolution kernels [channels, 1, K] are stored as [channels, K])."""
+    if shape is not None and weight.dim() < len(shape) and [d for d in shape if d != 1] == list(weight.shape):
+        return weight.reshape(shape)
+    return weight
 
 
 def _unpermute(weight: torch.Tensor | GGUFBlocks, n_head: int, name: str, path: str) -> torch.Tensor | GGUFBlocks:

@@ -70,7 +70,8 @@ def hf_state_dict(tie: bool = False) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, Q | None]], arch: str = "llama", head_dim: int = HEAD_DIM,
-               theta: float = 10000.0, context: int = 2048, extra=None) -> None:
+               theta: float = 10000.0, context: int = 2048, extra=None,
+               kv_heads: int | list[int] = KV_HEADS) -> None:
     """A GGUF with llama.cpp's metadata keys; `tensors` maps GGUF names to (data, raw_dtype)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -78,7 +79,7 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, Q | None]], arch: str 
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(theta)
     w.add_rope_dimension_count(head_dim)
@@ -303,6 +304,25 @@ def test_ministral3_yarn_and_query_scale(tmp_path, llama_sd):
     assert cfg.hf_config["rope_parameters"] == {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1}
+
+
+def test_lfm2_layer_kinds_from_per_layer_kv_heads(tmp_path, llama_sd):
+    """LFM2 files: the convolution layers are those with no key/value heads, and the feed-forward
+    length is already the MLP's width (transformers' adjustment is not applied again)."""
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "lfm2.gguf", tensors, arch="lfm2", kv_heads=[0, 2],
+               extra=lambda w: w.add_shortconv_l_cache(3))
+    cfg = read_gguf_config(str(tmp_path / "lfm2.gguf"))
+    assert cfg.architecture == "lfm2"
+    hf = cfg.hf_config
+    assert hf["layer_types"] == ["conv", "full_attention"]
+    assert (hf["num_key_value_heads"], hf["conv_L_cache"], hf["norm_eps"]) == (2, 3, 1e-6)
+    assert (hf["intermediate_size"], hf["block_auto_adjust_ff_dim"]) == (FFN, False)
+
+    write_gguf(tmp_path / "mixed.gguf", tensors, arch="lfm2", kv_heads=[1, 2],
+               extra=lambda w: w.add_shortconv_l_cache(3))
+    with pytest.raises(ValueError, match=r"attention.head_count_kv holds \[1, 2\] in different layers"):
+        read_gguf_config(str(tmp_path / "mixed.gguf"))
 
 
 def test_bundled_model_config():

@@ -11,6 +11,7 @@ model is then the model llama.cpp serves."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import shutil
@@ -18,12 +19,13 @@ import shutil
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from pagellm import LLM, SamplingParams
 from pagellm.loader.bundled import default_model_path
 from pagellm.models.registry import FAMILIES as REGISTRY
 from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
-from tests.models.families import build
+from tests.models.families import REFERENCE_DTYPE, build
 from tests.models.llama_cpp import convert_many
 
 pytestmark = pytest.mark.slow
@@ -52,8 +54,12 @@ GGUF_CHANGES = {
     # No sliding window in llama.cpp's Mistral 3 (real Ministral 3 has none); it takes YaRN's mscale
     # as 1 (as here) and steps the query scale at the YaRN original context (as transformers).
     "ministral3": dict(sliding_window=None),
+    # llama.cpp's LFM2 has no convolution bias (the converter fails on one; real LFM2 has none).
+    "lfm2": dict(conv_bias=False),
 }
 N_NEW = 12
+# Families whose converter needs a multi-token-prediction layer (see add_mtp_layer).
+MTP = ("qwen3_5",)
 SENTENCEPIECE = ("gemma2", "phi3")
 # Phi-3's LongRoPE: short factors within the original context (64), as the HF reference has
 # them for these sequences (see test_families.ENGINE_ARGS).
@@ -96,7 +102,25 @@ def hf_model(family: str, tmp_path, smollm2_tokenizer, sentencepiece_model) -> t
         model_dir, vocab = build(family, tmp_path / family, vocab_size=VOCAB, **GGUF_CHANGES.get(family, {})), VOCAB
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(smollm2_tokenizer / name, model_dir / name)
+    if family in MTP:
+        add_mtp_layer(model_dir)
     return model_dir, vocab
+
+
+def add_mtp_layer(model_dir) -> None:
+    """A multi-token-prediction layer (`mtp.*`, as Qwen3.5's checkpoints have; transformers ignores
+    it): the converter refuses a Qwen3.5 directory without one, and writes it after the model's
+    layers (`nextn_predict_layers`), where the loader must leave it out."""
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    hidden = weights["model.norm.weight"].shape[0]
+    mtp = {"mtp." + k.removeprefix("model."): v.clone() for k, v in weights.items() if k.startswith("model.layers.0.")}
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.3
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden) * 0.3
+    save_file({**weights, **mtp}, path, metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +140,7 @@ def test_converted_gguf_matches_transformers(family, conversions):
     if isinstance(gguf_path, str):
         raise AssertionError(f"convert_hf_to_gguf.py failed on {family}:\n{gguf_path}")
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=REFERENCE_DTYPE.get(family, torch.float32),
                                                            attn_implementation="eager").eval()
     rng = random.Random(1)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17, 30)]

@@ -325,6 +325,50 @@ def test_lfm2_layer_kinds_from_per_layer_kv_heads(tmp_path, llama_sd):
         read_gguf_config(str(tmp_path / "mixed.gguf"))
 
 
+def test_granitehybrid_layer_kinds_and_mamba_sizes(tmp_path, llama_sd):
+    """Granite 4 hybrid files: Mamba-2 layers are those with no key/value heads, sized by llama.cpp's
+    state-space keys; attention without rotary embeddings unless rope.scaling.finetuned is set."""
+    def extra(w: gguf.GGUFWriter) -> None:
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(8)
+        w.add_ssm_group_count(2)
+        w.add_ssm_inner_size(2 * HIDDEN)
+        w.add_ssm_time_step_rank(8)
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_expert_shared_feed_forward_length(96)
+        w.add_rope_scaling_finetuned(False)
+
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "g.gguf", tensors, arch="granitehybrid", kv_heads=[0, 2], extra=extra)
+    cfg = read_gguf_config(str(tmp_path / "g.gguf"))
+    assert cfg.architecture == "granite_moe_hybrid"
+    hf = cfg.hf_config
+    assert hf["layer_types"] == ["linear_attention", "full_attention"] and hf["num_key_value_heads"] == 2
+    assert {k: hf[k] for k in ("mamba_d_conv", "mamba_d_state", "mamba_n_groups", "mamba_n_heads", "mamba_expand",
+                               "mamba_d_head", "num_local_experts", "shared_intermediate_size",
+                               "position_embedding_type")} == {
+        "mamba_d_conv": 4, "mamba_d_state": 8, "mamba_n_groups": 2, "mamba_n_heads": 8, "mamba_expand": 2,
+        "mamba_d_head": 2 * HIDDEN // 8, "num_local_experts": 4, "shared_intermediate_size": 96,
+        "position_embedding_type": "nope"}
+
+
+def test_gpt_oss_fixed_clamp_and_window_pattern(tmp_path, llama_sd):
+    """gpt-oss files: llama.cpp fixes the clamp at 7.0 and the window on every other layer from the first."""
+    def extra(w: gguf.GGUFWriter) -> None:
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_sliding_window(8)
+
+    write_gguf(tmp_path / "o.gguf", {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)},
+               arch="gpt-oss", extra=extra)
+    cfg = read_gguf_config(str(tmp_path / "o.gguf"))
+    assert cfg.architecture == "gpt_oss"
+    hf = cfg.hf_config
+    assert (hf["swiglu_limit"], hf["num_local_experts"], hf["sliding_window"]) == (7.0, 4, 8)
+    assert hf["layer_types"] == ["sliding_attention", "full_attention"]
+
+
 def test_bundled_model_config():
     cfg = read_gguf_config(default_model_path())
     assert cfg.architecture == "llama"

@@ -325,6 +325,13 @@ def test_lfm2_layer_kinds_from_per_layer_kv_heads(tmp_path, llama_sd):
         read_gguf_config(str(tmp_path / "mixed.gguf"))
 
 
+def test_per_layer_metadata_of_a_family_without_hybrid_layers_is_refused(tmp_path, llama_sd):
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "l.gguf", tensors, kv_heads=[2, 0])
+    with pytest.raises(ValueError, match=r"llama.attention.head_count_kv varies per layer \(\[2, 0\]"):
+        read_gguf_config(str(tmp_path / "l.gguf"))
+
+
 def test_granitehybrid_layer_kinds_and_mamba_sizes(tmp_path, llama_sd):
     """Granite 4 hybrid files: Mamba-2 layers are those with no key/value heads, sized by llama.cpp's
     state-space keys; attention without rotary embeddings unless rope.scaling.finetuned is set."""

@@ -200,18 +200,23 @@ class GatedSharedExpertMoeBlock(SparseMoeBlock):
 def route_expert_weight(name: str) -> tuple[str, tuple] | None:
     """A checkpoint name of experts' matrices -> (the stacked parameter, its part), or None.
     One expert per tensor: `...experts.<e>.<w1|w3|w2|gate_proj|up_proj|down_proj>.weight`; all
-    experts stacked: `...experts.<gate_up_proj|gate_proj|up_proj|down_proj>[.weight]`."""
+    experts stacked: `...experts.<gate_up_proj|gate_proj|up_proj|down_proj>[.weight]`, and their
+    biases stacked one kind at a time (GGUF's ffn_*_exps.bias): `...experts.<w1|w3|w2|...>_bias`."""
     head, sep, tail = name.partition(".experts.")
     if not sep:
         return None
     tail = tail.removesuffix(".weight")
     if tail == "gate_up_proj":
         return f"{head}.experts.w13", ("all", "w13")
+    bias = ""
+    if tail.endswith("_bias") and tail.removesuffix("_bias") in EXPERT_PARTS:
+        tail, bias = tail.removesuffix("_bias"), "_bias"
     expert, _, rest = tail.partition(".") if "." in tail else ("all", "", tail)
     kind = EXPERT_PARTS.get(rest)
     if not (expert == "all" or expert.isdigit()) or kind is None:
         return None
-    return f"{head}.experts.{'w2' if kind == 'w2' else 'w13'}", (expert if expert == "all" else int(expert), kind)
+    param = f"{'w2' if kind == 'w2' else 'w13'}{bias}"
+    return f"{head}.experts.{param}", (expert if expert == "all" else int(expert), kind)
 
 
 def route_interleaved_expert_weight(name: str) -> tuple[str, tuple] | None:

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gguf
@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 
 # llama.cpp's converter reorders q/k rows for these architectures (its non-NeoX rope).
 _PERMUTED_ARCHS = ("llama", "smollm3", "granite", "mistral3")
-# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
-_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+# llama.cpp's converter stores these architectures' `1 + w` RMSNorm weights with the 1 added
+# (Qwen3.5's gated norm inside the delta-rule layers is a plain `w` norm, stored as it is).
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3", "qwen35")
+_PLAIN_NORMS = (".linear_attn.norm.weight",)
 
 # `{arch}.<key>` metadata -> Hugging Face config field, for every architecture.
 _CONFIG_KEYS = {
@@ -65,15 +67,96 @@ _LLAMA_CPP_FIXED: dict[str, dict[str, Any]] = {
     "smollm3": {"no_rope_layer_interval": 4},   # every fourth layer without rope
     "gemma3": {"sliding_window_pattern": 6},    # five local layers, then one global
     "qwen3moe": {"norm_topk_prob": True},       # top-k routing weights renormalized
+    "gpt-oss": {"swiglu_limit": 7.0},           # the experts' clamp (and alpha 1.702, as transformers)
 }
+
+
+def _lfm2_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
+    """LFM2: the convolution layers are those with no key/value heads; the file's feed-forward
+    length is the MLP's width after transformers' adjustment (so none is applied again)."""
+    kv_heads = per_layer.pop("attention.head_count_kv")
+    fields["layer_types"] = ["full_attention" if n else "conv" for n in kv_heads]
+    fields["num_key_value_heads"] = _one_value({n for n in kv_heads if n}, "attention.head_count_kv", path)
+    fields["conv_L_cache"] = value("shortconv.l_cache")
+    fields["norm_eps"] = fields.pop("rms_norm_eps")
+    fields["block_auto_adjust_ff_dim"] = False
+
+
+def _qwen35_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
+    """Qwen3.5: the delta-rule layers are the recurrent ones; their sizes come as llama.cpp's
+    state-space keys (state size = key head size, group count = key heads, time-step rank =
+    value heads, inner size = all value heads)."""
+    recurrent = value("attention.recurrent_layers")
+    if recurrent is None:
+        raise ValueError(f"{path}: required metadata key qwen35.attention.recurrent_layers is missing")
+    fields["layer_types"] = ["linear_attention" if r else "full_attention"
+                             for r in recurrent[:fields["num_hidden_layers"]]]
+    value_heads = value("ssm.time_step_rank")
+    fields.update(linear_conv_kernel_dim=value("ssm.conv_kernel"), linear_key_head_dim=value("ssm.state_size"),
+                  linear_num_key_heads=value("ssm.group_count"), linear_num_value_heads=value_heads,
+                  linear_value_head_dim=value("ssm.inner_size") // value_heads)
+
+
+def _granitehybrid_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any],
+                          path: str) -> None:
+    """Granite 4 hybrid: the Mamba-2 layers are those with no key/value heads, sized from llama.cpp's
+    state-space keys (time-step rank = heads, inner size = expand x hidden); its attention has no
+    rotary embedding unless rope.scaling.finetuned says so (what llama.cpp's graph reads)."""
+    kv_heads = per_layer.pop("attention.head_count_kv")
+    fields["layer_types"] = ["full_attention" if n else "linear_attention" for n in kv_heads]
+    fields["num_key_value_heads"] = _one_value({n for n in kv_heads if n}, "attention.head_count_kv", path)
+    heads, inner, hidden = value("ssm.time_step_rank"), value("ssm.inner_size"), fields["hidden_size"]
+    if inner % hidden or inner % heads:
+        raise ValueError(f"{path}: granitehybrid.ssm.inner_size {inner} is not a multiple of the hidden size "
+                         f"({hidden}) and of ssm.time_step_rank ({heads})")
+    fields.update(mamba_d_conv=value("ssm.conv_kernel"), mamba_d_state=value("ssm.state_size"),
+                  mamba_n_groups=value("ssm.group_count"), mamba_n_heads=heads, mamba_expand=inner // hidden,
+                  mamba_d_head=inner // heads, shared_intermediate_size=value("expert_shared_feed_forward_length"),
+                  position_embedding_type="rope" if value("rope.scaling.finetuned") else "nope")
+    if "num_experts" in fields:
+        fields["num_local_experts"] = fields.pop("num_experts")
+
+
+def _gpt_oss_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
+    """gpt-oss: llama.cpp fixes the window on every other layer, the first included."""
+    fields["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(fields["num_hidden_layers"])]
+    fields["num_local_experts"] = fields.pop("num_experts")
+
+
+# Family fields that llama.cpp writes in its own shape (per-layer lists, its own keys):
+# fn(value of `{arch}.<key>`, the per-layer lists (fn takes those it reads), fields so far, path).
+_ARCH_FIELDS: dict[str, Callable[[Callable[[str], Any], dict[str, list], dict[str, Any], str], None]] = {
+    "lfm2": _lfm2_fields,
+    "qwen35": _qwen35_fields,
+    "granitehybrid": _granitehybrid_fields,
+    "gpt-oss": _gpt_oss_fields,
+}
+
+# Tensors whose GGUF names the name table cannot map back (the converter renamed them first):
+# arch -> {name within a block: HF name within a layer}.
+_LAYER_TENSORS = {
+    "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+    "granitehybrid": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias",
+                      # the shared MLP's input_linear, split into its gate and up halves
+                      "ffn_gate_shexp.weight": "shared_mlp.gate_proj.weight",
+                      "ffn_up_shexp.weight": "shared_mlp.up_proj.weight",
+                      # the checkpoint's name (transformers' module is `router`)
+                      "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight"},
+    "gpt-oss": {"attn_sinks.weight": "self_attn.sinks"},
+}
+# The module holding an architecture's experts, where not `mlp`.
+_EXPERTS_MODULE = {"granitehybrid": "block_sparse_moe"}
 
 # llama.cpp's OLMo 3 graph ("olmo2" with a window) rotates its sliding-window layers unscaled with the
 # global base, whatever rope.freq_base_swa says.
 _SWA_GLOBAL_BASE_ARCHS = ("olmo2",)
 
-# Stacked expert tensors -> the HF name of every expert's matrices at once (FusedMoE loads them).
-_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_EXPERT_TENSOR_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
+# Stacked expert tensors -> the name of every expert's matrices at once ([out, in] each, which
+# FusedMoE loads as w1, w3 and w2); not gate_proj etc., which gpt-oss's checkpoints use for [in, out].
+_EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_EXPERT_TENSOR_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.(weight|bias)")
 # Per-frequency llama3 rope factors; folded into the config by read_gguf_config, not a parameter.
 _ROPE_FREQS = "rope_freqs.weight"
 # Phi-3's LongRoPE factor lists, folded into the config likewise.
@@ -126,17 +209,24 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
         if _value(reader, f"{arch}.{key}") is None:
             raise ValueError(f"{path}: required metadata key {arch}.{key} is missing")
     fields: dict[str, Any] = {}
+    per_layer: dict[str, list] = {}
     for key, field in _CONFIG_KEYS.items():
         value = _value(reader, f"{arch}.{key}")
         if key == "attention.sliding_window" and value == 0:
             value = None  # what the converter writes for "no window" (Phi-3)
-        if value is not None:
-            if isinstance(value, list):  # per-layer values (hybrid models) are not served
-                raise ValueError(f"{path}: metadata key {arch}.{key} varies per layer ({value[:4]}...), "
-                                 "which no supported family does")
+        if isinstance(value, list):  # per-layer values: the hybrid families read theirs
+            per_layer[key] = value
+        elif value is not None:
             fields[field] = value
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
         fields[key] = _as_int(fields[key], key, path)
+    # Multi-token-prediction layers follow the model's own in the block count; they are not served.
+    fields["num_hidden_layers"] -= _value(reader, f"{arch}.nextn_predict_layers") or 0
+    if arch in _ARCH_FIELDS:
+        _ARCH_FIELDS[arch](lambda key: _value(reader, f"{arch}.{key}"), per_layer, fields, path)
+    for key, value in per_layer.items():
+        raise ValueError(f"{path}: metadata key {arch}.{key} varies per layer ({value[:4]}...), "
+                         "which no supported family of this architecture does")
     fields.setdefault("vocab_size", _vocab_size(reader, arch, path))
     heads = fields["num_attention_heads"]
     head_dim = int(fields.get("head_dim") or fields["hidden_size"] // heads)
@@ -195,14 +285,14 @@ def iter_gguf_weights(path: str, reader: GGUFFile | None = None, cfg: ModelArchC
     reader = reader or open_gguf(path)
     cfg = cfg or read_gguf_config(path, reader)
     arch = _value(reader, "general.architecture")
-    names = _hf_names(reader, arch, cfg, path)
+    names, shapes = _hf_names(reader, arch, cfg, path)
     if keep_blocks:
         widened = sorted({t.tensor_type.name for t in reader.tensors if names.get(t.name) and not _as_blocks(t)
                           and t.tensor_type.name not in ("F32", "F16", "BF16", "F64")})
         if widened:
             logger.warning("pagellm: %s: %s weights have no quantized kernel here and are dequantized to the "
                            "model's dtype at load", os.path.basename(path), ", ".join(widened))
-    return _weights(reader, names, arch, cfg, path, keep_blocks)
+    return _weights(reader, names, shapes, arch, cfg, path, keep_blocks)
 
 
 def has_native_blocks(reader: GGUFFile) -> bool:
@@ -215,53 +305,70 @@ def _as_blocks(tensor: Any) -> bool:
     return len(tensor.shape) == 2 and int(tensor.tensor_type) in NATIVE_TYPES
 
 
-def _weights(reader: GGUFFile, names: dict[str, str], arch: str, cfg: ModelArchConfig,
-             path: str, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+def _weights(reader: GGUFFile, names: dict[str, str], shapes: dict[str, torch.Size], arch: str,
+             cfg: ModelArchConfig, path: str, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     permuted = arch in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         name = names.get(tensor.name)
         if name is None:
             continue
-        if keep_blocks and _as_blocks(tensor):
+        if keep_blocks and _as_blocks(tensor) and not _columns_reordered(arch, name, cfg.hf_config):
             # A copy out of the read-only mmap: [rows, row_bytes] as the file lays them out.
             data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1))
             weight = GGUFBlocks(data, int(tensor.tensor_type), int(tensor.shape[0]))
         else:
-            weight = _to_torch(tensor, path)
+            weight = _in_reference_shape(_to_torch(tensor, path), shapes.get(name))
         if permuted and ".q_proj." in name:
             weight = _unpermute(weight, cfg.num_attention_heads, name, path)
         elif permuted and ".k_proj." in name:
             weight = _unpermute(weight, cfg.num_key_value_heads, name, path)
-        elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+        elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight") and not name.endswith(_PLAIN_NORMS):
             weight -= 1.0
+        if name.endswith(".A_log"):  # stored as A = -exp(A_log)
+            weight = torch.log(-weight)
+        if arch == "qwen35" and ".linear_attn." in name:
+            weight = _qwen35_grouped_value_heads(weight, name, cfg.hf_config)
         yield name, weight
 
 
-def _hf_names(reader: GGUFFile, arch: str, cfg: ModelArchConfig, path: str) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face name. The converter maps HF names forward through
-    `gguf.TensorNameMap`, which knows many spellings of each tensor; of those, the one the
-    reference model of this family has (transformers' own module names) is the way back."""
+def _hf_names(reader: GGUFFile, arch: str, cfg: ModelArchConfig,
+              path: str) -> tuple[dict[str, str], dict[str, torch.Size]]:
+    """GGUF tensor name -> Hugging Face name, and each HF name's shape in the reference model.
+    The converter maps HF names forward through `gguf.TensorNameMap`, which knows many spellings
+    of each tensor; of those, the one the reference model of this family has (transformers' own
+    module names) is the way back."""
     import transformers
 
     with torch.device("meta"):
         reference = transformers.AutoModelForCausalLM.from_config(cfg.hf)
-    modules = {name.rsplit(".", 1)[0] for name in reference.state_dict()}
+    shapes = {name: p.shape for name, p in reference.state_dict().items()}
+    modules = {name.rsplit(".", 1)[0] for name in shapes}
     table = gguf.get_tensor_name_map(_MODEL_ARCHS[arch], cfg.num_hidden_layers)
     back = {gguf_name: hf_name for hf_name, (_, gguf_name) in table.mapping.items() if hf_name in modules}
+    renamed = _LAYER_TENSORS.get(arch, {})
+    prediction_layers = bool(_value(reader, f"{arch}.nextn_predict_layers"))
     names: dict[str, str] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS or tensor.name in _LONGROPE_FACTORS:
             continue  # folded into the config
+        block = _BLOCK_RE.fullmatch(tensor.name)
+        if block and prediction_layers and int(block.group(1)) >= cfg.num_hidden_layers:
+            continue  # a multi-token-prediction layer (not served)
         base, _, suffix = tensor.name.rpartition(".")
         expert = _EXPERT_TENSOR_RE.fullmatch(tensor.name)
-        if expert and cfg.hf_config.get("num_experts_per_tok"):
-            names[tensor.name] = f"model.layers.{expert.group(1)}.mlp.experts.{_EXPERT_TENSORS[expert.group(2)]}"
+        if block and block.group(2) in renamed:
+            names[tensor.name] = f"model.layers.{block.group(1)}.{renamed[block.group(2)]}"
+        elif expert and cfg.hf_config.get("num_experts_per_tok"):
+            module = _EXPERTS_MODULE.get(arch, "mlp")
+            bias = "_bias" if expert.group(3) == "bias" else ""  # every expert's biases stacked (gpt-oss)
+            names[tensor.name] = (f"model.layers.{expert.group(1)}.{module}.experts."
+                                  f"{_EXPERT_TENSORS[expert.group(2)]}{bias}")
         elif base in back:
             names[tensor.name] = f"{back[base]}.{suffix}"
         else:
             # Failing beats silently dropping a weight the model would then run without.
             raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {cfg.architecture} model")
-    return names
+    return names, shapes
 
 
 _MODEL_ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -294,6 +401,14 @@ def _value(reader: GGUFFile, key: str) -> Any:
         # The shortest decimal that round-trips in float32, so 1e-5 reads back as 1e-5.
         return float(str(np.float32(value)))
     return value
+
+
+def _one_value(values: set, key: str, path: str) -> Any:
+    """The one value a per-layer list holds where it is set (ValueError if it holds several)."""
+    if len(values) != 1:
+        raise ValueError(f"{path}: metadata key {key} holds {sorted(values)} in different layers; "
+                         "one value is supported")
+    return values.pop()
 
 
 def _as_int(value: Any, key: str, path: str) -> int:
@@ -409,6 +524,53 @@ def _to_torch(tensor: Any, path: str) -> torch.Tensor:
     if not values.flags.writeable:
         values = values.copy()  # F32 comes back as a view of the read-only mmap
     return torch.from_numpy(values)
+
+
+def _columns_reordered(arch: str, name: str, hf: dict) -> bool:
+    """Whether the loader reorders a matrix's columns (which cuts through quantized blocks, so the
+    matrix is dequantized first): Qwen3.5's delta-rule out_proj, when its value heads were tiled."""
+    return (arch == "qwen35" and name.endswith(".linear_attn.out_proj.weight")
+            and hf["linear_num_key_heads"] != hf["linear_num_value_heads"])
+
+
+def _qwen35_grouped_value_heads(weight: torch.Tensor | GGUFBlocks, name: str,
+                                hf: dict) -> torch.Tensor | GGUFBlocks:
+    """Undo the converter's reordering of Qwen3.5's delta-rule value heads: it stores them tiled
+    across key heads ([v0 of every key head, v1 of every key head, ...]) where the checkpoint
+    groups them by key head; rows (or out_proj's columns) of value heads go back to grouped."""
+    key_heads, value_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+    if key_heads == value_heads:
+        return weight
+    per_key, head_dim, qk = value_heads // key_heads, hf["linear_value_head_dim"], 2 * key_heads * hf["linear_key_head_dim"]
+
+    def grouped(t: torch.Tensor | GGUFBlocks, size: int) -> torch.Tensor | GGUFBlocks:  # rows, along dim 0
+        if isinstance(t, GGUFBlocks):  # a row is whole blocks: reorder them the same way
+            return t.with_rows(grouped(t.data, size))
+        return t.reshape(per_key, key_heads, size, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        if isinstance(weight, GGUFBlocks):
+            return weight.with_rows(torch.cat([weight.data[:qk], grouped(weight.data[qk:], head_dim)]))
+        return torch.cat([weight[:qk], grouped(weight[qk:], head_dim)])
+    if name.endswith(".in_proj_z.weight"):
+        return grouped(weight, head_dim)
+    if name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return grouped(weight, 1)
+    if name.endswith(".out_proj.weight"):
+        return grouped(weight.t(), head_dim).t().contiguous()
+    return weight
+
+
+def _in_reference_shape(weight: torch.Tensor, shape: torch.Size | None) -> torch.Tensor:
+    """The weight in its reference shape where the converter only squeezed out or added dimensions
+    of size 1 (convolution kernels [channels, 1, K] stored as [channels, K], Mamba-2's A and D
+    as [heads, 1]) or stored a vector as rows (Mamba-2's norm, one row per group)."""
+    if shape is None or weight.shape == shape:
+        return weight
+    squeezed = [d for d in shape if d != 1] == [d for d in weight.shape if d != 1]
+    if squeezed or (len(shape) == 1 and weight.numel() == shape[0]):
+        return weight.reshape(shape)
+    return weight
 
 
 def _unpermute(weight: torch.Tensor | GGUFBlocks, n_head: int, name: str, path: str) -> torch.Tensor | GGUFBlocks:

@@ -68,9 +68,10 @@ def load_model_source(model: str | None, load_format: str = "auto", quantization
     if fmt == "gguf":
         reader = open_gguf(path)  # parsed once for the config and the weights
         arch, tokenizer = read_gguf_config(path, reader), Tokenizer.from_gguf(path)
-        blocks = quantization == "auto" and has_native_blocks(reader)
-        layers_format = "gguf" if blocks else "dense"
-        weights = partial(iter_gguf_weights, path, reader, arch, keep_blocks=blocks)
+        auto = quantization == "auto"
+        layers_format = "gguf" if auto and has_native_blocks(reader) else "dense"
+        # keep_blocks also when no matrix has a kernel (all MXFP4, say): it warns of the dequantized types.
+        weights = partial(iter_gguf_weights, path, reader, arch, keep_blocks=auto)
     else:
         arch, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
         weights = partial(iter_hf_weights, path)

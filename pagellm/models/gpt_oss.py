@@ -8,7 +8,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.layers.activation import ClampedSwiGLU
-from pagellm.layers.moe import SparseMoeBlock, route_interleaved_expert_weight
+from pagellm.layers.moe import SparseMoeBlock, route_expert_weight, route_interleaved_expert_weight
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -38,4 +38,5 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return name
 
     def route(self, name: str, params: dict) -> tuple[str, object]:
-        return route_interleaved_expert_weight(name) or super().route(name, params)
+        # GGUF files stack gate, up and down (and their biases) apart: route_expert_weight's names.
+        return route_interleaved_expert_weight(name) or route_expert_weight(name) or super().route(name, params)

@@ -18,10 +18,12 @@ from pagellm.models.granite import GraniteForCausalLM
 from pagellm.models.llama import LlamaMLP
 
 # Checkpoint name fragment -> this family's parameter fragment. The checkpoints keep every expert's
-# gate and up projections stacked in input_linear [E, 2I, H] and their down ones in output_linear.
+# gate and up projections stacked in input_linear [E, 2I, H] and their down ones in output_linear
+# (GGUF files: experts.w1, experts.w3 and experts.w2, the shared MLP's halves apart).
 _RENAMES = ((".block_sparse_moe.router.layer.", ".moe.gate."),
             (".block_sparse_moe.input_linear.weight", ".moe.experts.gate_up_proj"),
             (".block_sparse_moe.output_linear.weight", ".moe.experts.down_proj"),
+            (".block_sparse_moe.experts.", ".moe.experts."),  # one kind at a time, as GGUF files stack them
             (".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj."),
             (".shared_mlp.output_linear.", ".shared_mlp.down_proj."))
 

@@ -40,16 +40,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3_text",)),
     Family("ministral3", "ministral3", "Ministral3ForCausalLM", ("Ministral3ForCausalLM",), ("mistral3",),
            ("ministral3",)),
-    Family("qwen3_5", "qwen3_5", "Qwen3_5ForCausalLM", ("Qwen3_5ForCausalLM",), (), ("qwen3_5_text",)),
+    Family("qwen3_5", "qwen3_5", "Qwen3_5ForCausalLM", ("Qwen3_5ForCausalLM",), ("qwen35",), ("qwen3_5_text",)),
     Family("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", ("Qwen3_5MoeForCausalLM",), (),
            ("qwen3_5_moe_text",), moe=True),
     Family("granite_moe_hybrid", "granite_moe_hybrid", "GraniteMoeHybridForCausalLM",
-           ("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
-    Family("lfm2", "lfm2", "Lfm2ForCausalLM", ("Lfm2ForCausalLM",), (), ("lfm2",)),
+           ("GraniteMoeHybridForCausalLM",), ("granitehybrid",), ("granitemoehybrid",), moe=True),
+    Family("lfm2", "lfm2", "Lfm2ForCausalLM", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     Family("mixtral", "mixtral", "MixtralForCausalLM", ("MixtralForCausalLM",), ("llama",), ("mixtral",), moe=True),
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3moe",),
            ("qwen3_moe",), moe=True),
-    Family("gpt_oss", "gpt_oss", "GptOssForCausalLM", ("GptOssForCausalLM",), (), ("gpt_oss",), moe=True),
+    Family("gpt_oss", "gpt_oss", "GptOssForCausalLM", ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",), moe=True),
     Family("llama4", "llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM",), (), ("llama4_text",), moe=True),
     Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), (), ("deepseek_v3",),
            moe=True),
@@ -126,6 +126,8 @@ def family_for_gguf(arch: str | None, where: str, experts: bool = False, sliding
     family = GGUF_ARCHITECTURES.get((arch, experts, sliding))  # type: ignore[arg-type]
     if family is None and sliding:
         family = GGUF_ARCHITECTURES.get((arch, experts, False))  # type: ignore[arg-type]
+    if family is None and not experts:  # a family with experts that also has dense models (Granite 4)
+        family = GGUF_ARCHITECTURES.get((arch, True, sliding))  # type: ignore[arg-type]
     if family is None:
         supported = ", ".join(sorted({a for a, _, _ in GGUF_ARCHITECTURES}))
         kind = " with experts" if experts and any(a == arch for a, _, _ in GGUF_ARCHITECTURES) else ""

@@ -70,7 +70,8 @@ def hf_state_dict(tie: bool = False) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, Q | None]], arch: str = "llama", head_dim: int = HEAD_DIM,
-               theta: float = 10000.0, context: int = 2048, extra=None) -> None:
+               theta: float = 10000.0, context: int = 2048, extra=None,
+               kv_heads: int | list[int] = KV_HEADS) -> None:
     """A GGUF with llama.cpp's metadata keys; `tensors` maps GGUF names to (data, raw_dtype)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -78,7 +79,7 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, Q | None]], arch: str 
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(theta)
     w.add_rope_dimension_count(head_dim)
@@ -303,6 +304,76 @@ def test_ministral3_yarn_and_query_scale(tmp_path, llama_sd):
     assert cfg.hf_config["rope_parameters"] == {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1}
+
+
+def test_lfm2_layer_kinds_from_per_layer_kv_heads(tmp_path, llama_sd):
+    """LFM2 files: the convolution layers are those with no key/value heads, and the feed-forward
+    length is already the MLP's width (transformers' adjustment is not applied again)."""
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "lfm2.gguf", tensors, arch="lfm2", kv_heads=[0, 2],
+               extra=lambda w: w.add_shortconv_l_cache(3))
+    cfg = read_gguf_config(str(tmp_path / "lfm2.gguf"))
+    assert cfg.architecture == "lfm2"
+    hf = cfg.hf_config
+    assert hf["layer_types"] == ["conv", "full_attention"]
+    assert (hf["num_key_value_heads"], hf["conv_L_cache"], hf["norm_eps"]) == (2, 3, 1e-6)
+    assert (hf["intermediate_size"], hf["block_auto_adjust_ff_dim"]) == (FFN, False)
+
+    write_gguf(tmp_path / "mixed.gguf", tensors, arch="lfm2", kv_heads=[1, 2],
+               extra=lambda w: w.add_shortconv_l_cache(3))
+    with pytest.raises(ValueError, match=r"attention.head_count_kv holds \[1, 2\] in different layers"):
+        read_gguf_config(str(tmp_path / "mixed.gguf"))
+
+
+def test_per_layer_metadata_of_a_family_without_hybrid_layers_is_refused(tmp_path, llama_sd):
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "l.gguf", tensors, kv_heads=[2, 0])
+    with pytest.raises(ValueError, match=r"llama.attention.head_count_kv varies per layer \(\[2, 0\]"):
+        read_gguf_config(str(tmp_path / "l.gguf"))
+
+
+def test_granitehybrid_layer_kinds_and_mamba_sizes(tmp_path, llama_sd):
+    """Granite 4 hybrid files: Mamba-2 layers are those with no key/value heads, sized by llama.cpp's
+    state-space keys; attention without rotary embeddings unless rope.scaling.finetuned is set."""
+    def extra(w: gguf.GGUFWriter) -> None:
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(8)
+        w.add_ssm_group_count(2)
+        w.add_ssm_inner_size(2 * HIDDEN)
+        w.add_ssm_time_step_rank(8)
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_expert_shared_feed_forward_length(96)
+        w.add_rope_scaling_finetuned(False)
+
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "g.gguf", tensors, arch="granitehybrid", kv_heads=[0, 2], extra=extra)
+    cfg = read_gguf_config(str(tmp_path / "g.gguf"))
+    assert cfg.architecture == "granite_moe_hybrid"
+    hf = cfg.hf_config
+    assert hf["layer_types"] == ["linear_attention", "full_attention"] and hf["num_key_value_heads"] == 2
+    assert {k: hf[k] for k in ("mamba_d_conv", "mamba_d_state", "mamba_n_groups", "mamba_n_heads", "mamba_expand",
+                               "mamba_d_head", "num_local_experts", "shared_intermediate_size",
+                               "position_embedding_type")} == {
+        "mamba_d_conv": 4, "mamba_d_state": 8, "mamba_n_groups": 2, "mamba_n_heads": 8, "mamba_expand": 2,
+        "mamba_d_head": 2 * HIDDEN // 8, "num_local_experts": 4, "shared_intermediate_size": 96,
+        "position_embedding_type": "nope"}
+
+
+def test_gpt_oss_fixed_clamp_and_window_pattern(tmp_path, llama_sd):
+    """gpt-oss files: llama.cpp fixes the clamp at 7.0 and the window on every other layer from the first."""
+    def extra(w: gguf.GGUFWriter) -> None:
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_sliding_window(8)
+
+    write_gguf(tmp_path / "o.gguf", {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)},
+               arch="gpt-oss", extra=extra)
+    cfg = read_gguf_config(str(tmp_path / "o.gguf"))
+    assert cfg.architecture == "gpt_oss"
+    hf = cfg.hf_config
+    assert (hf["swiglu_limit"], hf["num_local_experts"], hf["sliding_window"]) == (7.0, 4, 8)
+    assert hf["layer_types"] == ["sliding_attention", "full_attention"]
 
 
 def test_bundled_model_config():

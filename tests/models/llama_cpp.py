@@ -93,7 +93,7 @@ def convert_many(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> dict[Pa
 
 
 def requantize(src: Path, out: Path, type_of) -> Path:
-    """Rewrite a GGUF file with each matrix re-quantized by gguf-py's own quantizer:
+    """Rewrite a GGUF file with each matrix (or stack of them: experts) re-quantized by gguf-py's own quantizer:
     `type_of(tensor name)` gives its GGMLQuantizationType (or None to keep it); metadata is copied."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -108,7 +108,7 @@ def requantize(src: Path, out: Path, type_of) -> Path:
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     for t in reader.tensors:
-        qtype = type_of(t.name) if len(t.shape) == 2 else None
+        qtype = type_of(t.name) if len(t.shape) >= 2 else None
         shape = [int(d) for d in reversed(t.shape.tolist())]  # rows, then values per row
         if qtype is None:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)

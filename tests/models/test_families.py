@@ -11,7 +11,7 @@ import transformers
 
 from pagellm import LLM, SamplingParams
 from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
-from tests.models.families import FAMILIES, build
+from tests.models.families import FAMILIES, REFERENCE_DTYPE, build
 
 N_NEW = 20
 
@@ -34,11 +34,6 @@ def family(request, tmp_path_factory):
     expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
     return request.param, path, prompts, expected
 
-
-# The reference in float64 where transformers' own float32 rounding is not far enough below the
-# tolerance: on the Qwen3.5 test model its float32 logprobs differ from float64's by up to 7.5e-5
-# (the delta rule's chunked solve), while the engine's, in float32, stay within 4e-5 of float64's.
-REFERENCE_DTYPE = {"qwen3_5": torch.float64, "qwen3_5_moe": torch.float64}
 
 # Phi-3's LongRoPE uses its short factors for sequences within the original context (64 here)
 # and its long ones beyond; an engine fixes the choice by its max_model_len, so these tests,

@@ -11,6 +11,8 @@ model is then the model llama.cpp serves."""
 from __future__ import annotations
 
 import io
+import json
+import logging
 import os
 import random
 import shutil
@@ -18,13 +20,15 @@ import shutil
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import load_file, save_file
 
 from pagellm import LLM, SamplingParams
 from pagellm.loader.bundled import default_model_path
 from pagellm.models.registry import FAMILIES as REGISTRY
 from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
-from tests.models.families import build
-from tests.models.llama_cpp import convert_many
+from tests.models.families import REFERENCE_DTYPE, build
+from tests.models.llama_cpp import convert_many, requantize
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +56,20 @@ GGUF_CHANGES = {
     # No sliding window in llama.cpp's Mistral 3 (real Ministral 3 has none); it takes YaRN's mscale
     # as 1 (as here) and steps the query scale at the YaRN original context (as transformers).
     "ministral3": dict(sliding_window=None),
+    # llama.cpp's LFM2 has no convolution bias (the converter fails on one; real LFM2 has none).
+    "lfm2": dict(conv_bias=False),
+    # llama.cpp fixes gpt-oss's clamp at 7.0 (real gpt-oss's) and truncates YaRN's correction range
+    # (real gpt-oss has truncate false: llama.cpp serves it truncated all the same).
+    "gpt_oss": dict(swiglu_limit=7.0,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 64}),
 }
 N_NEW = 12
+# A file's quantized matrices served in their blocks against the same file dequantized: float32
+# products in another summation order (as in test_gguf_quantized.py).
+QUANTIZED_LOGPROB_ATOL = 2e-3
+# Families whose converter needs a multi-token-prediction layer (see add_mtp_layer).
+MTP = ("qwen3_5",)
 SENTENCEPIECE = ("gemma2", "phi3")
 # Phi-3's LongRoPE: short factors within the original context (64), as the HF reference has
 # them for these sequences (see test_families.ENGINE_ARGS).
@@ -96,7 +112,36 @@ def hf_model(family: str, tmp_path, smollm2_tokenizer, sentencepiece_model) -> t
         model_dir, vocab = build(family, tmp_path / family, vocab_size=VOCAB, **GGUF_CHANGES.get(family, {})), VOCAB
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(smollm2_tokenizer / name, model_dir / name)
+    if family in MTP:
+        add_mtp_layer(model_dir)
+    if family == "granite_moe_hybrid":
+        granite_layer_types_as_published(model_dir)
     return model_dir, vocab
+
+
+def granite_layer_types_as_published(model_dir) -> None:
+    """Granite 4's config.json as IBM publishes it: layer_types "attention" and "mamba" (what the
+    converter looks for), where transformers 5 saves "full_attention" and "linear_attention" (with
+    which the converter would take every layer for a Mamba-2 one)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config["layer_types"] = ["attention" if t == "full_attention" else "mamba" for t in config["layer_types"]]
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def add_mtp_layer(model_dir) -> None:
+    """A multi-token-prediction layer (`mtp.*`, as Qwen3.5's checkpoints have; transformers ignores
+    it): the converter refuses a Qwen3.5 directory without one, and writes it after the model's
+    layers (`nextn_predict_layers`), where the loader must leave it out."""
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    hidden = weights["model.norm.weight"].shape[0]
+    mtp = {"mtp." + k.removeprefix("model."): v.clone() for k, v in weights.items() if k.startswith("model.layers.0.")}
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.3
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden) * 0.3
+    save_file({**weights, **mtp}, path, metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +161,7 @@ def test_converted_gguf_matches_transformers(family, conversions):
     if isinstance(gguf_path, str):
         raise AssertionError(f"convert_hf_to_gguf.py failed on {family}:\n{gguf_path}")
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=REFERENCE_DTYPE.get(family, torch.float32),
                                                            attn_implementation="eager").eval()
     rng = random.Random(1)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17, 30)]
@@ -129,3 +174,47 @@ def test_converted_gguf_matches_transformers(family, conversions):
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_matches(tokens_and_logprobs(outs), expected)
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized(conversions, tmp_path, caplog):
+    """OpenAI's gpt-oss GGUF files keep the experts in MXFP4. Such a file (the test model's experts
+    quantized by gguf-py's own MXFP4 quantizer) loads them dequantized, with the one warning that
+    names the type, and serves what the same file with those values stored as F32 serves."""
+    _, gguf_path, vocab = conversions["gpt_oss"]
+    if isinstance(gguf_path, str):
+        raise AssertionError(f"convert_hf_to_gguf.py failed on gpt_oss:\n{gguf_path}")
+    mxfp4 = requantize(gguf_path, tmp_path / "mxfp4.gguf", lambda name: T.MXFP4 if "_exps.weight" in name else None)
+    widened = requantize(mxfp4, tmp_path / "widened.gguf", lambda name: T.F32 if "_exps.weight" in name else None)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(str(mxfp4), num_kv_blocks=64, block_size=8)
+    warnings = [r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "MXFP4" in warnings[0], warnings
+    rng = random.Random(2)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (6, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
+    expected = tokens_and_logprobs(LLM(str(widened), num_kv_blocks=64, block_size=8).generate(prompts, params,
+                                                                                               use_tqdm=False))
+    assert_matches(tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False)), expected)
+
+
+def test_qwen35_quantized_delta_rule_layers(conversions, tmp_path):
+    """A Qwen3.5 file whose delta-rule matrices are Q8_0: the value-head rows go back to the
+    checkpoint's order block row by block row (out_proj, whose columns move, is dequantized first),
+    and the engine serves what it serves from the same file dequantized (summation order aside)."""
+    _, gguf_path, vocab = conversions["qwen3_5"]
+    if isinstance(gguf_path, str):
+        raise AssertionError(f"convert_hf_to_gguf.py failed on qwen3_5:\n{gguf_path}")
+    delta_rule = ("attn_qkv", "attn_gate", "ssm_out")
+    q8 = requantize(gguf_path, tmp_path / "q8.gguf", lambda name: T.Q8_0 if name.split(".")[-2] in delta_rule else None)
+    llm = LLM(str(q8), num_kv_blocks=64, block_size=8)
+    in_proj = llm.engine.runner.model.layers[1].linear_attn.in_proj
+    assert int(T.Q8_0) in in_proj.segment_types  # served in its blocks
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (6, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
+    expected = tokens_and_logprobs(LLM(str(q8), num_kv_blocks=64, block_size=8, quantization="none")
+                                   .generate(prompts, params, use_tqdm=False))
+    got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, lps), (_, want) in zip(got, expected):
+        assert lps == pytest.approx(want, abs=QUANTIZED_LOGPROB_ATOL)

@@ -39,8 +39,10 @@ LAYOUTS = {
     # transformers 5: gate and up fused, every expert stacked.
     "stacked_gate_up": lambda w: [("gate_up_proj", torch.cat([w["gate"], w["up"]], dim=1)),
                                   ("down_proj", w["down"])],
-    # GGUF ffn_{gate,up,down}_exps: each matrix stacked over experts.
+    # Each matrix stacked over experts.
     "stacked_each": lambda w: [("gate_proj", w["gate"]), ("up_proj", w["up"]), ("down_proj", w["down"])],
+    # GGUF ffn_{gate,up,down}_exps, as the GGUF loader names them.
+    "gguf": lambda w: [("w1", w["gate"]), ("w3", w["up"]), ("w2", w["down"])],
 }
 
 
@@ -51,6 +53,21 @@ def test_every_layout_loads_the_same_stack(layout):
     assert load(layer, LAYOUTS[layout](w)) == {"w13", "w2"}
     assert torch.equal(layer.w13, torch.cat([w["gate"], w["up"]], dim=1))
     assert torch.equal(layer.w2, w["down"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gguf_stacked_biases_load_per_rank(rank):
+    """gpt-oss GGUF files: every expert's gate, up and down biases stacked apart (ffn_*_exps.bias);
+    the gate and up biases split by rank as w13, the down bias whole on every rank."""
+    g = torch.Generator().manual_seed(1)
+    gate, up, down = torch.randn(E, INTER, generator=g), torch.randn(E, INTER, generator=g), torch.randn(E, H, generator=g)
+    layer = FusedMoE(E, TOP_K, H, INTER, "silu", TensorParallelGroup(rank, 2), bias=True)
+    w = experts()
+    filled = load(layer, LAYOUTS["gguf"](w) + [("w1_bias", gate), ("w3_bias", up), ("w2_bias", down)])
+    assert filled == {"w13", "w2", "w13_bias", "w2_bias"}
+    half = slice(rank * INTER // 2, (rank + 1) * INTER // 2)
+    assert torch.equal(layer.w13_bias, torch.cat([gate[:, half], up[:, half]], dim=1))
+    assert torch.equal(layer.w2_bias, down)
 
 
 def test_half_a_stack_is_not_complete():

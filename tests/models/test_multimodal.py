@@ -15,7 +15,8 @@ from pagellm import LLM, SamplingParams
 from pagellm.loader.hf_loader import iter_hf_weights, read_hf_config
 from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
 from tests.models.families import MULTIMODAL, build_multimodal
-from tests.models.test_families import REFERENCE_DTYPE, _gen, _prompts
+from tests.models.families import REFERENCE_DTYPE
+from tests.models.test_families import _gen, _prompts
 
 # The text families' own tests cover their exactness at length; these check loading and naming.
 N_NEW = 8

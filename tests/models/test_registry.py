@@ -31,7 +31,7 @@ def test_readme_table_lists_exactly_the_registry():
         # "yes (`arch`, ...)" for the GGUF architectures that load as this family.
         assert row[3].startswith("yes") == bool(family.gguf_architectures), family.name
         if family.gguf_architectures:
-            assert re.findall(r"`(\w+)`", row[3]) == list(family.gguf_architectures), family.name
+            assert re.findall(r"`([\w-]+)`", row[3]) == list(family.gguf_architectures), family.name
 
 
 def test_every_family_has_its_class():
@@ -55,4 +55,8 @@ def test_unknown_architectures_name_what_is_supported(tmp_path):
     assert family_for_gguf("olmo2", "x.gguf").name == "olmo2"
     assert family_for_gguf("olmo2", "x.gguf", sliding=True).name == "olmo3"
     assert family_for_gguf("gemma3", "x.gguf", sliding=True).name == "gemma3"
+    # Granite 4 hybrids come with experts or without (a dense one): one family either way.
+    assert family_for_gguf("granitehybrid", "x.gguf", experts=True).name == "granite_moe_hybrid"
+    assert family_for_gguf("granitehybrid", "x.gguf").name == "granite_moe_hybrid"
+    assert family_for_gguf("gpt-oss", "x.gguf", experts=True, sliding=True).name == "gpt_oss"
     assert family_for_hf({"model_type": "gemma3_text"}, "config.json").name == "gemma3"

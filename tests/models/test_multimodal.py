@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from pagellm import LLM, SamplingParams
 from pagellm.loader.hf_loader import iter_hf_weights, read_hf_config
+from pagellm.models.registry import FAMILIES
 from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
 from tests.models.families import MULTIMODAL, build_multimodal
 from tests.models.families import REFERENCE_DTYPE
@@ -71,5 +72,5 @@ def test_unserved_text_model_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"Mistral3ForConditionalGeneration is served as its text model, but its "
                                          r"text_config's model_type 'starcoder2' is not a supported family "
-                                         r"\(supported: llama, .*llama4_text\)"):
+                                         rf"\(supported: llama, .*{FAMILIES[-1].model_types[-1]}\)"):
         read_hf_config(str(tmp_path))

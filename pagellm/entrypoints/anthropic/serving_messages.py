@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagellm.engine.async_engine import RequestStream
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, to_chat
 from pagellm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from pagellm.entrypoints.openai.serving_engine import engine_error, merge_streams
+from pagellm.entrypoints.openai.errors import OpenAIError
+from pagellm.entrypoints.openai.serving_engine import guarded_sse, merge_streams
 from pagellm.outputs import CompletionOutput, RequestOutput
 
 
@@ -49,7 +49,9 @@ class AnthropicServingMessages:
         chat_req = to_chat(req)
         run = await self.chat.start(chat_req, id_prefix="msg")
         if req.stream:
-            return StreamingResponse(self.guarded(self.events(req, run), run.streams),
+            # Anthropic's stream ends with message_stop, never [DONE]; an engine failure is an error event.
+            return StreamingResponse(guarded_sse(self.events(req, run), run.streams,
+                                                 error_event=OpenAIError.anthropic_sse, done=None),
                                      media_type="text/event-stream")
         (final,) = await self.chat.collect(raw_request, run.streams)
         return JSONResponse(self.response(req, run, final))
@@ -108,23 +110,6 @@ class AnthropicServingMessages:
                                               "usage": usage(len(out.prompt_token_ids), cached, len(c.token_ids))})
                 yield event("message_stop", {})
                 return
-
-    @staticmethod
-    async def guarded(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
-        """`events`, ended by an Anthropic error event if the engine fails; the streams are aborted
-        however it ends, so a client that went away frees its blocks at once."""
-        try:
-            async for e in events:
-                yield e
-        except Exception as e:
-            error = engine_error(e)
-            if error is None:
-                raise
-            yield f"event: error\ndata: {json.dumps(error.anthropic_body())}\n\n"
-        finally:
-            await events.aclose()
-            for s in streams:
-                s.abort()
 
 
 class Blocks:

@@ -56,6 +56,10 @@ class OpenAIError(Exception):
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
+    def anthropic_sse(self) -> str:
+        """The error as Anthropic's stream sends one: an `error` event."""
+        return f"event: error\ndata: {json.dumps(self.anthropic_body())}\n\n"
+
     def response_for(self, path: str) -> Response:
         """The error in the shape of the API `path` belongs to."""
         if not path.startswith(ANTHROPIC_PREFIX):

@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -341,10 +341,12 @@ async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
 _END = object()
 
 
-async def guarded_sse(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
-    """An SSE body as sent: `events`, then `[DONE]`. An engine failure ends the events with
-    an error event (anything else propagates); the streams are aborted however it ends, so
-    a client that went away frees its requests' blocks at once."""
+async def guarded_sse(events: AsyncIterator[str], streams: list[RequestStream], *,
+                      error_event: Callable[[OpenAIError], str] = OpenAIError.sse,
+                      done: str | None = SSE_DONE) -> AsyncIterator[str]:
+    """An SSE body as sent: `events`, then `done` (OpenAI's `[DONE]`; None: nothing). An engine
+    failure ends the events with `error_event(error)` (anything else propagates); the streams
+    are aborted however it ends, so a client that went away frees its requests' blocks at once."""
     try:
         async for event in events:
             yield event
@@ -352,12 +354,13 @@ async def guarded_sse(events: AsyncIterator[str], streams: list[RequestStream]) 
         error = engine_error(e)
         if error is None:
             raise
-        yield error.sse()
+        yield error_event(error)
     finally:
         await events.aclose()
         for s in streams:
             s.abort()
-    yield SSE_DONE
+    if done is not None:
+        yield done
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

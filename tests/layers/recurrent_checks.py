@@ -139,3 +139,20 @@ def check_batched_decodes(layer: RecurrentMixer, whole: Callable[[torch.Tensor],
         close(together[i][0], whole(torch.cat([prompts[i], nxt[i]]))[-1])
         for k in state:
             close(state[k][i], one[k][0])
+
+
+def check_two_ranks(whole: RecurrentMixer, shard: Callable[[TensorParallelGroup], RecurrentMixer],
+                    state_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Two decodes (from a fresh start) and two prefills give on two ranks, each holding
+    `shard(tp)` with `state_shapes`, what `whole` gives on one."""
+    xs = seqs(1, 1, 9, 70, seed=5)
+    expected = step(whole, xs, fresh_state(whole, 4))
+
+    def rank(tp: TensorParallelGroup) -> list[torch.Tensor]:
+        layer = shard(tp)
+        assert layer.state_shapes == state_shapes
+        return step(layer, xs, fresh_state(layer, 4))
+
+    for outs in run_ranks(2, rank):
+        for got, want in zip(outs, expected):
+            close(got, want)

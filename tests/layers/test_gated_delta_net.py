@@ -10,8 +10,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 from pagellm.layers.parallel import TensorParallelGroup
-from tests.layers.recurrent_checks import (check_batched_decodes, check_chunks_then_decodes, close, fresh_state,
-                                          load, reference, run_ranks, seqs, step)
+from tests.layers.recurrent_checks import (check_batched_decodes, check_chunks_then_decodes, check_two_ranks, close,
+                                          fresh_state, load, reference, seqs, step)
 
 CONFIG = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
@@ -60,17 +60,8 @@ def test_a_batch_of_decodes_equals_one_at_a_time(ref, layer):
 
 
 def test_two_ranks_compute_what_one_does(ref, layer):
-    xs = seqs(1, 1, 9, 70, seed=5)  # two decodes (from a fresh start) and two prefills
-    expected = step(layer, xs, fresh_state(layer, 4))
-
-    def rank(tp: TensorParallelGroup) -> list[torch.Tensor]:
-        shard = load(GatedDeltaNet(CONFIG, tp), ref)
-        assert shard.state_shapes == {"conv": (48, 3), "ssm": (2, 16, 8)}  # half the heads and channels
-        return step(shard, xs, fresh_state(shard, 4))
-
-    for outs in run_ranks(2, rank):
-        for got, want in zip(outs, expected):
-            close(got, want)
+    # Half the heads and channels on each rank.
+    check_two_ranks(layer, lambda tp: load(GatedDeltaNet(CONFIG, tp), ref), {"conv": (48, 3), "ssm": (2, 16, 8)})
 
 
 def test_a_split_that_does_not_divide_the_heads_is_refused():

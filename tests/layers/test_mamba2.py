@@ -13,8 +13,8 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import Grani
 
 from pagellm.layers.mamba2 import Mamba2Mixer
 from pagellm.layers.parallel import TensorParallelGroup
-from tests.layers.recurrent_checks import (check_batched_decodes, check_chunks_then_decodes, close, fresh_state,
-                                          load, reference, run_ranks, seqs, step)
+from tests.layers.recurrent_checks import (check_batched_decodes, check_chunks_then_decodes, check_two_ranks, close,
+                                          fresh_state, load, reference, seqs, step)
 
 HEADS = 8
 
@@ -77,18 +77,9 @@ def test_a_batch_of_decodes_equals_one_at_a_time(ref, layer):
 def test_two_ranks_compute_what_one_does(groups):
     ref = make_ref(groups)
     whole = load(Mamba2Mixer(config(groups)), ref)
-    xs = seqs(1, 1, 9, 70, seed=5)  # two decodes (from a fresh start) and two prefills
-    expected = step(whole, xs, fresh_state(whole, 4))
-
-    def rank(tp: TensorParallelGroup) -> list[torch.Tensor]:
-        shard = load(Mamba2Mixer(config(groups), tp), ref)
-        # Half the heads; B and C of the rank's one group (16 channels each), however many groups there are.
-        assert shard.state_shapes == {"conv": (64 + 2 * 16, 3), "ssm": (4, 16, 16)}
-        return step(shard, xs, fresh_state(shard, 4))
-
-    for outs in run_ranks(2, rank):
-        for got, want in zip(outs, expected):
-            close(got, want)
+    # Half the heads; B and C of the rank's one group (16 channels each), however many groups there are.
+    check_two_ranks(whole, lambda tp: load(Mamba2Mixer(config(groups), tp), ref),
+                    {"conv": (64 + 2 * 16, 3), "ssm": (4, 16, 16)})
 
 
 def test_a_split_that_does_not_fit_is_refused():

@@ -150,6 +150,7 @@ class ModelRunner:
         windows = [STATE if isinstance(m, RecurrentMixer) else m.options.sliding_window if sliding_kv else None
                    for m in layers]
         self.kv_groups = plan_kv_groups(windows, max_model_len)
+        self.state_groups = frozenset(g for g, w in enumerate(self.kv_groups.windows) if w == STATE)
         for layer, group in zip(layers, self.kv_groups.layer_group):
             layer.kv_group = group
         if device.type == "cpu":
@@ -343,7 +344,7 @@ class ModelRunner:
     def _prepare(self, seqs: list[PlannedSeq], block_copies: list[tuple[int, int]]) -> StepInputs:
         bs = self.block_size
         groups = self.kv_groups.num_groups
-        state_groups = {g for g, w in enumerate(self.kv_groups.windows) if w == STATE}
+        state_groups = self.state_groups
         state_tables: list[list[list[int]]] = [[] for _ in range(groups)]
         has_state: list[float] = []
         tokens: list[int] = []

@@ -375,11 +375,12 @@ class HybridKVManager(KVManager):
                 if not table:
                     table.extend(self._take(g, self.state_blocks))
                     if computed_blocks:  # restore the checkpoint: pinned until the copy is handed out
-                        self.num_restores += g == self._state_groups[0]
                         self.pending_copies.extend(zip(computed_blocks[g], table))
                         self._pinned.extend((g, b) for b in computed_blocks[g])
             elif grow:
                 table.extend(self._take(g, grow))
+        if computed_blocks and self._state_groups:
+            self.num_restores += 1
         self._tables[rid] = tables
         return True
 

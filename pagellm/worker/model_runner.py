@@ -179,11 +179,9 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block id: `kv_groups.slots` layers (all of them with one group)."""
         heads, k_row, v_row = self.model.kv_cache_rows()
-        if k_row == v_row:
-            return self.kv_groups.bytes_per_block(block_size, heads, self.kv_format.bytes_per_row(k_row))
-        # A latent layer's one row in K and none in V (layers/mla.py; 8-bit formats refused for it).
-        row_bytes = self.kv_format.bytes_per_row(k_row) + (self.kv_format.bytes_per_row(v_row) if v_row else 0)
-        return self.kv_groups.slots * block_size * heads * row_bytes
+        # A latent layer's one row is in K, none in V (layers/mla.py; 8-bit formats refused for it).
+        return self.kv_groups.bytes_per_block(block_size, heads, self.kv_format.bytes_per_row(k_row),
+                                              self.kv_format.bytes_per_row(v_row) if v_row else 0)
 
     def state_blocks(self, block_size: int) -> int:
         """Blocks of one recurrent group that hold a sequence's state (its largest layer's); 0

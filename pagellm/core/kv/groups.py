@@ -34,10 +34,12 @@ class KVGroupPlan:
     def num_groups(self) -> int:
         return len(self.windows)
 
-    def bytes_per_block(self, block_size: int, kv_heads: int, row_bytes: int) -> int:
+    def bytes_per_block(self, block_size: int, kv_heads: int, row_bytes: int, v_row_bytes: int | None = None) -> int:
         """K and V of one block id: `block_size` tokens of the `slots` layers it holds, `row_bytes`
-        per token per KV head (head_dim values, and a scale in 8-bit formats)."""
-        return 2 * self.slots * block_size * kv_heads * row_bytes
+        per token per KV head in K (head_dim values, and a scale in 8-bit formats) and
+        `v_row_bytes` in V (the same unless given: 0 for latent rows, held in K alone)."""
+        v = row_bytes if v_row_bytes is None else v_row_bytes
+        return self.slots * block_size * kv_heads * (row_bytes + v)
 
     @property
     def hybrid(self) -> bool:

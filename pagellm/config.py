@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # How weights are stored and multiplied; see pagellm.layers.quant.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-ACTIVATION_QUANTIZATIONS = ("none", "int8", "int8x2")
+ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "int8x2")
 # What preemption does with a victim's KV blocks (pagellm.core.scheduler).
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 # How K/V are stored (pagellm.kv_format): "auto" as --dtype; "fp8" is fp8_e4m3, as in vLLM.
@@ -92,11 +92,12 @@ class EngineConfig:
                                        "to --dtype at load; int8 (per channel) and int4 (groups of 128) quantize a "
                                        "safetensors model's linear layers at load (CPU)", choices=QUANTIZATIONS)
     activation_quantization: str = option(
-        "none", "how a GGUF model's quantized products take their activations (CPU, AVX-512 VNNI or AVX2): "
-                "none multiplies them in float32, the dequantized model's product; int8 rounds them to int8, one "
-                "scale per 32 values (per 256 for K-quant weights), and multiplies by integer dot "
-                "products, as llama.cpp does (fastest decode steps, logprobs move); int8x2 adds a second int8 code "
-                "for what the first left (~15 bits, the same scales): most of int8's decode speed, >= 99.9% "
+        "auto", "how a GGUF model's quantized products take their activations (CPU, AVX-512 VNNI or AVX2): "
+                "auto takes int8x2 where this CPU has the integer kernels and none elsewhere (and for "
+                "batch_invariant); none multiplies them in float32, the dequantized model's product; int8 rounds "
+                "them to int8, one scale per 32 values (per 256 for K-quant weights), and multiplies by integer "
+                "dot products, as llama.cpp does (fastest decode steps, logprobs move); int8x2 adds a second int8 "
+                "code for what the first left (~15 bits, the same scales): most of int8's decode speed, >= 99.9% "
                 "greedy agreement measured. docs/quantization.md gives the measured agreement",
         choices=ACTIVATION_QUANTIZATIONS)
     kv_cache_dtype: str = option("auto", "how the KV cache stores K/V: auto (as --dtype), float32, bfloat16, "

@@ -102,6 +102,7 @@ class PagellmRun:
         dtype = self.options.get("dtype", "float32")
         result = {
             "options": self.options,
+            "activation_quantization": self.engine.activation_quantization,  # as resolved ("auto" -> a mode)
             "pp_tokens_per_s": B * cfg.input_len / pp_s,
             "tg_tokens_per_s": B * cfg.output_len / tg_s,
             "tg_ms_per_step": 1e3 * tg_s / cfg.output_len,
@@ -179,8 +180,8 @@ def run_latency_bench(cfg: LatencyConfig) -> dict:
             if name == LLAMA_BENCH:
                 continue
             if not name.startswith("pagellm-"):
-                raise ValueError(f"unknown system {name!r}; choose pagellm-<policy>[-bf16][-dense][-int8act]"
-                                 f"[-int8x2act] or {LLAMA_BENCH}")
+                raise ValueError(f"unknown system {name!r}; choose pagellm-<policy>[-bf16][-dense][-noneact|-int8act"
+                                 f"|-int8x2act] or {LLAMA_BENCH}")
             policy, options = pagellm_system(name)
             if policy != "paged":
                 raise ValueError(f"{name}: the latency bench runs the paged engine only")
@@ -251,7 +252,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("latency", help="prompt (pp) and decode (tg) tokens/s of one stream, pagellm and llama-bench")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated: pagellm-paged[-bf16][-dense][-int8act][-int8x2act], llama-bench")
+                   help="comma-separated: pagellm-paged[-bf16][-dense][-noneact|-int8act|-int8x2act] "
+                        "(activations: auto without a suffix), llama-bench")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (llama-bench -p)")
     p.add_argument("--output-len", type=int, default=128, help="decoded tokens (llama-bench -n)")
     p.add_argument("--batch-size", type=int, default=1, help="streams decoded together (pagellm only)")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from pagellm import envs
+from pagellm.cpu_features import cpu_flags
 
 RESULTS_DIR = Path("benchmarks") / "results"
 
@@ -47,6 +48,9 @@ def output_paths(name: str, out: str | None) -> tuple[Path, Path]:
     return stem.with_suffix(".json"), stem.with_suffix(".png")
 
 
+SIMD_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "vnni", "bmi")
+
+
 def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -64,8 +68,11 @@ def machine_info() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # isa: what the CPU has; kernels_march: what pagellm's kernels were built for (PAGELLM_CPU_MARCH:
     # x86-64-v3 runs the AVX2 code on an AVX-512 CPU), which decides which of their paths ran.
+    # cpu_flags: the vector and matrix extensions among /proc/cpuinfo's flags, which decide which
+    # kernels run and how fast (an AVX2-only Zen 3 and an AVX-512 Zen 4 both say "AMD EPYC").
+    simd = sorted(f for f in cpu_flags() if f.startswith(SIMD_FLAG_PREFIXES))
     return {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform(),
-            "isa": envs.cpu_isa_tag(), "kernels_march": envs.cpu_march()}
+            "isa": envs.cpu_isa_tag(), "kernels_march": envs.cpu_march(), "cpu_flags": simd}
 
 
 def versions(extra: Sequence[str] = ()) -> dict:

@@ -133,15 +133,16 @@ def _phase_breakdown(timer: PhaseTimer) -> dict:
 
 # Suffixes of a `pagellm-<policy>` system, in this order: engine options they set.
 SYSTEM_SUFFIXES = {"-bf16": {"dtype": "bfloat16"}, "-dense": {"quantization": "none"},
-                   "-int8act": {"activation_quantization": "int8"},
+                   "-noneact": {"activation_quantization": "none"}, "-int8act": {"activation_quantization": "int8"},
                    "-int8x2act": {"activation_quantization": "int8x2"}, "-invariant": {"batch_invariant": True}}
 
 
 def pagellm_system(name: str) -> tuple[str, dict]:
     """(policy, engine options). `pagellm-<policy>` runs in float32 like every other system here;
     `-bf16` is the same engine in bfloat16 (weights and KV cache), the CPU's fast opt-in mode;
-    `-dense` dequantizes a GGUF file's blocks at load (quantization "none"); `-int8act` / `-int8x2act`
-    round a GGUF model's activations to one / two int8 codes for its products (activation_quantization);
+    `-dense` dequantizes a GGUF file's blocks at load (quantization "none"); `-noneact` / `-int8act` /
+    `-int8x2act` give a GGUF model's products float32 activations / round them to one / two int8 codes
+    (activation_quantization; without one of them, the default "auto");
     `-invariant` runs in batch-invariant mode. E.g. `pagellm-paged-bf16-invariant`."""
     rest, options = name.removeprefix("pagellm-"), {}
     for suffix in reversed(SYSTEM_SUFFIXES):

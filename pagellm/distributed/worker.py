@@ -53,13 +53,14 @@ class WorkerSpec:
 
     @classmethod
     def from_config(cls, config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype,
-                    max_model_len: int, quantization: str) -> WorkerSpec:
-        """The spec of an engine's model (`source`, loaded with `quantization`): the one place the
-        engine's options become ModelRunner's, for one rank or many."""
+                    max_model_len: int, quantization: str, activation_quantization: str) -> WorkerSpec:
+        """The spec of an engine's model (`source`, loaded with `quantization`, its products taking
+        `activation_quantization` as resolved from the option): the one place the engine's options
+        become ModelRunner's, for one rank or many."""
         return cls(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
                    quantization, source.weight_format,
                    sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype,
-                   activation_quantization=config.activation_quantization)
+                   activation_quantization=activation_quantization)
 
     def runner_arguments(self, device: torch.device,
                          tp: TensorParallelGroup | None) -> tuple[tuple, dict[str, Any]]:

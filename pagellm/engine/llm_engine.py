@@ -29,6 +29,7 @@ from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_m
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
 from pagellm.layers.quant import quantized_on_load
+from pagellm.layers.quant.gguf import resolve_activation_quantization
 from pagellm.loader.source import load_model_source
 from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import RequestOutput
@@ -56,13 +57,11 @@ class LLMEngine:
         source = load_model_source(config.model, config.load_format, quantization)
         logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,
                     _disk_size(source.path))
-        if device.type == "cpu":
-            from pagellm.layers.quant.gguf import faster_activations_hint
-
-            hint = faster_activations_hint(config.activation_quantization, source.weight_format,
-                                           config.batch_invariant)
-            if hint:
-                logger.info(hint)
+        activations, line = resolve_activation_quantization(config.activation_quantization, source.weight_format,
+                                                            config.batch_invariant, device.type)
+        if line:
+            logger.info(line)
+        self.activation_quantization = activations  # as resolved: what the products run
         self.model_path = source.path
         self.tokenizer: Tokenizer = source.tokenizer
         self.arch = source.arch
@@ -70,7 +69,8 @@ class LLMEngine:
         self.device = device
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        spec = WorkerSpec.from_config(config, source, self.device, self.dtype, self.max_model_len, quantization)
+        spec = WorkerSpec.from_config(config, source, self.device, self.dtype, self.max_model_len, quantization,
+                                      activations)
         if config.tensor_parallel_size > 1:
             if config.batch_invariant:
                 raise ValueError("batch_invariant does not cover tensor parallelism yet (its all-reduce adds the "

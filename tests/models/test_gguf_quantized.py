@@ -169,7 +169,8 @@ def test_blocks_split_over_two_ranks_match_one(mixed_gguf, activations, atol):
 
 def test_bundled_q4_1_model_matches_its_dequantized_self(bundled_reference):
     """32 prompts x 48 tokens on the bundled SmolLM2 (Q4_1 matrices, a Q8_0 embedding and tied head)."""
-    agreement, worst = bundled_reference.compare(LLM(quantization="auto", max_model_len=256, **FEW_ROWS))
+    quantized = LLM(quantization="auto", activation_quantization="none", max_model_len=256, **FEW_ROWS)
+    agreement, worst = bundled_reference.compare(quantized)
     assert agreement >= MIN_AGREEMENT
     assert 0 < worst <= LOGPROB_ATOL
 
@@ -237,11 +238,22 @@ def test_types_without_a_kernel_are_dequantized_with_one_warning(mixed_gguf, tmp
 
 
 @pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI")
-def test_start_up_log_names_the_faster_activation_modes_only_where_they_were_left_at_none(caplog):
+def test_auto_activations_take_int8x2_on_gguf_blocks_and_say_so_once(tmp_path, caplog):
+    """The default: a GGUF file's products take two int8 codes where the kernels have them (the
+    start-up log names the mode and the way back); batch_invariant and dense weights keep float32."""
     with caplog.at_level(logging.INFO, logger="pagellm.engine"):
-        LLM(max_model_len=64, num_kv_blocks=8).shutdown()
-    assert "--activation-quantization int8x2" in caplog.text
+        llm = LLM(max_model_len=64, num_kv_blocks=8)
+    assert llm.engine.activation_quantization == "int8x2"
+    assert llm.engine.runner.model.layers[0].mlp.down_proj.method.activations == "int8x2"
+    lines = [r.getMessage() for r in caplog.records if "activation_quantization auto" in r.getMessage()]
+    assert len(lines) == 1 and "-> int8x2" in lines[0] and "--activation-quantization none" in lines[0]
+    llm.shutdown()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pagellm.engine"):
-        LLM(max_model_len=64, num_kv_blocks=8, activation_quantization="int8x2").shutdown()
-    assert "loading" in caplog.text and "--activation-quantization" not in caplog.text
+        LLM(max_model_len=64, num_kv_blocks=8, activation_quantization="none").shutdown()
+    assert "loading" in caplog.text and "activation_quantization auto" not in caplog.text
+    invariant = LLM(max_model_len=64, num_kv_blocks=8, batch_invariant=True)
+    assert invariant.engine.activation_quantization == "none"
+    invariant.shutdown()
+    dense = LLM(str(build("llama", tmp_path / "llama")), num_kv_blocks=8)
+    assert dense.engine.activation_quantization == "none"

@@ -140,17 +140,28 @@ def check_activation_quantization(mode: str, weight_format: str, batch_invariant
                          + ("no compiled kernels" if kernels is None else "neither"))
 
 
-def faster_activations_hint(mode: str, weight_format: str, batch_invariant: bool) -> str | None:
-    """A line for the start-up log where a GGUF model's products could take the faster integer
-    modes on this CPU but were left at `none`; None otherwise."""
-    if mode != "none" or weight_format != "gguf" or batch_invariant:
-        return None
+def resolve_activation_quantization(mode: str, weight_format: str, batch_invariant: bool,
+                                    device_type: str) -> tuple[str, str | None]:
+    """(the mode the products run, a line for the start-up log or None). "auto" takes int8x2 where
+    the model's products are GGUF blocks on a CPU whose compiled kernels have integer activations:
+    the fastest mode that keeps >= 99.9% greedy agreement with the dequantized model (int8 keeps
+    97-98%: docs/quantization.md); "none" elsewhere. Other modes pass through, to be checked where
+    the layers are built."""
+    if mode != "auto":
+        return mode, None
+    if weight_format != "gguf" or device_type != "cpu":
+        return "none", None
+    if batch_invariant:
+        return "none", ("GGUF products take float32 activations (activation_quantization auto -> none: "
+                        "batch_invariant multiplies in float32 in a fixed order)")
     kernels = cpu.quant_kernels()
     if kernels is None or not kernels.has_int8_activations:
-        return None
-    return ("GGUF products take float32 activations (activation_quantization none: the dequantized model's "
-            "results); on this CPU --activation-quantization int8x2 (two int8 codes a value, >= 99.9% greedy "
-            "agreement measured) or int8 (llama.cpp's arithmetic) decode faster: docs/quantization.md, 'Activations'")
+        why = "no compiled CPU kernels" if kernels is None else "kernels without AVX2 or AVX-512 VNNI"
+        return "none", f"GGUF products take float32 activations (activation_quantization auto -> none: {why})"
+    return "int8x2", (f"GGUF products round their activations to two int8 codes (activation_quantization auto "
+                      f"-> int8x2, {kernels.int8_kernel} kernels; >= 99.9% greedy agreement with the dequantized "
+                      "model measured); --activation-quantization none gives the dequantized model's float32 "
+                      "products, int8 llama.cpp's arithmetic: docs/quantization.md, 'Activations'")
 
 
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,

@@ -1,0 +1,37 @@
+"""docs/quantization.md's single-stream table is drawn from the committed latency results."""
+import json
+import shutil
+from pathlib import Path
+
+from pagellm.bench import cpu_tables
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_page_holds_the_table_the_committed_runs_give():
+    runs = cpu_tables.load_runs(ROOT / cpu_tables.RESULTS)
+    assert len(runs) >= 3
+    page = (ROOT / cpu_tables.PAGE).read_text()
+    section = page[page.index(cpu_tables.BEGIN):page.index(cpu_tables.END) + len(cpu_tables.END)]
+    assert section == cpu_tables.render(runs), "run `python -m pagellm.bench.cpu_tables` after adding a latency run"
+
+
+def test_a_system_counts_under_the_mode_it_ran(tmp_path):
+    src = ROOT / cpu_tables.RESULTS / "latency-llama-1b-Q8_0-2026-12-04-intel.json"
+    doc = json.loads(src.read_text())
+    doc["systems"] = {"pagellm-paged": {**doc["systems"]["pagellm-paged-int8x2act"], "options": {"dtype": "float32"},
+                                        "activation_quantization": "int8x2"},
+                      "pagellm-paged-dense": {**doc["systems"]["pagellm-paged"], "options": {"quantization": "none"}},
+                      "llama-bench": doc["systems"]["llama-bench"]}
+    cells = cpu_tables.row("run.json", doc)
+    assert cells[4] == "-" and cells[5] == f"{doc['systems']['pagellm-paged']['tg_tokens_per_s']:.3g}"
+    ratio = doc["systems"]["pagellm-paged"]["tg_tokens_per_s"] / doc["systems"]["llama-bench"]["tg_tokens_per_s"]
+    assert cells[8] == f"- / {ratio:.2f} / -"  # the dense system is not a mode of the blocks' products
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(src, results / src.name)
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{cpu_tables.BEGIN}\nstale\n{cpu_tables.END}\nafter\n")
+    assert cpu_tables.update_page(page, results)
+    assert "latency-llama-1b-Q8_0-2026-12-04-intel.json" in page.read_text()
+    assert not cpu_tables.update_page(page, results)

@@ -153,7 +153,7 @@ class EngineCore:
                 seq.prompt_logprobs.extend(list(zip(scored.token_ids, scored.logprobs, scored.ranks, scored.top))[skip:])
         planned = {seq.request_id: seq for seq in plan.seqs}
         for rid, rows_pooled in result.pooled.items():
-            if rid in self.scheduler.requests:  # not failed and aborted meanwhile
+            if rid in self.scheduler.requests:  # not a sequence that failed this step (aborted above)
                 self.pooled.add(planned[rid], rows_pooled)
         for s in sched.scheduled:
             self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)

@@ -16,10 +16,12 @@ _EXPORTS = {
     "EngineConfig": "pagellm.config",
     "SamplingParams": "pagellm.sampling_params",
     "StructuredOutputsParams": "pagellm.sampling_params",
+    "PoolingParams": "pagellm.pooling_params",
     "BeamSearchParams": "pagellm.beam_search",
     "BeamSearchOutput": "pagellm.beam_search",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
+    "EmbeddingRequestOutput": "pagellm.outputs",
 }
 __all__ = list(_EXPORTS)
 
@@ -28,7 +30,8 @@ if TYPE_CHECKING:
     from pagellm.config import EngineConfig
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM
-    from pagellm.outputs import CompletionOutput, RequestOutput
+    from pagellm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
+
+from pagellm.pooling_params import check_pooler_overrides
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -46,6 +49,17 @@ def bytes_or_fraction(text: str) -> float | int:
     if not value.is_integer():  # 2.5 is no fraction and no whole number of bytes
         raise argparse.ArgumentTypeError(f"{text!r} is neither {forms}")
     return int(value)
+
+
+def json_object(text: str) -> dict:
+    """A CLI flag's JSON object (`--pooler-config '{"pooling_type": "MEAN"}'`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def option(default: Any, help: str, *, check: Callable[[Any], bool] | None = None, limit: str = "",
@@ -126,6 +140,12 @@ class EngineConfig:
                                           "else runs beside it: alone, batched, chunked or after preemption (CPU; "
                                           "dense and GGUF weights; costs throughput, see docs/python.md)")
     enforce_eager: bool = option(False, "on a GPU, do not capture CUDA graphs for decode")
+    pooler_config: dict | None = option(
+        None, "how embeddings pool the final hidden states, over what the model's sentence-transformers files say "
+              "(default without them: LAST, normalized): a JSON object with pooling_type (LAST, MEAN or CLS) "
+              "and/or normalize (true or false), e.g. '{\"pooling_type\": \"MEAN\", \"normalize\": true}'",
+        check=check_pooler_overrides, parse=json_object,
+        limit='an object with "pooling_type" (LAST, MEAN or CLS) and/or "normalize" (true or false)')
     tensor_parallel_size: int = option(1, "split the model over this many ranks (processes; gloo on the CPU, "
                                           "NCCL on GPUs)", check=lambda v: v >= 1, limit="an integer >= 1",
                                        alias="-tp")

@@ -56,3 +56,24 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing precedes
     # it), then each prompt token's logprob and its top alternatives, as in vLLM.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # An embedding request's result (its `outputs` are empty): the pooled, possibly normalized vector.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, shaped as vLLM's: the vector is `.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

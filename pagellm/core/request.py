@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -71,6 +72,9 @@ class Request:
     # Structured outputs: the sequence's parser state (engine/structured_outputs.Grammar), advanced
     # by the engine core with every token it samples; forked with the sequence.
     grammar: Any = None
+    # An embedding (pooling) request: its prompt is prefilled, its hidden states pooled, nothing
+    # sampled; it finishes when the prompt is computed. Resolved (every field set) by the engine.
+    pooling_params: PoolingParams | None = None
 
     @property
     def prompt_logprobs_pending(self) -> bool:
@@ -78,6 +82,13 @@ class Request:
         whose prompt logprobs are asked for."""
         return (self.sampling_params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether prefill must pass every prompt position through the model, taking none from the
+        prefix cache: prompt logprobs to compute, or an embedding pooled over all positions."""
+        return self.prompt_logprobs_pending or (self.pooling_params is not None
+                                                and self.pooling_params.needs_every_position)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Callable
 from pagellm.core.kv import KVManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.step_plan import PlannedSeq, SampleSpec, StepPlan
+from pagellm.pooling_params import chunk_reduction
 
 
 @dataclass
@@ -63,11 +64,13 @@ class SchedulerOutput:
         seqs = []
         for s in self.scheduled:
             req = s.request
-            samplers = [SampleSpec(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
-                        for r in (req, *s.forks)] if s.samples else []
             end = s.start + s.num_new_tokens
+            pooling = req.pooling_params
+            samplers = [SampleSpec(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
+                        for r in (req, *s.forks)] if s.samples and pooling is None else []
+            pool = None if pooling is None else chunk_reduction(pooling.pooling_type, s.start, end, req.num_tokens)
             seq = PlannedSeq(req.request_id, req.token_slice(s.start, end), s.start, s.block_tables, samplers,
-                             req.group_id)
+                             req.group_id, pool=pool)
             if req.prompt_logprobs_pending:
                 # Positions first .. last - 1 predict prompt tokens first + 1 .. last (the last
                 # prompt position predicts the first output token: not a prompt logprob).
@@ -154,8 +157,7 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
         """Start a waiting request from its longest cached prefix, if its blocks can be had."""
-        # Prompt logprobs need every prompt position to pass through the model.
-        blocks, num_cached = ([], 0) if req.prompt_logprobs_pending else self.kv.get_computed_blocks(req)
+        blocks, num_cached = ([], 0) if req.needs_every_position else self.kv.get_computed_blocks(req)
         req.num_computed_tokens = num_cached
         n = self.kv.chunk_tokens(req, min(req.num_tokens - num_cached, budget))
         if not self.kv.allocate_slots(req, n, blocks):
@@ -234,11 +236,16 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance each scheduled request past the tokens it computed and append what it
         sampled; requests that hit eos, a stop token or their length limit are finished
-        and their blocks freed. Returns the requests that received a token."""
+        and their blocks freed, and so are pooling requests whose prompt is computed. Returns the
+        requests that received a token."""
         updated = []
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
+            if s.request.pooling_params is not None:
+                if s.request.num_computed_tokens == s.request.num_tokens:
+                    self.finish_request(s.request.request_id, RequestStatus.FINISHED_STOPPED)
+                continue
             for req in [s.request, *s.forks]:
                 token = sampled.get(req.request_id)
                 if token is None:

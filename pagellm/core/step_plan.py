@@ -45,6 +45,9 @@ class PlannedSeq:
     prompt_logprobs: int | None = None
     prompt_logprob_start: int = 0
     prompt_targets: list[int] = field(default_factory=list)
+    # An embedding request's chunk: what its hidden rows give the pooling ("sum", "last" or "first",
+    # pagellm.pooling_params.chunk_reduction); None: nothing.
+    pool: str | None = None
 
     def __post_init__(self) -> None:
         if not self.user_request_id:

@@ -250,7 +250,7 @@ class DriverModelRunner(ModelRunner):
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         logger.info("pagellm: tensor-parallel steps run eagerly (no CUDA graphs)")
 
-    def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         self.workers.check()
         values, tensors = pack(inputs)
         try:

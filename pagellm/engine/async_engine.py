@@ -36,7 +36,10 @@ from pagellm.errors import EngineFatalError
 from pagellm.engine.stats_logger import StatsLogger, log_added, log_finished, request_logger
 from pagellm.outputs import RequestOutput
 from pagellm.beam_search import BeamSearchParams
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+
+RequestParams = SamplingParams | BeamSearchParams | PoolingParams
 
 logger = logging.getLogger("pagellm.async_engine")
 
@@ -57,16 +60,22 @@ class RequestAborted(RuntimeError):
     """The request was aborted before it finished."""
 
 
-def num_sequences(params: SamplingParams | BeamSearchParams) -> int:
-    """The n a request's outputs have: its samples, or its beams."""
+def num_sequences(params: RequestParams) -> int:
+    """The n a request's outputs have: its samples, or its beams (one for an embedding)."""
+    if isinstance(params, PoolingParams):
+        return 1
     return params.beam_width if isinstance(params, BeamSearchParams) else params.n
+
+
+def max_new_tokens(params: RequestParams) -> int | None:
+    """The tokens a request may generate at most (None: up to the context; 0 for an embedding)."""
+    return 0 if isinstance(params, PoolingParams) else params.max_tokens
 
 
 class StepObserver(Protocol):
     """Called on the engine thread, in step order: the hook for metrics."""
 
-    def on_added(self, request_id: str, params: SamplingParams | BeamSearchParams,
-                 num_prompt_tokens: int) -> None: ...
+    def on_added(self, request_id: str, params: RequestParams, num_prompt_tokens: int) -> None: ...
 
     def on_step(self, num_tokens: int) -> None: ...
 
@@ -234,8 +243,7 @@ class AsyncLLMEngine:
         """Requests that have not produced their first output yet (queued, or in prefill)."""
         return len(self._unstarted)
 
-    async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams | BeamSearchParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptType, params: RequestParams) -> RequestStream:
         """Hand a request to the engine; returns once the engine accepted it.
 
         Raises ValueError for bad input (the engine's message), QueueFullError when
@@ -386,6 +394,8 @@ class AsyncLLMEngine:
             try:
                 if isinstance(params, BeamSearchParams):  # one output, when the search ends
                     req = self.engine.add_beam_request(rid, prompt, params, arrival_time=arrival)
+                elif isinstance(params, PoolingParams):  # one output, its embedding
+                    req = self.engine.add_pooling_request(rid, prompt, params, arrival_time=arrival)
                 else:
                     req = self.engine.add_request(rid, prompt, params, arrival_time=arrival)
             except Exception as e:
@@ -394,7 +404,7 @@ class AsyncLLMEngine:
                 self._live.add(rid)
                 self._observe("on_added", rid, params, req.num_prompt_tokens)
                 ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-                log_added(rid, len(ids) if ids is not None else None, params.max_tokens, num_sequences(params))
+                log_added(rid, len(ids) if ids is not None else None, max_new_tokens(params), num_sequences(params))
                 self._to_loop(self._resolve, fut, None, None)
         elif kind == "abort":
             rid = cmd[1]

@@ -13,10 +13,13 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from pagellm.core.kv import KVManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.core.step_plan import PlannedSeq, StepPlan
+from pagellm.engine.pooling import PooledPrompts
 from pagellm.errors import EngineFatalError
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.model_runner import StepResult
@@ -38,6 +41,8 @@ class CoreStep:
     held: list[str] = field(default_factory=list)            # sampled, but the caller picks the token
     forked: list[Request] = field(default_factory=list)      # sequences forked this step (n > 1)
     failures: dict[str, Failure] = field(default_factory=dict)  # request (group) id -> why it failed
+    # Embedding requests whose prompt this step completed (finished, blocks freed): what they pooled.
+    pooled: dict[str, tuple[Request, torch.Tensor]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -58,6 +63,7 @@ class EngineCore:
         # Seconds per computed token, a moving average over steps: what recomputing costs
         # (preemption_mode "auto"). None until a step has run.
         self.seconds_per_token: float | None = None
+        self.pooled = PooledPrompts()  # embedding requests' pooled chunks so far
 
     # ---- sequences: what the layers above may do between steps ----------------------------
     def add(self, seq: Request) -> None:
@@ -66,6 +72,7 @@ class EngineCore:
     def finish(self, seq_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish a sequence wherever it is; its blocks return to the pool at once."""
         self.scheduler.finish_request(seq_id, status)
+        self.pooled.drop(seq_id)
 
     def fork(self, parent_id: str, child_id: str, index: int) -> Request:
         """A new sequence continuing `parent_id` from where it is, sharing its blocks."""
@@ -144,17 +151,23 @@ class EngineCore:
             skip = len(seq.prompt_logprobs) - scored.start
             if skip >= 0:
                 seq.prompt_logprobs.extend(list(zip(scored.token_ids, scored.logprobs, scored.ranks, scored.top))[skip:])
+        planned = {seq.request_id: seq for seq in plan.seqs}
+        for rid, rows_pooled in result.pooled.items():
+            if rid in self.scheduler.requests:  # not a sequence that failed this step (aborted above)
+                self.pooled.add(planned[rid], rows_pooled)
         for s in sched.scheduled:
             self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                                                    - s.start)
             self.num_tokens_computed += s.num_new_tokens
         updated = self.scheduler.update_after_step(sched, sampled)
         self.num_generation_tokens += len(sampled)
-        return CoreStep(result.sampled, rows, updated, held, forked, failures)
+        pooled = {s.request.request_id: (s.request, self.pooled.pop(s.request.request_id)) for s in sched.scheduled
+                  if s.request.pooling_params is not None and s.request.is_finished}
+        return CoreStep(result.sampled, rows, updated, held, forked, failures, pooled)
 
     def _abort_groups(self, failures: dict[str, Failure]) -> dict[str, Failure]:
         for seq in [r for r in self.scheduler.requests.values() if r.group_id in failures]:
-            self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_ABORTED)
+            self.finish(seq.request_id, RequestStatus.FINISHED_ABORTED)
         return failures
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, dict[str, Failure]]:

@@ -48,6 +48,26 @@ class InputProcessor:
             raise ValueError(f"n, best_of and beam_width must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {num_seqs}")
 
+    def validate_pooling(self, ids: list[int]) -> None:
+        """An embedding request's prompt: ids in the vocabulary, at most max_model_len of them (none
+        is generated), and blocks for all of them."""
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        self._check_ids(ids)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(ids)} tokens; max_model_len is {self.max_model_len}: shorten it "
+                             f"(or ask for truncate_prompt_tokens)")
+        need = self.kv.blocks_for(len(ids))
+        if need > self.kv.num_blocks:
+            raise ValueError(f"the input needs {need} KV blocks ({len(ids)} tokens at block_size "
+                             f"{self.kv.block_size}) but the whole KV pool has {self.kv.num_blocks}")
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.vocab_size
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
+
     def validate(self, ids: list[int], params: SamplingParams, num_seqs: int | None = None,
                  seqs_at_once: int = 1) -> None:
         """The prompt and parameters against this model: ids in the vocabulary, room in the
@@ -56,9 +76,7 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.vocab_size
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
+        self._check_ids(ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              f"which must hold the prompt plus at least one generated token")

@@ -30,9 +30,11 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
 from pagellm.layers.quant import quantized_on_load
 from pagellm.layers.quant.gguf import resolve_activation_quantization
+from pagellm.loader.pooler_config import read_pooler_config
 from pagellm.loader.source import load_model_source
 from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -65,6 +67,8 @@ class LLMEngine:
         self.model_path = source.path
         self.tokenizer: Tokenizer = source.tokenizer
         self.arch = source.arch
+        # How embeddings are made (pooling_params.py): the model's own files, then --pooler-config.
+        self.pooler_config = read_pooler_config(source.path).with_overrides(config.pooler_config)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.arch.max_position_embeddings)
         self.device = device
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -138,6 +142,7 @@ class LLMEngine:
         """Validate, tokenize and queue a request. Raises ValueError, changing nothing, on bad input."""
         params = params or SamplingParams()
         self._check_request_id(request_id)
+        self._check_generates()
         num_seqs = params.best_of or params.n
         self.inputs.check_num_seqs(num_seqs)
         taken = next((f"{request_id}#{i}" for i in range(1, num_seqs) if f"{request_id}#{i}" in self._seq_group),
@@ -164,6 +169,29 @@ class LLMEngine:
         self._start(group)
         return req
 
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
+                            arrival_time: float | None = None) -> Request:
+        """Validate, tokenize and queue an embedding request: its prompt is prefilled (in chunks,
+        batched with the other requests), its final hidden states pooled (`self.pooler_config`,
+        where `params` leaves a field None), nothing sampled. Its one output carries `embedding`.
+        Raises ValueError, changing nothing, on bad input."""
+        self._check_request_id(request_id)
+        params = (params or PoolingParams()).resolve(self.pooler_config, self.arch.hidden_size,
+                                                     os.path.basename(self.model_path))
+        text, ids = self.inputs.tokenize(prompt)
+        self.inputs.validate_pooling(ids)
+        req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=SamplingParams(),
+                      eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time or time.time(),
+                      max_model_len=self.max_model_len, pooling_params=params)
+        self._start(SequenceGroup(request_id, req, req.sampling_params, 1))
+        return req
+
+    def _check_generates(self) -> None:
+        if not self.arch.has_lm_head:
+            raise ValueError(f"{os.path.basename(self.model_path)} has no language-model head (its config.json "
+                             f"names a bare decoder, {self.arch.hf_config.get('architectures', ['?'])[0]}): it "
+                             f"serves embeddings only")
+
     @property
     def grammars(self) -> GrammarCompiler:
         """Structured outputs' compiler, built on first use (it reads the whole vocabulary once).
@@ -186,6 +214,7 @@ class LLMEngine:
         """Queue a beam search. Its beams are sequences like any other; between core steps
         `beams.advance` forks the chosen ones and drops the rest."""
         self._check_request_id(request_id)
+        self._check_generates()
         text, ids = self.inputs.tokenize(prompt)
         w = params.beam_width
         # Each beam reads the top 2W continuations of its last position, greedily "sampled".
@@ -222,7 +251,8 @@ class LLMEngine:
             if group is None:
                 continue
             self._abort_group(group)
-            out = None if group.beams is not None or group.num_seqs > group.params.n else self.outputs.output(group)
+            unranked = group.beams is not None or group.num_seqs > group.params.n
+            out = None if unranked or group.root.pooling_params is not None else self.outputs.output(group)
             if out is None:
                 out = self.outputs.failure(group, RuntimeError(reason))
             else:  # samples not forked yet have no text to show: the request still ends here
@@ -272,6 +302,16 @@ class LLMEngine:
                    if gid in self._groups]
         for child in out.forked:
             self.outputs.track(self._groups[child.group_id], child)
+        for req, pooled in out.pooled.values():
+            group = self._groups.get(req.group_id)
+            if group is None:
+                continue
+            try:
+                outputs.append(self.outputs.embedding_output(group, pooled))
+            except Exception as e:  # one request's failure must not take down the others
+                outputs.append(self._fail(group, e, "output_error"))
+                continue
+            self._drop(group)
         touched: dict[str, SequenceGroup] = {}
         failed: dict[str, Exception] = {}
         for sid in out.held:

@@ -7,6 +7,7 @@ import time
 from pagellm.core.request import Request, RequestStatus
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.groups import SeqText, SequenceGroup
+from pagellm.engine.pooling import embedding
 from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.worker.sampler import SamplerOutput
@@ -88,6 +89,17 @@ class OutputProcessor:
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished,
                              metrics, num_cached_tokens=first.num_cached_tokens,
                              prompt_logprobs=self.prompt_logprobs(first))
+
+    @staticmethod
+    def embedding_output(group: SequenceGroup, pooled) -> RequestOutput:
+        """The one output of an embedding request whose prompt is computed: what it pooled
+        (PooledPrompts), made its embedding."""
+        req = group.root
+        vector = embedding(pooled, req.pooling_params, req.num_prompt_tokens)
+        metrics = RequestMetrics(req.arrival_time, None, req.finished_time, req.num_preemptions,
+                                 req.first_scheduled_time)
+        return RequestOutput(group.request_id, req.prompt, req.prompt_token_ids, [], True, metrics,
+                             num_cached_tokens=req.num_cached_tokens, embedding=vector)
 
     def prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
         """The request's prompt logprobs in vLLM's shape, once all are computed."""

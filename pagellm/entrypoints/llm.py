@@ -7,7 +7,8 @@ from typing import Any, Sequence
 from pagellm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.config import make_config, signature_with_options
 from pagellm.engine.llm_engine import LLMEngine, PromptType
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 Conversation = list[dict]
@@ -42,6 +43,23 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         ids = self._add_all(lambda rid, i: self.engine.add_request(rid, prompts[i], params[i]), len(prompts))
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (`.outputs.embedding`), in input order: each prompt is
+        prefilled, batched with the others, and its final hidden states pooled as the model's
+        sentence-transformers files say (or `pooler_config`; `pooling_params` per prompt)."""
+        prompts = _as_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        ids = self._add_all(lambda rid, i: self.engine.add_pooling_request(rid, prompts[i], params[i]), len(prompts))
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids)
+                for out in self._run(ids, use_tqdm)]
 
     def _add_all(self, add, count: int) -> list[str]:
         """Add every request or none: one that fails validation withdraws the others."""

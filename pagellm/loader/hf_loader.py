@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from pagellm.models.arch import ModelArchConfig, arch_from_hf
-from pagellm.models.registry import Multimodal, family_for_hf, multimodal_for_hf
+from pagellm.models.registry import HF_ARCHITECTURES, Multimodal, causal_lm_of_base, family_for_hf, multimodal_for_hf
 
 logger = logging.getLogger(__name__)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -43,8 +43,10 @@ def read_hf_config(model_dir: str) -> ModelArchConfig:
             hf.tie_word_embeddings = config.tie_word_embeddings
         # Token ids may be in either config (Gemma 3 and Mistral 3 keep them in the text one).
         raw = {**raw.get("text_config", {}), **{k: v for k, v in raw.items() if v is not None}}
+    names = raw.get("architectures") or [""]
     return arch_from_hf(hf, family.name, bos_token_id=raw.get("bos_token_id"),
-                        eos_token_ids=_eos_ids(raw, model_dir), model_name=model_dir)
+                        eos_token_ids=_eos_ids(raw, model_dir), model_name=model_dir,
+                        has_lm_head=causal_lm_of_base(names[0]) not in HF_ARCHITECTURES)
 
 
 def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type: str):

@@ -26,6 +26,9 @@ class ModelArchConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # False for a bare decoder checkpoint (`Qwen3Model`, as sentence-transformers saves an embedding
+    # model): no language-model head, embeddings only.
+    has_lm_head: bool = True
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -55,7 +58,7 @@ class ModelArchConfig:
 
 
 def arch_from_hf(hf, family: str, *, bos_token_id: int | None, eos_token_ids: list[int], model_name: str,
-                 attention_bias: bool = False) -> ModelArchConfig:
+                 attention_bias: bool = False, has_lm_head: bool = True) -> ModelArchConfig:
     """The ModelArchConfig of `hf`, a transformers config (read from config.json, or made from
     a GGUF file's metadata) of a model of `family` (pagellm.models.registry)."""
     heads = int(hf.num_attention_heads)
@@ -73,6 +76,7 @@ def arch_from_hf(hf, family: str, *, bos_token_id: int | None, eos_token_ids: li
         rope_scaling=rope_scaling,
         max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 4096),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        has_lm_head=has_lm_head,
         # Qwen2 always has q/k/v biases and its config has no key for them.
         attention_bias=attention_bias or family == "qwen2" or bool(getattr(hf, "attention_bias", False)),
         bos_token_id=bos_token_id,

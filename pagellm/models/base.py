@@ -56,8 +56,9 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.heads = HeadSplit.of(arch.num_attention_heads, arch.num_key_value_heads, tp)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.lm_head = None if arch.tie_word_embeddings else VocabParallelEmbedding(arch.vocab_size,
-                                                                                     arch.hidden_size, tp)
+        # A bare decoder (ModelArchConfig.has_lm_head False) has no head and makes no logits.
+        untied = not arch.tie_word_embeddings and arch.has_lm_head
+        self.lm_head = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp) if untied else None
         self.logits = LogitsHead(arch.vocab_size, tp)
         self.ropes: dict[str, RotaryEmbedding] = {}
 

@@ -110,7 +110,7 @@ def family_for_hf(config: dict, where: str) -> Family:
         return family
     # A config saved from a config object alone lists no architectures; model_type still says which.
     if names:
-        family = HF_ARCHITECTURES.get(names[0])
+        family = HF_ARCHITECTURES.get(names[0]) or HF_ARCHITECTURES.get(causal_lm_of_base(names[0]))
     else:
         family = _BY_MODEL_TYPE.get(config.get("model_type"))
     if family is None:
@@ -118,6 +118,14 @@ def family_for_hf(config: dict, where: str) -> Family:
         raise ValueError(f"{where}: architecture {shown!r} is not supported "
                          f"(supported: {', '.join([*HF_ARCHITECTURES, *MULTIMODAL])})")
     return family
+
+
+def causal_lm_of_base(architecture: str) -> str | None:
+    """`Qwen3Model` -> `Qwen3ForCausalLM`: the language model whose bare decoder (no head) a checkpoint
+    of `architecture` is, as sentence-transformers saves an embedding model; None for any other name."""
+    if architecture.endswith("Model") and architecture not in HF_ARCHITECTURES:
+        return architecture.removesuffix("Model") + "ForCausalLM"
+    return None
 
 
 def family_for_gguf(arch: str | None, where: str, experts: bool = False, sliding: bool = False) -> Family:

@@ -74,6 +74,8 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     rows: list[int]  # the rows of the hidden states that need logits: the sampling rows, then prompt rows
+    # Embedding requests' chunks: (first row, end row, reduction) of the hidden states to pool.
+    pool_rows: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -90,22 +92,25 @@ class PromptLogprobs:
 
 @dataclass
 class StepResult:
-    """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]`; and the prompt
-    logprobs it computed, by sequence id."""
+    """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]`; the prompt logprobs
+    it computed, by sequence id; and each embedding request's chunk reduced as its plan said
+    (PlannedSeq.pool: a float32 [hidden] vector), by sequence id."""
 
     request_ids: list[str]
     sampled: SamplerOutput | None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def concat(cls, parts: list[StepResult]) -> StepResult:
         """The results of disjoint parts of one step, as if it had run whole."""
         prompt = {rid: p for part in parts for rid, p in part.prompt_logprobs.items()}
+        pooled = {rid: p for part in parts for rid, p in part.pooled.items()}
         parts = [p for p in parts if p.sampled is not None]
         if not parts:
-            return cls([], None, prompt)
+            return cls([], None, prompt, pooled)
         return cls([rid for p in parts for rid in p.request_ids], SamplerOutput.concat([p.sampled for p in parts]),
-                   prompt)
+                   prompt, pooled)
 
 
 class ModelRunner:
@@ -295,12 +300,13 @@ class ModelRunner:
         # Only the last position of each sampling sequence needs logits; forked siblings
         # sample from the same row as their parent.
         samplers = [spec for s in seqs for spec in s.samplers]
-        logits = self.run_step(inputs)
+        logits, pooled_rows = self.run_step(inputs)
+        pooled = {} if pooled_rows is None else dict(zip([s.request_id for s in seqs if s.pool], pooled_rows))
         if logits is None:
-            return StepResult([], None)
+            return StepResult([], None, pooled=pooled)
         prompt = _prompt_logprobs([s for s in seqs if s.prompt_targets], logits[len(samplers):])
         if not samplers:
-            return StepResult([], None, prompt)
+            return StepResult([], None, prompt, pooled)
         logits = logits[:len(samplers)]
         sampling = SamplingMetadata.build(
             params=[s.params for s in samplers],
@@ -312,25 +318,27 @@ class ModelRunner:
             token_bitmasks=[s.token_bitmask for s in samplers],
         )
         with phase(self.timer, "sampler"):
-            return StepResult([s.request_id for s in samplers], self.sampler(logits, sampling), prompt)
+            return StepResult([s.request_id for s in samplers], self.sampler(logits, sampling), prompt, pooled)
 
     @torch.inference_mode()
-    def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A step's tensor work: copy-on-write block copies, the forward pass, the logits of the
-        rows that sample.
+        rows that sample, and the embedding chunks' pooled rows.
 
         Every tensor-parallel rank runs this with the same inputs (pagellm.distributed);
-        rank 0 alone gets the logits. None when no row samples.
+        rank 0 uses what it returns: (logits or None when no row samples, [pool_rows, hidden]
+        float32 or None when nothing pools).
         """
         if inputs.block_copies:
             self.copy_blocks(inputs.block_copies)
         # A captured graph replays decode-only steps; anything else runs eagerly.
         with phase(self.timer, "model_forward"):
             hidden = (self.cuda_graphs or self.model)(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        pooled = _pool_chunks(hidden, inputs.pool_rows) if inputs.pool_rows else None
         if not inputs.rows:
-            return None
+            return None, pooled
         with phase(self.timer, "logits"):
-            return self.model.compute_logits(hidden[torch.tensor(inputs.rows, device=self.device)])
+            return self.model.compute_logits(hidden[torch.tensor(inputs.rows, device=self.device)]), pooled
 
     def memory_report(self) -> list[dict]:
         """Bytes of weights and KV cache this process holds (one entry per tensor-parallel rank)."""
@@ -349,6 +357,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(groups)]
         query_lens, seq_lens, rows, prompt_rows = [], [], [], []
+        pool_rows: list[tuple[int, int, str]] = []
         tables: list[list[list[int]]] = [[] for _ in range(groups)]
         num_decodes = 0
         for s in seqs:
@@ -373,6 +382,8 @@ class ModelRunner:
             if s.prompt_targets:
                 first = len(tokens) - n + s.prompt_logprob_start - start
                 prompt_rows.extend(range(first, first + len(s.prompt_targets)))
+            if s.pool:
+                pool_rows.append((len(tokens) - n, len(tokens), s.pool))
         # Every group's tables have one length per sequence: one width for all.
         width = max(len(t) for t in tables[0])
         padded = [[t + [0] * (width - len(t)) for t in group] for group in tables]
@@ -396,7 +407,16 @@ class ModelRunner:
             meta.state_block_ids = torch.tensor(rows_of, dtype=torch.long, device=dev)
             meta.has_state = torch.tensor(has_state, dtype=torch.float32, device=dev)
         return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows)
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows, pool_rows)
+
+
+def _pool_chunks(hidden: torch.Tensor, pool_rows: list[tuple[int, int, str]]) -> torch.Tensor:
+    """Each chunk's hidden rows [first, end) reduced as asked (pagellm.pooling_params.chunk_reduction),
+    in float32: [len(pool_rows), hidden]."""
+    reduce = {"sum": lambda first, end: hidden[first:end].float().sum(dim=0),
+              "last": lambda first, end: hidden[end - 1].float(),
+              "first": lambda first, end: hidden[first].float()}
+    return torch.stack([reduce[how](first, end) for first, end, how in pool_rows])
 
 
 def _prompt_logprobs(seqs: list[PlannedSeq], logits: torch.Tensor) -> dict[str, PromptLogprobs]:

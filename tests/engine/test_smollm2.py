@@ -24,6 +24,8 @@ TEXTS = [
 # A real model's logits are larger than the tiny models'; its logprobs agree with transformers'
 # to this (measured: at most 2.4e-5, batched, chunked, preempted and cached alike).
 LOGPROB_ATOL = 5e-4
+# Its normalized last-token embeddings agree with transformers' to this (measured: at most 4.7e-7).
+EMBEDDING_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,20 @@ def test_beam_search_matches_transformers_gguf(llm, hf):
     results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(3, 12))
     for p, res in zip(prompts, results):
         assert res.sequences[0].token_ids == hf_beam(hf, p, 3, 12, 1.0, tok.eos_token_id)
+
+
+def test_last_token_embeddings_match_transformers_gguf(llm, hf):
+    """With no sentence-transformers files, a decoder embeds by its last token's final hidden state,
+    normalized: transformers' last_hidden_state on the same weights, prompts batched."""
+    assert llm.engine.pooler_config.pooling_type == "LAST" and llm.engine.pooler_config.normalize
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            hidden = hf.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(hidden, dim=-1)
+        got = torch.tensor(out.outputs.embedding)
+        assert (got - want).abs().max().item() <= EMBEDDING_ATOL
+        assert torch.dot(got, want).item() >= 1 - 1e-5
+    assert llm.stats()["used_blocks"] == 0

@@ -190,3 +190,26 @@ def _perturb(model: torch.nn.Module, family: str) -> None:
             # 0.3 the token's own embedding would swamp the residual stream and the model would
             # echo its input. Scaled back, the blocks' outputs (normalized to ~1) carry the context.
             model.get_input_embeddings().weight.div_(hidden_size ** 0.5)
+
+
+def build_sentence_transformer(family: str, path: Path, pooling_mode: str, normalize: bool, seed: int = 0):
+    """Family `family`'s test model made a sentence-transformers embedding model (Transformer, then
+    Pooling in `pooling_mode`, then Normalize if `normalize`) and saved in `path` by
+    sentence-transformers itself: a bare decoder (`Qwen3Model`, no head) with modules.json and
+    1_Pooling/config.json. Returns the SentenceTransformer, the reference."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import PreTrainedTokenizerFast
+
+    decoder = build(family, path / "decoder", seed)
+    # Plain text in, as embedding models take it: no chat template (sentence-transformers would render
+    # texts through it), and a padding token for its batches.
+    (decoder / "chat_template.jinja").unlink(missing_ok=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(decoder))
+    tok.chat_template, tok.pad_token = None, "<unk>"
+    tok.save_pretrained(str(decoder))
+    transformer = Transformer(str(decoder))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode)]
+    model = SentenceTransformer(modules=modules + ([Normalize()] if normalize else []), device="cpu")
+    model.save(str(path / "st"))
+    return SentenceTransformer(str(path / "st"), device="cpu")

@@ -24,9 +24,10 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_re
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 TokenizeRequest)
+                                                 EmbeddingRequest, TokenizeRequest)
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
 from pagellm.entrypoints.openai.shutdown import Drain, DrainingServer, DrainMiddleware
 
@@ -63,6 +64,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request,
                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
     messages = AnthropicServingMessages(chat)
+    embeddings = OpenAIServingEmbedding(engine, config.served_model_names)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -135,6 +137,10 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(req, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw_request: Request) -> dict:
+        return await embeddings.create_embedding(req, raw_request)
 
     @app.post("/v1/messages")
     async def create_message(req: MessagesRequest, raw_request: Request) -> Response:

@@ -15,7 +15,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagellm.engine.async_engine import num_sequences
+from pagellm.engine.async_engine import max_new_tokens, num_sequences
 from pagellm.outputs import RequestOutput
 
 # vLLM's buckets.
@@ -253,8 +253,8 @@ class ServerMetrics:
     def on_added(self, request_id: str, params, num_prompt_tokens: int) -> None:
         self._requests[request_id] = _Progress(time.time())
         self.params_n.observe(num_sequences(params))
-        if params.max_tokens is not None:
-            self.params_max_tokens.observe(params.max_tokens)
+        if max_new_tokens(params):  # neither unbounded nor an embedding
+            self.params_max_tokens.observe(max_new_tokens(params))
 
     def on_step(self, num_tokens: int) -> None:
         if num_tokens > 0:

@@ -40,6 +40,11 @@ NOT_YET = {
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        """(field, why) for every field sent that this server would otherwise ignore."""
+        sent = (self.model_extra or {}).keys() - ACCEPTED_WITHOUT_EFFECT.keys()
+        return [(name, NOT_YET.get(name, "it is not a parameter this server knows")) for name in sorted(sent)]
+
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
@@ -65,11 +70,6 @@ class _RequestFields(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-
-    def unsupported_fields(self) -> list[tuple[str, str]]:
-        """(field, why) for every field sent that this server would otherwise ignore."""
-        sent = (self.model_extra or {}).keys() - ACCEPTED_WITHOUT_EFFECT.keys()
-        return [(name, NOT_YET.get(name, "it is not a parameter this server knows")) for name in sorted(sent)]
 
 
 def _sampling_fields() -> dict[str, Any]:
@@ -129,6 +129,16 @@ class ChatCompletionRequest(SamplingFields):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(OpenAIModel):
+    input: PromptField
+    model: str | None = None
+    encoding_format: str = "float"  # or "base64": little-endian float32 bytes (what the openai client asks for)
+    dimensions: int | None = None   # Matryoshka models only
+    user: str | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
+    truncate_prompt_tokens: int | None = None  # vLLM's extra: keep only each input's last k tokens
+    add_special_tokens: bool = True  # vLLM's extra
 
 
 class TokenizeRequest(OpenAIModel):

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_engine import RequestStream
-from pagellm.entrypoints.openai.errors import bad_request, check_request_text
+from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import CompletionRequest
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
@@ -59,26 +59,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                      media_type="text/event-stream")
         finals = await self.collect(raw_request, streams)
         return JSONResponse(self.response(req, request_id, finals, texts))
-
-    def parse_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise bad_request("prompt must not be empty", param="prompt")
-        out = []
-        for item in items:
-            if isinstance(item, str):
-                check_request_text("prompt", item)
-                out.append((item, self.tokenizer.encode(item) if item else []))
-            else:
-                out.append((None, list(item)))
-            if not out[-1][1]:
-                raise bad_request("prompt must not be empty", param="prompt")
-        return out
 
     def choice(self, req: CompletionRequest, index: int, c: CompletionOutput, text: str,
                token_ids: list[int], logprobs, offset: int, prompt_logprobs: list | None = None) -> dict:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from pagellm.beam_search import BeamSearchParams
 from pagellm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
                                          RequestAborted, RequestStream)
-from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.entrypoints.openai.structured import parse_structured_outputs
@@ -183,6 +183,29 @@ class OpenAIServing:
                                     ignore_eos=bool(req.ignore_eos))
         except ValueError as e:
             raise bad_request(str(e), param="n") from None
+
+    def parse_prompts(self, prompt, field: str = "prompt",
+                      add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt in an OpenAI prompt field (`prompt`, `input`): a
+        string, a list of token ids, or a list of either; an empty one is a 400 naming `field`."""
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request(f"{field} must not be empty", param=field)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                check_request_text(field, item)
+                out.append((item, self.tokenizer.encode(item, add_special_tokens=add_special_tokens) if item else []))
+            else:
+                out.append((None, list(item)))
+            if not out[-1][1]:
+                raise bad_request(f"{field} must not be empty", param=field)
+        return out
 
     @staticmethod
     def truncate(ids: list[int], keep: int | None) -> list[int]:

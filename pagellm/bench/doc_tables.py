@@ -9,7 +9,10 @@ A generated section is marked in the page so that the prose around it stays the 
     ...
     <!-- end NAME -->
 
-Each table is rendered by the bench module that reads its results."""
+Each table is rendered by the bench module that writes its results (its `doc_table`, beside the
+`print_tables` that shows the same figures on the terminal), so a change of a result's shape
+changes one module; results written by a script under benchmarks/ are rendered by a module here
+(lm_eval)."""
 from __future__ import annotations
 
 import json
@@ -105,11 +108,22 @@ def json_runs_table(name: str, page: str, pattern: str, body: Callable[[list[dic
 def tables() -> list[DocTable]:
     """Every generated section in docs/, page by page. Imported here, not at the top: the
     modules that render them use this module's markers and tables."""
-    from pagellm.bench import cpu_tables, gpu_tables, windows
+    from pagellm.bench import cpu_tables, gpu_tables, grammar, lm_eval, memory, serve, sharing, throughput, windows
 
     return [
+        json_table("kv-memory-table", "benchmarks.md", "memory-2026-12-01.json", memory.doc_table),
+        json_table("sharing-table", "benchmarks.md", "sharing-2026-11-30.json",
+                   lambda doc: sharing.doc_table(doc["results"])),
+        json_table("throughput-table", "benchmarks.md", "throughput-2026-11-30.json", throughput.doc_table),
+        json_table("serve-table", "benchmarks.md", "serve-2026-11-30.json", serve.doc_table),
+        json_table("grammar-table", "benchmarks.md", "grammar-2026-12-01.json",
+                   lambda doc: grammar.doc_table(doc["results"])),
+        json_table("lm-eval-table", "benchmarks.md", lm_eval.RUN, lm_eval.doc_table),
         DocTable(windows.NAME, windows.PAGE, windows.section),
+        json_runs_table("router-table", "scaling.md", "serve-router-*M-2026-12-01.json", serve.router_doc_table),
         DocTable(cpu_tables.NAME, cpu_tables.PAGE, lambda results: cpu_tables.render(cpu_tables.load_runs(results))),
+        json_table("batch-invariant-table", "python.md", "batch-invariant-2026-12-01.json",
+                   throughput.invariant_doc_table),
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),
     ]
 

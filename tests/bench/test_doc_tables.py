@@ -56,6 +56,15 @@ def test_a_changed_figure_changes_the_table(name, changed_results):
     assert t.render(changed_results) != t.render(RESULTS)
 
 
+def test_one_changed_value_shows_in_its_cell(tmp_path):
+    doc = json.loads((RESULTS / "memory-2026-12-01.json").read_text())
+    doc["workloads"]["sharegpt"]["policies"]["paged-16"]["token_share_of_reserved"] = 0.5
+    (tmp_path / "memory-2026-12-01.json").write_text(json.dumps(doc))
+    table = TABLES["kv-memory-table"].render(tmp_path)
+    assert "| paged-16 | 50.0% | 88.8% |" in table
+    assert "| paged-16 | 98.4% |" in TABLES["kv-memory-table"].render(RESULTS)
+
+
 def test_update_page_rewrites_only_its_section(tmp_path):
     page = tmp_path / "page.md"
     text = doc_tables.wrap("a-table", "benchmarks/results/x.json", "| old |")

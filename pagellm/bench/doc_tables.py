@@ -11,8 +11,8 @@ A generated section is marked in the page so that the prose around it stays the 
 
 Each table is rendered by the bench module that writes its results (its `doc_table`, beside the
 `print_tables` that shows the same figures on the terminal), so a change of a result's shape
-changes one module; results written by a script under benchmarks/ are rendered by a module here
-(lm_eval)."""
+changes one module; results written by scripts under benchmarks/ are rendered by quant_tables and
+lm_eval here."""
 from __future__ import annotations
 
 import json
@@ -108,7 +108,8 @@ def json_runs_table(name: str, page: str, pattern: str, body: Callable[[list[dic
 def tables() -> list[DocTable]:
     """Every generated section in docs/, page by page. Imported here, not at the top: the
     modules that render them use this module's markers and tables."""
-    from pagellm.bench import cpu_tables, gpu_tables, grammar, lm_eval, memory, serve, sharing, throughput, windows
+    from pagellm.bench import cpu_tables, gpu_tables, grammar, kv_cache, lm_eval, memory, offload, quant_tables, \
+        serve, sharing, throughput, windows
 
     return [
         json_table("kv-memory-table", "benchmarks.md", "memory-2026-12-01.json", memory.doc_table),
@@ -120,8 +121,17 @@ def tables() -> list[DocTable]:
                    lambda doc: grammar.doc_table(doc["results"])),
         json_table("lm-eval-table", "benchmarks.md", lm_eval.RUN, lm_eval.doc_table),
         DocTable(windows.NAME, windows.PAGE, windows.section),
+        json_table("kv-formats-table", "kv-cache.md", "kv-cache-2026-12-01.json", kv_cache.doc_table),
+        json_table("kv-offload-table", "kv-cache.md", "kv-offload-2026-12-01.json", offload.doc_table),
+        json_table("swap-table", "kv-cache.md", "kv-offload-2026-12-01.json", offload.swap_doc_table),
         json_runs_table("router-table", "scaling.md", "serve-router-*M-2026-12-01.json", serve.router_doc_table),
+        json_table("activation-products-table", "quantization.md", "quant-matmul-2026-12-02.json",
+                   quant_tables.activation_table),
+        json_table("weight-formats-table", "quantization.md", "quant-matmul-2026-12-01.json",
+                   quant_tables.weight_format_table),
         DocTable(cpu_tables.NAME, cpu_tables.PAGE, lambda results: cpu_tables.render(cpu_tables.load_runs(results))),
+        json_runs_table("streams-table", "quantization.md", "serve-16-streams-*-vs-llama-server-2026-12-04*.json",
+                        quant_tables.streams_table, quant_tables.STREAMS_RUNS),
         json_table("batch-invariant-table", "python.md", "batch-invariant-2026-12-01.json",
                    throughput.invariant_doc_table),
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),

@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 
-from pagellm.bench import report
+from pagellm.bench import doc_tables, report
 
 # Long by construction: at least 64 strings, so no output completes within --max-tokens.
 SCHEMA = {
@@ -86,6 +86,18 @@ def run(args: argparse.Namespace) -> dict:
     overhead = summary["json_schema"]["step_ms_median"] / summary["none"]["step_ms_median"] - 1
     return {"config": {k: v for k, v in vars(args).items() if k != "func"}, "schema": SCHEMA, "load": load,
             "modes": summary, "overhead": overhead, "target_overhead": 0.10}
+
+
+MODE_LABELS = {"none": "no grammar", "json_schema": "JSON schema"}
+
+
+def doc_table(result: dict) -> str:
+    """docs/benchmarks.md's table: per mode, the whole-batch decode steps timed and their medians."""
+    rows = [[MODE_LABELS.get(mode, mode), s["steps"],
+             *(f"{s[key]:.1f} ms" for key in ("step_ms_median", "grammar_ms_median", "sampler_ms_median"))]
+            for mode, s in result["modes"].items()]
+    return doc_tables.markdown_table(["mode", "steps timed", "step (median)", "filling the bitmask (xgrammar)",
+                                      "sampler"], rows, "lrrrr")
 
 
 def add_parser(sub) -> None:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from importlib import resources
 
-from pagellm.bench import report
+from pagellm.bench import doc_tables, report
 
 FORMATS = ("float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 # Prompts for the free-running comparison: openings of ordinary sentences.
@@ -264,6 +264,19 @@ def print_tables(out: dict) -> None:
                 for n, r in a["formats"].items()]
         print(report.format_table(["format", "ms", "GB/s", "vs bfloat16"], rows))
     report.print_targets(out["targets"])
+
+
+def doc_table(out: dict, model: str = "bundled") -> str:
+    """docs/kv-cache.md's table: per format, one model's bytes, room, accuracy against the
+    reference, and the decode kernel's speed against bfloat16's."""
+    m = out["models"][model]["accuracy_and_room"]
+    speed = next(iter(out["attention"].values()))["formats"]
+    rows = [[name, f"{r['kv_bytes_per_token']:,}", f"{r['num_kv_blocks']:,} ({r['blocks_vs_bfloat16']:.2f}x)",
+             f"{r['teacher_forced_top1_agreement']:.2%}", f"{r['perplexity_change']:+.2%}",
+             f"{speed[name]['speed_vs_bfloat16']:.2f}x" if name in speed else "-"] for name, r in m["formats"].items()]
+    return doc_tables.markdown_table(
+        [out["models"][model]["model"], "KV bytes / token", f"blocks in {m['kv_cache_memory'] >> 20} MiB (vs bfloat16)",
+         f"top-1 agreement with {m['reference']}", "perplexity change", "decode attention vs bfloat16"], rows, "lrrrrr")
 
 
 def add_parser(sub) -> None:

@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
-from pagellm.bench import report
+from pagellm.bench import doc_tables, report
 from pagellm.bench.kv_cache import capacity_rows, print_capacity_rows
 from pagellm.bench.windows import print_window_rows, window_rows
 from pagellm.core.kv import ContiguousKVManager, KVCacheManager, make_kv_manager
@@ -403,6 +403,17 @@ def print_tables(results: dict) -> None:
     if "kv_formats" in results:
         print_capacity_rows(results["kv_formats"])
     report.print_targets(results.get("targets", []))
+
+
+def doc_table(results: dict) -> str:
+    """docs/benchmarks.md's table: one row per policy, ShareGPT's figures then Alpaca's."""
+    share, alpaca = results["workloads"]["sharegpt"]["policies"], results["workloads"]["alpaca"]["policies"]
+    rows = [[name, f"{r['token_share_of_reserved']:.1%}", f"{r['token_share_of_pool']:.1%}", f"{r['mean_batch']:.1f}",
+             r["peak_batch"], f"{r['max_sustained_rate']:.3g}", f"{alpaca[name]['token_share_of_reserved']:.1%}",
+             alpaca[name]["peak_batch"], f"{alpaca[name]['max_sustained_rate']:.3g}"] for name, r in share.items()]
+    return doc_tables.markdown_table(["policy", "ShareGPT tokens / reserved", "tokens / pool", "mean batch",
+                                      "peak batch", "max rate (req/s)", "Alpaca tokens / reserved", "peak batch",
+                                      "max rate"], rows, "lrrrrrrrr")
 
 
 def plot(results: dict, path) -> None:

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 
-from pagellm.bench import report
+from pagellm.bench import doc_tables, report
 
 
 def conversations(n: int, min_turns: int, max_turns: int, words: int, seed: int) -> list[list[str]]:
@@ -178,6 +178,31 @@ def print_tables(out: dict) -> None:
         print(report.format_table(["block size", "blocks", "block bytes", "swap out ms", "swap in ms", "swap ms",
                                    "recompute ms"], rows))
     report.print_targets(out["targets"])
+
+
+PASS_LABELS = {"no_tier": "no tier", "tier": "tier",
+               "restart_tier_last_turns": "last turns after a restart, persisted tier",
+               "restart_cold_last_turns": "last turns after a restart, cold"}
+
+
+def doc_table(out: dict) -> str:
+    """docs/kv-cache.md's table of the passes: prompt tokens, those recomputed, mean time to first
+    token, and whether the greedy outputs equal the pass without a tier."""
+    rows = [[PASS_LABELS.get(name, name), f"{p['prompt_tokens']:,}",
+             f"{p['prompt_tokens_computed']:,} ({p['share_recomputed']:.1%})", f"{1e3 * p['mean_ttft_s']:.0f} ms",
+             "(the reference)" if name == "no_tier" else "equal" if out["outputs_equal_no_tier"][name] else "differ"]
+            for name, p in out["passes"].items()]
+    return doc_tables.markdown_table(["pass", "prompt tokens", "recomputed", "mean TTFT", "outputs against no tier"],
+                                     rows, "lrrrl")
+
+
+def swap_doc_table(out: dict) -> str:
+    """docs/kv-cache.md's table of swapping against recomputing one request, per block size."""
+    rows = [[bs, r["blocks"], f"{r['block_bytes']:,}", *(f"{1e3 * r[k]:,.0f} ms" for k in
+                                                        ("swap_out_s", "swap_in_s", "swap_s", "recompute_s"))]
+            for bs, r in out["swap_vs_recompute"]["block_sizes"].items()]
+    return doc_tables.markdown_table(["block size", "blocks", "bytes / block", "swap out", "swap in", "swap total",
+                                      "recompute"], rows, "rrrrrrr")
 
 
 def add_parser(sub) -> None:

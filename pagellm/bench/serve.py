@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
 from pagellm import envs
-from pagellm.bench import report, roofline
+from pagellm.bench import doc_tables, report, roofline
 from pagellm.config import ROUTER_POLICIES
 
 
@@ -447,6 +447,28 @@ def router_targets(targets: dict, num_systems: int) -> list[dict]:
     return out
 
 
+def router_doc_table(runs: list[dict]) -> str:
+    """docs/scaling.md's table: one run per KV pool size, each rate's prefix-cache hit rate and
+    mean time to first token under cache_aware beside round_robin."""
+    rows = []
+    for results in runs:
+        targets = results["targets"]
+        for label, t in targets.items():
+            policy, _, router = label.partition("/")
+            other = targets.get(f"{policy}/round_robin")
+            if router != "cache_aware" or other is None:
+                continue
+            args = t.get("engine_args", [])
+            kv = args[args.index("--kv-cache-memory") + 1] if "--kv-cache-memory" in args else "default"
+            for i, (mine, theirs) in enumerate(zip(t["rates"], other["rates"])):
+                ours, base = mine["prefix_cache_hit_rate"], theirs["prefix_cache_hit_rate"]
+                rows.append([kv if i == 0 else "", f"{mine['rate']:g}", _fmt_pct(ours), _fmt_pct(base),
+                             f"{ours / base:.2f}x" if ours is not None and base else "-",
+                             f"{mine['ttft_s']['mean']:.2f} s", f"{theirs['ttft_s']['mean']:.2f} s"])
+    return doc_tables.markdown_table(["KV per replica", "rate req/s", "hit rate cache_aware", "round_robin", "ratio",
+                                      "mean TTFT cache_aware", "round_robin"], rows, "lrrrrrr")
+
+
 def _fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -470,6 +492,24 @@ def print_tables(results: dict) -> None:
     for k, why in results["skipped"].items():
         print(f"skipped {k}: {why}")
     report.print_targets(results.get("router_targets", []), "{:.2f}x")
+
+
+def doc_table(results: dict) -> str:
+    """docs/benchmarks.md's table: per rate, each target's normalized latency, median time to
+    first token and throughput, side by side."""
+    by_rate = {label: {r["rate"]: r for r in t["rates"]} for label, t in results["targets"].items()}
+    header = ["rate (req/s)"]
+    for label in by_rate:
+        header += [f"{label}: norm. latency s/token", "TTFT p50 s", "tok/s"]
+    rows = []
+    for rate in dict.fromkeys(rate for rates in by_rate.values() for rate in rates):
+        row = [f"{rate:g}"]
+        for rates in by_rate.values():
+            r = rates.get(rate)
+            row += ["-"] * 3 if r is None else [f"{r['normalized_latency_s']['mean']:.3f}", f"{r['ttft_s']['p50']:.2f}",
+                                                f"{r['throughput_tok_s']:.1f}"]
+        rows.append(row)
+    return doc_tables.markdown_table(header, rows, "r" * len(header))
 
 
 def plot(results: dict, path) -> None:

@@ -19,7 +19,7 @@ import random
 import tempfile
 import time
 
-from pagellm.bench import report
+from pagellm.bench import doc_tables, report
 from pagellm.bench.memory import WORKLOADS, sample_lengths
 
 PAPER = {
@@ -139,6 +139,20 @@ def print_tables(result: dict) -> None:
             [(k, pc[k]["hit_rate"], pc[k]["mean_ttft_s"], pc[k]["p50_ttft_s"], pc[k]["prompt_tokens_computed"],
               pc[k]["wall_s"]) for k in ("on", "off")]))
         print(f"TTFT speed-up with caching: {pc['ttft_speedup']:.1f}x; same greedy outputs: {pc['same_outputs']}")
+
+
+def doc_table(result: dict) -> str:
+    """docs/benchmarks.md's table: per sharing mode, the saving at each width by workload, beside
+    the paper's range."""
+    rows = []
+    for mode, label in (("parallel", "parallel sampling n ="), ("beam", "beam search width")):
+        by_workload = {wl: [r for r in result["sharing"] if r["mode"] == mode and r["workload"] == wl]
+                       for wl in ("alpaca", "sharegpt")}
+        widths = [r["width"] for r in by_workload["alpaca"]]
+        rows.append([f"{label} {' / '.join(map(str, widths))}",
+                     *(" / ".join(f"{r['saving_pct']:.1f}" for r in by_workload[wl]) + " %" for wl in by_workload),
+                     " / ".join(f"{PAPER[(mode, wl)][0]}-{PAPER[(mode, wl)][1]} %" for wl in by_workload)])
+    return doc_tables.markdown_table(["sharing", "Alpaca saved", "ShareGPT saved", "paper (Alpaca / ShareGPT)"], rows)
 
 
 def plot(result: dict, path) -> None:

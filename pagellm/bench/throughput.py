@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagellm.bench import report, roofline
+from pagellm.bench import doc_tables, report, roofline
 from pagellm.timing import PhaseTimer
 
 DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-contiguous-max", "pagellm-contiguous-oracle", "pagellm-paged-bf16",
@@ -563,6 +563,32 @@ def print_tables(results: dict) -> None:
         print(report.format_table(["phase", "ms/step", "share"],
                                   [[k, v, f"{ph['share'][k]:.1%}"] for k, v in ph["ms_per_step"].items()]))
     report.print_targets(results["targets"], "{:.2f}x")
+
+
+def doc_table(results: dict) -> str:
+    """docs/benchmarks.md's table: one row per system."""
+    rows = []
+    for name, r in results["systems"].items():
+        match, agree = r["greedy_matches_transformers"], r.get("greedy_agreement") or {}
+        batch = f"{r['mean_batch']:.1f} / {r['peak_batch']}" if "mean_batch" in r else "-"
+        rows.append([name, f"{r['tokens_per_s']:.1f}", f"{r['requests_per_s']:.3f}", f"{r['wall_s']:.0f}", batch,
+                     f"{sum(match.values())}/{len(match)}" if match else "-",
+                     f"{100 * sum(agree.values()) / len(agree):.0f}%" if agree else "-",
+                     f"{r['matmul_gflops_after']:.0f}" if r.get("matmul_gflops_after") else "-"])
+    return doc_tables.markdown_table(["system", "generated tok/s", "req/s", "wall s", "mean / peak batch",
+                                      "greedy = transformers", "tokens before the first difference",
+                                      "reference matmul GFLOP/s after"], rows, "lrrrrrrr")
+
+
+def invariant_doc_table(results: dict) -> str:
+    """docs/python.md's table: tok/s per mode and dtype, batch-invariant against the default."""
+    tok = {(r["batch_invariant"], r["dtype"]): r["tokens_per_s"] for r in results["systems"].values()
+           if "batch_invariant" in r}
+    dtypes = list(dict.fromkeys(dtype for _, dtype in tok))
+    rows = [["default", *(f"{tok[(False, d)]:.1f} tok/s" for d in dtypes)],
+            ["batch-invariant", *(f"{tok[(True, d)]:.1f} tok/s ({tok[(True, d)] / tok[(False, d)] - 1:+.0%})"
+                                  for d in dtypes)]]
+    return doc_tables.markdown_table(["mode", *dtypes], rows, "l" + "r" * len(dtypes))
 
 
 def plot(results: dict, path) -> None:

@@ -161,6 +161,9 @@ class _EngineCollector(Collector):
             for cause, count in sorted(tier.get("write_errors_by_cause", {}).items()):
                 write_errors.add_metric(labels + [cause], count)
             yield write_errors
+        yield family(CounterMetricFamily, "pagellm:stalled_streams",
+                     "Streamed requests aborted because their client stopped reading (--max-stream-buffer).",
+                     s.get("num_stalled_streams", 0))
         yield family(CounterMetricFamily, "pagellm:engine_step_failures",
                      "Engine steps whose batch raised; the requests that caused it failed, the others carried on.",
                      s.get("num_step_failures", 0))

@@ -259,11 +259,13 @@ class DiskKVTier:
             # The payload first, then the header that makes it valid: a write cut short leaves a
             # slot whose checksum fails, a miss.
             started = time.perf_counter()
-            os.pwrite(self._fd, data, slot * self.slot_bytes + _HEADER_BYTES)
+            if os.pwrite(self._fd, data, slot * self.slot_bytes + _HEADER_BYTES) < len(data):
+                raise OSError(errno.ENOSPC, "a short write")  # what a nearly full volume does
             os.pwrite(self._fd, header, slot * self.slot_bytes)
             error = None
         except OSError as e:
             error = e
+        first_of_its_cause = False
         with self._lock:
             self._pending.pop(key, None)
             if error is None:
@@ -273,9 +275,9 @@ class DiskKVTier:
             else:
                 self._free.append(slot)
                 cause = errno.errorcode.get(error.errno, "other")
-                first = cause not in self.write_errors_by_cause
+                first_of_its_cause = cause not in self.write_errors_by_cause
                 self.write_errors_by_cause[cause] += 1
-        if error is not None and first:
+        if first_of_its_cause:
             logger.warning("KV tier %s: a write failed with %s (%s); blocks that fail to write are skipped and "
                            "counted (pagellm:kv_offload_write_errors_total{cause=\"%s\"}), and serving goes "
                            "on", self.path, cause, error.strerror, cause)

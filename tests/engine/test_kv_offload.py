@@ -71,7 +71,8 @@ def test_evicted_prefixes_come_back_from_the_tier(tiny_llama_dir, tmp_path, refe
 def test_a_damaged_tier_file_costs_recomputation_not_tokens(tiny_llama_dir, tmp_path, reference, damage):
     want_first, want_second, _ = reference
     first, second = _rounds()
-    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), **ENGINE)
+    # 128 slots: the default 4 GiB would be 524,288 slots of this model's blocks to damage one by one.
+    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=1 << 20, **ENGINE)
     _assert_same(want_first, _run(llm, first))
     tier = llm.engine.kv_tier
     tier.flush()

@@ -243,9 +243,9 @@ class DriverModelRunner(ModelRunner):
         return min(self.workers.call("num_blocks_for_budget", (block_size, kv_cache_memory),
                                      lambda: ModelRunner.num_blocks_for_budget(self, block_size, kv_cache_memory)))
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.workers.call("allocate_kv_cache", (num_blocks, block_size),
-                          lambda: ModelRunner.allocate_kv_cache(self, num_blocks, block_size))
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, asked_by: str = "the KV budget") -> None:
+        self.workers.call("allocate_kv_cache", (num_blocks, block_size, asked_by),
+                          lambda: ModelRunner.allocate_kv_cache(self, num_blocks, block_size, asked_by))
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         logger.info("pagellm: tensor-parallel steps run eagerly (no CUDA graphs)")

@@ -152,8 +152,8 @@ class Worker:
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory) -> int:
         return self.runner.num_blocks_for_budget(block_size, kv_cache_memory)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks, block_size)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, asked_by: str = "the KV budget") -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size, asked_by)
 
     def memory_report(self) -> dict:
         from pagellm.worker.model_runner import rank_memory

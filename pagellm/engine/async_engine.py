@@ -13,7 +13,11 @@ futex instead. A model loaded on the main thread and stepped on another leaves t
 long as the same steps run offline (hundreds of context switches a step against ~3).
 
 A request whose consumer goes away (cancelled, closed, or `abort()`) is aborted at once
-and its blocks return to the pool. A request that fails in a step (the engine finds which
+and its blocks return to the pool. So is one whose consumer stops taking its outputs (a
+streaming client that never reads: the server's writer blocks on the socket): once
+`max_stream_buffer` outputs wait in its stream, the request ends with finish_reason "abort" and
+what it had generated (outputs are cumulative, so the ones dropped meanwhile lose nothing), and
+the engine never waits for it. A request that fails in a step (the engine finds which
 one; see `LLMEngine.step`) fails alone and the others carry on. If `step()` itself raises,
 all live requests fail and the engine goes on serving the next ones if it can; if it raises
 an `EngineFatalError` (a tensor-parallel rank died), the engine is dead: every request fails
@@ -96,6 +100,7 @@ class RequestStream:
     def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
         self.request_id = request_id
         self.finished = False
+        self.stalled = False  # its consumer fell max_stream_buffer outputs behind: being aborted
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -168,16 +173,22 @@ class AsyncLLMEngine:
     """`LLMEngine` for asyncio: `add_request` / `generate` give each request its own stream."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
-                 observer: StepObserver | None = None, stats_interval: float = 5.0,
-                 thread: EngineThread | None = None) -> None:
-        """`thread`: the thread that built `engine` (see `from_config`), to step it on; default a new one."""
+                 max_stream_buffer: int | None = None, observer: StepObserver | None = None,
+                 stats_interval: float = 5.0, thread: EngineThread | None = None) -> None:
+        """`max_stream_buffer`: outputs a request's stream may hold unread before the request is
+        aborted (None: no bound). `thread`: the thread that built `engine` (see `from_config`), to
+        step it on; default a new one."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {max_waiting_requests}")
+        if max_stream_buffer is not None and max_stream_buffer < 1:
+            raise ValueError(f"max_stream_buffer must be >= 1 or None, got {max_stream_buffer}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.model_path = engine.model_path
         self.max_waiting_requests = max_waiting_requests
+        self.max_stream_buffer = max_stream_buffer
+        self.num_stalled_streams = 0  # requests aborted because their consumer stopped reading
         self.observer = observer  # may be set until start(); called on the engine thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -294,7 +305,7 @@ class AsyncLLMEngine:
         """End every request in flight now with what it has generated, finish_reason "abort"
         (a stream gets that as its last output; best_of and beam searches end with RequestAborted
         and `reason`). For a server that shuts down."""
-        self._commands.put(("abort_all", reason))
+        self._commands.put(("abort_with_outputs", None, reason))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between two steps and return its result."""
@@ -311,7 +322,7 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict:
         """The engine's stats as of its last step (never waits for the engine)."""
-        stats = {**self._stats, "num_unstarted": len(self._unstarted)}
+        stats = {**self._stats, "num_unstarted": len(self._unstarted), "num_stalled_streams": self.num_stalled_streams}
         stats["num_step_failures"] = stats.get("num_step_failures", 0) + self.num_unisolated_failures
         return stats
 
@@ -330,7 +341,20 @@ class AsyncLLMEngine:
             self._unstarted.discard(out.request_id)
             if out.finished:
                 del self._streams[out.request_id]
+            elif stream.stalled:  # its abort is on the way, and its last output will hold these tokens
+                continue
+            elif self.max_stream_buffer is not None and stream._queue.qsize() >= self.max_stream_buffer:
+                self._stalled(stream)
+                continue
             stream._queue.put_nowait(out)
+
+    def _stalled(self, stream: RequestStream) -> None:
+        stream.stalled = True
+        self.num_stalled_streams += 1
+        reason = (f"its client read none of its last {self.max_stream_buffer} outputs (max_stream_buffer); "
+                  f"aborted to free its KV blocks")
+        logger.warning("request %s: %s", stream.request_id, reason)
+        self._commands.put(("abort_with_outputs", [stream.request_id], reason))
 
     def _end_aborted(self, outputs: list[RequestOutput], reason: str) -> None:
         self._deliver([o for o in outputs if o.error is None])
@@ -414,16 +438,17 @@ class AsyncLLMEngine:
                 request_logger.info("request %s aborted", rid)
                 if self.observer is not None:
                     self.observer.on_abort(rid, time.time())
-        elif kind == "abort_all":
-            rids = sorted(self._live)
-            self._live.clear()
-            outputs = self.engine.abort_with_outputs(rids, cmd[1])
+        elif kind == "abort_with_outputs":  # some requests (None: all) end with what they have
+            _, rids, reason = cmd
+            rids = sorted(self._live) if rids is None else [r for r in rids if r in self._live]
+            self._live.difference_update(rids)
+            outputs = self.engine.abort_with_outputs(rids, reason)
             now = time.time()
             for out in outputs:
-                request_logger.info("request %s aborted: %s", out.request_id, cmd[1])
+                request_logger.info("request %s aborted: %s", out.request_id, reason)
                 if self.observer is not None:
                     self.observer.on_abort(out.request_id, now)
-            self._to_loop(self._end_aborted, outputs, cmd[1])
+            self._to_loop(self._end_aborted, outputs, reason)
         elif kind == "call":
             _, fn, fut = cmd
             try:

@@ -95,9 +95,12 @@ class LLMEngine:
                 # windows. A block id of a KV group holds only that group's layers, so more ids fit.
                 groups = self.runner.kv_groups
                 num_blocks = config.num_kv_blocks * len(groups.layer_group) // groups.slots
+                asked_by = f"num_kv_blocks={config.num_kv_blocks}"
             else:
                 num_blocks = self.runner.num_blocks_for_budget(config.block_size, config.kv_cache_memory)
-            self.runner.allocate_kv_cache(num_blocks, config.block_size)
+                asked_by = "the default KV budget" if config.kv_cache_memory is None else \
+                    f"kv_cache_memory={config.kv_cache_memory}"
+            self.runner.allocate_kv_cache(num_blocks, config.block_size, asked_by)
             if not config.enforce_eager:
                 self.runner.capture_cuda_graphs(config.max_num_seqs)
             if config.kv_offload_dir is not None:

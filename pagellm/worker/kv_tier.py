@@ -15,9 +15,16 @@ lands, a block is served from that copy. Loads are synchronous (the scheduler ne
 The tier keeps its own LRU over its slots within `--kv-offload-size` bytes. Without
 `--kv-offload-persist` the file is removed at shutdown; with it, a restarted server reads the
 slot headers back and keeps its warm prefixes (each entry is still checked when it is loaded).
+A persisted file cut short (a crash, a copy interrupted) keeps its whole slots and is extended
+again; one longer than the budget loses the slots past it.
+
+The tier is a cache: a write that fails (the volume full, remounted read-only, an I/O error)
+skips that block, counted by its errno name (`write_errors_by_cause`) and logged once per cause,
+and the engine serves on, recomputing what the tier could not keep.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -25,7 +32,7 @@ import queue
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
@@ -71,13 +78,18 @@ class DiskKVTier:
         # One file per model and layout: another model's file is left alone.
         self.path = path / f"pagellm-kv-{fingerprint.hex()[:16]}.bin"
         size = self.num_slots * self.slot_bytes
-        reuse = persist and self.path.exists() and self.path.stat().st_size == size
+        found = self.path.stat().st_size if persist and self.path.is_file() else None
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | (0 if reuse else os.O_TRUNC), 0o600)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | (0 if found else os.O_TRUNC), 0o600)
         except OSError as e:
             raise ValueError(f"kv_offload_dir={directory!r}: cannot open {self.path.name}: {e.strerror}") from None
         try:
-            if not reuse:
+            if found is not None and found != size:
+                logger.warning("KV tier %s: the file from the last run has %d bytes, not %d; the whole slots "
+                               "within both are kept", self.path, found, size)
+                if found > size:
+                    os.ftruncate(self._fd, size)
+            if not found or found < size:
                 os.posix_fallocate(self._fd, 0, size)
         except OSError as e:
             os.close(self._fd)
@@ -88,12 +100,13 @@ class DiskKVTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pending: dict[bytes, torch.Tensor] = {}  # demoted, not yet on disk
-        self.hits = self.misses = self.corrupt = self.dropped = self.write_errors = 0
+        self.hits = self.misses = self.corrupt = self.dropped = 0
+        self.write_errors_by_cause: Counter[str] = Counter()  # errno name -> blocks not written
         # Seconds per byte moved to or from the disk, a moving average (None until measured): what
         # swapping costs, for preemption_mode "auto".
         self.seconds_per_byte: float | None = None
         self.bytes_written = self.bytes_read = 0
-        if reuse:
+        if found:
             self._read_index()
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="pagellm-kv-tier", daemon=True)
@@ -145,6 +158,10 @@ class DiskKVTier:
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     @property
+    def write_errors(self) -> int:
+        return sum(self.write_errors_by_cause.values())
+
+    @property
     def num_entries(self) -> int:
         with self._lock:
             return len(self._index) + len(self._pending)
@@ -154,7 +171,8 @@ class DiskKVTier:
             return {"path": str(self.path), "blocks": len(self._index), "pending_writes": len(self._pending),
                     "capacity_blocks": self.num_slots, "block_bytes": self.block_bytes, "hits": self.hits,
                     "misses": self.misses, "corrupt": self.corrupt, "dropped": self.dropped,
-                    "write_errors": self.write_errors, "bytes_written": self.bytes_written,
+                    "write_errors": self.write_errors,
+                    "write_errors_by_cause": dict(self.write_errors_by_cause), "bytes_written": self.bytes_written,
                     "bytes_read": self.bytes_read, "persist": self.persist}
 
     @property
@@ -241,24 +259,28 @@ class DiskKVTier:
             # The payload first, then the header that makes it valid: a write cut short leaves a
             # slot whose checksum fails, a miss.
             started = time.perf_counter()
-            os.pwrite(self._fd, data, slot * self.slot_bytes + _HEADER_BYTES)
+            if os.pwrite(self._fd, data, slot * self.slot_bytes + _HEADER_BYTES) < len(data):
+                raise OSError(errno.ENOSPC, "a short write")  # what a nearly full volume does
             os.pwrite(self._fd, header, slot * self.slot_bytes)
-            ok = True
-            with self._lock:
-                self._time_io(time.perf_counter() - started, len(data))
+            error = None
         except OSError as e:
-            if self.write_errors == 0:
-                logger.warning("KV tier %s: a write failed (%s); blocks that fail to write are dropped",
-                               self.path, e.strerror)
-            ok = False
+            error = e
+        first_of_its_cause = False
         with self._lock:
             self._pending.pop(key, None)
-            if ok:
+            if error is None:
+                self._time_io(time.perf_counter() - started, len(data))
                 self._index[key] = slot
                 self.bytes_written += len(data)
             else:
-                self.write_errors += 1
                 self._free.append(slot)
+                cause = errno.errorcode.get(error.errno, "other")
+                first_of_its_cause = cause not in self.write_errors_by_cause
+                self.write_errors_by_cause[cause] += 1
+        if first_of_its_cause:
+            logger.warning("KV tier %s: a write failed with %s (%s); blocks that fail to write are skipped and "
+                           "counted (pagellm:kv_offload_write_errors_total{cause=\"%s\"}), and serving goes "
+                           "on", self.path, cause, error.strerror, cause)
 
 
 def model_fingerprint(model_path: str, arch_config: dict, kv_format: str, block_size: int, block_bytes: int) -> bytes:

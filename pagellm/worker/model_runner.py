@@ -208,15 +208,19 @@ class ModelRunner:
                              f"(one block takes {self.bytes_per_block(block_size)} bytes)")
         return n
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, asked_by: str = "the KV budget") -> None:
         """Allocate the pool, after checking the machine has the memory (the kernel's OOM killer
-        would end the process without a word)."""
-        need, free = num_blocks * self.bytes_per_block(block_size), free_memory_bytes(self.device)
+        would end the process without a word). `asked_by` names the option that set its size.
+        The weights are loaded by now, so the memory available is what is left beside them."""
+        per_block = self.bytes_per_block(block_size)
+        need, free = num_blocks * per_block, free_memory_bytes(self.device)
         if need > free:
             gib = 1 << 30
-            raise ValueError(f"the KV cache needs {need / gib:.2f} GiB ({num_blocks} blocks of "
-                             f"{self.bytes_per_block(block_size)} bytes) but {self.device} has {free / gib:.2f} GiB "
-                             f"available; lower kv_cache_memory (e.g. 0.5 of free memory) or num_kv_blocks")
+            where = "this host" if self.device.type == "cpu" else str(self.device)
+            raise ValueError(f"{asked_by} asks for a KV cache of {need} bytes ({need / gib:.2f} GiB: {num_blocks} "
+                             f"blocks of {per_block} bytes) but {where} has {free} bytes ({free / gib:.2f} GiB) "
+                             f"available beside the weights{' (MemAvailable)' if where == 'this host' else ''}; "
+                             f"lower kv_cache_memory (e.g. 0.5 of free memory) or num_kv_blocks")
         heads, k_row, v_row = self.model.kv_cache_rows()
         shapes = [self.backend.kv_cache_shape(num_blocks, block_size, heads, row) for row in (k_row, v_row)]
         # Zeroed, not empty: attention reads padding slots (and the KV manager's null block) under a

@@ -174,6 +174,35 @@ def test_abort_all_ends_each_stream_with_what_it_has(llm_engine):
     assert {c.finish_reason for c in last_b.outputs} == {"abort"}
 
 
+def test_a_stream_nobody_reads_is_aborted_once_its_buffer_is_full(llm_engine):
+    """A consumer that stops taking outputs (a client that stopped reading): once max_stream_buffer
+    outputs wait, the request ends with finish_reason "abort" and every token generated so far,
+    its blocks are freed, and another request runs to its end meanwhile (30 outputs: it cannot
+    fall 64 behind, however late the event loop runs)."""
+    async def body(engine):
+        stalled = await engine.add_request("stalled", "hello", params(400))
+        other = [o async for o in engine.generate("other", "world", params(30))]
+        while engine.stats()["num_stalled_streams"] == 0:
+            await asyncio.sleep(0.01)
+        used = await engine.call(lambda e: e.stats()["used_blocks"])
+        outs = [o async for o in stalled]
+        return other, outs, used
+
+    other, outs, used = run(llm_engine, body, max_stream_buffer=64)
+    assert other[-1].outputs[0].finish_reason == "length" and len(other[-1].outputs[0].token_ids) == 30
+    assert used == 0
+    assert len(outs) == 65  # the 64 that waited, then the last
+    last = outs[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert len(outs[63].outputs[0].token_ids) < len(last.outputs[0].token_ids) < 400
+    greedy = run(llm_engine, lambda e: _last(e.generate("again", "hello", params(len(last.outputs[0].token_ids)))))
+    assert greedy.outputs[0].token_ids == last.outputs[0].token_ids
+
+
+async def _last(outputs):
+    return [o async for o in outputs][-1]
+
+
 def test_a_fatal_step_kills_the_engine_and_every_request_hears_it(tiny_llama_dir, monkeypatch):
     """EngineFatalError (a tensor-parallel rank died): the engine is dead, not retried; its
     requests fail with EngineDeadError naming the cause, and no new one is accepted."""

@@ -71,7 +71,8 @@ def test_evicted_prefixes_come_back_from_the_tier(tiny_llama_dir, tmp_path, refe
 def test_a_damaged_tier_file_costs_recomputation_not_tokens(tiny_llama_dir, tmp_path, reference, damage):
     want_first, want_second, _ = reference
     first, second = _rounds()
-    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), **ENGINE)
+    # 128 slots: the default 4 GiB would be 524,288 slots of this model's blocks to damage one by one.
+    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=1 << 20, **ENGINE)
     _assert_same(want_first, _run(llm, first))
     tier = llm.engine.kv_tier
     tier.flush()
@@ -86,6 +87,56 @@ def test_a_damaged_tier_file_costs_recomputation_not_tokens(tiny_llama_dir, tmp_
     # Every damaged entry read was refused (blocks demoted after the damage still come back).
     assert llm.stats()["kv_offload"]["corrupt"] > 0
     llm.shutdown()
+
+
+def test_a_full_disk_skips_writes_and_serves_the_same_tokens(tiny_llama_dir, tmp_path, reference, caplog):
+    """The volume fills up under a running engine (/dev/full put under the tier's descriptor: the
+    kernel answers ENOSPC to every write, zeros to every read): blocks are no longer kept, each
+    skipped write is counted, one warning says why, and the tokens are those of a run without it."""
+    want_first, want_second, _ = reference
+    first, second = _rounds()
+    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=1 << 20, **ENGINE)
+    _assert_same(want_first, _run(llm, first))
+    tier = llm.engine.kv_tier
+    tier.flush()
+    full = os.open("/dev/full", os.O_RDWR)
+    os.dup2(full, tier._fd)
+    os.close(full)
+    _assert_same(want_second, _run(llm, second))
+    tier.flush()
+    stats = llm.stats()["kv_offload"]
+    assert stats["write_errors_by_cause"].keys() == {"ENOSPC"} and stats["write_errors"] > 10
+    assert stats["corrupt"] > 0  # what was on the "disk" reads back as zeros: refused, recomputed
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "ENOSPC" in r.getMessage()]
+    assert len(warnings) == 1
+    llm.shutdown()
+
+
+def test_a_persisted_file_damaged_between_runs_keeps_its_intact_entries(tiny_llama_dir, tmp_path, reference):
+    """Between two runs, some slots of the persisted file are overwritten and its end is cut off:
+    the restarted engine starts, refuses those entries by their checksums, brings the others back,
+    and answers with the same tokens."""
+    want_first, want_second, _ = reference
+    first, second = _rounds()
+    tier_args = dict(kv_offload_dir=str(tmp_path), kv_offload_persist=True, kv_offload_size=1 << 20)  # 128 slots
+    llm = LLM(tiny_llama_dir, **tier_args, **ENGINE)
+    _assert_same(want_first, _run(llm, first))
+    tier = llm.engine.kv_tier
+    path, slot_bytes, stored = tier.path, tier.slot_bytes, tier.stats()["blocks"]
+    llm.shutdown()
+    with open(path, "r+b") as f:
+        for slot in range(0, 24, 3):  # every third of the first 24 slots: a payload byte flipped
+            f.seek(slot * slot_bytes + 4096 + 7)
+            b = f.read(1)
+            f.seek(slot * slot_bytes + 4096 + 7)
+            f.write(bytes([b[0] ^ 0x55]))
+    os.truncate(path, 60 * slot_bytes + 5000)  # a crash while the file was copied: the rest is gone
+    assert stored > 60
+    again = LLM(tiny_llama_dir, **tier_args, **ENGINE)
+    _assert_same(want_second, _run(again, second))
+    tier = again.stats()["kv_offload"]
+    assert tier["corrupt"] > 0 and tier["promoted_blocks"] >= 30
+    again.shutdown()
 
 
 def test_a_persisted_tier_warms_a_restarted_engine(tiny_llama_dir, tmp_path, reference):

@@ -2,6 +2,8 @@
 memory if that is less; a fraction of the free memory or a byte count when given."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pagellm import LLM
@@ -23,3 +25,24 @@ def test_kv_pool_size(tiny_llama_dir, monkeypatch, free, asked, budget):
     assert llm.stats()["total_blocks"] == budget // per_block
     kv_bytes = llm.engine.memory_report()[0]["kv_cache_bytes"]
     assert budget - per_block < kv_bytes <= budget
+
+
+@pytest.mark.parametrize("option", ["num_kv_blocks", "kv_cache_memory"])
+def test_a_pool_beyond_the_host_memory_is_refused_with_the_figures(tiny_llama_dir, option):
+    """Asked for twice what the host has available (MemAvailable, read for real): refused at start,
+    naming the option, the bytes asked for and the bytes available, before anything is allocated."""
+    from pagellm.worker.model_runner import free_memory_bytes
+    import torch
+
+    per_block = 2 * 2 * 16 * 2 * 16 * 4
+    blocks = 2 * free_memory_bytes(torch.device("cpu")) // per_block
+    value = blocks if option == "num_kv_blocks" else blocks * per_block
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_llama_dir, **{option: value})
+    message = str(e.value)
+    match = re.fullmatch(rf"{option}={value} asks for a KV cache of (\d+) bytes \(.* GiB: {blocks} blocks of "
+                         rf"{per_block} bytes\) but this host has (\d+) bytes \(.* GiB\) available beside the "
+                         rf"weights \(MemAvailable\); lower kv_cache_memory .*", message)
+    assert match, message
+    asked, available = int(match[1]), int(match[2])
+    assert asked == blocks * per_block > available > 0

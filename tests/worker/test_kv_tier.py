@@ -127,3 +127,60 @@ def test_a_budget_the_disk_cannot_hold_fails_at_start(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "ERROR kv_offload_size=" in out.stdout and "does not fit" in out.stdout, out.stdout + out.stderr
     assert not list(tmp_path.glob("pagellm-kv-*"))
+
+
+def _swap_file(tier: DiskKVTier, path: str, flags: int) -> None:
+    """Put another file under the tier's descriptor, as a volume that fills up or turns read-only
+    does: the tier's own reads and writes meet what the kernel answers for it."""
+    fd = os.open(path, flags)
+    os.dup2(fd, tier._fd)
+    os.close(fd)
+
+
+def test_failed_writes_are_skipped_and_counted_by_cause_and_logged_once_each(tmp_path, caplog):
+    tier = _tier(tmp_path, slots=8)
+    tier.store(_key(0), _payload(0))
+    tier.flush()
+    # A descriptor that cannot write (as a volume remounted read-only): what is stored still loads.
+    _swap_file(tier, str(tier.path), os.O_RDONLY)
+    for i in (1, 2):
+        tier.store(_key(i), _payload(i))
+    tier.flush()
+    assert torch.equal(tier.load(_key(0)), _payload(0))
+    assert tier.load(_key(1)) is None and tier.load(_key(2)) is None
+    # /dev/full: every write fails with ENOSPC, as on a full volume (and reads give zeros: misses).
+    _swap_file(tier, "/dev/full", os.O_RDWR)
+    for i in (3, 4, 5):
+        tier.store(_key(i), _payload(i))
+    tier.flush()
+    s = tier.stats()
+    assert s["write_errors_by_cause"] == {"EBADF": 2, "ENOSPC": 3} and s["write_errors"] == 5
+    assert s["blocks"] == 1 and s["pending_writes"] == 0 and s["bytes_written"] == BLOCK
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "write failed" in r.getMessage()]
+    assert len(warnings) == 2 and "EBADF" in warnings[0] and "ENOSPC" in warnings[1]
+    assert tier.load(_key(0)) is None  # zeros read back: refused by its checks, not served
+    tier.close()
+
+
+def test_a_persisted_file_cut_short_keeps_its_whole_slots(tmp_path):
+    tier = _tier(tmp_path, slots=4, persist=True)
+    for i in range(4):  # one slot each, in order
+        tier.store(_key(i), _payload(i))
+    tier.close()
+    os.truncate(tier.path, 2 * tier.slot_bytes + 4096 + 100)  # slot 2 loses most of its bytes, slot 3 all
+    again = _tier(tmp_path, slots=4, persist=True)
+    assert again.path.stat().st_size == 4 * again.slot_bytes  # extended again to the budget
+    assert torch.equal(again.load(_key(0)), _payload(0)) and torch.equal(again.load(_key(1)), _payload(1))
+    assert again.load(_key(2)) is None and again.load(_key(3)) is None
+    assert again.stats()["corrupt"] == 1  # slot 2's header survived, its bytes did not
+    for i in (4, 5):  # the two slots lost take new blocks
+        again.store(_key(i), _payload(i))
+    again.flush()
+    assert again.stats()["blocks"] == 4
+    again.close()
+    # A smaller budget keeps the slots within it.
+    small = _tier(tmp_path, slots=2, persist=True)
+    assert small.path.stat().st_size == 2 * small.slot_bytes
+    kept = [i for i in range(6) if small.load(_key(i)) is not None]
+    assert kept == [0, 1]
+    small.close()

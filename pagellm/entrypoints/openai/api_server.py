@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
 from pagellm.entrypoints.openai.shutdown import Drain, DrainingServer, DrainMiddleware
 
 logger = logging.getLogger("pagellm.server")
+
+SOCKET_SEND_BUFFER = 256 << 10  # bytes a connection's socket holds unsent (the kernel doubles it)
 
 
 @dataclass
@@ -199,7 +202,8 @@ def build_server(args: argparse.Namespace, drain: Drain | None = None) -> tuple[
     else:
         # Loaded on the engine's own thread, which then steps it (async_engine.py says why).
         engine = AsyncLLMEngine.from_config(EngineConfig(**engine_kwargs(args)),
-                                            max_waiting_requests=args.max_waiting_requests)
+                                            max_waiting_requests=args.max_waiting_requests,
+                                            max_stream_buffer=args.max_stream_buffer)
         llm_engine = engine.engine
         names = args.served_model_name or [default_model_name(llm_engine.model_path)]
         metrics = ServerMetrics(names[0], max_model_len=llm_engine.max_model_len,
@@ -261,7 +265,12 @@ def run_server(args: argparse.Namespace) -> int:
                                            access_log=not args.disable_access_log, timeout_graceful_shutdown=5),
                             drain)
     drain.server = server
-    server.run()
+    sock = server.config.bind_socket()
+    # Connections inherit this from the listening socket. Left to the kernel, a socket's send buffer
+    # grows to net.ipv4.tcp_wmem's largest (4 MiB by default) even towards a client that reads
+    # nothing, which would hide such a client from --max-stream-buffer for thousands of tokens.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
+    server.run(sockets=[sock])
     if server.force_exit:  # a second signal: uvicorn skipped the lifespan's shutdown
         engine.close()
         return 1

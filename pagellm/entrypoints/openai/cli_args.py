@@ -10,6 +10,7 @@ from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+DEFAULT_MAX_STREAM_BUFFER = 512
 
 
 def _seconds(text: str) -> float:
@@ -39,6 +40,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="requests allowed to wait for their first token; more are refused with 503 "
                         f"and Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
+    g.add_argument("--max-stream-buffer", type=int, default=DEFAULT_MAX_STREAM_BUFFER, metavar="OUTPUTS",
+                   help="outputs (one a step) a streamed request may have waiting behind its client, past what the "
+                        "socket holds; a client that falls this far behind (it stopped reading) has its request "
+                        "aborted, finish_reason 'abort', and its KV blocks freed: the engine never waits for a "
+                        f"reader (default: {DEFAULT_MAX_STREAM_BUFFER}; one engine, not -dp)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help=f"larger request bodies get 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
     g.add_argument("--max-seqs-per-request", type=int, default=None,
@@ -131,6 +137,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.data_parallel_size < 1:
         print(f"pagellm serve: --data-parallel-size must be >= 1, got {args.data_parallel_size}", file=sys.stderr)
+        return 2
+    if args.max_stream_buffer < 1:
+        print(f"pagellm serve: --max-stream-buffer must be >= 1, got {args.max_stream_buffer}", file=sys.stderr)
         return 2
     if args.max_waiting_requests < 0:
         print(f"pagellm serve: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)

@@ -149,10 +149,21 @@ class _EngineCollector(Collector):
                     ("kv_offload_misses", "misses", "Second-tier lookups that found nothing usable."),
                     ("kv_offload_corrupt_entries", "corrupt",
                      "Second-tier entries refused on load (checksum, key or model fingerprint wrong, file cut short)."),
-                    ("kv_offload_write_errors", "write_errors", "Blocks the second tier failed to write."),
                     ("kv_offload_bytes_written", "bytes_written", "Bytes written to the second tier."),
                     ("kv_offload_bytes_read", "bytes_read", "Bytes read back from the second tier.")):
                 yield family(CounterMetricFamily, f"pagellm:{name}", doc, tier[key])
+            yield family(CounterMetricFamily, "pagellm:kv_offload_dropped_blocks",
+                         "Blocks the second tier skipped because its writer was too far behind.", tier["dropped"])
+            write_errors = CounterMetricFamily("pagellm:kv_offload_write_errors",
+                                               "Blocks the second tier failed to write and skipped, by cause (the "
+                                               "errno name: ENOSPC the volume full, EROFS read-only, EIO, ...); "
+                                               "serving goes on without them.", labels=["model_name", "cause"])
+            for cause, count in sorted(tier.get("write_errors_by_cause", {}).items()):
+                write_errors.add_metric(labels + [cause], count)
+            yield write_errors
+        yield family(CounterMetricFamily, "pagellm:stalled_streams",
+                     "Streamed requests aborted because their client stopped reading (--max-stream-buffer).",
+                     s.get("num_stalled_streams", 0))
         yield family(CounterMetricFamily, "pagellm:engine_step_failures",
                      "Engine steps whose batch raised; the requests that caused it failed, the others carried on.",
                      s.get("num_step_failures", 0))

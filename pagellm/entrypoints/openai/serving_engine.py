@@ -387,21 +387,23 @@ async def guarded_sse(events: AsyncIterator[str], streams: list[RequestStream], 
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index."""
+    """Outputs of several streams as they come, tagged with the stream's index. The pumps wait
+    while the merged queue is full, so a consumer that stops leaves the outputs in the streams,
+    whose bound (max_stream_buffer) then aborts them."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    merged: asyncio.Queue = asyncio.Queue()
+    merged: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                merged.put_nowait((i, out))
+                await merged.put((i, out))
+            end = _END
         except Exception as e:
-            merged.put_nowait((i, e))
-        finally:
-            merged.put_nowait((i, _END))
+            end = e
+        await merged.put((i, end))  # not on cancellation: then the consumer is gone
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:

@@ -65,6 +65,8 @@ class OllamaRequest(OllamaModel):
     # Accepted: the model stays loaded for as long as the server runs, whatever is asked.
     keep_alive: str | int | float | None = None
     think: bool | str | None = None
+    # pagellm's extra, as on the chat endpoint: a regex, choice, grammar or JSON schema the reply must match.
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatRequest(OllamaRequest):
@@ -225,6 +227,7 @@ def chat_request(req: ChatRequest | GenerateRequest, chat_template: str | None, 
                           "(which format the model writes tool calls in)", param="tools")
     body = {"model": req.model, "messages": convo, "tools": tools, "tool_choice": "auto" if tools else None,
             "stream": req.stream, "response_format": response_format(req.format),
+            "structured_outputs": req.structured_outputs,
             "chat_template_kwargs": thinking_switch(chat_template, req.think, "think", splits_reasoning),
             **sampling(req.options, max_model_len)}
     return _validated(ChatCompletionRequest, body)
@@ -238,5 +241,6 @@ def raw_request(req: GenerateRequest, max_model_len: int) -> CompletionRequest:
             raise bad_request(f"{name} cannot be combined with raw: it goes through the chat template, which raw "
                               f"leaves out", param=name)
     body = {"model": req.model, "prompt": req.prompt or "", "stream": req.stream,
-            "response_format": response_format(req.format), **sampling(req.options, max_model_len)}
+            "response_format": response_format(req.format), "structured_outputs": req.structured_outputs,
+            **sampling(req.options, max_model_len)}
     return _validated(CompletionRequest, body)

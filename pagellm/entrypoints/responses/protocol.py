@@ -69,6 +69,8 @@ class ResponsesRequest(ResponsesModel):
     background: bool | None = None
     include: list[str] | None = None
     user: str | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
+    # pagellm's extra, as on the chat endpoint: a regex, choice, grammar or JSON schema the reply must match.
+    structured_outputs: dict[str, Any] | None = None
 
 
 def _unknown(where: str, keys: Any) -> None:
@@ -278,7 +280,7 @@ def to_chat(req: ResponsesRequest, history: list[dict], chat_template: str | Non
         "model": req.model, "messages": messages(items, req.instructions), "tools": tools,
         "tool_choice": tool_choice, "parallel_tool_calls": req.parallel_tool_calls,
         "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "stream": req.stream, "response_format": _text_format(req.text),
+        "stream": req.stream, "response_format": _text_format(req.text), "structured_outputs": req.structured_outputs,
         "chat_template_kwargs": _reasoning(req, chat_template, splits_reasoning)}
     try:
         return ChatCompletionRequest.model_validate(body)

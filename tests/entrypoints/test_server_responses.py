@@ -70,6 +70,17 @@ def test_cut_short_is_incomplete(client):
     assert events[-1] == "response.incomplete"
 
 
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(client, smollm2_server):
+    with client.responses.create(model=MODEL_NAME, input=ASK, max_output_tokens=400, temperature=0,
+                                 instructions="Answer at length.", stream=True) as stream:
+        next(e for e in stream if e.type == "response.output_text.delta")
+    smollm2_server.wait_all_blocks_free()
+    with httpx.stream("POST", smollm2_server.url + "/api/generate", timeout=60,
+                      json={"model": MODEL_NAME, "prompt": ASK, "options": {"num_predict": 400}}) as r:
+        next(r.iter_lines())
+    smollm2_server.wait_all_blocks_free()
+
+
 def test_a_tool_call_round_trip(client):
     """A named function's call as a function_call item; streamed, its arguments arrive as deltas;
     its output sent back after previous_response_id continues the stored conversation, exactly as

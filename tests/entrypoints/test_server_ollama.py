@@ -127,10 +127,12 @@ def test_the_model_listing(client, smollm2_server):
     ("/api/embed", {"input": "hi"}, 501, "Embeddings are not served yet"),
     ("/api/embeddings", {"prompt": "hi"}, 501, "Embeddings are not served yet"),
     ("/api/pull", {}, 501, "pulls, creates and deletes no models"),
+    ("/api/show", {"verbose": True}, 400, "verbose is not supported"),
+    ("/api/show", {"frobnicate": 1}, 400, "frobnicate is not supported"),
 ])
 def test_errors_in_ollamas_shape(smollm2_server, path, extra, status, words):
-    body = {"model": MODEL_NAME, "stream": False, **({"messages": ASK} if path == "/api/chat" else {"prompt": "hi"}),
-            **extra}
+    prompt = {"/api/chat": {"messages": ASK, "stream": False}, "/api/generate": {"prompt": "hi", "stream": False}}
+    body = {"model": MODEL_NAME, **prompt.get(path, {}), **extra}
     r = httpx.post(smollm2_server.url + path, json=body, timeout=60)
     assert r.status_code == status, r.text
     assert list(r.json()) == ["error"] and words in r.json()["error"], r.text

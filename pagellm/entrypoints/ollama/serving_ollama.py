@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.entrypoints.ollama.protocol import (ChatRequest, GenerateRequest, ShowRequest, chat_request,
-                                                 raw_request, renamed)
+                                                 check_fields, raw_request, renamed)
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagellm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagellm.entrypoints.openai.serving_engine import guarded_sse, merge_streams, random_id
@@ -203,6 +203,7 @@ class OllamaServing:
                             "context_length": self.chat.max_model_len} for name in self.chat.served_model_names]}
 
     async def show(self, req: ShowRequest) -> dict:
+        check_fields(req)
         name = req.model or req.name
         if not name:
             raise bad_request("model is required", param="model")

@@ -205,3 +205,73 @@ def test_thinking_blocks_in_the_messages_api(thinking_server):
     without = client.messages.count_tokens(model="thinker", messages=[back[0], {"role": "assistant", "content": "four"},
                                                                       back[2]]).input_tokens
     assert with_thought == without + len("<think>two and two</think>")  # one token a byte
+
+
+def test_reasoning_items_in_the_responses_api(thinking_server):
+    """The Responses API gives the reasoning as a reasoning item (reasoning_text) before the
+    message, streams it as reasoning_text deltas, counts its tokens; effort none switches it off."""
+    client = thinking_server.client(timeout=120)
+    kwargs = dict(model="thinker", input="2+2?", max_output_tokens=64, temperature=0,
+                  extra_body=forced(r"two and two</think>four"))
+    r = client.responses.create(**kwargs)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "two and two" and r.output_text == "four"
+    assert r.usage.output_tokens_details.reasoning_tokens == len("two and two")  # one token a byte
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == "two and two" and final.output_text == "four"
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    # The reasoning item sent back reaches the template, as reasoning_content does on the chat endpoint.
+    follow = client.responses.create(model="thinker", previous_response_id=r.id, input="and 3+3?",
+                                     max_output_tokens=4, temperature=0, extra_body=forced("six"))
+    whole = client.chat.completions.create(model="thinker", max_tokens=4, temperature=0, extra_body=forced("six"),
+                                           messages=ASK + [{"role": "assistant", "content": "four",
+                                                            "reasoning_content": "two and two"},
+                                                           {"role": "user", "content": "and 3+3?"}])
+    assert follow.usage.input_tokens == whole.usage.prompt_tokens
+    off = client.responses.create(**{**kwargs, "extra_body": forced("four")}, reasoning={"effort": "none"})
+    assert [item.type for item in off.output] == ["message"] and off.output_text == "four"
+
+
+def test_thinking_in_the_ollama_api(thinking_server):
+    """Ollama's message.thinking (and generate's thinking), whole and streamed; think false
+    switches it off. (The ollama client sends no extra fields: the forcing regex goes by httpx.)"""
+    import httpx
+
+    def post(path: str, **body) -> list[dict]:
+        body = {"model": "thinker", "options": {"temperature": 0, "num_predict": 64}, **body}
+        r = httpx.post(thinking_server.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return [json.loads(line) for line in r.text.splitlines()]
+
+    kwargs = dict(messages=ASK, structured_outputs={"regex": r"two and two</think>four"})
+    (whole,) = post("/api/chat", stream=False, **kwargs)
+    assert whole["message"]["thinking"] == "two and two" and whole["message"]["content"] == "four"
+    lines = post("/api/chat", **kwargs)
+    assert "".join(x["message"].get("thinking", "") for x in lines) == "two and two"
+    assert "".join(x["message"]["content"] for x in lines) == "four" and lines[-1]["done"]
+    (gen,) = post("/api/generate", prompt="2+2?", stream=False, structured_outputs={"regex": r"hm</think>four"})
+    assert (gen["thinking"], gen["response"]) == ("hm", "four")
+    (off,) = post("/api/chat", stream=False, think=False, messages=ASK, structured_outputs={"regex": "four"})
+    assert off["message"] == {"role": "assistant", "content": "four"}
+
+
+def test_the_thinking_switch_refuses_what_the_template_cannot_do():
+    """Ollama's think and the Responses API's reasoning.effort reach the template only where it reads them."""
+    from pagellm.entrypoints.openai.errors import OpenAIError
+    from pagellm.entrypoints.openai.reasoning import thinking_switch
+
+    assert thinking_switch(THINKING_TEMPLATE, False, "think", True) == {"enable_thinking": False}
+    assert thinking_switch(THINKING_TEMPLATE, True, "think", True) == {"enable_thinking": True}
+    assert thinking_switch("{{ reasoning_effort }}<|channel|>", "low", "think", True) == {"reasoning_effort": "low"}
+    assert thinking_switch("<think>", True, "think", True) is None  # an R1 distill thinks by itself
+    assert thinking_switch("", False, "think", False) is None  # a model that does not think, asked not to
+    for template, think, splits, words in [(THINKING_TEMPLATE, "high", True, "takes no reasoning effort"),
+                                           ("<think>", False, True, "no switch"),
+                                           (THINKING_TEMPLATE, True, False, "--reasoning-parser")]:
+        with pytest.raises(OpenAIError, match=words) as e:
+            thinking_switch(template, think, "reasoning.effort", splits)
+        assert e.value.param == "reasoning.effort"

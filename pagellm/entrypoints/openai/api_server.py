@@ -20,6 +20,12 @@ import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pagellm.entrypoints.ollama.protocol import ChatRequest as OllamaChatRequest
+from pagellm.entrypoints.ollama.protocol import EmbedRequest as OllamaEmbedRequest
+from pagellm.entrypoints.ollama.protocol import LegacyEmbeddingsRequest as OllamaLegacyEmbeddingsRequest
+from pagellm.entrypoints.ollama.protocol import GenerateRequest as OllamaGenerateRequest
+from pagellm.entrypoints.ollama.protocol import ShowRequest as OllamaShowRequest
+from pagellm.entrypoints.ollama.serving_ollama import OllamaServing
 from pagellm.entrypoints.openai import dashboard
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_request_text, validation_error
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -31,6 +37,8 @@ from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
 from pagellm.entrypoints.openai.shutdown import Drain, DrainingServer, DrainMiddleware
+from pagellm.entrypoints.responses.protocol import ResponsesRequest
+from pagellm.entrypoints.responses.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagellm.server")
 
@@ -68,6 +76,8 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
     messages = AnthropicServingMessages(chat)
     embeddings = OpenAIServingEmbedding(engine, config.served_model_names)
+    responses = OpenAIServingResponses(chat)
+    ollama = OllamaServing(chat, embeddings)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -152,6 +162,61 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(req: CountTokensRequest) -> dict:
         return messages.count_tokens(req)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(req, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
+
+    # Ollama's API: /api/..., errors in its shape ({"error": message}).
+    @app.post("/api/chat")
+    async def ollama_chat(req: OllamaChatRequest, raw_request: Request) -> Response:
+        return await ollama.create_chat(req, raw_request)
+
+    @app.post("/api/generate")
+    async def ollama_generate(req: OllamaGenerateRequest, raw_request: Request) -> Response:
+        return await ollama.generate(req, raw_request)
+
+    @app.get("/api/tags")
+    async def ollama_tags() -> dict:
+        return await ollama.tags()
+
+    @app.get("/api/ps")
+    async def ollama_ps() -> dict:
+        return await ollama.ps()
+
+    @app.post("/api/show")
+    async def ollama_show(req: OllamaShowRequest) -> dict:
+        return await ollama.show(req)
+
+    @app.get("/api/version")
+    async def ollama_version() -> dict:
+        return ollama.version()
+
+    @app.post("/api/embed")
+    async def ollama_embed(req: OllamaEmbedRequest, raw_request: Request) -> dict:
+        return await ollama.embed(req, raw_request)
+
+    @app.post("/api/embeddings")
+    async def ollama_legacy_embeddings(req: OllamaLegacyEmbeddingsRequest, raw_request: Request) -> dict:
+        return await ollama.legacy_embeddings(req, raw_request)
+
+    @app.post("/api/pull")
+    @app.post("/api/push")
+    @app.post("/api/create")
+    @app.post("/api/copy")
+    @app.delete("/api/delete")
+    async def ollama_manage(raw_request: Request) -> Response:
+        raise OpenAIError(501, f"{raw_request.url.path} is not supported: pagellm serves the one model it was "
+                               f"started with ({model_name}); it pulls, creates and deletes no models",
+                          code="not_implemented")
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

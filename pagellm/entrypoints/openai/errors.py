@@ -60,16 +60,30 @@ class OpenAIError(Exception):
         """The error as Anthropic's stream sends one: an `error` event."""
         return f"event: error\ndata: {json.dumps(self.anthropic_body())}\n\n"
 
+    def ollama_body(self) -> dict:
+        """The same error in the shape of Ollama's API: {"error": message}."""
+        return {"error": self.message}
+
+    def ollama_line(self) -> str:
+        """The error as Ollama's NDJSON stream sends one: a line of its own."""
+        return json.dumps(self.ollama_body()) + "\n"
+
     def response_for(self, path: str) -> Response:
         """The error in the shape of the API `path` belongs to."""
-        if not path.startswith(ANTHROPIC_PREFIX):
+        if path.startswith(ANTHROPIC_PREFIX):
+            body = self.anthropic_body()
+        elif path.startswith(OLLAMA_PREFIX):
+            body = self.ollama_body()
+        else:
             return self.response()
-        return Response(json.dumps(self.anthropic_body()), status_code=self.status, headers=self.headers,
+        return Response(json.dumps(body), status_code=self.status, headers=self.headers,
                         media_type="application/json")
 
 
 # Anthropic's Messages API routes, whose errors take Anthropic's shape.
 ANTHROPIC_PREFIX = "/v1/messages"
+# Ollama's API routes, whose errors take Ollama's shape.
+OLLAMA_PREFIX = "/api/"
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

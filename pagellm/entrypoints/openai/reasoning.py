@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagellm.entrypoints.openai.errors import bad_request
+
 
 @dataclass(frozen=True)
 class Split:
@@ -149,6 +151,33 @@ def parser_for_template(chat_template: str | None) -> str | None:
         # Qwen3's template has the thinking switch; an R1 distill's opens <think> unconditionally.
         return "qwen3" if "enable_thinking" in template else "deepseek_r1"
     return None
+
+
+def thinking_switch(chat_template: str | None, think: bool | str | None, field: str,
+                    splits_reasoning: bool) -> dict | None:
+    """The chat-template arguments that do what a client's thinking switch asks (Ollama's `think`,
+    the Responses API's `reasoning.effort`): True or False through the template's
+    `enable_thinking`, an effort ("low", "high"...) through its `reasoning_effort` (gpt-oss reads
+    it). None: the template's own default. What this model's template cannot do is a 400 naming
+    `field`, never a switch passed to a template that does not read it."""
+    template = chat_template or ""
+    if think is None:
+        return None
+    if think is not False and not splits_reasoning:
+        raise bad_request(f"{field} {think!r} needs the server started with --reasoning-parser (how this model "
+                          f"marks its reasoning), so that the reasoning comes back apart from the answer",
+                          param=field)
+    if isinstance(think, bool):
+        if "enable_thinking" in template:
+            return {"enable_thinking": think}
+        if think or not splits_reasoning:
+            return None  # it thinks by itself; or it does not think, and is asked not to
+        raise bad_request(f"{field} false is not supported by this model: its chat template has no switch "
+                          f"(enable_thinking) that turns thinking off", param=field)
+    if "reasoning_effort" not in template:
+        raise bad_request(f"{field} {think!r} is not supported by this model: its chat template takes no "
+                          f"reasoning effort (send true or false instead)", param=field)
+    return {"reasoning_effort": think}
 
 
 class ReasoningStream:

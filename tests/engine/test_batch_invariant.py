@@ -61,10 +61,11 @@ def test_seeded_samples_survive_chunked_prefill_and_preemption(smollm2_gguf, bat
 
 
 def test_the_mode_changes_only_the_last_bits(smollm2_gguf, batched):
-    """Greedy decoding agrees with the default mode, logprobs to float32 summation error: the mode
-    sums in another order, it computes the same function."""
+    """Greedy decoding agrees with the float32 mode (activation_quantization none), logprobs to
+    float32 summation error: the mode sums in another order, it computes the same function."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
-    runs = [LLM(smollm2_gguf, batch_invariant=mode, max_model_len=256, num_kv_blocks=64).generate(
+    runs = [LLM(smollm2_gguf, batch_invariant=mode, activation_quantization="none", max_model_len=256,
+                num_kv_blocks=64).generate(
         PROMPTS[:4], greedy, use_tqdm=False) for mode in (True, False)]
     for a, b in zip(*runs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -45,6 +45,11 @@ class PlannedSeq:
     prompt_logprobs: int | None = None
     prompt_logprob_start: int = 0
     prompt_targets: list[int] = field(default_factory=list)
+    # Speculative decoding: the last len(draft_token_ids) of token_ids are proposed tokens to verify
+    # (samplers[0] samples each of their positions and the one before them); and how many tokens the
+    # runner's proposer should propose, after this step's sampling, for the next step to verify.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_proposals: int = 0
 
     def __post_init__(self) -> None:
         if not self.user_request_id:

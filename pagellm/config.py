@@ -65,8 +65,8 @@ class SpeculativeConfig:
     method: str = "ngram"
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # Speculation is off for a step when more sequences than this run: a large batch is compute-bound,
-    # and verifying rejected tokens would cost more than the steps saved.
+    # Speculation is off for a step when more sequences than this are running or waiting: a large batch
+    # is compute-bound, and verifying rejected tokens would cost more than the steps saved.
     disable_by_batch_size: int = 8
 
     @classmethod

@@ -182,8 +182,9 @@ class Scheduler:
 
     def _speculating(self) -> bool:
         """Speculation runs while the batch is small: a large one is compute-bound, where verifying
-        rejected tokens would cost more than the steps it saves."""
-        return self.speculative is not None and len(self.running) <= self.speculative.disable_by_batch_size
+        rejected tokens would cost more than the steps it saves. Waiting requests count (as vLLM's
+        disable_by_batch_size counts enqueued ones): they join the batch as soon as they can."""
+        return self.speculative is not None and self.num_unfinished <= self.speculative.disable_by_batch_size
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The proposed tokens to verify after a decoding request's last token: as many as the token

@@ -170,7 +170,6 @@ class Scheduler:
                     break
                 out.scheduled.append(scheduled)
                 budget -= scheduled.num_new_tokens
-        speculate = self._speculating()
         for s in out.scheduled:
             if s.samples and s.request.pending_forks:
                 s.forks = self._fork(s)

@@ -62,6 +62,76 @@ def json_object(text: str) -> dict:
     return value
 
 
+# Speculative decoding (docs/speculative-decoding.md): the proposers built so far, and vLLM's other
+# methods, named so that asking for one says it is not implemented yet rather than unknown.
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS_NOT_YET = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config`, as vLLM spells it: propose tokens cheaply, verify them in one forward pass.
+    method "ngram" is prompt lookup: the longest of the last prompt_lookup_max .. prompt_lookup_min
+    tokens found earlier in the prompt or output proposes the tokens that followed it."""
+
+    num_speculative_tokens: int  # the most tokens proposed for one step of one sequence
+    method: str = "ngram"
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # Speculation is off for a step when more sequences than this are running or waiting: a large batch
+    # is compute-bound, and verifying rejected tokens would cost more than the steps saved.
+    disable_by_batch_size: int = 8
+
+    @classmethod
+    def from_dict(cls, options: dict) -> SpeculativeConfig:
+        """Check the keys and values of a speculative_config; ValueError names the key, value and limit."""
+        if not isinstance(options, dict):
+            raise ValueError(f"must be a JSON object such as {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
+                             f"got {options!r}")
+        method = options.get("method", "ngram" if "model" not in options else "draft_model")
+        if method in SPECULATIVE_METHODS_NOT_YET or "model" in options:
+            raise ValueError(f"method {method!r} is not implemented yet (a draft model or the model's own MTP heads "
+                             f"come next); the methods are {', '.join(map(repr, SPECULATIVE_METHODS))}")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method {method!r} is unknown; the methods are {', '.join(map(repr, SPECULATIVE_METHODS))}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; the keys "
+                             f"are {', '.join(known)}")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("num_speculative_tokens is required (the most tokens proposed a step, e.g. 4)")
+        limits = {"num_speculative_tokens": 64, "prompt_lookup_max": 64, "prompt_lookup_min": 64,
+                  "disable_by_batch_size": 1 << 20}
+        for key, top in limits.items():
+            value = options.get(key, 1)
+            if type(value) is not int or not 1 <= value <= top:
+                raise ValueError(f"{key} must be an integer in [1, {top}], got {value!r}")
+        given = dict(options)
+        # One bound given alone moves the other's default out of its way (as vLLM's do).
+        if "prompt_lookup_min" in given and "prompt_lookup_max" not in given:
+            given["prompt_lookup_max"] = max(given["prompt_lookup_min"], cls.prompt_lookup_max)
+        if "prompt_lookup_max" in given and "prompt_lookup_min" not in given:
+            given["prompt_lookup_min"] = min(given["prompt_lookup_max"], cls.prompt_lookup_min)
+        config = cls(**given)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({config.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({config.prompt_lookup_max})")
+        return config
+
+
+def speculative_config_flag(text: str) -> dict:
+    """`--speculative-config '{"method": "ngram", ...}'`: a JSON object, checked as the option is."""
+    try:
+        value = json.loads(text)
+        SpeculativeConfig.from_dict(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def option(default: Any, help: str, *, check: Callable[[Any], bool] | None = None, limit: str = "",
            choices: tuple[str, ...] | None = None, parse: Callable[[str], Any] | None = None,
            alias: str | None = None) -> Any:
@@ -149,6 +219,17 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "split the model over this many ranks (processes; gloo on the CPU, "
                                           "NCCL on GPUs)", check=lambda v: v >= 1, limit="an integer >= 1",
                                        alias="-tp")
+    speculative_config: dict | None = option(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 8}: prompt lookup "
+              "proposes tokens that the model verifies in one step, greedy and sampled outputs unchanged "
+              "(docs/speculative-decoding.md)",
+        check=lambda v: SpeculativeConfig.from_dict(v) is not None, parse=speculative_config_flag)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, checked, or None when off."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(EngineConfig)
@@ -161,7 +242,10 @@ class EngineConfig:
             if ok and meta["choices"] is not None:
                 ok = value in meta["choices"]
             if ok and meta["check"] is not None:
-                ok = meta["check"](value)
+                try:
+                    ok = meta["check"](value)
+                except ValueError as e:  # a check that says itself what is wrong (a structured option)
+                    raise ValueError(f"{f.name}: {e}") from None
             if not ok:
                 limit = meta["limit"] or (f"one of {meta['choices']}" if meta["choices"] else
                                           "true or false" if allowed == (bool,) else

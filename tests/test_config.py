@@ -40,12 +40,36 @@ def test_flags_parse_into_options():
     (dict(dtype="int3"), ["dtype", "bfloat16", "int3"]),
     (dict(kv_policy="lru"), ["kv_policy", "contiguous-max"]),
     (dict(kv_cache_memory=1.5), ["kv_cache_memory", "(0, 1]", "1.5"]),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "lookup_max": 3}),
+     ["speculative_config", "unknown key 'lookup_max'", "prompt_lookup_max"]),
+    (dict(speculative_config={"method": "suffix", "num_speculative_tokens": 4}),
+     ["speculative_config", "method 'suffix' is unknown", "'ngram'"]),
+    (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+     ["speculative_config", "method 'mtp' is not implemented yet"]),
+    (dict(speculative_config={"model": "some/draft", "num_speculative_tokens": 4}),
+     ["speculative_config", "'draft_model' is not implemented yet"]),
+    (dict(speculative_config={"method": "ngram"}), ["speculative_config", "num_speculative_tokens is required"]),
+    (dict(speculative_config={"num_speculative_tokens": 0}), ["num_speculative_tokens", "[1, 64]", "0"]),
+    (dict(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}),
+     ["prompt_lookup_min (5)", "prompt_lookup_max (3)"]),
 ])
 def test_bad_options_are_named(options, words):
     with pytest.raises((ValueError, TypeError)) as e:
         make_config(**options)
     for w in words:
         assert w in str(e.value)
+
+
+def test_speculative_config_flag_is_vllm_json(capsys):
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    config = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve", "--speculative-config", flag])))
+    spec = config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == \
+        ("ngram", 3, 5, 2)
+    assert EngineConfig().speculative is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "eagle"}'])
+    assert "--speculative-config" in capsys.readouterr().err
 
 
 def test_a_bad_flag_value_is_a_usage_error(capsys):

@@ -83,6 +83,21 @@ MUTANTS = [
            "victim = self.running.pop()",
            "victim = self.running.pop(0)",
            ("tests/core/test_scheduler.py::test_preemption_takes_the_most_recently_admitted",)),
+    Mutant("speculative decoding counts the token after the accepted proposals as computed",
+           "pagellm/core/scheduler.py",
+           "req.num_computed_tokens += min(accepted, appended)",
+           "req.num_computed_tokens += appended",
+           ("tests/core/test_spec_decode_kv.py::test_rejected_proposals_give_their_blocks_back",)),
+    Mutant("the proposals' K/V computed in the wrong order (a rollback would keep wrong K/V)",
+           "pagellm/core/scheduler.py",
+           "req.token_slice(s.start, end) + s.draft_token_ids,",
+           "req.token_slice(s.start, end) + s.draft_token_ids[::-1],",
+           ("tests/engine/test_spec_decode.py::test_greedy_equals_plain_decoding",)),
+    Mutant("each verified position samples with the first one's history (penalties, seeded uniform)",
+           "pagellm/worker/rejection_sampler.py",
+           "output_token_ids=output + list(draft_token_ids[:j])",
+           "output_token_ids=output",
+           ("tests/engine/test_spec_decode.py::test_seeded_sampling_and_logits_processors_equal_plain_decoding",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

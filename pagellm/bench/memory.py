@@ -209,7 +209,7 @@ def simulate(policy: str, block_size: int, lengths: list[tuple[int, int]], arriv
         peak = max(peak, len(out.scheduled))
         t += dt
         steps += 1
-        sampled = {s.request.request_id: 7 for s in out.scheduled if s.samples}
+        sampled = {s.request.request_id: [7] for s in out.scheduled if s.samples}
         for req in sched.update_after_step(out, sampled):
             if req.is_finished:
                 finished[req.request_id] = t

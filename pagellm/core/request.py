@@ -75,6 +75,10 @@ class Request:
     # An embedding (pooling) request: its prompt is prefilled, its hidden states pooled, nothing
     # sampled; it finishes when the prompt is computed. Resolved (every field set) by the engine.
     pooling_params: PoolingParams | None = None
+    # Speculative decoding: tokens proposed for its next step to verify, and how many to ask the
+    # proposer for (adapted to how many it accepts: core/spec_decode.py; None: the configured most).
+    draft_token_ids: list[int] = field(default_factory=list)
+    lookahead: int | None = None
 
     @property
     def prompt_logprobs_pending(self) -> bool:
@@ -138,6 +142,12 @@ class Request:
         if end <= p:
             return prompt[start:end]
         return prompt[start:] + output[:end - p]
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether its next tokens can be proposed and verified: not while its caller picks them
+        (beam search), nor under a grammar (whose mask would be needed at every proposed position)."""
+        return not self.caller_appends and self.grammar is None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

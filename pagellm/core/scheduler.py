@@ -12,8 +12,10 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from pagellm.config import SpeculativeConfig
 from pagellm.core.kv import KVManager
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.spec_decode import SpecDecodeStats, next_lookahead
 from pagellm.core.step_plan import PlannedSeq, SampleSpec, StepPlan
 from pagellm.pooling_params import chunk_reduction
 
@@ -25,6 +27,10 @@ class ScheduledRequest:
     block_tables: tuple[list[int], ...]  # one per KV group (core/kv/groups.py)
     # Sibling sequences forked from this one this step: they sample from its logits.
     forks: list[Request] = field(default_factory=list)
+    # Speculative decoding: proposed tokens this step verifies (the last of its num_new_tokens), and
+    # how many the runner should propose after it for the next step.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_proposals: int = 0
 
     @property
     def block_table(self) -> list[int]:
@@ -37,9 +43,14 @@ class ScheduledRequest:
         return self.request.num_computed_tokens
 
     @property
+    def num_sequence_tokens(self) -> int:
+        """Tokens of the sequence itself this step computes (not the proposed ones)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
     def samples(self) -> bool:
         """True when this step reaches the end of the sequence, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_sequence_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -64,13 +75,14 @@ class SchedulerOutput:
         seqs = []
         for s in self.scheduled:
             req = s.request
-            end = s.start + s.num_new_tokens
             pooling = req.pooling_params
             samplers = [SampleSpec(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
                         for r in (req, *s.forks)] if s.samples and pooling is None else []
+            end = s.start + s.num_sequence_tokens
             pool = None if pooling is None else chunk_reduction(pooling.pooling_type, s.start, end, req.num_tokens)
-            seq = PlannedSeq(req.request_id, req.token_slice(s.start, end), s.start, s.block_tables, samplers,
-                             req.group_id, pool=pool)
+            seq = PlannedSeq(req.request_id, req.token_slice(s.start, end) + s.draft_token_ids, s.start,
+                             s.block_tables, samplers, req.group_id, pool=pool, draft_token_ids=s.draft_token_ids,
+                             num_proposals=s.num_proposals)
             if req.prompt_logprobs_pending:
                 # Positions first .. last - 1 predict prompt tokens first + 1 .. last (the last
                 # prompt position predicts the first output token: not a prompt logprob).
@@ -89,11 +101,15 @@ RECENT_PREEMPTIONS = 32
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", speculative: SpeculativeConfig | None = None) -> None:
         """`preemption_mode`: "recompute" frees a victim's blocks (its cached prefix may survive);
         "swap" sends them to the KV manager's second tier first; "auto" swaps when `swap_cheaper`
-        (set by the engine from measured rates) says moving the bytes beats recomputing the tokens."""
+        (set by the engine from measured rates) says moving the bytes beats recomputing the tokens.
+        `speculative`: a decoding sequence's proposed tokens are scheduled after its last one, to be
+        verified in the same forward pass (core/spec_decode.py)."""
         self.kv = kv
+        self.speculative = speculative
+        self.spec_stats = SpecDecodeStats()
         self.preemption_mode = preemption_mode
         self.swap_cheaper: Callable[[int, int], bool] = lambda num_tokens, num_blocks: False
         self.num_swaps = 0
@@ -118,11 +134,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        speculate = self._speculating()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_tokens_to_compute == 0:
                 i += 1  # a beam holding its blocks while its siblings catch up
+                continue
+            drafts = self._drafts(req, budget) if speculate else []
+            # Slots for the proposals only when the pool has them: short of blocks, decode plainly.
+            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), self.kv.group_tables(req.request_id),
+                                                      draft_token_ids=drafts))
+                budget -= 1 + len(drafts)
+                i += 1
                 continue
             n = self.kv.chunk_tokens(req, min(req.num_tokens_to_compute, budget))
             while not self.kv.allocate_slots(req, n):
@@ -151,9 +176,30 @@ class Scheduler:
         for s in out.scheduled:
             if s.samples and s.request.pending_forks:
                 s.forks = self._fork(s)
+            if speculate and s.samples and s.request.can_speculate:
+                s.num_proposals = s.request.lookahead or self.speculative.num_speculative_tokens
         out.block_copies = self.kv.take_copies()
         out.tier_ops = self.kv.take_tier_ops()
         return out
+
+    def _speculating(self) -> bool:
+        """Speculation runs while the batch is small: a large one is compute-bound, where verifying
+        rejected tokens would cost more than the steps it saves. Waiting requests count (as vLLM's
+        disable_by_batch_size counts enqueued ones): they join the batch as soon as they can."""
+        return self.speculative is not None and self.num_unfinished <= self.speculative.disable_by_batch_size
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The proposed tokens to verify after a decoding request's last token: as many as the token
+        budget, max_tokens and the context window leave room for (the accepted ones and one more
+        token must fit)."""
+        if req.num_tokens_to_compute != 1 or not req.draft_token_ids:
+            return []
+        k = min(len(req.draft_token_ids), budget - 1)
+        if req.sampling_params.max_tokens is not None:
+            k = min(k, req.sampling_params.max_tokens - len(req.output_token_ids) - 1)
+        if req.max_model_len is not None:
+            k = min(k, req.max_model_len - req.num_tokens - 1)
+        return req.draft_token_ids[:k] if k > 0 else []
 
     def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
         """Start a waiting request from its longest cached prefix, if its blocks can be had."""
@@ -213,6 +259,7 @@ class Scheduler:
             self.num_swaps += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -233,25 +280,54 @@ class Scheduler:
         self.kv.free(req)
         return req
 
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance each scheduled request past the tokens it computed and append what it
-        sampled; requests that hit eos, a stop token or their length limit are finished
-        and their blocks freed, and so are pooling requests whose prompt is computed. Returns the
-        requests that received a token."""
-        updated = []
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                          drafts: dict[str, list[int]] | None = None) -> list[Request]:
+        """Advance each scheduled request past the tokens it computed and append what it sampled, up
+        to the first token that ends it (eos, a stop token, its length limit); finished requests
+        are freed after their computed full blocks are cached, and so are pooling requests whose
+        prompt is computed. A speculating request's accepted proposals were computed too (its
+        sampled tokens are the accepted ones and one more); the blocks of the rejected ones go
+        back. `drafts`: the runner's proposals for each sequence's next step. Returns the requests
+        that received a token."""
+        updated, finished = [], []
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.request)
-            if s.request.pooling_params is not None:
-                if s.request.num_computed_tokens == s.request.num_tokens:
-                    self.finish_request(s.request.request_id, RequestStatus.FINISHED_STOPPED)
+            req = s.request
+            req.num_computed_tokens += s.num_sequence_tokens
+            if req.pooling_params is not None:
+                self.kv.cache_full_blocks(req)
+                if req.num_computed_tokens == req.num_tokens:
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 continue
-            for req in [s.request, *s.forks]:
-                token = sampled.get(req.request_id)
-                if token is None:
+            for seq in [req, *s.forks]:
+                tokens = sampled.get(seq.request_id)
+                if not tokens:
                     continue
-                req.append_token(token)
-                updated.append(req)
-                if req.check_stop():
-                    self.finish_request(req.request_id, req.status)
+                appended = _append(seq, tokens)
+                if seq is req and s.draft_token_ids:
+                    self._verified(req, len(s.draft_token_ids), len(tokens) - 1, appended)
+                seq.draft_token_ids = (drafts or {}).get(seq.request_id, [])
+                updated.append(seq)
+                if seq.is_finished:
+                    finished.append(seq)
+            self.kv.cache_full_blocks(req)
+        for seq in finished:
+            self.finish_request(seq.request_id, seq.status)
         return updated
+
+    def _verified(self, req: Request, proposed: int, accepted: int, appended: int) -> None:
+        """Account for a verification: the accepted proposals' K/V are computed, the rejected ones'
+        slots released, and the request's next lookahead adapted."""
+        req.num_computed_tokens += min(accepted, appended)
+        self.kv.truncate(req, req.num_tokens)
+        self.spec_stats.record(proposed, accepted)
+        most = self.speculative.num_speculative_tokens
+        req.lookahead = next_lookahead(req.lookahead or most, proposed, accepted, most)
+
+
+def _append(req: Request, tokens: list[int]) -> int:
+    """Append tokens up to the first that finishes the request; how many were appended."""
+    for i, token in enumerate(tokens):
+        req.append_token(token)
+        if req.check_stop():
+            return i + 1
+    return len(tokens)

@@ -48,6 +48,11 @@ class PlannedSeq:
     # An embedding request's chunk: what its hidden rows give the pooling ("sum", "last" or "first",
     # pagellm.pooling_params.chunk_reduction); None: nothing.
     pool: str | None = None
+    # Speculative decoding: the last len(draft_token_ids) of token_ids are proposed tokens to verify
+    # (samplers[0] samples each of their positions and the one before them); and how many tokens the
+    # runner's proposer should propose, after this step's sampling, for the next step to verify.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_proposals: int = 0
 
     def __post_init__(self) -> None:
         if not self.user_request_id:

@@ -36,8 +36,10 @@ class CoreStep:
     nowhere but in `failures`."""
 
     sampled: SamplerOutput | None = None
-    rows: dict[str, int] = field(default_factory=dict)       # sequence id -> its row in `sampled`
-    updated: list[Request] = field(default_factory=list)     # received a token (stop rules applied)
+    # Sequence id -> the rows in `sampled` of the tokens it received, in order (one, or a speculating
+    # sequence's accepted proposals and the token after them; cut at a token that finished it).
+    rows: dict[str, list[int]] = field(default_factory=dict)
+    updated: list[Request] = field(default_factory=list)     # received tokens (stop rules applied)
     held: list[str] = field(default_factory=list)            # sampled, but the caller picks the token
     forked: list[Request] = field(default_factory=list)      # sequences forked this step (n > 1)
     failures: dict[str, Failure] = field(default_factory=dict)  # request (group) id -> why it failed
@@ -117,7 +119,7 @@ class EngineCore:
             with phase(self.timer, "grammar"):
                 plan = self.grammars.attach_bitmasks(plan, self.scheduler.requests)
         result, failures = self._execute(plan)
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         held, rows = [], {}
         if result.sampled is not None:
             errors = result.sampled.errors or {}
@@ -130,11 +132,11 @@ class EngineCore:
                     failures.setdefault(seq.group_id, (RuntimeError(f"the structured-output grammar rejected "
                                                                     f"token {token}"), "grammar_error"))
                     continue
-                rows[rid] = i
+                rows.setdefault(rid, []).append(i)
                 if seq.caller_appends:
                     held.append(rid)
                 else:
-                    sampled[rid] = token
+                    sampled.setdefault(rid, []).append(token)
         if failures:  # set the failed requests' sequences aside, then abort them
             sched = replace(sched, scheduled=[s for s in sched.scheduled if s.request.group_id not in failures])
             forked = [r for r in forked if r.group_id not in failures]
@@ -159,8 +161,11 @@ class EngineCore:
             self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                                                    - s.start)
             self.num_tokens_computed += s.num_new_tokens
-        updated = self.scheduler.update_after_step(sched, sampled)
-        self.num_generation_tokens += len(sampled)
+        before = {rid: len(self.scheduler.requests[rid].output_token_ids) for rid in sampled}
+        updated = self.scheduler.update_after_step(sched, sampled, result.drafts)
+        for seq in updated:  # the rows of the tokens it took (a stop ends a speculating sequence's early)
+            rows[seq.request_id] = rows[seq.request_id][:len(seq.output_token_ids) - before[seq.request_id]]
+            self.num_generation_tokens += len(rows[seq.request_id])
         pooled = {s.request.request_id: (s.request, self.pooled.pop(s.request.request_id)) for s in sched.scheduled
                   if s.request.pooling_params is not None and s.request.is_finished}
         return CoreStep(result.sampled, rows, updated, held, forked, failures, pooled)
@@ -230,6 +235,7 @@ class EngineCore:
             "tokens_computed": self.num_tokens_computed,
             "generation_tokens": self.num_generation_tokens,
             "num_step_failures": self.num_step_failures,
+            "spec_decode": None if self.scheduler.speculative is None else self.scheduler.spec_stats.as_dict(),
             "kv_offload": None if self.kv_tier is None else {
                 **self.kv_tier.stats(), "demoted_blocks": kv.num_demoted, "promoted_blocks": kv.num_promoted,
                 "swapped_out_requests": kv.num_swapped_out},

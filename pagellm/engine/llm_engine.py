@@ -38,6 +38,7 @@ from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagellm.worker.proposers import make_proposer
 
 logger = logging.getLogger("pagellm.engine")
 # The block map shows the start of each prompt: this much of it.
@@ -118,8 +119,12 @@ class LLMEngine:
         if config.preemption_mode != "recompute" and self.kv_tier is None:
             raise ValueError(f"preemption_mode {config.preemption_mode!r} moves KV blocks to the second tier: it "
                              f"needs kv_offload_dir")
+        speculative = config.speculative
+        if speculative is not None:
+            self._check_speculation(config)
+            self.runner.proposer = make_proposer(speculative)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode)
+                                   config.preemption_mode, speculative)
         self.scheduler.swap_cheaper = self._swap_is_cheaper
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -319,7 +324,7 @@ class LLMEngine:
         failed: dict[str, Exception] = {}
         for sid in out.held:
             group = self._groups[self.scheduler.requests[sid].group_id]
-            if group.request_id in failed or not beams.report(group, sid, out.sampled.top_logprobs[out.rows[sid]]):
+            if group.request_id in failed or not beams.report(group, sid, out.sampled.top_logprobs[out.rows[sid][0]]):
                 continue
             touched[group.request_id] = group
             try:
@@ -392,6 +397,18 @@ class LLMEngine:
                     self.kv_tier.store(key, self.runner.read_block(block), wait=True)
             self.kv_tier.close()
         self.runner.shutdown()
+
+    def _check_speculation(self, config: EngineConfig) -> None:
+        """Speculative decoding rolls rejected tokens back by shortening block tables: refuse what
+        cannot be rolled back that way (yet)."""
+        if self.runner.recurrent:
+            kinds = ", ".join(sorted({type(m).__name__ for m in self.runner.recurrent}))
+            raise ValueError(f"speculative_config is not supported for {self.arch.architecture} yet: its recurrent "
+                             f"layers ({kinds}) keep a per-sequence state that rejected tokens would have "
+                             f"advanced, and rolling that state back is not implemented")
+        if config.kv_policy != "paged":
+            raise ValueError(f"speculative_config needs kv_policy 'paged' (rejected tokens are dropped from block "
+                             f"tables), got {config.kv_policy!r}")
 
     def _swap_is_cheaper(self, num_tokens: int, num_blocks: int) -> bool:
         """preemption_mode "auto": writing and reading back `num_blocks` blocks against computing

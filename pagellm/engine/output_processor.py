@@ -24,15 +24,21 @@ class OutputProcessor:
         group.texts[req.index] = SeqText(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
                                         logprobs=[] if params.logprobs is not None else None)
 
-    def append(self, seq: SeqText, sampled: SamplerOutput, row: int) -> bool:
-        """Take in the token the sequence just received (row `row` of the step's sample);
-        True when a stop string now ends its text, so that it must stop."""
+    def append(self, seq: SeqText, sampled: SamplerOutput, rows: list[int]) -> bool:
+        """Take in the tokens the sequence just received (rows `rows` of the step's sample, one per
+        token, the last tokens of its output), one at a time; True when a stop string now ends its
+        text, so that it must stop. The tokens after the one that completed the stop string (a
+        speculating sequence receives several at once) are dropped from its output."""
         req = seq.request
-        token = req.output_token_ids[-1]
-        req.cumulative_logprob += sampled.logprobs[row]
-        if seq.logprobs is not None:
-            seq.logprobs.append(self.logprob_entry(token, sampled, row))
-        return seq.detokenizer.update([token]) is not None
+        tokens = req.output_token_ids[len(req.output_token_ids) - len(rows):]
+        for i, (token, row) in enumerate(zip(tokens, rows)):
+            req.cumulative_logprob += sampled.logprobs[row]
+            if seq.logprobs is not None:
+                seq.logprobs.append(self.logprob_entry(token, sampled, row))
+            if seq.detokenizer.update([token]) is not None:
+                del req.output_token_ids[len(req.output_token_ids) - (len(rows) - i - 1):]
+                return True
+        return False
 
     def release_text(self, seq: SeqText) -> None:
         """Move the text that can be shown now into `seq.text` (all of it once the sequence finished)."""

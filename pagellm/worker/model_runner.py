@@ -27,6 +27,8 @@ from pagellm.models.arch import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
+from pagellm.worker.proposers import Proposer
+from pagellm.worker.rejection_sampler import num_accepted, verification_specs
 from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 # With no budget given, the CPU path takes this much for KV, or half the free memory if less.
@@ -92,25 +94,29 @@ class PromptLogprobs:
 
 @dataclass
 class StepResult:
-    """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]`; the prompt logprobs
-    it computed, by sequence id; and each embedding request's chunk reduced as its plan said
-    (PlannedSeq.pool: a float32 [hidden] vector), by sequence id."""
+    """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]` (a speculating sequence
+    draws several tokens, in consecutive rows, in order); the prompt logprobs it computed, by
+    sequence id; each embedding request's chunk reduced as its plan said (PlannedSeq.pool: a
+    float32 [hidden] vector), by sequence id; and the tokens proposed for each speculating
+    sequence's next step to verify."""
 
     request_ids: list[str]
     sampled: SamplerOutput | None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def concat(cls, parts: list[StepResult]) -> StepResult:
         """The results of disjoint parts of one step, as if it had run whole."""
         prompt = {rid: p for part in parts for rid, p in part.prompt_logprobs.items()}
         pooled = {rid: p for part in parts for rid, p in part.pooled.items()}
+        drafts = {rid: d for part in parts for rid, d in part.drafts.items()}
         parts = [p for p in parts if p.sampled is not None]
         if not parts:
-            return cls([], None, prompt, pooled)
+            return cls([], None, prompt, pooled, drafts)
         return cls([rid for p in parts for rid in p.request_ids], SamplerOutput.concat([p.sampled for p in parts]),
-                   prompt, pooled)
+                   prompt, pooled, drafts)
 
 
 class ModelRunner:
@@ -161,6 +167,8 @@ class ModelRunner:
         if device.type == "cpu":
             cpu_kernels.available()  # built (once) at start-up, not on the first request
         self.sampler = Sampler(seed=seed, device=device)
+        # Speculative decoding's proposer (set by the engine when speculative_config is on).
+        self.proposer: Proposer | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.timer: PhaseTimer | None = None  # see attach_timer
@@ -301,9 +309,10 @@ class ModelRunner:
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
         with phase(self.timer, "prepare_inputs"):
             inputs = self._prepare(seqs, plan.block_copies)
-        # Only the last position of each sampling sequence needs logits; forked siblings
-        # sample from the same row as their parent.
-        samplers = [spec for s in seqs for spec in s.samplers]
+        # Only the last position of each sampling sequence needs logits (forked siblings sample
+        # from the same row as their parent), and each verified position of a speculating one.
+        samplers = [spec for s in seqs for spec in
+                    (verification_specs(s.samplers[0], s.draft_token_ids) if s.draft_token_ids else s.samplers)]
         logits, pooled_rows = self.run_step(inputs)
         pooled = {} if pooled_rows is None else dict(zip([s.request_id for s in seqs if s.pool], pooled_rows))
         if logits is None:
@@ -322,7 +331,27 @@ class ModelRunner:
             token_bitmasks=[s.token_bitmask for s in samplers],
         )
         with phase(self.timer, "sampler"):
-            return StepResult([s.request_id for s in samplers], self.sampler(logits, sampling), prompt, pooled)
+            sampled = self.sampler(logits, sampling)
+        kept = _kept_rows(seqs, sampled)
+        result = StepResult([samplers[i].request_id for i in kept], sampled.select(kept), prompt, pooled)
+        if any(s.num_proposals for s in seqs):
+            with phase(self.timer, "propose"):
+                result.drafts = self._propose(seqs, result)
+        return result
+
+    def _propose(self, seqs: list[PlannedSeq], result: StepResult) -> dict[str, list[int]]:
+        """Proposals for the next step of the sequences that asked for them, from their tokens
+        with what this step gave them."""
+        new: dict[str, list[int]] = {}
+        errors = result.sampled.errors or {}
+        for i, (rid, token) in enumerate(zip(result.request_ids, result.sampled.token_ids)):
+            if i not in errors:
+                new.setdefault(rid, []).append(token)
+        asking = [s for s in seqs if s.num_proposals and s.request_id in new]
+        contexts = [[*s.samplers[0].prompt_token_ids, *s.samplers[0].output_token_ids, *new[s.request_id]]
+                    for s in asking]
+        proposals = self.proposer.propose(contexts, [s.num_proposals for s in asking])
+        return {s.request_id: p for s, p in zip(asking, proposals) if p}
 
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -382,7 +411,10 @@ class ModelRunner:
             has_state.append(float(start > 0))
             query_lens.append(n)
             seq_lens.append(end)
-            rows.extend([len(tokens) - 1] * len(s.samplers))
+            if s.draft_token_ids:  # the position before the drafts and each draft's: one sampler, k + 1 rows
+                rows.extend(range(len(tokens) - 1 - len(s.draft_token_ids), len(tokens)))
+            else:
+                rows.extend([len(tokens) - 1] * len(s.samplers))
             if s.prompt_targets:
                 first = len(tokens) - n + s.prompt_logprob_start - start
                 prompt_rows.extend(range(first, first + len(s.prompt_targets)))
@@ -421,6 +453,22 @@ def _pool_chunks(hidden: torch.Tensor, pool_rows: list[tuple[int, int, str]]) ->
               "last": lambda first, end: hidden[end - 1].float(),
               "first": lambda first, end: hidden[first].float()}
     return torch.stack([reduce[how](first, end) for first, end, how in pool_rows])
+
+
+def _kept_rows(seqs: list[PlannedSeq], sampled: SamplerOutput) -> list[int]:
+    """The rows of `sampled` whose tokens the sequences receive: every row of a plain sequence; of
+    a speculating one, its accepted drafts' and the correction or bonus token's (rejection_sampler.py)."""
+    kept, row = [], 0
+    for s in seqs:
+        if not s.draft_token_ids:
+            kept.extend(range(row, row + len(s.samplers)))
+            row += len(s.samplers)
+            continue
+        k = len(s.draft_token_ids)
+        accepted = num_accepted(s.draft_token_ids, sampled.token_ids[row:row + k + 1])
+        kept.extend(range(row, row + accepted + 1))
+        row += k + 1
+    return kept
 
 
 def _prompt_logprobs(seqs: list[PlannedSeq], logits: torch.Tensor) -> dict[str, PromptLogprobs]:

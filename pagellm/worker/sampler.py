@@ -290,6 +290,16 @@ class SamplerOutput:
     # Rows that could not be sampled -> why (a key of ROW_ERRORS); their token ids mean nothing.
     errors: dict[int, str] | None = None
 
+    def select(self, rows: list[int]) -> SamplerOutput:
+        """These rows only, in this order (a speculating sequence keeps the rows of the tokens it accepts)."""
+        if rows == list(range(len(self.token_ids))):
+            return self
+        position = {row: i for i, row in enumerate(rows)}
+        errors = {position[r]: e for r, e in (self.errors or {}).items() if r in position}
+        return SamplerOutput([self.token_ids[r] for r in rows], [self.logprobs[r] for r in rows],
+                             None if self.top_logprobs is None else [self.top_logprobs[r] for r in rows],
+                             None if self.ranks is None else [self.ranks[r] for r in rows], errors or None)
+
     @classmethod
     def concat(cls, parts: list[SamplerOutput]) -> SamplerOutput:
         """The outputs of several batches as one, rows in order."""

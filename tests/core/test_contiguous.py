@@ -162,7 +162,7 @@ def test_real_scheduler_runs_to_completion(policy, block_size):
             table = s.block_table
             assert table == list(range(table[0], table[0] + len(table)))
             assert len(table) * block_size >= s.start + s.num_new_tokens
-        sched.update_after_step(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+        sched.update_after_step(out, {s.request.request_id: [7] for s in out.scheduled if s.samples})
         steps += 1
         assert steps < 5000
     assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in reqs)

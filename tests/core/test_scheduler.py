@@ -29,7 +29,7 @@ def run(sched: Scheduler, max_steps: int = 10_000) -> dict:
         for s in out.scheduled:
             table = sched.kv.block_table(s.request.request_id)
             assert len(table) * sched.kv.block_size >= s.start + s.num_new_tokens
-        sampled = {s.request.request_id: fake_next_token(s.request) for s in out.scheduled if s.samples}
+        sampled = {s.request.request_id: [fake_next_token(s.request)] for s in out.scheduled if s.samples}
         sched.update_after_step(out, sampled)
         steps += 1
         assert steps < max_steps
@@ -67,7 +67,7 @@ def test_continuous_batching_mixes_prefill_and_decode():
         assert out.num_batched_tokens <= 20
         kinds = {"decode" if s.start >= s.request.num_prompt_tokens else "prefill" for s in out.scheduled}
         mixed += kinds == {"decode", "prefill"}
-        sched.update_after_step(out, {s.request.request_id: fake_next_token(s.request)
+        sched.update_after_step(out, {s.request.request_id: [fake_next_token(s.request)]
                                       for s in out.scheduled if s.samples})
     # Later prompts were prefilled in the same steps as the earlier requests' decodes.
     assert mixed >= 3
@@ -81,7 +81,7 @@ def test_preemption_takes_the_most_recently_admitted():
     reqs = [add(sched, f"r{i}", 8, 20) for i in range(3)]  # 2 full blocks each: all 6 blocks taken
     out = sched.schedule()
     assert [s.request.request_id for s in out.scheduled] == ["r0", "r1", "r2"]
-    sched.update_after_step(out, {s.request.request_id: 5 for s in out.scheduled})
+    sched.update_after_step(out, {s.request.request_id: [5] for s in out.scheduled})
     # Each now has 9 tokens; the 9th needs a third block, and none is free.
     out = sched.schedule()
     assert [r.request_id for r in out.preempted] == ["r2"]
@@ -113,7 +113,7 @@ def test_chunked_prefill_over_several_steps():
     while req.num_computed_tokens < 30:
         out = sched.schedule()
         chunks.append(out.scheduled[0].num_new_tokens)
-        sched.update_after_step(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+        sched.update_after_step(out, {s.request.request_id: [7] for s in out.scheduled if s.samples})
     assert chunks == [8, 8, 8, 6]
     run(sched)
 
@@ -143,7 +143,7 @@ def test_abort_at_any_point_frees_everything():
             sched.add_request(r)
         for _ in range(abort_after):
             out = sched.schedule()
-            sched.update_after_step(out, {s.request.request_id: fake_next_token(s.request)
+            sched.update_after_step(out, {s.request.request_id: [fake_next_token(s.request)]
                                           for s in out.scheduled if s.samples})
         for rid in ("r1", "r3"):
             r = reqs[rid]

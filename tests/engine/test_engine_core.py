@@ -43,7 +43,7 @@ def test_core_steps_plain_and_held_sequences(llm, tiny_llama_dir):
         assert not out.failures
         assert all(r.request_id != "held" for r in out.updated), "the core must not append to a held sequence"
         if "held" in out.held:
-            candidates = out.sampled.top_logprobs[out.rows["held"]]
+            candidates = out.sampled.top_logprobs[out.rows["held"][0]]
             assert len(candidates) == 3
             # The caller picks the second-best candidate: a choice the core could not make.
             token = candidates[1][0]

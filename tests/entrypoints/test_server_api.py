@@ -374,6 +374,22 @@ def test_metrics(server, client):
     assert "_created" not in text
 
 
+def test_speculative_decoding_metrics(server, client):
+    """The shared server runs prompt lookup: a reply that copies its prompt accepts proposals, and the
+    counters say so under vLLM's names."""
+    words = "apple, river, garden, window, letter, morning, island, forest, market, question"
+    client.completions.create(model=MODEL_NAME, prompt=f"Copy the list exactly.\nList: {words}\nCopy: apple, river,",
+                              max_tokens=16, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    labels = {"model_name": MODEL_NAME}
+    proposed = metric_value(text, "pagellm:spec_decode_num_draft_tokens_total", **labels)
+    accepted = metric_value(text, "pagellm:spec_decode_num_accepted_tokens_total", **labels)
+    assert 0 < accepted <= proposed
+    assert metric_value(text, "pagellm:spec_decode_num_drafts_total", **labels) > 0
+    assert metric_value(text, "pagellm:spec_decode_num_accepted_tokens_per_pos_total", position="0",
+                        **labels) > 0
+
+
 def test_dashboard_state_is_the_block_map(server, client):
     """GET /dashboard/state while an n=3 request runs: every block's reference count is the number
     of sequences whose table holds it, the three sequences are one group and share their prompt

@@ -384,6 +384,17 @@ class HybridKVManager(KVManager):
         self._tables[rid] = tables
         return True
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Drop every attention group's blocks past the first `num_tokens` tokens, tail first (a
+        sliding group's tail is inside its window: real blocks). State groups are not positions:
+        their state cannot be rolled back, which is why speculative decoding refuses recurrent models."""
+        tables = self._tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        for g, table in enumerate(tables or ()):
+            if g not in self._state_groups and len(table) > keep:
+                self._give_back(g, [b for b in reversed(table[keep:]) if b != NULL_BLOCK])
+                del table[keep:]
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of every group by reference."""
         tables = [list(t) for t in self._tables.get(parent.request_id, [[] for _ in self.windows])]

@@ -104,6 +104,11 @@ class KVManager(ABC):
     def cache_full_blocks(self, request: Request) -> None:
         """Make the blocks its computed tokens filled findable by later requests (if this layout can)."""
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past those holding its first `num_tokens` tokens: the slots of
+        proposed tokens that verification rejected (speculative decoding), dropped without a copy.
+        A layout that reserves a request's whole region up front keeps it."""
+
     @abstractmethod
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's KV as it is now."""

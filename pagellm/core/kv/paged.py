@@ -162,6 +162,15 @@ class KVCacheManager(KVManager):
         self._tables[request.request_id] = table
         return True
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Drop the table's blocks past the first `num_tokens` tokens, tail first. They hold no
+        computed full block (none was hashed), so they go back as plain free blocks."""
+        table = self._tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table and len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's blocks by reference: nothing is copied until one
         of them writes into a shared block."""

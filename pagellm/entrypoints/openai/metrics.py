@@ -102,6 +102,20 @@ class _EngineCollector(Collector):
                          "State checkpoints taken at block boundaries of prompts.", state["checkpoints_taken"])
             yield family(CounterMetricFamily, "pagellm:state_checkpoints_restored",
                          "Prefix-cache hits resumed from a state checkpoint.", state["checkpoints_restored"])
+        spec = s.get("spec_decode")
+        if spec is not None:  # --speculative-config: vLLM's spec_decode_* counters
+            for name, key, doc in (("spec_decode_num_drafts", "num_drafts", "Proposals verified (one per sequence "
+                                                                            "and step)."),
+                                   ("spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
+                                   ("spec_decode_num_accepted_tokens", "num_accepted_tokens",
+                                    "Proposed tokens accepted.")):
+                yield family(CounterMetricFamily, f"pagellm:{name}", doc, spec[key])
+            per_pos = CounterMetricFamily("pagellm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Proposed tokens accepted, by their position in the proposal.",
+                                          labels=["model_name", "position"])
+            for position, count in enumerate(spec["accepted_per_position"]):
+                per_pos.add_metric(labels + [str(position)], count)
+            yield per_pos
         yield family(CounterMetricFamily, "pagellm:num_preemptions", "Cumulative number of preemptions.",
                      s.get("num_preemptions", 0))
         yield family(CounterMetricFamily, "pagellm:prefix_cache_queries",

@@ -1,0 +1,154 @@
+"""`pagellm bench spec-decode`: single-stream decode speed with and without speculative decoding.
+
+Two workloads, one request at a time, greedy: a code edit (a source file of about 300 lines in the
+prompt, to be returned with a one-line change: the model copies, and prompt lookup proposes what
+it copies) and an open chat (little to copy: speculation must not cost much there). Decode tokens
+per second are measured from the first token to the last, so the prompt's prefill is not counted.
+The systems run interleaved, each once per workload per round (on shared cores the machine's speed
+drifts), and the load average is recorded at every run. Outputs with and without speculation must
+be equal (it is lossless); the JSON says whether they were.
+
+    pagellm bench spec-decode --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pagellm.bench import report
+
+# The code-edit workload's file: this package's own scheduler, a real ~300-line Python module.
+CODE_FILE = Path(__file__).resolve().parent.parent / "core" / "scheduler.py"
+CHAT_PROMPT = "Tell me about the history of lighthouses and the people who kept them."
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@dataclass
+class SpecBenchConfig:
+    model: str | None = None
+    speculative_config: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
+    workloads: list[str] = field(default_factory=lambda: ["code-edit", "chat"])
+    code_lines: int = 300
+    max_tokens: int = 256
+    repeat: int = 3
+    threads: int = 2
+
+
+def code_edit_prompt(lines: int) -> str:
+    code = "\n".join(CODE_FILE.read_text().splitlines()[:lines])
+    return (f"Here is a Python file:\n```python\n{code}\n```\nReturn the whole file with one change: rename the "
+            f"method `schedule` to `plan_step`. Reply with the code only.")
+
+
+def _messages(workload: str, cfg: SpecBenchConfig) -> list[dict]:
+    content = code_edit_prompt(cfg.code_lines) if workload == "code-edit" else CHAT_PROMPT
+    return [{"role": "user", "content": content}]
+
+
+def _one_run(llm, workload: str, cfg: SpecBenchConfig) -> dict:
+    from pagellm.sampling_params import SamplingParams
+
+    before = (llm.stats()["spec_decode"] or {}).get("num_accepted_tokens", 0)
+    drafts_before = (llm.stats()["spec_decode"] or {}).get("num_draft_tokens", 0)
+    out = llm.chat(_messages(workload, cfg), SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens),
+                   use_tqdm=False)[0]
+    m, tokens = out.metrics, out.outputs[0].token_ids
+    decode_s = m.finished_time - m.first_token_time
+    spec = llm.stats()["spec_decode"] or {}
+    return {"tokens": len(tokens), "decode_s": decode_s,
+            "decode_tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else None,
+            "prompt_tokens": len(out.prompt_token_ids), "loadavg": os.getloadavg(),
+            "accepted_tokens": spec.get("num_accepted_tokens", 0) - before,
+            "draft_tokens": spec.get("num_draft_tokens", 0) - drafts_before, "token_ids": tokens}
+
+
+def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
+    import torch
+
+    from pagellm.entrypoints.llm import LLM
+
+    torch.set_num_threads(cfg.threads)
+    load_start = os.getloadavg()
+    systems = {"plain": {}, "speculative": {"speculative_config": cfg.speculative_config}}
+    llms = {name: LLM(cfg.model, device="cpu", **options) for name, options in systems.items()}
+    runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in cfg.workloads}
+    try:
+        for name, llm in llms.items():  # warm-up: kernels built, allocators grown
+            _one_run(llm, "chat", SpecBenchConfig(**{**asdict(cfg), "max_tokens": 8}))
+        for _ in range(cfg.repeat):
+            for workload in cfg.workloads:
+                for name, llm in llms.items():
+                    runs[workload][name].append(_one_run(llm, workload, cfg))
+        model_path = llms["plain"].engine.model_path
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    results = {}
+    for workload, by_system in runs.items():
+        entry = {}
+        for name, rs in by_system.items():
+            entry[name] = {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in rs),
+                           "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]}
+            drafts = sum(r["draft_tokens"] for r in rs)
+            if drafts:
+                entry[name]["acceptance_rate"] = sum(r["accepted_tokens"] for r in rs) / drafts
+                entry[name]["accepted_tokens_per_output_token"] = (sum(r["accepted_tokens"] for r in rs)
+                                                                   / sum(r["tokens"] for r in rs))
+        entry["speedup"] = entry["speculative"]["decode_tokens_per_s"] / entry["plain"]["decode_tokens_per_s"]
+        entry["outputs_equal"] = all(a["token_ids"] == b["token_ids"]
+                                     for a, b in zip(by_system["plain"], by_system["speculative"]))
+        entry["output_tokens"] = by_system["plain"][0]["tokens"]
+        results[workload] = entry
+    return {"config": asdict(cfg), "model": model_path, "code_file": str(CODE_FILE.relative_to(CODE_FILE.parents[2])),
+            "load": {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}, "workloads": results}
+
+
+def print_tables(results: dict) -> None:
+    rows = []
+    for workload, e in results["workloads"].items():
+        rows.append([workload, e["plain"]["decode_tokens_per_s"], e["speculative"]["decode_tokens_per_s"],
+                     e["speedup"], e["speculative"].get("acceptance_rate"), e["output_tokens"], e["outputs_equal"]])
+    print(f"\n{results['model']}: one stream, greedy, {results['config']['speculative_config']}")
+    print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "acceptance", "tokens",
+                               "same output"], rows))
+    print(f"load average: {results['load']['loadavg_start']} at start, {results['load']['loadavg_end']} at end")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spec-decode", help="single-stream decode tok/s with and without speculative decoding, on "
+                                           "a code edit and an open chat")
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
+    p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC),
+                   help="the speculative system's speculative_config (vLLM's JSON)")
+    p.add_argument("--workloads", default="code-edit,chat", help="comma-separated: code-edit, chat")
+    p.add_argument("--code-lines", type=int, default=300, help="lines of the code file in the code-edit prompt")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens decoded per request")
+    p.add_argument("--repeat", type=int, default=3, help="rounds (medians reported)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/spec-decode-<date>)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(workloads) - {"code-edit", "chat"})
+    if unknown:
+        raise ValueError(f"--workloads: unknown {', '.join(unknown)}; choose code-edit, chat")
+    for name in ("code_lines", "max_tokens", "repeat", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    cfg = SpecBenchConfig(model=args.model, speculative_config=json.loads(args.speculative_config),
+                          workloads=workloads, code_lines=args.code_lines, max_tokens=args.max_tokens,
+                          repeat=args.repeat, threads=args.threads)
+    started = time.time()
+    results = {**report.metadata("spec-decode"), **run_spec_decode_bench(cfg), "wall_s": time.time() - started}
+    json_path, _ = report.output_paths("spec-decode", args.out)
+    report.write_json(json_path, results)
+    print_tables(results)
+    print(f"\nwrote {json_path}")
+    return 0

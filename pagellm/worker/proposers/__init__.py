@@ -1,0 +1,29 @@
+"""Proposers for speculative decoding: each proposes the tokens that a sequence's next step
+verifies (docs/speculative-decoding.md).
+
+A proposer runs in the model runner after a step's tokens are sampled, so that one that needs a
+model (a draft model, the target's own MTP heads reading its hidden states) can be a second
+implementation of the same interface. What it proposes is only ever a guess: the runner's
+verification keeps exactly the tokens the target model would have produced.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+from pagellm.config import SpeculativeConfig
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, contexts: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> list[list[int]]:
+        """For each sequence, up to `num_tokens[i]` tokens to follow `contexts[i]` (its prompt and
+        output so far), or [] when it has no guess."""
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        from pagellm.worker.proposers.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"speculative_config method {config.method!r} has no proposer")

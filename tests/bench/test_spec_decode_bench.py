@@ -1,0 +1,23 @@
+"""`pagellm bench spec-decode`: both systems measured on both workloads, outputs compared."""
+from __future__ import annotations
+
+import json
+
+from pagellm.cli import main
+
+
+def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
+    stem = tmp_path / "spec"
+    rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--code-lines", "2", "--max-tokens", "6",
+               "--repeat", "2", "--out", str(stem)])
+    assert rc == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["benchmark"] == "spec-decode" and data["machine"]["cpu"] and len(data["load"]["loadavg_start"]) == 3
+    assert set(data["workloads"]) == {"code-edit", "chat"}
+    for entry in data["workloads"].values():
+        assert entry["outputs_equal"] is True
+        for system in ("plain", "speculative"):
+            runs = entry[system]["runs"]
+            assert len(runs) == 2 and all(r["tokens"] == entry["output_tokens"] and r["loadavg"] for r in runs)
+            assert entry[system]["decode_tokens_per_s"] > 0
+        assert entry["speedup"] > 0

@@ -1,0 +1,159 @@
+"""Speculative decoding is lossless: with prompt lookup on, every request's tokens (and their
+logprobs) are those of plain decoding, greedy and seeded sampling alike, batched, in prefill
+chunks, under preemption and with n = 2; rejected proposals leave no block held (the engine
+checks its KV bookkeeping after every step in the tests: PAGELLM_CHECK_INVARIANTS).
+
+The random test models rarely repeat themselves, so some requests here are restricted to a few
+allowed tokens: their outputs then repeat n-grams that the proposer finds, and proposals are
+accepted, while which of the allowed tokens comes next (and each token's logprob, taken from the
+raw logits) still depends on every position's K/V.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from tests.models.families import build
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
+N_NEW = 24
+LOGPROB_ATOL = 1e-4  # plain decoding's own agreement across batching and chunking (tests/conftest.py)
+
+
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of several lengths, repetitive and not; half restricted to three tokens (accepted proposals)."""
+    rng = random.Random(3)
+    out = []
+    for i, n in enumerate([1, 5, 17, 40, 100, 3, 12, 30]):
+        pattern = [rng.randrange(3, 320) for _ in range(rng.choice([2, 3, 5]))]
+        prompt = (pattern * n)[:n] if i % 2 else [rng.randrange(3, 320) for _ in range(n)]
+        allowed = dict(allowed_token_ids=rng.sample(range(3, 320), 3)) if i % 4 < 2 else {}
+        out.append((prompt, SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0, **allowed)))
+    return out
+
+
+def _run(llm: LLM, requests) -> list[tuple[list[int], list[float]]]:
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    outs = llm.generate(prompts, [params for _, params in requests], use_tqdm=False)
+    return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in (o.outputs[0] for o in outs)]
+
+
+def _assert_same(got, expected) -> None:
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, lps), (_, want) in zip(got, expected):
+        assert lps == pytest.approx(want, abs=LOGPROB_ATOL)
+
+
+def _accepted(llm: LLM) -> int:
+    stats = llm.stats()
+    assert stats["used_blocks"] == 0  # nothing held once every request finished
+    return stats["spec_decode"]["num_accepted_tokens"]
+
+
+# mistral: every layer slides (a window of 16, shorter than most sequences here).
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def model(request, tmp_path_factory):
+    path = str(build(request.param, tmp_path_factory.mktemp(request.param)))
+    requests = _requests()
+    return path, requests, _run(LLM(path, num_kv_blocks=512, block_size=4), requests)
+
+
+@pytest.mark.parametrize("setup", [
+    dict(num_kv_blocks=512, block_size=4),
+    dict(num_kv_blocks=512, block_size=4, max_num_batched_tokens=16),  # prompts prefilled in chunks
+    dict(num_kv_blocks=40, block_size=4),  # too few blocks for all at once: preemption
+], ids=["batched", "chunked", "preempted"])
+def test_greedy_equals_plain_decoding(model, setup):
+    path, requests, expected = model
+    llm = LLM(path, speculative_config=SPEC, **setup)
+    _assert_same(_run(llm, requests), expected)
+    assert _accepted(llm) > 0
+    if setup["num_kv_blocks"] == 40:
+        assert llm.stats()["num_preemptions"] > 0
+
+
+def test_seeded_sampling_and_logits_processors_equal_plain_decoding(tiny_llama_dir):
+    """n = 2 seeded samples under penalties, logit_bias, min_tokens, stop tokens and a short max_tokens:
+    each position's processors see the proposals before it as output, and its draw uses the uniform of
+    that token index, so the samples are plain decoding's token for token."""
+    rng = random.Random(5)
+    requests = []
+    for i in range(6):
+        allowed = rng.sample(range(3, 320), 4)
+        params = SamplingParams(n=2, seed=100 + i, temperature=0.8, top_k=3, max_tokens=[N_NEW, 7][i % 2],
+                                allowed_token_ids=allowed, repetition_penalty=1.3, presence_penalty=0.2,
+                                frequency_penalty=0.1, logit_bias={allowed[0]: 1.5}, min_tokens=3,
+                                stop_token_ids=[allowed[1]] if i == 2 else None, logprobs=1)
+        requests.append(([rng.randrange(3, 320) for _ in range(rng.randrange(1, 30))], params))
+
+    def run(llm: LLM):
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [p for _, p in requests], use_tqdm=False)
+        return [[(c.token_ids, c.finish_reason, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                 for c in o.outputs] for o in outs]
+
+    expected = run(LLM(tiny_llama_dir, num_kv_blocks=256, block_size=4))
+    llm = LLM(tiny_llama_dir, num_kv_blocks=256, block_size=4, speculative_config=SPEC)
+    got = run(llm)
+    assert [[(t, r) for t, r, _ in o] for o in got] == [[(t, r) for t, r, _ in o] for o in expected]
+    for o, want in zip(got, expected):
+        for (_, _, lps), (_, _, lps_want) in zip(o, want):
+            assert lps == pytest.approx(lps_want, abs=LOGPROB_ATOL)
+    assert all(len(t) <= p.max_tokens for o, (_, p) in zip(got, requests) for t, _, _ in o)
+    assert _accepted(llm) > 0
+
+
+def test_a_large_batch_does_not_speculate(tiny_llama_dir):
+    requests = _requests()
+    llm = LLM(tiny_llama_dir, num_kv_blocks=512, block_size=4,
+              speculative_config={**SPEC, "disable_by_batch_size": len(requests) - 1})
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    # Every request runs to the end together (same length): never fewer running than the threshold allows.
+    llm.generate(prompts, [p for _, p in requests], use_tqdm=False)
+    assert llm.stats()["spec_decode"]["num_drafts"] == 0
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(kv_policy="contiguous-max"), ["speculative_config", "kv_policy 'paged'"]),
+])
+def test_what_cannot_roll_back_is_refused(tiny_llama_dir, options, words):
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_llama_dir, num_kv_blocks=64, speculative_config=SPEC, **options)
+    assert all(w in str(e.value) for w in words)
+
+
+def test_recurrent_models_are_refused(tmp_path):
+    path = str(build("lfm2", tmp_path / "lfm2"))
+    with pytest.raises(ValueError) as e:
+        LLM(path, num_kv_blocks=64, speculative_config=SPEC)
+    assert all(w in str(e.value) for w in ("speculative_config", "lfm2", "recurrent layers (ShortConv)"))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf) -> tuple[LLM, LLM]:
+    """The bundled model without and with speculation."""
+    options = dict(max_model_len=1024, kv_cache_memory=64 << 20)
+    return LLM(smollm2_gguf, **options), LLM(smollm2_gguf, speculative_config=SPEC, **options)
+
+
+COPY = ("Copy the list exactly.\nList: apple, river, garden, window, letter, morning, island, forest, market, "
+        "question, simple, travel, winter\nCopy: apple, river,")
+
+
+def test_the_bundled_model_copying_accepts_proposals_and_decodes_as_without(smollm2):
+    """A model copying its prompt accepts most proposals; tokens, logprobs, text, a stop string met
+    inside an accepted run and the finish reason are plain decoding's."""
+    plain, spec = smollm2
+    stops = [None, [" island"], [", is"]]  # to the length limit; met while copying; never met
+    params = [SamplingParams(temperature=0.0, max_tokens=32, stop=stop, logprobs=0) for stop in stops]
+    want, got = ([o.outputs[0] for o in llm.generate([COPY] * len(stops), params, use_tqdm=False)]
+                 for llm in (plain, spec))
+    assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in got] == \
+        [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in want]
+    for c, w in zip(got, want):
+        assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(
+            [lp[t].logprob for t, lp in zip(w.token_ids, w.logprobs)], abs=5e-4)
+    assert got[1].finish_reason == "stop" and got[1].stop_reason == " island"
+    assert _accepted(spec) >= sum(len(c.token_ids) for c in got) // 3

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: venv serve run test clean
+.PHONY: venv serve run test test-slow test-all clean
 
 venv: $(VENV)/.installed
 
@@ -25,9 +25,19 @@ run: venv
 
 # Two workers, each taking whole files (tests/conftest.py groups them): much of the suite waits on
 # servers and spawned ranks starting, which the other worker fills. The 20 slowest tests close the
-# log: where the suite's time goes, run by run.
+# log: where the suite's time goes, run by run. `make test` leaves out the long sweeps marked
+# `slow` (GGUF conversions of every family, lm-eval, load and fuzz runs, real-process restarts),
+# which `make test-slow` runs; `make test-all` runs both.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
+
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
+	$(PYTEST) -m "not slow"
+
+test-slow: venv
+	$(PYTEST) -m slow
+
+test-all: venv
+	$(PYTEST)
 
 clean:
 	rm -rf $(VENV)

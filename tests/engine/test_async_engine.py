@@ -327,6 +327,7 @@ print(json.dumps({"own": own, "built_on_main": built_on_main}))
 '''
 
 
+@pytest.mark.slow  # a long sweep: `make test-slow`
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
                     reason="counts context switches in /proc, on 2 CPUs")
 def test_the_engine_is_built_and_stepped_on_one_thread_so_openmp_workers_keep_spinning(smollm2_gguf):

@@ -29,6 +29,7 @@ def server(tiny_llama_dir):
     s.close()
 
 
+@pytest.mark.slow  # a long sweep: `make test-slow`
 def test_fuzzed_fields_under_load_harm_no_one(server):
     report = run_fuzz(server.url, FuzzConfig(num_requests=500, background_clients=3, seed=0))
     fuzz, background = report["fuzz"], report["background"]

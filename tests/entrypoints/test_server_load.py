@@ -69,6 +69,7 @@ async def run_load(url: str) -> tuple[list[dict], list[int]]:
         return results, await health
 
 
+@pytest.mark.slow  # a long sweep: `make test-slow`
 def test_concurrent_streams_with_disconnects(server):
     before = httpx.get(server.url + "/metrics").text
     aborted_before = metric_value(before, "pagellm:request_success_total", model_name=MODEL_NAME,
@@ -94,6 +95,7 @@ def test_concurrent_streams_with_disconnects(server):
     assert aborted - aborted_before == len(left)
 
 
+@pytest.mark.slow  # a long sweep: `make test-slow`
 def test_non_streaming_client_timeout_aborts(server):
     """A client that gives up on a non-streaming request frees its blocks too."""
     def aborted() -> float:

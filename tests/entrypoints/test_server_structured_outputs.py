@@ -33,6 +33,7 @@ def client(smollm2_server):
     c.close()
 
 
+@pytest.mark.slow  # a long sweep: `make test-slow`
 def test_json_schema_holds_for_50_seeded_samples(client):
     """response_format json_schema: 5 requests x n=10 sampled at temperature 1 (seeded), every one
     of the 50 outputs complete and valid under the schema. The requests run at once, as a server

@@ -132,6 +132,8 @@ def tables() -> list[DocTable]:
         DocTable(cpu_tables.NAME, cpu_tables.PAGE, lambda results: cpu_tables.render(cpu_tables.load_runs(results))),
         json_runs_table("streams-table", "quantization.md", "serve-16-streams-*-vs-llama-server-2026-12-04*.json",
                         quant_tables.streams_table, quant_tables.STREAMS_RUNS),
+        json_runs_table("streams-default-table", "quantization.md", "serve-16-streams-*-zen4-default.json",
+                        quant_tables.streams_table),
         json_table("batch-invariant-table", "python.md", "batch-invariant-2026-12-01.json",
                    throughput.invariant_doc_table),
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),

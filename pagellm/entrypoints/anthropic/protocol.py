@@ -7,13 +7,17 @@ that is neither translated here nor in ACCEPTED_WITHOUT_EFFECT is a 400 that nam
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.errors import bad_request, refuse_unknown
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+
+# A 400 naming a field sent that is not one of Anthropic's Messages API this server implements.
+_unknown = functools.partial(refuse_unknown, "Anthropic's Messages API")
 
 # Fields Anthropic's clients send that change nothing here, and why (docs/serving.md lists them).
 ACCEPTED_WITHOUT_EFFECT = {
@@ -73,12 +77,6 @@ class MessagesRequest(CountTokensRequest):
     output_config: dict[str, Any] | None = None
     # pagellm's extra, as on the chat endpoint: a regex, choice, grammar or JSON schema the reply must match.
     structured_outputs: dict[str, Any] | None = None
-
-
-def _unknown(where: str, keys: set[str]) -> None:
-    for key in sorted(keys):
-        raise bad_request(f"{where}{key} is not supported: it is not a field of Anthropic's Messages API that "
-                          f"this server knows", param=f"{where}{key}")
 
 
 def _text_of(where: str, content: Any) -> str:

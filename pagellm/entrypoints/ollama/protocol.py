@@ -8,15 +8,19 @@ naming it, as is any field that is neither translated here nor accepted without 
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, refuse_unknown, validation_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.entrypoints.openai.reasoning import thinking_switch
+
+# A 400 naming a field sent that is not one of Ollama's API this server implements.
+_unknown = functools.partial(refuse_unknown, "Ollama's API")
 
 TEXT_ONLY = "this server serves a text-only model"
 
@@ -103,12 +107,6 @@ class ShowRequest(OllamaModel):
     model: str | None = None
     name: str | None = None  # older clients' spelling of model
     verbose: bool = False
-
-
-def _unknown(where: str, keys: Any) -> None:
-    for key in sorted(keys):
-        raise bad_request(f"{where}{key} is not supported: it is not a field of Ollama's API that this server "
-                          f"implements", param=f"{where}{key}")
 
 
 def check_fields(req: OllamaModel) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
@@ -107,6 +108,14 @@ def bad_request(error: ValueError | str, param: str | None = None, code: str | N
         if m and m.group(1) in _KNOWN_FIELDS:
             param = m.group(1)
     return OpenAIError(400, message, param=param, code=code)
+
+
+def refuse_unknown(api: str, where: str, keys: Iterable[str]) -> None:
+    """A 400 for the first (in sorted order) of `keys` sent at `where` ("", "messages[0].") that
+    is no field of `api` this server implements: never accepted and ignored."""
+    for key in sorted(keys):
+        raise bad_request(f"{where}{key} is not supported: it is not a field of {api} that this server "
+                          f"implements", param=f"{where}{key}")
 
 
 def check_request_text(name: str, text: str) -> None:

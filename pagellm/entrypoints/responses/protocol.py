@@ -10,14 +10,18 @@ ACCEPTED_WITHOUT_EFFECT is a 400 that names it.
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.errors import bad_request, refuse_unknown
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.reasoning import thinking_switch
+
+# A 400 naming a field sent that is not one of the Responses API this server implements.
+_unknown = functools.partial(refuse_unknown, "the Responses API")
 
 # Fields the Responses clients send that change nothing here, and why (docs/client-apis.md lists them).
 ACCEPTED_WITHOUT_EFFECT = {
@@ -71,12 +75,6 @@ class ResponsesRequest(ResponsesModel):
     user: str | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
     # pagellm's extra, as on the chat endpoint: a regex, choice, grammar or JSON schema the reply must match.
     structured_outputs: dict[str, Any] | None = None
-
-
-def _unknown(where: str, keys: Any) -> None:
-    for key in sorted(keys):
-        raise bad_request(f"{where}{key} is not supported: it is not a field of the Responses API that this "
-                          f"server implements", param=f"{where}{key}")
 
 
 def _text(where: str, content: Any) -> str:

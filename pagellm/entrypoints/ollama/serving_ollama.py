@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagellm.entrypoints.ollama.protocol import (ChatRequest, EmbedRequest, GenerateRequest,
+from pagellm.entrypoints.ollama.protocol import (OPTIONS, ChatRequest, EmbedRequest, GenerateRequest,
                                                  LegacyEmbeddingsRequest, ShowRequest, chat_request, check_fields,
                                                  raw_request, renamed, sampling)
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request
@@ -100,10 +100,7 @@ class OllamaServing:
         """/api/embed onto /v1/embeddings: one vector per input. `truncate` keeps an over-long
         input's last max_model_len tokens (the embeddings endpoint's truncate_prompt_tokens)."""
         started = time.time()
-        self.check_model(req.model)
-        check_fields(req)
-        sampling(req.options, self.chat.max_model_len)  # validated; an embedding samples nothing
-        result = await self.embeddings.create_embedding(self._embedding_request(req.input, req.truncate,
+        result = await self.embeddings.create_embedding(self._embedding_request(req, req.input, req.truncate,
                                                                                 req.dimensions), raw_request)
         return {"model": req.model, "embeddings": [d["embedding"] for d in result["data"]],
                 "total_duration": _ns(time.time() - started), "load_duration": 0,
@@ -111,13 +108,22 @@ class OllamaServing:
 
     async def legacy_embeddings(self, req: LegacyEmbeddingsRequest, raw_request: Request) -> dict:
         """/api/embeddings: one prompt, one `embedding`."""
-        self.check_model(req.model)
-        check_fields(req)
-        sampling(req.options, self.chat.max_model_len)
-        result = await self.embeddings.create_embedding(self._embedding_request(req.prompt, True, None), raw_request)
+        result = await self.embeddings.create_embedding(self._embedding_request(req, req.prompt, True, None),
+                                                        raw_request)
         return {"embedding": result["data"][0]["embedding"]}
 
-    def _embedding_request(self, texts: str | list[str], truncate: bool, dimensions: int | None) -> EmbeddingRequest:
+    def _embedding_request(self, req: EmbedRequest | LegacyEmbeddingsRequest, texts: str | list[str],
+                           truncate: bool, dimensions: int | None) -> EmbeddingRequest:
+        """The embeddings endpoint's request for an Ollama one, its fields and options checked: an
+        embedding samples nothing, so a sampling option is refused rather than ignored (num_ctx is
+        checked against the context as on the other routes)."""
+        self.check_model(req.model)
+        check_fields(req)
+        sampling(req.options, self.chat.max_model_len)  # unknown options and num_ctx, as on /api/chat
+        for name, value in sorted((req.options or {}).items()):
+            if name in OPTIONS and value is not None:
+                raise bad_request(f"options.{name} is not supported on an embedding: nothing is sampled",
+                                  param=f"options.{name}")
         return EmbeddingRequest(input=texts, dimensions=dimensions,
                                 truncate_prompt_tokens=self.chat.max_model_len if truncate else None)
 

@@ -67,15 +67,22 @@ def test_evicted_prefixes_come_back_from_the_tier(tiny_llama_dir, tmp_path, refe
     assert not os.path.exists(path)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
-def test_a_damaged_tier_file_costs_recomputation_not_tokens(tiny_llama_dir, tmp_path, reference, damage):
+def _first_round_on_a_small_tier(tiny_llama_dir, tmp_path, reference):
+    """An engine with a 1 MiB tier (128 slots: the default 4 GiB would be 524,288 slots of this
+    model's blocks to damage one by one) after the first round, checked and written out: (the
+    second round's expected outputs, its prompts, the engine, its tier)."""
     want_first, want_second, _ = reference
     first, second = _rounds()
-    # 128 slots: the default 4 GiB would be 524,288 slots of this model's blocks to damage one by one.
     llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=1 << 20, **ENGINE)
     _assert_same(want_first, _run(llm, first))
     tier = llm.engine.kv_tier
     tier.flush()
+    return want_second, second, llm, tier
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_a_damaged_tier_file_costs_recomputation_not_tokens(tiny_llama_dir, tmp_path, reference, damage):
+    want_second, second, llm, tier = _first_round_on_a_small_tier(tiny_llama_dir, tmp_path, reference)
     if damage == "corrupt":  # every slot's payload overwritten while the engine runs
         with open(tier.path, "r+b") as f:
             for slot in range(tier.num_slots):
@@ -93,12 +100,7 @@ def test_a_full_disk_skips_writes_and_serves_the_same_tokens(tiny_llama_dir, tmp
     """The volume fills up under a running engine (/dev/full put under the tier's descriptor: the
     kernel answers ENOSPC to every write, zeros to every read): blocks are no longer kept, each
     skipped write is counted, one warning says why, and the tokens are those of a run without it."""
-    want_first, want_second, _ = reference
-    first, second = _rounds()
-    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=1 << 20, **ENGINE)
-    _assert_same(want_first, _run(llm, first))
-    tier = llm.engine.kv_tier
-    tier.flush()
+    want_second, second, llm, tier = _first_round_on_a_small_tier(tiny_llama_dir, tmp_path, reference)
     full = os.open("/dev/full", os.O_RDWR)
     os.dup2(full, tier._fd)
     os.close(full)

@@ -43,6 +43,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start
 
 # Batch-invariant mode cuts long contexts into runs of this many keys, at fixed positions.
 INVARIANT_RUN = 256
+# A prefill of at most this many query tokens over a cached context (a speculative verification of
+# k drafts, a short follow-up turn) is attended token by token by the compiled kernel, reading the
+# cache in place: gathering the whole context into a contiguous tensor for SDPA costs a copy of
+# every cached key per layer, which for a handful of queries outweighs the product itself.
+SHORT_QUERY_TOKENS = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -83,9 +88,12 @@ class TorchAttentionBackend(AttentionBackend):
                                        options.softcap if options else None, sinks, token_seq, INVARIANT_RUN, fmt,
                                        options.attention_chunk if options else None)
         nd = meta.num_decodes
-        compiled = nd > 0 and self._use_compiled(q, k_cache)
+        compiled = self._use_compiled(q, k_cache)
         if compiled and nd == meta.num_seqs:  # decodes only: the kernel's output is the step's, no copy
             return self._compiled_decode(q, k_cache, v_cache, meta, scale, options, sinks, fmt)
+        short = {i for i in range(nd, meta.num_seqs) if self._short_query(meta, i)} if compiled else set()
+        if short and len(short) == meta.num_seqs - nd:  # decodes and short prefills: one kernel call, token by token
+            return self._compiled_tokens(q, k_cache, v_cache, meta, scale, options, sinks, fmt)
         out = torch.empty_like(q)
         if nd:
             if compiled:
@@ -96,10 +104,32 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(nd, meta.num_seqs):
             ql, ctx = meta.query_lens[i], meta.seq_lens[i]
             end = start + ql
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
-                                           meta.block_tables[i], ctx, scale, options, sinks, fmt)
+            if i in short:
+                out[start:end] = self._compiled_tokens(q, k_cache, v_cache, meta, scale, options, sinks, fmt,
+                                                       slice(start, end))
+            else:
+                out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
+                                               meta.block_tables[i], ctx, scale, options, sinks, fmt)
             start = end
         return out
+
+    @staticmethod
+    def _short_query(meta: AttentionMetadata, i: int) -> bool:
+        """Whether sequence i's queries go to the compiled kernel token by token: few, over a cached context."""
+        ql = meta.query_lens[i]
+        return ql <= SHORT_QUERY_TOKENS and meta.seq_lens[i] > ql
+
+    @staticmethod
+    def _compiled_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                         options: AttentionOptions | None, sinks: torch.Tensor | None,
+                         kv_format: KVFormat | None, tokens: slice = slice(None)) -> torch.Tensor:
+        """The step's query `tokens` (all by default) read in place by the compiled kernel: token t
+        attends to the first key_lens[t] keys of its sequence's table."""
+        token_seq, key_lens = meta.query_token_keys()
+        return cpu.paged_attention(q[tokens], k_cache, v_cache, meta.block_tables, key_lens[tokens], scale,
+                                   options.sliding_window if options else None,
+                                   options.softcap if options else None, sinks, token_seq[tokens], kv_format=kv_format,
+                                   attention_chunk=options.attention_chunk if options else None)
 
     def decode_from_qkv(self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta: AttentionMetadata,
                         options: AttentionOptions, sinks: torch.Tensor | None = None,

@@ -58,14 +58,23 @@ def test_stored_formats_match_naive_on_what_the_cache_holds(block_size, compiled
     run_mixed_batch(block_size, (8, 2), compiled, d, variant, resolve_kv_format(kv_cache_dtype, torch.float32))
 
 
-def run_mixed_batch(block_size, heads, compiled, d, variant, fmt):
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("variant", ["plain", "window", "sinks", "chunk"])
+def test_decodes_beside_short_prefills_match_naive(block_size, variant):
+    """A speculative verification step: decodes and a few queries over each cached context, which
+    the compiled kernel attends token by token in one call (SHORT_QUERY_TOKENS)."""
+    run_mixed_batch(block_size, (8, 2), True, 64, variant, None,
+                    shapes=[(17, 1), (3, 1), (30, 5), (12, 2), (40, 16), (1, 3)])
+
+
+def run_mixed_batch(block_size, heads, compiled, d, variant, fmt, shapes=None):
     rng = random.Random(block_size * 10 + heads[0])
     torch.manual_seed(block_size)
     h, kvh = heads
     num_blocks = 512
     # (context already cached, tokens computed this step): decodes first, then fresh
     # prefills, chunks on top of a cached part, and a one-token prompt.
-    shapes = [(rng.randint(1, 40), 1) for _ in range(3)] + [(0, 1), (0, 13), (9, 7), (20, 1 + block_size)]
+    shapes = shapes or [(rng.randint(1, 40), 1) for _ in range(3)] + [(0, 1), (0, 13), (9, 7), (20, 1 + block_size)]
     shapes.sort(key=lambda s: s[1] != 1)
     backend = TorchAttentionBackend(compiled_decode=compiled)
     backend.kv_format = fmt

@@ -120,6 +120,18 @@ class SpeculativeConfig:
         return config
 
 
+def structured_outputs_backend(options: dict | None) -> str:
+    """The grammar backend a structured_outputs_config names ("auto" without one); ValueError names the key."""
+    if options is None:
+        return "auto"
+    if not isinstance(options, dict) or set(options) - {"backend"}:
+        raise ValueError(f"takes only the key 'backend', got {options!r}")
+    backend = options.get("backend", "auto")
+    if backend not in ("auto", "xgrammar", "guidance"):
+        raise ValueError(f"backend must be one of auto, xgrammar, guidance, got {backend!r}")
+    return backend
+
+
 def speculative_config_flag(text: str) -> dict:
     """`--speculative-config '{"method": "ngram", ...}'`: a JSON object, checked as the option is."""
     try:
@@ -219,6 +231,11 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "split the model over this many ranks (processes; gloo on the CPU, "
                                           "NCCL on GPUs)", check=lambda v: v >= 1, limit="an integer >= 1",
                                        alias="-tp")
+    structured_outputs_config: dict | None = option(
+        None, "structured outputs, as vLLM's JSON: {\"backend\": \"auto\"} (default) picks the grammar backend "
+              "per constraint, \"xgrammar\" or \"guidance\" (llguidance) pins one (docs/client-apis.md)",
+        check=lambda v: structured_outputs_backend(v) is not None, parse=json_object,
+        limit='an object {"backend": "auto" | "xgrammar" | "guidance"}')
     speculative_config: dict | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 8}: prompt lookup "

@@ -14,6 +14,8 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # A repetition penalty divides positive logits and multiplies negative ones: outside this range it
 # overflows float32 logits or stops being a penalty worth the name (1e9 erases every seen token).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Structured outputs' grammar backends (engine/grammars/), as vLLM names them.
+GRAMMAR_BACKENDS = (None, "auto", "xgrammar", "guidance")
 
 
 # The fields the OpenAI endpoints take under the same name and meaning (OpenAI's own and vLLM's
@@ -37,6 +39,9 @@ class StructuredOutputsParams:
     json_object: bool = False          # any JSON object
     # The JSON forms allow any whitespace between tokens by default; True allows none (compact JSON).
     disable_any_whitespace: bool = False
+    # The grammar backend for this request (engine/grammars/): None takes the engine's
+    # structured_outputs_config; "auto" picks per constraint; "xgrammar" or "guidance" pins one.
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -60,6 +65,8 @@ class StructuredOutputsParams:
                   and all(isinstance(c, str) and c for c in self.choice),
                   "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+        _need(self.backend in GRAMMAR_BACKENDS, "structured_outputs.backend", self.backend,
+              f"one of {', '.join(b for b in GRAMMAR_BACKENDS if b)}")
         for name in ("json_object", "disable_any_whitespace"):
             _need(isinstance(getattr(self, name), bool), f"structured_outputs.{name}", getattr(self, name),
                   "true or false")
@@ -70,7 +77,7 @@ class StructuredOutputsParams:
             if not self.json_object else "json_object"
 
     def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
+        return {k: v for k, v in self.__dict__.items() if v not in (None, False) and k != "backend"}
 
 
 @dataclass

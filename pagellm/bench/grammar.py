@@ -104,15 +104,23 @@ def add_parser(sub) -> None:
     p = sub.add_parser("grammar", help="decode step time with a JSON-schema grammar vs without")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 64; 256 with --corpus)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each mode")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", action="store_true",
+                   help="instead: compile and sample bench/schema_corpus.py's schemas with each grammar backend "
+                        "and validate the outputs (bench/grammar_corpus.py)")
+    p.add_argument("--samples", type=int, default=2, help="--corpus: outputs sampled per schema")
     p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/grammar-<date>)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.max_tokens is None:
+        args.max_tokens = 256 if args.corpus else 64
+    if args.corpus:
+        return corpus_main(args)
     result = run(args)
     data = {**report.metadata("grammar", extra_versions=("xgrammar",)), "results": result}
     json_path, _ = report.output_paths("grammar", args.out)
@@ -121,5 +129,20 @@ def main(args: argparse.Namespace) -> int:
              f"{s['sampler_ms_median']:.2f}", s["failed"]) for mode, s in result["modes"].items()]
     print(report.format_table(["mode", "steps", "step ms (median)", "grammar ms", "sampler ms", "failed"], rows))
     print(f"grammar overhead per decode step: {result['overhead']:+.1%} (target <= +10%)")
+    print(f"wrote {json_path}")
+    return 0
+
+
+def corpus_main(args: argparse.Namespace) -> int:
+    from pagellm.bench import grammar_corpus
+
+    result = grammar_corpus.run(args)
+    data = {**report.metadata("grammar-corpus", extra_versions=("xgrammar", "llguidance")), "results": result}
+    json_path, _ = report.output_paths("grammar-corpus", args.out)
+    report.write_json(json_path, data)
+    print(grammar_corpus.doc_table(result))
+    for system, s in result["systems"].items():
+        for name, why in s["invalid_schemas"].items():
+            print(f"{system}: invalid output for {name}: {why}")
     print(f"wrote {json_path}")
     return 0

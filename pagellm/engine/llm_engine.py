@@ -17,7 +17,7 @@ import torch
 
 from pagellm import envs
 from pagellm.beam_search import Beam, BeamSearchParams, BeamState
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, structured_outputs_backend
 from pagellm.core.kv import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
@@ -209,7 +209,8 @@ class LLMEngine:
                 if self.core.grammars is None:
                     if not xgrammar_available():
                         raise ValueError("structured outputs need the xgrammar package: pip install xgrammar")
-                    self.core.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+                    self.core.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
+                                                         structured_outputs_backend(self.config.structured_outputs_config))
         return self.core.grammars
 
     def _check_request_id(self, request_id: str) -> None:

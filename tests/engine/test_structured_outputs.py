@@ -37,31 +37,61 @@ def run(llm: LLM, reqs: list[tuple[list[int], SamplingParams]]) -> dict:
     return run_requests(llm, [(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(reqs)])
 
 
+class LibraryMatcher:
+    """A grammar library's own matcher, used as it documents itself: the reference for the engine's."""
+
+    def __init__(self, backend: str, compiled, tokenizer_dir: str, eos: int, vocab: int) -> None:
+        self.backend = backend
+        if backend == "xgrammar":
+            self.m = xgr.GrammarMatcher(compiled)
+        else:
+            import llguidance
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            lt = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), n_vocab=vocab, eos_token=eos)
+            self.m = llguidance.LLMatcher(lt, compiled)
+
+    def fill(self, bitmask) -> None:
+        if self.backend == "xgrammar":
+            self.m.fill_next_token_bitmask(bitmask)
+        else:
+            import llguidance.torch
+
+            llguidance.torch.fill_next_token_bitmask(self.m, bitmask, 0)
+
+    def accept(self, token: int) -> bool:
+        return bool(self.m.accept_token(token) if self.backend == "xgrammar" else self.m.consume_token(token))
+
+    def done(self) -> bool:
+        return bool(self.m.is_terminated() if self.backend == "xgrammar" else self.m.is_stopped())
+
+
 @torch.no_grad()
-def hf_masked_greedy(hf, compiled, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy tokens with xgrammar's own matcher and mask applied at every step."""
+def hf_masked_greedy(hf, matcher: LibraryMatcher, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens with the grammar library's own matcher and mask applied at every step."""
     vocab = hf.config.vocab_size
-    matcher = xgr.GrammarMatcher(compiled)
     ids, out = list(prompt), []
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     for _ in range(max_tokens):
         logits = hf(torch.tensor([ids])).logits[:, -1].float()
-        matcher.fill_next_token_bitmask(bitmask)
+        matcher.fill(bitmask)
         xgr.apply_token_bitmask_inplace(logits, bitmask)
         token = int(logits.argmax())
         out.append(token)
-        assert matcher.accept_token(token)
-        if matcher.is_terminated():
+        assert matcher.accept(token)
+        if matcher.done():
             break
         ids.append(token)
     return out
 
 
-def test_greedy_under_a_grammar_equals_transformers_with_the_same_mask(llm, hf):
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_greedy_under_a_grammar_equals_transformers_with_the_same_mask(llm, hf, tiny_llama_dir, backend):
     """Constrained and free rows side by side: each constrained row gets exactly its own mask
-    (transformers + xgrammar's reference mask decide every token), the free rows are untouched."""
-    regex = StructuredOutputsParams(regex=REGEX)
-    schema = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    (transformers + the grammar library's reference mask decide every token), the free rows are untouched."""
+    regex = StructuredOutputsParams(regex=REGEX, backend=backend)
+    schema = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, backend=backend)
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reqs = [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, structured_outputs=regex)),
             (PROMPTS[1], free),
@@ -71,7 +101,11 @@ def test_greedy_under_a_grammar_equals_transformers_with_the_same_mask(llm, hf):
     grammars = llm.engine.grammars
     for i, spec in ((0, regex), (2, schema)):
         got = done[f"r{i}"].outputs[0]
-        assert got.token_ids == hf_masked_greedy(hf, grammars.compile(spec), reqs[i][0], 40)
+        name, compiled = grammars.compile(spec)
+        assert name == backend
+        reference = LibraryMatcher(backend, compiled, tiny_llama_dir, llm.engine.tokenizer.eos_token_id,
+                                   hf.config.vocab_size)
+        assert got.token_ids == hf_masked_greedy(hf, reference, reqs[i][0], 40)
         assert got.finish_reason == "stop"
     assert re.fullmatch(REGEX, done["r0"].outputs[0].text)
     value = json.loads(done["r2"].outputs[0].text)
@@ -183,6 +217,7 @@ def test_length_bounded_strings_are_json_strings(llm, text, valid):
     schema = {"type": "object", "properties": {"b": {"type": "string", "maxLength": 6},
                                                "c": {"type": "array", "items": {"type": "string", "minLength": 2}}},
               "required": ["b", "c"]}
-    compiled = llm.engine.grammars.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    _, compiled = llm.engine.grammars.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                                                      backend="xgrammar"))
     matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
     assert bool(matcher.accept_string(text)) is valid

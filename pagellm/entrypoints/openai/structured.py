@@ -10,22 +10,23 @@ At most one of them may be sent; whatever is wrong is a 400 naming the field as 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.sampling_params import StructuredOutputsParams
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-# vLLM's backend selector: pagellm has one backend.
-BACKENDS = (None, "auto", "xgrammar")
+# vLLM's per-request backend selector (engine/grammars/).
+BACKENDS = (None, "auto", "xgrammar", "guidance")
 
 
 def parse_structured_outputs(req: Any) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the constraint, the field it came from) of a chat or completion request; (None, None) if none."""
     backend = getattr(req, "guided_decoding_backend", None)
     if backend not in BACKENDS:
-        raise bad_request(f"guided_decoding_backend must be one of auto, xgrammar (the only backend here), "
-                          f"got {backend!r}", param="guided_decoding_backend")
+        raise bad_request(f"guided_decoding_backend must be one of auto, xgrammar, guidance, got {backend!r}",
+                          param="guided_decoding_backend")
     sent = [name for name in ("response_format", "structured_outputs", *GUIDED) if getattr(req, name, None) is not None]
     if len(sent) > 1:
         raise bad_request(f"send only one of {', '.join(sent)}: each asks for a structured output", param=sent[1])
@@ -42,6 +43,8 @@ def parse_structured_outputs(req: Any) -> tuple[StructuredOutputsParams | None, 
             spec = StructuredOutputsParams(**value)
         else:
             spec = StructuredOutputsParams(**{GUIDED[field]: value})
+        if backend is not None and spec is not None and spec.backend is None:
+            spec = replace(spec, backend=backend)
     except TypeError:  # a key StructuredOutputsParams does not take
         known = ", ".join(StructuredOutputsParams.__dataclass_fields__)
         raise bad_request(f"structured_outputs takes only {known}; got {sorted(value)}", param=field) from None

@@ -1,0 +1,79 @@
+"""Grammar backends (engine/grammars/): schemas normalised so no backend drops a constraint by
+the way it is written, each schema sent to a backend that enforces every keyword it uses, and a
+keyword no backend enforces refused by name."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from pagellm import SamplingParams, StructuredOutputsParams
+from pagellm.engine.grammars import choose_backend
+from pagellm.engine.grammars.json_schema import closed_by_default, normalize_schema
+from pagellm.engine.grammars.guidance_backend import UNENFORCED as GUIDANCE_UNENFORCED
+from pagellm.engine.grammars.xgrammar_backend import UNENFORCED as XGRAMMAR_UNENFORCED
+from tests.engine.test_structured_outputs import llm, run  # noqa: F401  (the module's engine)
+
+AVAILABLE = {"xgrammar": XGRAMMAR_UNENFORCED, "guidance": GUIDANCE_UNENFORCED}
+BASE = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}}}
+REF_REQUIRED = {"$defs": {"base": BASE}, "allOf": [{"$ref": "#/$defs/base"}], "required": ["a", "b"]}
+
+
+def test_allof_of_a_ref_merges_into_the_parent_with_its_required_list():
+    merged = normalize_schema(REF_REQUIRED)
+    assert "allOf" not in merged
+    assert merged["required"] == ["a", "b"] and merged["properties"] == BASE["properties"]
+    beside = normalize_schema({"$defs": {"base": BASE}, "$ref": "#/$defs/base", "required": ["a"]})
+    assert "$ref" not in beside and beside["required"] == ["a"] and beside["type"] == "object"
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"type": "integer"}, {"type": "string"}]},  # conflicting types: not a merge
+    {"properties": {"a": {"type": "integer"}}, "additionalProperties": False,
+     "allOf": [{"properties": {"b": {"type": "integer"}}}]},  # closed parent: b is not allowed, merging would allow it
+    {"$defs": {"n": {"allOf": [{"$ref": "#/$defs/n"}]}}, "allOf": [{"$ref": "#/$defs/n"}]},  # self-reference
+])
+def test_an_allof_whose_merge_would_not_be_exact_is_left_as_written(schema):
+    assert normalize_schema(schema)["allOf"] == schema["allOf"]
+
+
+def test_closed_by_default_matches_strict_mode():
+    closed = closed_by_default({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}]}},
+                                "patternProperties": {"^x": {}}})
+    assert "additionalProperties" not in closed  # patternProperties speak for the other keys
+    assert closed["properties"]["a"]["items"] is False
+
+
+def test_auto_prefers_xgrammar_and_moves_to_guidance_for_what_only_guidance_enforces():
+    assert choose_backend(StructuredOutputsParams(json=BASE), "auto", AVAILABLE) == "xgrammar"
+    only_guidance = sorted(XGRAMMAR_UNENFORCED - GUIDANCE_UNENFORCED)
+    assert only_guidance, "the tables name at least one keyword guidance adds"
+    schema = {"type": "object", only_guidance[0]: 2} if "Properties" in only_guidance[0] else \
+        {"type": "integer", only_guidance[0]: 2}
+    assert choose_backend(StructuredOutputsParams(json=schema), "auto", AVAILABLE) == "guidance"
+    with pytest.raises(ValueError, match=f"'{only_guidance[0]}'.*xgrammar backend does not enforce.*'guidance'"):
+        choose_backend(StructuredOutputsParams(json=schema), "xgrammar", AVAILABLE)
+
+
+def test_a_keyword_no_backend_enforces_is_refused_by_name(llm):  # noqa: F811
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(ValueError, match="'uniqueItems', which no grammar backend"):
+        llm.engine.add_request("u", {"prompt_token_ids": [3, 4]},
+                               SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    assert not llm.engine.has_unfinished_requests()
+    # uniqueItems: false asks nothing, and a property named like a keyword is not one.
+    fine = {"type": "object", "properties": {"not": {"type": "integer"}}, "required": ["not"], "uniqueItems": False}
+    assert llm.engine.grammars.compile(StructuredOutputsParams(json=fine))[0] == "xgrammar"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_required_beside_an_allof_ref_holds_in_every_sample(llm, backend):  # noqa: F811
+    """The schema shape whose required list xgrammar alone drops: sampled outputs all carry it."""
+    spec = StructuredOutputsParams(json=REF_REQUIRED, backend=backend)
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=64, structured_outputs=spec)
+    outs = run(llm, [([3, 4, 5, 6], params)])["r0"].outputs
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished
+    for o in finished:
+        jsonschema.validate(json.loads(o.text), REF_REQUIRED)

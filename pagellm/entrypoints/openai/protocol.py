@@ -129,6 +129,8 @@ class ChatCompletionRequest(SamplingFields):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the most tokens the reasoning may spend before its close is forced (needs --reasoning-parser).
+    thinking_token_budget: int | None = None
 
 
 class EmbeddingRequest(OpenAIModel):

@@ -374,6 +374,36 @@ def test_metrics(server, client):
     assert "_created" not in text
 
 
+def test_requests_are_counted_per_api(server, client):
+    """pagellm:api_requests_total{api, status}: each client API's requests by the status answered;
+    routes of no client API (health, metrics) are not counted. (One request generates, the rest are
+    answered before the engine: the label is the route's, whatever it costs.)"""
+    apis = [("openai_completions", "200"), ("openai_chat", "400"), ("responses", "404"),
+            ("anthropic_count_tokens", "200"), ("ollama_chat", "400"), ("ollama_models", "200"), ("tokenize", "200")]
+
+    def read() -> dict:
+        text = httpx.get(server.url + "/metrics").text
+        return {key: metric_value(text, "pagellm:api_requests_total", model_name=MODEL_NAME, api=key[0],
+                                  status=key[1]) or 0.0 for key in apis}
+
+    before = read()
+    client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1, top_p=7)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    url = server.url
+    assert httpx.post(url + "/v1/messages/count_tokens", json={"model": MODEL_NAME, "messages": CHAT}).status_code \
+        == 200
+    assert httpx.post(url + "/api/chat", json={"model": MODEL_NAME, "messages": CHAT,
+                                               "options": {"colour": 1}}).status_code == 400
+    assert httpx.get(url + "/api/tags").status_code == 200 and httpx.get(url + "/health").status_code == 200
+    assert httpx.post(url + "/tokenize", json={"prompt": "Hi"}).status_code == 200
+    after = read()
+    assert {key: after[key] - before[key] for key in apis} == dict.fromkeys(apis, 1.0)
+    assert 'api="health"' not in httpx.get(url + "/metrics").text
+
+
 def test_speculative_decoding_metrics(server, client):
     """The shared server runs prompt lookup: a reply that copies its prompt accepts proposals, and the
     counters say so under vLLM's names."""

@@ -29,7 +29,7 @@ from pagellm.entrypoints.ollama.serving_ollama import OllamaServing
 from pagellm.entrypoints.openai import dashboard
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_request_text, validation_error
 from pagellm.entrypoints.openai.metrics import ServerMetrics
-from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, APIRequestCountMiddleware, BodyLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  EmbeddingRequest, TokenizeRequest)
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -254,8 +254,10 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
-    if drain is not None:  # added last, so outermost: a draining server refuses before anything else
+    if drain is not None:  # a draining server refuses before anything else
         app.add_middleware(DrainMiddleware, drain=drain)
+    # Outermost of all, so that every answer is counted: a refused key, a draining server's 503.
+    app.add_middleware(APIRequestCountMiddleware, count=metrics.count_api_request)
     return app
 
 

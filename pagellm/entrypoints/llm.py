@@ -7,7 +7,8 @@ from typing import Any, Sequence
 from pagellm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.config import make_config, signature_with_options
 from pagellm.engine.llm_engine import LLMEngine, PromptType
-from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.entrypoints.scoring import cosine, pair_up
+from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -60,6 +61,22 @@ class LLM:
         ids = self._add_all(lambda rid, i: self.engine.add_pooling_request(rid, prompts[i], params[i]), len(prompts))
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids)
                 for out in self._run(ids, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """The cosine of the embeddings of each pair of texts (`.outputs.score`), paired as vLLM's
+        `LLM.score` pairs them: 1:1, one against each of N, or N:N in order. Each distinct text is
+        embedded once, by the model's own pooling."""
+        side_1, side_2 = ([t] if isinstance(t, str) else list(t) for t in (text_1, text_2))
+        pairs = pair_up(len(side_1), len(side_2))
+        if pairs is None:
+            raise ValueError(f"text_1 and text_2 must pair 1:1, 1:N or N:N, got {len(side_1)}:{len(side_2)}")
+        distinct = list(dict.fromkeys(side_1 + side_2))
+        of = dict(zip(distinct, self.embed(distinct, use_tqdm=use_tqdm)))
+        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(cosine(a.outputs.embedding,
+                                                                                b.outputs.embedding)),
+                                     a.prompt_token_ids + b.prompt_token_ids)
+                for a, b in ((of[side_1[i]], of[side_2[j]]) for i, j in pairs)]
 
     def _add_all(self, add, count: int) -> list[str]:
         """Add every request or none: one that fails validation withdraws the others."""

@@ -143,3 +143,20 @@ def test_matryoshka_and_refusals(qwen3_last, tmp_path):
     assert_close(vectors(got), torch.nn.functional.normalize(want, dim=-1))
     with pytest.raises(ValueError, match=r"dimensions must be one of \[16, 32\]"):
         llm.embed("hello", PoolingParams(dimensions=8), use_tqdm=False)
+
+
+def test_llm_score_is_the_cosine_of_llm_embed(qwen3_last):
+    """LLM.score pairs as vLLM's (1:N, N:N) and scores the cosine of LLM.embed's vectors."""
+    from pagellm.entrypoints.scoring import cosine
+
+    _, path = qwen3_last
+    llm = LLM(str(path / "st"), num_kv_blocks=16, max_model_len=64)
+    a, b, c = texts(5, [4, 9, 13])
+    vectors = [o.outputs.embedding for o in llm.embed([a, b, c], use_tqdm=False)]
+    one_to_n = [o.outputs.score for o in llm.score(a, [b, c], use_tqdm=False)]
+    # (Embedded again, the texts' prefixes come from the cache: equal within float32 rounding.)
+    assert one_to_n == pytest.approx([cosine(vectors[0], vectors[1]), cosine(vectors[0], vectors[2])], abs=1e-6)
+    assert [o.outputs.score for o in llm.score([a, b], [c, c], use_tqdm=False)] == \
+        pytest.approx([cosine(vectors[0], vectors[2]), cosine(vectors[1], vectors[2])], abs=1e-6)
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        llm.score([a, b], [a, b, c])

@@ -31,11 +31,12 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_re
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, APIRequestCountMiddleware, BodyLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 EmbeddingRequest, TokenizeRequest)
+                                                 EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest)
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
+from pagellm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagellm.entrypoints.openai.shutdown import Drain, DrainingServer, DrainMiddleware
 from pagellm.entrypoints.responses.protocol import ResponsesRequest
 from pagellm.entrypoints.responses.serving_responses import OpenAIServingResponses
@@ -76,6 +77,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
     messages = AnthropicServingMessages(chat)
     embeddings = OpenAIServingEmbedding(engine, config.served_model_names)
+    scores = OpenAIServingScore(embeddings)
     responses = OpenAIServingResponses(chat)
     ollama = OllamaServing(chat, embeddings)
     created = int(time.time())
@@ -154,6 +156,17 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, raw_request: Request) -> dict:
         return await embeddings.create_embedding(req, raw_request)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def create_score(req: ScoreRequest, raw_request: Request) -> dict:
+        return await scores.create_score(req, raw_request)
+
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @app.post("/rerank")
+    async def create_rerank(req: RerankRequest, raw_request: Request) -> dict:
+        return await scores.create_rerank(req, raw_request)
 
     @app.post("/v1/messages")
     async def create_message(req: MessagesRequest, raw_request: Request) -> Response:

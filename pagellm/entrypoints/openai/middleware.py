@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagellm.entrypoints.openai.errors import OpenAIError
 
 # Paths that need the API key when one is set; health, metrics and the dashboard stay open.
-PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/api/", "/tokenize", "/detokenize", "/score", "/rerank")
 
 
 class APIKeyMiddleware:

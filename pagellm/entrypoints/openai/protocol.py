@@ -143,6 +143,24 @@ class EmbeddingRequest(OpenAIModel):
     add_special_tokens: bool = True  # vLLM's extra
 
 
+class ScoreRequest(OpenAIModel):
+    """vLLM's /score: text_1 against text_2, 1:1, 1:N or N:N."""
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(OpenAIModel):
+    """/rerank as vLLM serves it (Jina's and Cohere's shape): documents ranked by relevance to query."""
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]  # a text, or {"text": ...} (Cohere's v1 and Jina's objects)
+    top_n: int | None = None  # None or 0: all of them
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+
+
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None

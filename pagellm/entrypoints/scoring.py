@@ -1,9 +1,24 @@
-"""Scoring text pairs by their embeddings, for /score, /rerank and `LLM.score`: the cosine of the
-two texts' embeddings (the model's own pooling), paired as vLLM pairs them."""
+"""Scoring text pairs, for /score, /rerank and `LLM.score`, paired as vLLM pairs them; a pair's
+score is either
+
+- the cosine of the two texts' embeddings (the model's own pooling): the default, for any model;
+- with `classifier_from_token` (two words, e.g. ["no", "yes"]), a causal LM used as a yes/no
+  reranker, as Qwen3-Reranker is: after the query's tokens then the document's, the probability
+  of the second word against the first, softmax over the two logits. The client formats the
+  texts (Qwen3-Reranker's instruction, its chat markup), as vLLM's own examples do.
+
+The yes/no score comes from the engine's ordinary requests: one greedy token per word, only that
+word allowed; its logprob, taken from the model's logits before any rule, is log softmax over the
+whole vocabulary, and the two words' logprobs differ exactly as their logits do.
+"""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
 
 # The most documents one rerank or score request may hold (as Cohere's rerank API).
 MAX_SCORE_DOCUMENTS = 1000
@@ -26,3 +41,32 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     dot = math.fsum(x * y for x, y in zip(a, b))
     norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
     return dot / norms if norms else 0.0
+
+
+def classifier_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple[int, int]:
+    """classifier_from_token's two words as token ids; each must be one token of the model's tokenizer."""
+    ids = []
+    for word in words:
+        tokens = encode(word)
+        if len(tokens) != 1:
+            raise ValueError(f"classifier_from_token must be words of one token each; {word!r} is {len(tokens)} "
+                             f"tokens of this model's tokenizer ({tokens})")
+        ids.append(tokens[0])
+    return ids[0], ids[1]
+
+
+def pair_token_ids(tokenizer: Any, query: str, document: str) -> list[int]:
+    """A pair's prompt for the yes/no reranker: the query's tokens (with the model's BOS, if it adds
+    one), then the document's."""
+    return tokenizer.encode(query) + tokenizer.encode(document, add_special_tokens=False)
+
+
+def classifier_params(token_ids: tuple[int, int]) -> list[SamplingParams]:
+    """The two requests that score one pair: one token, greedy, only the word allowed, its logprob back."""
+    return [SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=[t], logprobs=0) for t in token_ids]
+
+
+def classifier_score(outputs: Sequence[RequestOutput], token_ids: tuple[int, int]) -> float:
+    """P(second word) / (P(first) + P(second)) from the two requests of `classifier_params`."""
+    no, yes = (out.outputs[0].logprobs[0][t].logprob for out, t in zip(outputs, token_ids))
+    return 1.0 / (1.0 + math.exp(no - yes))

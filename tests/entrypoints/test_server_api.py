@@ -1,6 +1,8 @@
 """The OpenAI-compatible server driven by the official `openai` client, against the bundled SmolLM2."""
 from __future__ import annotations
 
+import math
+
 import fastapi  # noqa: F401  (required test dependencies: missing, these tests must fail, not skip)
 import httpx
 import openai  # noqa: F401
@@ -372,6 +374,29 @@ def test_metrics(server, client):
     assert metric_value(text, "pagellm:request_success_total", finished_reason="length", **labels) >= 1
     assert metric_value(text, "pagellm:e2e_request_latency_seconds_count", **labels) >= 1
     assert "_created" not in text
+
+
+def test_rerank_and_score_as_a_yes_no_reranker(server):
+    """--classifier-from-token ["no", "yes"]: a pair's score is P(yes) / (P(yes) + P(no)) after the
+    query's tokens then the document's, as the model's own prompt logprobs of each word there say."""
+    url = server.url
+    query = "Question: is Paris the capital of France? Answer yes or no. "
+    docs = ["Paris is the capital of France.", "Bananas are yellow."]
+    ranked = httpx.post(url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=120).json()["results"]
+    scores = httpx.post(url + "/score", json={"text_1": query, "text_2": docs}, timeout=120).json()["data"]
+    pair = httpx.post(url + "/tokenize", json={"prompt": query}).json()["tokens"]
+    words = [httpx.post(url + "/tokenize", json={"prompt": w, "add_special_tokens": False}).json()["tokens"][0]
+             for w in ("no", "yes")]
+    want = []
+    for doc in docs:
+        ids = pair + httpx.post(url + "/tokenize", json={"prompt": doc, "add_special_tokens": False}).json()["tokens"]
+        lp = [httpx.post(url + "/v1/completions", timeout=120, json={
+                  "prompt": ids + [w], "max_tokens": 1, "prompt_logprobs": 0}).json()["choices"][0]
+              ["prompt_logprobs"][-1][str(w)]["logprob"] for w in words]
+        want.append(1 / (1 + math.exp(lp[0] - lp[1])))
+    assert [d["score"] for d in scores] == pytest.approx(want, abs=1e-4)
+    assert [x["index"] for x in ranked] == sorted(range(2), key=lambda i: -want[i])
+    assert [x["relevance_score"] for x in ranked] == pytest.approx(sorted(want, reverse=True), abs=1e-4)
 
 
 def test_requests_are_counted_per_api(server, client):

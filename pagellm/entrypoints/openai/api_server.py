@@ -57,6 +57,8 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # --reasoning-parser, `auto` resolved from the chat template (None: replies are not split).
     reasoning_parser: str | None = None
+    # --classifier-from-token (None: /score and /rerank are cosines of embeddings).
+    classifier_from_token: list[str] | None = None
 
 
 def default_model_name(model_path: str) -> str:
@@ -77,7 +79,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
     messages = AnthropicServingMessages(chat)
     embeddings = OpenAIServingEmbedding(engine, config.served_model_names)
-    scores = OpenAIServingScore(embeddings)
+    scores = OpenAIServingScore(embeddings, config.classifier_from_token)
     responses = OpenAIServingResponses(chat)
     ollama = OllamaServing(chat, embeddings)
     created = int(time.time())
@@ -297,7 +299,8 @@ def build_server(args: argparse.Namespace, drain: Drain | None = None) -> tuple[
                           max_seqs_per_request=min(per_request, args.max_num_seqs),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           reasoning_parser=resolve_reasoning_parser(args.reasoning_parser,
-                                                                    engine.tokenizer.chat_template))
+                                                                    engine.tokenizer.chat_template),
+                          classifier_from_token=args.classifier_from_token)
     return build_app(engine, metrics, config, drain), engine, config
 
 

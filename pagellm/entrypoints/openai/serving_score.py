@@ -1,20 +1,26 @@
 """POST /score and /rerank (vLLM's shapes; /rerank is also Jina's and Cohere's): text pairs scored
-by the cosine of their embeddings, made by the embeddings endpoint's pooling requests. Each
-distinct text is embedded once (a rerank's query once for all its documents)."""
+by the cosine of their embeddings, made by the embeddings endpoint's pooling requests, each
+distinct text embedded once (a rerank's query once for all its documents); or, with
+--classifier-from-token, by a causal LM's yes/no logits after each pair (entrypoints/scoring.py)."""
 from __future__ import annotations
 
 from starlette.requests import Request
 
-from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import RerankRequest, ScoreRequest
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import random_id
-from pagellm.entrypoints.scoring import MAX_SCORE_DOCUMENTS, cosine, pair_up
+from pagellm.entrypoints.scoring import (MAX_SCORE_DOCUMENTS, classifier_params, classifier_score,
+                                         classifier_token_ids, cosine, pair_token_ids, pair_up)
 
 
 class OpenAIServingScore:
-    def __init__(self, embeddings: OpenAIServingEmbedding) -> None:
+    def __init__(self, embeddings: OpenAIServingEmbedding, classifier_from_token: list[str] | None = None) -> None:
         self.embeddings = embeddings
+        tokenizer = embeddings.tokenizer
+        # --classifier-from-token's words as token ids (None: pairs are scored by cosine).
+        self.classifier = None if classifier_from_token is None else \
+            classifier_token_ids(classifier_from_token, lambda w: tokenizer.encode(w, add_special_tokens=False))
 
     async def create_score(self, req: ScoreRequest, raw_request: Request) -> dict:
         self._check(req)
@@ -54,13 +60,34 @@ class OpenAIServingScore:
 
     async def _scores(self, request_id: str, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None,
                       raw_request: Request, field: str) -> tuple[list[float], int]:
-        """The cosine of each pair's embeddings, and the tokens embedded (`field`: the texts' name, for errors)."""
+        """Each pair's score, and the prompt tokens it took (`field`: the texts' name, for errors)."""
+        if self.classifier is not None:
+            return await self._classified(request_id, pairs, truncate_prompt_tokens, raw_request, field)
         distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
         prompts = self.embeddings.parse_prompts(distinct, field)
         vectors, tokens = await self.embeddings.embed(request_id, prompts, raw_request, field,
                                                       truncate_prompt_tokens)
         of = dict(zip(distinct, vectors))
         return [cosine(of[a], of[b]) for a, b in pairs], tokens
+
+    async def _classified(self, request_id: str, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None,
+                          raw_request: Request, field: str) -> tuple[list[float], int]:
+        """Each pair's yes/no score: two one-token requests after its query's tokens then its document's."""
+        serving, limit = self.embeddings, self.embeddings.max_model_len
+        prompts = []
+        for i, (query, document) in enumerate(pairs):
+            check_request_text(field, query + document)
+            ids = serving.truncate(pair_token_ids(serving.tokenizer, query, document), truncate_prompt_tokens)
+            if len(ids) >= limit:
+                raise bad_request(f"This model's maximum context length is {limit} tokens. However, pair {i} (the "
+                                  f"query's and {field} {i}'s tokens) has {len(ids)}, which leaves no room to score "
+                                  f"it. Send shorter texts, or truncate_prompt_tokens.", param=field,
+                                  code="context_length_exceeded")
+            prompts += [(None, ids)] * 2
+        streams = await serving.add_requests(request_id, prompts, classifier_params(self.classifier) * len(pairs))
+        finals = await serving.collect(raw_request, streams)
+        scores = [classifier_score(finals[2 * k:2 * k + 2], self.classifier) for k in range(len(pairs))]
+        return scores, sum(len(ids) for _, ids in prompts[::2])
 
 
 def _texts(value: str | list[str], field: str) -> list[str]:

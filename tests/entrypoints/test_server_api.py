@@ -376,6 +376,7 @@ def test_metrics(server, client):
     assert "_created" not in text
 
 
+@pytest.mark.slow  # 8 requests; the fast one is tests/engine/test_embeddings.py's, against transformers
 def test_rerank_as_a_yes_no_reranker(server):
     """--classifier-from-token ["no", "yes"]: a pair's score is P(yes) / (P(yes) + P(no)) after the
     query's tokens then the document's, as the model's own prompt logprobs of each word there say."""

@@ -62,6 +62,17 @@ def json_object(text: str) -> dict:
     return value
 
 
+def json_list(text: str) -> list:
+    """A CLI flag's JSON list (`--classifier-from-token '["no", "yes"]'`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list")
+    return value
+
+
 # Speculative decoding (docs/speculative-decoding.md): the proposers built so far, and vLLM's other
 # methods, named so that asking for one says it is not implemented yet rather than unknown.
 SPECULATIVE_METHODS = ("ngram",)
@@ -228,6 +239,13 @@ class EngineConfig:
               "and/or normalize (true or false), e.g. '{\"pooling_type\": \"MEAN\", \"normalize\": true}'",
         check=check_pooler_overrides, parse=json_object,
         limit='an object with "pooling_type" (LAST, MEAN or CLS) and/or "normalize" (true or false)')
+    classifier_from_token: list | None = option(
+        None, "score and rerank with this causal LM as a yes/no reranker (as Qwen3-Reranker is used; the key of "
+              "vLLM's --hf-overrides): two words of one token each, e.g. '[\"no\", \"yes\"]'; a pair's score is "
+              "the probability of the second word against the first after the query's and the document's tokens "
+              "(default: the cosine of their embeddings)",
+        check=lambda v: len(v) == 2 and all(isinstance(w, str) and w for w in v), parse=json_list,
+        limit='a list of two non-empty words, e.g. ["no", "yes"]')
     tensor_parallel_size: int = option(1, "split the model over this many ranks (processes; gloo on the CPU, "
                                           "NCCL on GPUs)", check=lambda v: v >= 1, limit="an integer >= 1",
                                        alias="-tp")

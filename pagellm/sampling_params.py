@@ -80,6 +80,28 @@ class StructuredOutputsParams:
         return {k: v for k, v in self.__dict__.items() if v not in (None, False) and k != "backend"}
 
 
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """The most tokens a reply may spend inside its reasoning; once spent, `close_token_ids` (the
+    reasoning's end as the chat template writes it, e.g. "\n</think>\n\n") are forced and the
+    answer follows. Built by the server from its reasoning parser (`thinking_token_budget`)."""
+
+    max_tokens: int
+    close_token_ids: tuple[int, ...]
+    # The marker that ends the reasoning by itself: written before the budget is spent, nothing is forced.
+    end_token_ids: tuple[int, ...]
+    # The marker that opens it at the start of the reply; empty: the prompt already opened it.
+    start_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _integer("thinking_token_budget", self.max_tokens, 0)
+        for name in ("close_token_ids", "end_token_ids", "start_token_ids"):
+            ids = tuple(getattr(self, name))
+            _need(all(_is_token_id(t) for t in ids) and (bool(ids) or name == "start_token_ids"),
+                  f"reasoning_budget.{name}", ids, "a non-empty list of token ids >= 0")
+            object.__setattr__(self, name, ids)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, and when to stop; named as in vLLM."""
@@ -112,6 +134,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # The output must follow this schema, regex, choice or grammar (needs the xgrammar package).
     structured_outputs: StructuredOutputsParams | None = None
+    # Close the reasoning once it has spent this many tokens (logits_processors.ReasoningBudgetRule).
+    reasoning_budget: ReasoningBudget | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +164,13 @@ class SamplingParams:
                                  f"{sorted(self.structured_outputs)}") from None
         _need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+        _need(self.reasoning_budget is None or isinstance(self.reasoning_budget, ReasoningBudget),
+              "reasoning_budget", self.reasoning_budget, "a ReasoningBudget")
+        # The grammar covers the whole reply, reasoning included, so it would refuse the forced close.
+        _need(self.reasoning_budget is None or self.structured_outputs is None, "thinking_token_budget",
+              self.reasoning_budget and self.reasoning_budget.max_tokens,
+              "left out with structured outputs (their grammar covers the whole reply, its reasoning included, "
+              "and would refuse the close that the budget forces)")
         self._validate()
 
     def _validate(self) -> None:

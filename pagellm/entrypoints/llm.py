@@ -7,7 +7,9 @@ from typing import Any, Sequence
 from pagellm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.config import make_config, signature_with_options
 from pagellm.engine.llm_engine import LLMEngine, PromptType
-from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.entrypoints.scoring import (classifier_params, classifier_score, classifier_token_ids, cosine,
+                                         pair_token_ids, pair_up)
+from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -60,6 +62,32 @@ class LLM:
         ids = self._add_all(lambda rid, i: self.engine.add_pooling_request(rid, prompts[i], params[i]), len(prompts))
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids)
                 for out in self._run(ids, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Each pair's score (`.outputs.score`), paired as vLLM's `LLM.score` pairs them: 1:1, one
+        against each of N, or N:N in order. The cosine of the texts' embeddings (each distinct
+        text embedded once, by the model's own pooling); with the classifier_from_token option,
+        the yes/no reranker's probability after the pair's tokens (entrypoints/scoring.py)."""
+        side_1, side_2 = ([t] if isinstance(t, str) else list(t) for t in (text_1, text_2))
+        pairs = [(side_1[i], side_2[j]) for i, j in pair_up(len(side_1), len(side_2)) or ()]
+        if not pairs:
+            raise ValueError(f"text_1 and text_2 must pair 1:1, 1:N or N:N, got {len(side_1)}:{len(side_2)}")
+        words = self.engine.config.classifier_from_token
+        if words is not None:
+            tok = self.engine.tokenizer
+            token_ids = classifier_token_ids(words, lambda w: tok.encode(w, add_special_tokens=False))
+            prompts = [pair_token_ids(tok, a, b) for a, b in pairs]
+            outs = self.generate([{"prompt_token_ids": ids} for ids in prompts for _ in range(2)],
+                                 classifier_params(token_ids) * len(pairs), use_tqdm=use_tqdm)
+            scores = [classifier_score(outs[2 * k:2 * k + 2], token_ids) for k in range(len(pairs))]
+        else:
+            distinct = list(dict.fromkeys(side_1 + side_2))
+            of = dict(zip(distinct, self.embed(distinct, use_tqdm=use_tqdm)))
+            scores = [cosine(of[a].outputs.embedding, of[b].outputs.embedding) for a, b in pairs]
+            prompts = [of[a].prompt_token_ids + of[b].prompt_token_ids for a, b in pairs]
+        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(score), ids)
+                for score, ids in zip(scores, prompts)]
 
     def _add_all(self, add, count: int) -> list[str]:
         """Add every request or none: one that fails validation withdraws the others."""

@@ -218,6 +218,65 @@ class GrammarMask(LogitsProcessor):
             logits.index_add_(0, rows, additive)
 
 
-# In this order: penalties on the model's logits, then bias, then the rules that rule tokens out.
+def _find(seq: Sequence[int], marker: Sequence[int], start: int = 0, stop: int | None = None) -> int:
+    """Index just after the first `marker` in seq[start:stop], or -1."""
+    n, stop = len(marker), len(seq) if stop is None else stop
+    first = marker[0]
+    for i in range(start, stop - n + 1):
+        if seq[i] == first and tuple(seq[i:i + n]) == marker:
+            return i + n
+    return -1
+
+
+# A reply's reasoning opens at its start, after at most this many tokens of whitespace (as the
+# reasoning parsers read it); further on, a start marker is text, not the reasoning's opening.
+_LEADING_TOKENS = 4
+
+
+class ReasoningBudgetRule(LogitsProcessor):
+    """thinking_token_budget: once the reasoning has spent its tokens without closing, the row's
+    next tokens are its close sequence, one a step, whatever the other rules allowed.
+
+    Where the row stands is read from its output each step: the reasoning begins after the start
+    marker (or at the output's start when the prompt opened it), the budget is spent `max_tokens`
+    tokens later, and the k-th token after that is the close's k-th. Only those len(close) steps
+    read the output, and only up to the spent point, so a long reasoning costs nothing per step."""
+
+    name = "reasoning_budget"
+
+    def prepare(self, step: StepRequests) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rows, tokens = [], []
+        for i, p in enumerate(step.params):
+            budget = p.reasoning_budget
+            if budget is None:
+                continue
+            out = step.output_token_ids[i]
+            begin = 0
+            if budget.start_token_ids:
+                begin = _find(out, budget.start_token_ids, 0, min(len(out), len(budget.start_token_ids)
+                                                                  + _LEADING_TOKENS))
+                if begin < 0:
+                    continue
+            spent_at = begin + budget.max_tokens
+            k = len(out) - spent_at
+            if not 0 <= k < len(budget.close_token_ids) or _find(out, budget.end_token_ids, begin, spent_at) >= 0:
+                continue
+            if budget.close_token_ids[k] < step.vocab_size:
+                rows.append(i)
+                tokens.append(budget.close_token_ids[k])
+        if not rows:
+            return None
+        return (torch.tensor(rows, dtype=torch.long, device=step.device),
+                torch.tensor(tokens, dtype=torch.long, device=step.device))
+
+    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        rows, tokens = state
+        logits.index_fill_(0, rows, float("-inf"))
+        logits[rows, tokens] = 0.0
+
+
+# In this order: penalties on the model's logits, then bias, then the rules that rule tokens out;
+# last the reasoning budget, whose forced close overrides them all.
 LOGITS_PROCESSORS: tuple[LogitsProcessor, ...] = (RepetitionPenalty(), PresenceFrequencyPenalty(), LogitBias(),
-                                                  AllowedTokenIds(), MinTokens(), GrammarMask())
+                                                  AllowedTokenIds(), MinTokens(), GrammarMask(),
+                                                  ReasoningBudgetRule())

@@ -143,3 +143,45 @@ def test_matryoshka_and_refusals(qwen3_last, tmp_path):
     assert_close(vectors(got), torch.nn.functional.normalize(want, dim=-1))
     with pytest.raises(ValueError, match=r"dimensions must be one of \[16, 32\]"):
         llm.embed("hello", PoolingParams(dimensions=8), use_tqdm=False)
+
+
+def test_llm_score_is_the_cosine_of_llm_embed(qwen3_last):
+    """LLM.score pairs as vLLM's (1:N, N:N) and scores the cosine of LLM.embed's vectors."""
+    from pagellm.entrypoints.scoring import cosine
+
+    _, path = qwen3_last
+    llm = LLM(str(path / "st"), num_kv_blocks=16, max_model_len=64)
+    a, b, c = texts(5, [4, 9, 13])
+    vectors = [o.outputs.embedding for o in llm.embed([a, b, c], use_tqdm=False)]
+    one_to_n = [o.outputs.score for o in llm.score(a, [b, c], use_tqdm=False)]
+    # (Embedded again, the texts' prefixes come from the cache: equal within float32 rounding.)
+    assert one_to_n == pytest.approx([cosine(vectors[0], vectors[1]), cosine(vectors[0], vectors[2])], abs=1e-6)
+    assert [o.outputs.score for o in llm.score([a, b], [c, c], use_tqdm=False)] == \
+        pytest.approx([cosine(vectors[0], vectors[2]), cosine(vectors[1], vectors[2])], abs=1e-6)
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        llm.score([a, b], [a, b, c])
+
+
+def test_llm_score_as_a_yes_no_reranker_matches_transformers(tiny_llama_dir):
+    """classifier_from_token ["n", "y"]: a pair's score is softmax over the two words' logits after
+    the query's tokens then the document's, as transformers computes them on the same weights."""
+    import transformers
+
+    llm = LLM(tiny_llama_dir, num_kv_blocks=32, max_model_len=128, classifier_from_token=["n", "y"])
+    tok = llm.get_tokenizer()
+    query, docs = "is it so? ", ["yes it is", "no idea at all"]
+    got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    no, yes = (tok.encode(w, add_special_tokens=False)[0] for w in ("n", "y"))
+    want = []
+    for doc in docs:
+        ids = tok.encode(query) + tok.encode(doc, add_special_tokens=False)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        want.append(float(torch.softmax(logits[[no, yes]], dim=0)[1]))
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(round(s, 6) for s in got)) == 2  # the documents score apart
+    from pagellm.entrypoints.scoring import classifier_token_ids
+
+    with pytest.raises(ValueError, match="classifier_from_token must be words of one token each; 'no' is 2 tokens"):
+        classifier_token_ids(["no", "yes"], lambda w: tok.encode(w, add_special_tokens=False))

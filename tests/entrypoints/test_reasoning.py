@@ -275,3 +275,46 @@ def test_the_thinking_switch_refuses_what_the_template_cannot_do():
         with pytest.raises(OpenAIError, match=words) as e:
             thinking_switch(template, think, "reasoning.effort", splits)
         assert e.value.param == "reasoning.effort"
+
+
+def test_the_reasoning_budget_closes_the_thinking(thinking_server):
+    """thinking_token_budget N: N tokens of reasoning, then the close the template writes
+    ("\n</think>\n\n") is forced, then the answer runs; the same in a stream. (allowed_token_ids
+    keeps the random model to letters, one token each: the forced close is not among them.)"""
+    import httpx
+
+    client = thinking_server.client(timeout=120)
+    letters = httpx.post(thinking_server.url + "/tokenize", json={"prompt": "abcdefghij"}).json()["tokens"]
+    kwargs = dict(model="thinker", messages=ASK, max_tokens=6 + 11 + 5, temperature=0,
+                  extra_body={"thinking_token_budget": 6, "allowed_token_ids": letters})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert len(choice.message.reasoning_content) == 6 and set(choice.message.reasoning_content) <= set("abcdefghij")
+    assert len(choice.message.content) == 5 and choice.finish_reason == "length"
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    reasoning = "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks)
+    assert (reasoning, "".join(c.delta.content or "" for c in chunks)) == \
+        (choice.message.reasoning_content, choice.message.content)
+
+    # Anthropic's thinking.budget_tokens is the same budget; its stream shows the same thinking.
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=thinking_server.url, api_key="none", max_retries=0, timeout=120)
+    ask = dict(model="thinker", max_tokens=24, messages=ASK, thinking={"type": "enabled", "budget_tokens": 5},
+               extra_body={"temperature": 0})
+    r = claude.messages.create(**ask)
+    assert [b.type for b in r.content] == ["thinking", "text"]
+    assert 0 < len(r.content[0].thinking) <= 5  # 5 random bytes: at most 5 characters
+    with claude.messages.stream(**ask) as stream:
+        thought = "".join(e.delta.thinking for e in stream
+                          if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+        final = stream.get_final_message()
+    assert thought == r.content[0].thinking and final.content[1].text == r.content[1].text
+
+    # What it needs: room for the answer, no grammar over the reasoning; a number.
+    for body, words in [({"thinking_token_budget": -1}, "thinking_token_budget must be an integer >= 0"),
+                        ({"thinking_token_budget": 4, **forced("a+")}, "thinking_token_budget must be left out "
+                                                                        "with structured outputs")]:
+        r = httpx.post(thinking_server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "thinker", "messages": ASK, "max_tokens": 8, **body})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "thinking_token_budget"

@@ -1,6 +1,8 @@
 """The OpenAI-compatible server driven by the official `openai` client, against the bundled SmolLM2."""
 from __future__ import annotations
 
+import math
+
 import fastapi  # noqa: F401  (required test dependencies: missing, these tests must fail, not skip)
 import httpx
 import openai  # noqa: F401
@@ -372,6 +374,60 @@ def test_metrics(server, client):
     assert metric_value(text, "pagellm:request_success_total", finished_reason="length", **labels) >= 1
     assert metric_value(text, "pagellm:e2e_request_latency_seconds_count", **labels) >= 1
     assert "_created" not in text
+
+
+@pytest.mark.slow  # 8 requests; the fast one is tests/engine/test_embeddings.py's, against transformers
+def test_rerank_as_a_yes_no_reranker(server):
+    """--classifier-from-token ["no", "yes"]: a pair's score is P(yes) / (P(yes) + P(no)) after the
+    query's tokens then the document's, as the model's own prompt logprobs of each word there say."""
+    url = server.url
+    query = "Question: is Paris the capital of France? Answer yes or no. "
+    docs = ["Paris is the capital of France.", "Bananas are yellow."]
+    ranked = httpx.post(url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=120).json()["results"]
+    pair = httpx.post(url + "/tokenize", json={"prompt": query}).json()["tokens"]
+    words = [httpx.post(url + "/tokenize", json={"prompt": w, "add_special_tokens": False}).json()["tokens"][0]
+             for w in ("no", "yes")]
+    want = []
+    for doc in docs:
+        ids = pair + httpx.post(url + "/tokenize", json={"prompt": doc, "add_special_tokens": False}).json()["tokens"]
+        lp = [httpx.post(url + "/v1/completions", timeout=120, json={
+                  "prompt": ids + [w], "max_tokens": 1, "prompt_logprobs": 0}).json()["choices"][0]
+              ["prompt_logprobs"][-1][str(w)]["logprob"] for w in words]
+        want.append(1 / (1 + math.exp(lp[0] - lp[1])))
+    # Within 2e-3, not 1e-5 (as transformers' on dense weights, tests/engine/test_embeddings.py): this
+    # GGUF model's int8x2 activations make a logit depend a little on the batch it is computed in.
+    assert [x["relevance_score"] for x in sorted(ranked, key=lambda x: x["index"])] == pytest.approx(want, abs=2e-3)
+    assert [x["index"] for x in ranked] == sorted(range(2), key=lambda i: -want[i])
+
+
+def test_requests_are_counted_per_api(server, client):
+    """pagellm:api_requests_total{api, status}: each client API's requests by the status answered;
+    routes of no client API (health, metrics) are not counted. (One request generates, the rest are
+    answered before the engine: the label is the route's, whatever it costs.)"""
+    apis = [("openai_completions", "200"), ("openai_chat", "400"), ("responses", "404"),
+            ("anthropic_count_tokens", "200"), ("ollama_chat", "400"), ("ollama_models", "200"), ("tokenize", "200")]
+
+    def read() -> dict:
+        text = httpx.get(server.url + "/metrics").text
+        return {key: metric_value(text, "pagellm:api_requests_total", model_name=MODEL_NAME, api=key[0],
+                                  status=key[1]) or 0.0 for key in apis}
+
+    before = read()
+    client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1, top_p=7)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    url = server.url
+    assert httpx.post(url + "/v1/messages/count_tokens", json={"model": MODEL_NAME, "messages": CHAT}).status_code \
+        == 200
+    assert httpx.post(url + "/api/chat", json={"model": MODEL_NAME, "messages": CHAT,
+                                               "options": {"colour": 1}}).status_code == 400
+    assert httpx.get(url + "/api/tags").status_code == 200 and httpx.get(url + "/health").status_code == 200
+    assert httpx.post(url + "/tokenize", json={"prompt": "Hi"}).status_code == 200
+    after = read()
+    assert {key: after[key] - before[key] for key in apis} == dict.fromkeys(apis, 1.0)
+    assert 'api="health"' not in httpx.get(url + "/metrics").text
 
 
 def test_speculative_decoding_metrics(server, client):

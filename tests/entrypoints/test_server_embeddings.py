@@ -107,3 +107,43 @@ def test_truncation_and_generation_refused(st_and_server):
     with pytest.raises(openai.BadRequestError, match="no language-model head .* embeddings only"):
         client.completions.create(model="emb", prompt="hello", max_tokens=2)
     server.wait_all_blocks_free()
+
+
+def test_rerank_and_score_are_cosines_of_the_embeddings(st_and_server):
+    """/rerank (vLLM's, Jina's and Cohere's shape) and /score (vLLM's): the cosine of the texts'
+    sentence-transformers embeddings, ranked and cut to top_n; bounds and shapes a 400 naming the field."""
+    st, server = st_and_server
+    query, docs = INPUTS[0], INPUTS[1:]
+    want = reference(st, [query] + docs)
+    cos = [float(torch.nn.functional.cosine_similarity(want[0], want[1 + i], dim=0)) for i in range(len(docs))]
+    order = sorted(range(len(docs)), key=lambda i: -cos[i])
+    r = httpx.post(server.url + "/v1/rerank", json={"model": "emb", "query": query, "documents": docs, "top_n": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == order[:2]
+    assert all(abs(x["relevance_score"] - cos[x["index"]]) <= ATOL for x in results)
+    assert [x["document"]["text"] for x in results] == [docs[i] for i in order[:2]]
+    bare = httpx.post(server.url + "/rerank", json={"query": query, "documents": [{"text": d} for d in docs],
+                                                    "return_documents": False}, timeout=60).json()["results"]
+    assert [x["index"] for x in bare] == order and all("document" not in x for x in bare)
+
+    s = httpx.post(server.url + "/score", json={"model": "emb", "text_1": query, "text_2": docs}, timeout=60).json()
+    assert [d["index"] for d in s["data"]] == [0, 1, 2]
+    assert all(abs(d["score"] - cos[d["index"]]) <= ATOL for d in s["data"])
+    pairwise = httpx.post(server.url + "/v1/score", json={"text_1": docs[:2], "text_2": docs[1:]}, timeout=60).json()
+    assert abs(pairwise["data"][1]["score"] - float(torch.nn.functional.cosine_similarity(want[2], want[3], dim=0))) \
+        <= ATOL
+
+    for path, body, param, words in [
+            ("/v1/rerank", {"query": "q", "documents": []}, "documents", "documents must not be empty"),
+            ("/v1/rerank", {"query": "q", "documents": ["d"] * 1001}, "documents", "at most 1000"),
+            ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n", "top_n must be an integer >= 0"),
+            ("/v1/rerank", {"query": "q", "documents": [{"txt": "d"}]}, "documents[0]", "documents[0] must be"),
+            ("/v1/rerank", {"query": "q", "documents": ["d"], "rank_fields": ["a"]}, "rank_fields", "not supported"),
+            ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "1:1, 1:N or N:N"),
+    ]:
+        r = httpx.post(server.url + path, json={"model": "emb", **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert words in r.json()["error"]["message"], r.text
+    server.wait_all_blocks_free()

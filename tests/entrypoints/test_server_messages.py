@@ -138,7 +138,11 @@ def test_errors_in_anthropics_shape(client, smollm2_server):
     refused(400, "invalid_request_error", "frobnicate", frobnicate=1)
     refused(400, "invalid_request_error", "messages[0].content[0].colour", messages=[
         {"role": "user", "content": [{"type": "text", "text": "hi", "colour": "red"}]}])
-    refused(400, "invalid_request_error", "thinking.budget_tokens", thinking={"type": "enabled", "budget_tokens": 1024})
+    # A budget needs --reasoning-parser (this server has none); one that leaves no room for the answer is refused.
+    refused(400, "invalid_request_error", "thinking.budget_tokens 4 needs the server started with --reasoning-parser",
+            thinking={"type": "enabled", "budget_tokens": 4})
+    refused(400, "invalid_request_error", "thinking.budget_tokens must be less than max_tokens (8)",
+            thinking={"type": "enabled", "budget_tokens": 1024})
     refused(400, "invalid_request_error", "tools[0].type 'web_search_20250305'",
             tools=[{"type": "web_search_20250305", "name": "web_search"}])
     refused(400, "invalid_request_error", "tool_choice.type", tools=TOOLS, tool_choice={"type": "sometimes"})

@@ -366,7 +366,7 @@ def test_each_logits_rule_is_used_only_by_the_rows_that_ask() -> None:
     exactly that rule a state."""
     import torch as _torch
 
-    from pagellm.sampling_params import StructuredOutputsParams
+    from pagellm.sampling_params import ReasoningBudget, StructuredOutputsParams
     from pagellm.worker.logits_processors import LOGITS_PROCESSORS
 
     vocab = 8
@@ -376,7 +376,9 @@ def test_each_logits_rule_is_used_only_by_the_rows_that_ask() -> None:
             "logit_bias": SamplingParams(logit_bias={3: 1.0}),
             "allowed_token_ids": SamplingParams(allowed_token_ids=[2, 3]),
             "min_tokens": SamplingParams(min_tokens=2, max_tokens=4),
-            "grammar": SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))}
+            "grammar": SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")),
+            # The budget of 1 is spent by the one output token: the close's first token is due.
+            "reasoning_budget": SamplingParams(reasoning_budget=ReasoningBudget(1, (6, 7), (7,)))}
     assert set(asks) == {rule.name for rule in LOGITS_PROCESSORS}
     assert not meta_for([plain, plain], vocab, outputs=[[4], [5]]).adjustments
     for name, params in asks.items():
@@ -384,3 +386,34 @@ def test_each_logits_rule_is_used_only_by_the_rows_that_ask() -> None:
         meta = SamplingMetadata.build([plain, params], [[1, 2], [1, 2]], [[4], [5]], {EOS}, vocab,
                                       token_bitmasks=masks)
         assert [rule.name for rule, _ in meta.adjustments] == [name]
+
+
+def test_the_reasoning_budget_forces_the_close_once_spent_and_only_then() -> None:
+    """Budget 2 inside <think> (id 3), close "</think>" (6, 7): two free tokens, then 6 and 7 are
+    forced whatever the logits (even against allowed_token_ids), then the answer is free again; a
+    reasoning that closed by itself (7) before the budget is spent is left alone."""
+    from pagellm.sampling_params import ReasoningBudget
+
+    vocab = 8
+    budget = ReasoningBudget(2, close_token_ids=(6, 7), end_token_ids=(7,), start_token_ids=(3,))
+    logits = torch.zeros(1, vocab)
+    logits[0, 4] = 5.0
+
+    def picked(output: list[int], **kwargs) -> int:
+        params = SamplingParams(temperature=0, reasoning_budget=budget, **kwargs)
+        meta = meta_for([params], vocab, outputs=[output])
+        return int(apply_logits_processors_(logits.clone(), meta)[0].argmax())
+
+    assert picked([3, 4]) == 4                     # one token spent of two
+    assert picked([3, 4, 4]) == 6                  # spent: the close begins
+    assert picked([3, 4, 4, 6], allowed_token_ids=[4, 5]) == 7
+    assert picked([3, 4, 4, 6, 7]) == 4            # closed: the answer runs
+    assert picked([3, 7, 4]) == 4                  # closed by itself before the budget
+    assert picked([4, 4, 4]) == 4                  # never opened: no reasoning to bound
+    opened = ReasoningBudget(0, close_token_ids=(6, 7), end_token_ids=(7,))  # the prompt opened it
+    meta = meta_for([SamplingParams(temperature=0, reasoning_budget=opened)], vocab, outputs=[[]])
+    assert int(apply_logits_processors_(logits.clone(), meta)[0].argmax()) == 6
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        from pagellm.sampling_params import StructuredOutputsParams
+
+        SamplingParams(reasoning_budget=budget, structured_outputs=StructuredOutputsParams(regex="a"))

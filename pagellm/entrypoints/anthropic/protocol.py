@@ -180,21 +180,28 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict] | None, Any, bool]:
     return tools, mapped, parallel
 
 
-def _thinking(req: CountTokensRequest) -> dict | None:
-    """The request's `thinking` as chat-template arguments."""
+def _thinking(req: CountTokensRequest) -> tuple[dict | None, int | None]:
+    """The request's `thinking` as chat-template arguments and a reasoning budget (thinking_token_budget)."""
     if req.thinking is None:
-        return None
+        return None, None
     kind = req.thinking.get("type")
     if kind == "disabled":
         _unknown("thinking.", req.thinking.keys() - {"type"})
-        return {"enable_thinking": False}
-    if kind == "enabled":
-        raise bad_request("thinking.budget_tokens is not supported: this server has no reasoning budget yet; "
-                          "leave `thinking` out (the model thinks as its chat template lets it) or send "
-                          '{"type": "disabled"}', param="thinking.budget_tokens")
+        return {"enable_thinking": False}, None
+    if kind == "enabled":  # the model thinks as its template lets it, for at most budget_tokens
+        _unknown("thinking.", req.thinking.keys() - {"type", "budget_tokens"})
+        budget = req.thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise bad_request(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}",
+                              param="thinking.budget_tokens")
+        max_tokens = getattr(req, "max_tokens", None)
+        if max_tokens is not None and budget >= max_tokens:  # as Anthropic's API: the answer needs room
+            raise bad_request(f"thinking.budget_tokens must be less than max_tokens ({max_tokens}), got {budget}",
+                              param="thinking.budget_tokens")
+        return None, budget
     if kind == "adaptive":  # the model decides how much to think: what it does here anyway
         _unknown("thinking.", req.thinking.keys() - {"type"})
-        return None
+        return None, None
     raise bad_request(f"thinking.type must be enabled, disabled or adaptive, got {kind!r}", param="thinking.type")
 
 
@@ -221,9 +228,10 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     if not req.messages:
         raise bad_request("messages must hold at least one message", param="messages")
     tools, tool_choice, parallel = _tools(req)
+    template_kwargs, budget = _thinking(req)
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": tools,
                             "tool_choice": tool_choice, "parallel_tool_calls": parallel,
-                            "chat_template_kwargs": _thinking(req)}
+                            "chat_template_kwargs": template_kwargs}
     if req.messages[-1].role == "assistant":  # a prefill: the reply continues it
         body.update(add_generation_prompt=False, continue_final_message=True)
     if isinstance(req, MessagesRequest):
@@ -236,7 +244,8 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
             _unknown("metadata.", req.metadata.keys() - {"user_id"})
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    structured_outputs=req.structured_outputs, response_format=_output_format(req.output_config))
+                    structured_outputs=req.structured_outputs, response_format=_output_format(req.output_config),
+                    thinking_token_budget=budget)
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValueError as e:  # a message pydantic refused after translation: say which

@@ -47,7 +47,7 @@ class AnthropicServingMessages:
 
     async def create_message(self, req: MessagesRequest, raw_request: Request) -> Response:
         chat_req = to_chat(req)
-        run = await self.chat.start(chat_req, id_prefix="msg")
+        run = await self.chat.start(chat_req, id_prefix="msg", budget_field="thinking.budget_tokens")
         if req.stream:
             # Anthropic's stream ends with message_stop, never [DONE]; an engine failure is an error event.
             return StreamingResponse(guarded_sse(self.events(req, run), run.streams,

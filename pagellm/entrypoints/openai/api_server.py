@@ -29,13 +29,14 @@ from pagellm.entrypoints.ollama.serving_ollama import OllamaServing
 from pagellm.entrypoints.openai import dashboard
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_request_text, validation_error
 from pagellm.entrypoints.openai.metrics import ServerMetrics
-from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, APIRequestCountMiddleware, BodyLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 EmbeddingRequest, TokenizeRequest)
+                                                 EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest)
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import ClientDisconnected
+from pagellm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagellm.entrypoints.openai.shutdown import Drain, DrainingServer, DrainMiddleware
 from pagellm.entrypoints.responses.protocol import ResponsesRequest
 from pagellm.entrypoints.responses.serving_responses import OpenAIServingResponses
@@ -56,6 +57,8 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # --reasoning-parser, `auto` resolved from the chat template (None: replies are not split).
     reasoning_parser: str | None = None
+    # --classifier-from-token (None: /score and /rerank are cosines of embeddings).
+    classifier_from_token: list[str] | None = None
 
 
 def default_model_name(model_path: str) -> str:
@@ -76,6 +79,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
     messages = AnthropicServingMessages(chat)
     embeddings = OpenAIServingEmbedding(engine, config.served_model_names)
+    scores = OpenAIServingScore(embeddings, config.classifier_from_token)
     responses = OpenAIServingResponses(chat)
     ollama = OllamaServing(chat, embeddings)
     created = int(time.time())
@@ -154,6 +158,17 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, raw_request: Request) -> dict:
         return await embeddings.create_embedding(req, raw_request)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def create_score(req: ScoreRequest, raw_request: Request) -> dict:
+        return await scores.create_score(req, raw_request)
+
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @app.post("/rerank")
+    async def create_rerank(req: RerankRequest, raw_request: Request) -> dict:
+        return await scores.create_rerank(req, raw_request)
 
     @app.post("/v1/messages")
     async def create_message(req: MessagesRequest, raw_request: Request) -> Response:
@@ -254,8 +269,10 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
-    if drain is not None:  # added last, so outermost: a draining server refuses before anything else
+    if drain is not None:  # a draining server refuses before anything else
         app.add_middleware(DrainMiddleware, drain=drain)
+    # Outermost of all, so that every answer is counted: a refused key, a draining server's 503.
+    app.add_middleware(APIRequestCountMiddleware, count=metrics.count_api_request)
     return app
 
 
@@ -282,7 +299,8 @@ def build_server(args: argparse.Namespace, drain: Drain | None = None) -> tuple[
                           max_seqs_per_request=min(per_request, args.max_num_seqs),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           reasoning_parser=resolve_reasoning_parser(args.reasoning_parser,
-                                                                    engine.tokenizer.chat_template))
+                                                                    engine.tokenizer.chat_template),
+                          classifier_from_token=args.classifier_from_token)
     return build_app(engine, metrics, config, drain), engine, config
 
 

@@ -130,7 +130,7 @@ _KNOWN_FIELDS = {
     "n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs",
     "top_logprobs", "prompt", "prompt_token_ids", "messages", "max_completion_tokens", "logit_bias",
-    "allowed_token_ids", "dimensions",
+    "allowed_token_ids", "dimensions", "thinking_token_budget",
 }
 
 

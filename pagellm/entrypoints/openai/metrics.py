@@ -209,6 +209,9 @@ class ServerMetrics:
                                      registry=reg).labels(model_name)
         self.generation_tokens = Counter("pagellm:generation_tokens", "Number of generation tokens processed.",
                                          name, registry=reg).labels(model_name)
+        self.api_requests = Counter("pagellm:api_requests", "HTTP requests by the client API they were sent to "
+                                    "(openai_chat, responses, anthropic_messages, ollama_chat, ...) and the status "
+                                    "answered.", name + ["api", "status"], registry=reg)
         self.request_success = Counter("pagellm:request_success", "Count of finished requests by finish reason.",
                                        name + ["finished_reason"], registry=reg)
         self.ttft = Histogram("pagellm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -267,6 +270,9 @@ class ServerMetrics:
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
         self.total_finished = 0
+
+    def count_api_request(self, api: str, status: int) -> None:
+        self.api_requests.labels(self.model_name, api, str(status)).inc()
 
     def bind(self, stats: Callable[[], dict]) -> None:
         self._stats = stats

@@ -1,15 +1,18 @@
 """Plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would get between a
-streaming response and the client's disconnect): the API key and the body size limit."""
+streaming response and the client's disconnect): the API key, the body size limit, and the
+count of requests per client API."""
 from __future__ import annotations
 
 import hmac
+
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagellm.entrypoints.openai.errors import OpenAIError
 
 # Paths that need the API key when one is set; health, metrics and the dashboard stay open.
-PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/api/", "/tokenize", "/detokenize", "/score", "/rerank")
 
 
 class APIKeyMiddleware:
@@ -78,3 +81,58 @@ class BodyLimitMiddleware:
         error = OpenAIError(413, f"The request body is larger than the server's limit of {self.max_bytes} bytes.",
                             code="request_too_large", headers={"Connection": "close"})
         await error.response_for(scope["path"])(scope, receive, send)
+
+
+# The client API each route belongs to (the `api` label of pagellm:api_requests_total); a path
+# ending in "/" names every path under it. Health, metrics and the dashboard are no client API.
+API_OF_ROUTE = {
+    "/v1/chat/completions": "openai_chat",
+    "/v1/completions": "openai_completions",
+    "/v1/embeddings": "openai_embeddings",
+    "/v1/models": "openai_models",
+    "/v1/responses": "responses",
+    "/v1/responses/": "responses",
+    "/v1/messages": "anthropic_messages",
+    "/v1/messages/count_tokens": "anthropic_count_tokens",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v1/score": "score",
+    "/score": "score",
+    "/tokenize": "tokenize",
+    "/detokenize": "tokenize",
+    "/api/chat": "ollama_chat",
+    "/api/generate": "ollama_generate",
+    "/api/embed": "ollama_embed",
+    "/api/embeddings": "ollama_embed",
+    "/api/": "ollama_models",  # tags, ps, show, version, and the model management it refuses
+}
+
+
+def api_of(path: str) -> str | None:
+    """The client API a request path belongs to (None: none)."""
+    if path in API_OF_ROUTE:
+        return API_OF_ROUTE[path]
+    return next((api for route, api in API_OF_ROUTE.items() if route.endswith("/") and path.startswith(route)), None)
+
+
+class APIRequestCountMiddleware:
+    """Calls `count(api, status)` once per request to a client API, when its response starts
+    (a stream counts its status, 200, not how it ended)."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None]) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = api_of(scope["path"]) if scope["type"] == "http" else None
+        if api is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.count(api, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)

@@ -129,6 +129,8 @@ class ChatCompletionRequest(SamplingFields):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the most tokens the reasoning may spend before its close is forced (needs --reasoning-parser).
+    thinking_token_budget: int | None = None
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -139,6 +141,24 @@ class EmbeddingRequest(OpenAIModel):
     user: str | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
     truncate_prompt_tokens: int | None = None  # vLLM's extra: keep only each input's last k tokens
     add_special_tokens: bool = True  # vLLM's extra
+
+
+class ScoreRequest(OpenAIModel):
+    """vLLM's /score: text_1 against text_2, 1:1, 1:N or N:N."""
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(OpenAIModel):
+    """/rerank as vLLM serves it (Jina's and Cohere's shape): documents ranked by relevance to query."""
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]  # a text, or {"text": ...} (Cohere's v1 and Jina's objects)
+    top_n: int | None = None  # None or 0: all of them
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
 
 
 class TokenizeRequest(OpenAIModel):

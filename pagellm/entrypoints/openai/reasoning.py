@@ -16,9 +16,11 @@ Qwen3's thinking mode and R1 distills do) is passed as `opened`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.sampling_params import ReasoningBudget
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,25 @@ class ReasoningParser:
     ends: tuple[str, ...] = ("</think>",)
     implicit_start = False
     keeps_special_tokens = False
+    # What a reasoning budget forces once spent: the end marker as the chat template writes it.
+    close = "\n</think>\n\n"
 
     def opens_in(self, prompt: str) -> bool:
         """Whether a rendered prompt ends inside the reasoning (the template opened it)."""
         start = max(prompt.rfind(m) for m in self.starts)
         end = max(prompt.rfind(m) for m in self.ends)
         return start > end
+
+    def budget(self, tokens: int, opened: bool, encode: Callable[[str], list[int]],
+               field: str = "thinking_token_budget") -> ReasoningBudget:
+        """thinking_token_budget `tokens` as the sampler's rule, in this model's token ids. A reply
+        whose prompt did not open the reasoning is bounded only if it opens it with `starts[0]`
+        (an R1 distill's reasoning, open without a start, is opened by its template)."""
+        try:
+            return ReasoningBudget(tokens, tuple(encode(self.close)), tuple(encode(self.ends[0])),
+                                   () if opened else tuple(encode(self.starts[0])))
+        except ValueError as e:
+            raise bad_request(str(e).replace("thinking_token_budget", field), param=field) from None
 
     def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
         """Split `text`, all of a reply so far; `final`: no more will come (nothing is held back)."""
@@ -100,11 +115,13 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class GraniteReasoningParser(ReasoningParser):
     starts = ("Here is my thought process:", "Here's my thought process:")
     ends = ("Here is my response:", "Here's my response:")
+    close = "\nHere is my response:\n"
 
 
 class GptOssReasoningParser(ReasoningParser):
     starts = ("<|channel|>analysis<|message|>",)
     ends = ("<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
+    close = ends[0]
     keeps_special_tokens = True
 
     def opens_in(self, prompt: str) -> bool:

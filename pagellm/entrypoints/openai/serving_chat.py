@@ -17,6 +17,7 @@ from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_ss
 from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS, ToolCall, ToolParser, ToolPlan,
                                                    forced_calls, plan_tools)
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import ReasoningBudget
 
 
 @dataclass
@@ -48,8 +49,10 @@ class OpenAIServingChat(OpenAIServing):
         (final,) = await self.collect(raw_request, run.streams)
         return JSONResponse(self.response(req, run.request_id, final, run.tools, run.thinking))
 
-    async def start(self, req: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
-        """Check a chat request, render it and add it to the engine (what every chat-shaped API shares)."""
+    async def start(self, req: ChatCompletionRequest, id_prefix: str = "chatcmpl",
+                    budget_field: str = "thinking_token_budget") -> ChatRun:
+        """Check a chat request, render it and add it to the engine (what every chat-shaped API shares).
+        `budget_field`: what the client API calls thinking_token_budget, for its errors."""
         self.check_model(req.model)
         self.check_common(req)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser is not None)
@@ -74,7 +77,9 @@ class OpenAIServingChat(OpenAIServing):
                                                        f"tool_choice {tools.mode}")
             params = self.sampling_params(req, max_tokens=max_tokens,
                                           logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                          prompt_logprobs=req.prompt_logprobs, structured=structured)
+                                          prompt_logprobs=req.prompt_logprobs, structured=structured,
+                                          reasoning_budget=self.reasoning_budget(req.thinking_token_budget, text,
+                                                                                  budget_field))
             if tools.mode == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
                 params.skip_special_tokens = False
             if self.reasoning is not None and self.reasoning.keeps_special_tokens:
@@ -86,6 +91,17 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id(id_prefix)
         streams = await self.add_requests(request_id, [(None, ids)], [params])
         return ChatRun(request_id, streams, tools, thinking, len(ids))
+
+    def reasoning_budget(self, tokens: int | None, prompt: str, field: str) -> ReasoningBudget | None:
+        """A reasoning budget (`field`) as the sampler's rule; it needs to know how this model marks its reasoning."""
+        if tokens is None:
+            return None
+        if self.reasoning is None:
+            raise bad_request(f"{field} {tokens!r} needs the server started with --reasoning-parser (how this "
+                              f"model marks its reasoning, so the budget knows what to count and how to close it)",
+                              param=field)
+        return self.reasoning.budget(tokens, self.reasoning.opens_in(prompt),
+                                     lambda s: self.tokenizer.encode(s, add_special_tokens=False), field)
 
     def render_request(self, req: ChatCompletionRequest) -> str:
         """The prompt a chat request renders to, through the chat template."""

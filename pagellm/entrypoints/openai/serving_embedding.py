@@ -24,32 +24,39 @@ class OpenAIServingEmbedding(OpenAIServing):
         if req.encoding_format not in ENCODING_FORMATS:
             raise bad_request(f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got "
                               f"{req.encoding_format!r}", param="encoding_format")
-        prompts = [(text, self.truncate(ids, req.truncate_prompt_tokens))
-                   for text, ids in self.parse_prompts(req.input, "input", req.add_special_tokens)]
+        prompts = self.parse_prompts(req.input, "input", req.add_special_tokens)
+        request_id = random_id("embd")
+        vectors, num_tokens = await self.embed(request_id, prompts, raw_request, "input", req.truncate_prompt_tokens,
+                                               req.dimensions)
+        encode = _base64 if req.encoding_format == "base64" else list
+        return {"id": request_id, "object": "list", "created": self.now(), "model": self.model_name,
+                "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def embed(self, request_id: str, prompts: list[tuple[str | None, list[int]]], raw_request: Request,
+                    field: str, truncate_prompt_tokens: int | None = None,
+                    dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """The embedding of each prompt (text, token ids), and the tokens they took; a 400 names
+        `field` (the API's name for its inputs) for a prompt too long or refused."""
+        prompts = [(text, self.truncate(ids, truncate_prompt_tokens)) for text, ids in prompts]
         for i, (_, ids) in enumerate(prompts):
             if len(ids) > self.max_model_len:
                 raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                  f"input {i} has {len(ids)} tokens. Please reduce the length of the input, or send "
-                                  f"truncate_prompt_tokens to keep its last tokens.", param="input",
+                                  f"{field} {i} has {len(ids)} tokens. Please reduce its length, or send "
+                                  f"truncate_prompt_tokens to keep its last tokens.", param=field,
                                   code="context_length_exceeded")
         try:
-            params = PoolingParams(dimensions=req.dimensions)
+            params = PoolingParams(dimensions=dimensions)
         except ValueError as e:
             raise bad_request(str(e), param="dimensions") from None
-        request_id = random_id("embd")
         try:
             streams = await self.add_requests(request_id, prompts, [params] * len(prompts))
         except OpenAIError as e:
             if e.param in ("prompt", "prompt_token_ids"):  # what the engine calls this API's input
-                e.param = "input"
+                e.param = field
             raise
         finals = await self.collect(raw_request, streams)
-        encode = _base64 if req.encoding_format == "base64" else list
-        num_tokens = sum(len(ids) for _, ids in prompts)
-        return {"id": request_id, "object": "list", "created": self.now(), "model": self.model_name,
-                "data": [{"object": "embedding", "index": i, "embedding": encode(out.embedding)}
-                         for i, out in enumerate(finals)],
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+        return [out.embedding for out in finals], sum(len(ids) for _, ids in prompts)
 
 
 def _base64(vector: list[float]) -> str:

@@ -20,13 +20,13 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_re
 from pagellm.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.entrypoints.openai.structured import parse_structured_outputs
-from pagellm.sampling_params import OPENAI_FIELDS, SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import OPENAI_FIELDS, ReasoningBudget, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 # Request fields that mean nothing to beam search (sent with use_beam_search, a 400 names them).
 BEAM_SEARCH_CONFLICTS = (set(OPENAI_FIELDS) - {"ignore_eos", "skip_special_tokens"}) | {
     "logprobs", "top_logprobs", "logit_bias", "best_of", "prompt_logprobs", "response_format", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tool_choice", "echo"}
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tool_choice", "echo", "thinking_token_budget"}
 # Retry-After for a full queue: a step takes well under a second, a request a few seconds.
 RETRY_AFTER_SECONDS = 1
 
@@ -155,13 +155,14 @@ class OpenAIServing:
     @staticmethod
     def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         best_of: int | None = None, prompt_logprobs: int | None = None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        reasoning_budget: ReasoningBudget | None = None) -> SamplingParams:
         # A field sent as null means its default, as in OpenAI's API.
         shared = {name: getattr(req, name) for name in OPENAI_FIELDS if getattr(req, name) is not None}
         try:
             return SamplingParams(n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs, logit_bias=token_bias(req.logit_bias),
-                                  structured_outputs=structured, **shared)
+                                  structured_outputs=structured, reasoning_budget=reasoning_budget, **shared)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
 

@@ -457,7 +457,7 @@ def test_deepseek2_latent_attention_and_router(tmp_path, llama_sd):
 
 def test_deepseek2_k_b_and_v_b_join_into_kv_b_proj(tmp_path, llama_sd):
     """The converter splits kv_b_proj per head into k_b (each head's block transposed) and v_b;
-    the loader gives back the checkpoint's kv_b_proj."""
+    the loader gives back the checkpoint's kv_b_proj (which older files hold as it is)."""
     heads, nope, v, rank = HEADS, 48, 40, 32
     kv_b = np.random.default_rng(0).standard_normal((heads * (nope + v), rank)).astype(np.float32)
     k_b, v_b = np.split(kv_b.reshape(heads, nope + v, rank), [nope], axis=1)  # as convert_hf_to_gguf.py does
@@ -468,6 +468,12 @@ def test_deepseek2_k_b_and_v_b_join_into_kv_b_proj(tmp_path, llama_sd):
     weights = dict(iter_gguf_weights(str(tmp_path / "d.gguf")))
     assert sorted(weights) == ["model.embed_tokens.weight", "model.layers.0.self_attn.kv_b_proj.weight"]
     assert torch.equal(weights["model.layers.0.self_attn.kv_b_proj.weight"], torch.from_numpy(kv_b))
+
+    # Files from before the split carry attn_kv_b itself.
+    tensors = {"blk.0.attn_kv_b.weight": (kv_b, None)}
+    write_gguf(tmp_path / "old.gguf", tensors, arch="deepseek2", head_dim=16, kv_heads=1, extra=_deepseek2())
+    (name, weight), = iter_gguf_weights(str(tmp_path / "old.gguf"))
+    assert name == "model.layers.0.self_attn.kv_b_proj.weight" and torch.equal(weight, torch.from_numpy(kv_b))
 
 
 def test_bundled_model_config():

@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 _PERMUTED_ARCHS = ("llama", "smollm3", "granite", "mistral3")
 # llama.cpp's converter stores these architectures' `1 + w` RMSNorm weights with the 1 added
 # (Qwen3.5's gated norm inside the delta-rule layers is a plain `w` norm, stored as it is).
-_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3", "qwen35")
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3", "qwen35", "qwen35moe")
 _PLAIN_NORMS = (".linear_attn.norm.weight",)
+# Qwen3.5's delta-rule layers, whose value heads the converter reorders (dense and MoE).
+_QWEN35_ARCHS = ("qwen35", "qwen35moe")
 
 # `{arch}.<key>` metadata -> Hugging Face config field, for every architecture.
 _CONFIG_KEYS = {
@@ -83,18 +85,20 @@ def _lfm2_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields
 
 
 def _qwen35_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
-    """Qwen3.5: the delta-rule layers are the recurrent ones; their sizes come as llama.cpp's
-    state-space keys (state size = key head size, group count = key heads, time-step rank =
-    value heads, inner size = all value heads)."""
+    """Qwen3.5 (and Qwen3.5-MoE): the delta-rule layers are the recurrent ones; their sizes come as
+    llama.cpp's state-space keys (state size = key head size, group count = key heads, time-step
+    rank = value heads, inner size = all value heads)."""
     recurrent = value("attention.recurrent_layers")
     if recurrent is None:
-        raise ValueError(f"{path}: required metadata key qwen35.attention.recurrent_layers is missing")
+        raise ValueError(f"{path}: required metadata key attention.recurrent_layers is missing")
     fields["layer_types"] = ["linear_attention" if r else "full_attention"
                              for r in recurrent[:fields["num_hidden_layers"]]]
     value_heads = value("ssm.time_step_rank")
     fields.update(linear_conv_kernel_dim=value("ssm.conv_kernel"), linear_key_head_dim=value("ssm.state_size"),
                   linear_num_key_heads=value("ssm.group_count"), linear_num_value_heads=value_heads,
                   linear_value_head_dim=value("ssm.inner_size") // value_heads)
+    if value("expert_shared_feed_forward_length") is not None:  # Qwen3.5-MoE's gated shared expert
+        fields["shared_expert_intermediate_size"] = value("expert_shared_feed_forward_length")
 
 
 def _granitehybrid_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any],
@@ -124,6 +128,51 @@ def _gpt_oss_fields(value: Callable[[str], Any], per_layer: dict[str, list], fie
     fields["num_local_experts"] = fields.pop("num_experts")
 
 
+def _llama4_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
+    """Llama 4: the file's feed-forward length is the dense MLP's and the experts' length is
+    transformers' intermediate_size (the shared expert's too). What llama.cpp fixes in code: chunks
+    of 8192 on three layers of four, the fourth without rope, its queries scaled by position (floor
+    8192, scale 0.1), and q/k norms except with 128 experts (Maverick)."""
+    if value("attention.sliding_window") == 0:  # llama.cpp's switch for a model without chunked layers
+        raise ValueError(f"{path}: llama4.attention.sliding_window is 0 (MobileLLM's layout: no chunked layers), "
+                         "which is not supported; Llama 4 Scout and Maverick files have no such key")
+    fields["intermediate_size_mlp"] = fields.pop("intermediate_size")
+    fields["intermediate_size"] = fields.pop("moe_intermediate_size")
+    fields["num_local_experts"] = fields.pop("num_experts")
+    fields["interleave_moe_layer_step"] = value("interleave_moe_layer_step")
+    fields.pop("sliding_window", None)
+    fields.update(use_qk_norm=fields["num_local_experts"] != 128, no_rope_layer_interval=4,
+                  attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1)
+
+
+def _deepseek2_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any],
+                      path: str) -> None:
+    """DeepSeek-V3: llama.cpp writes latent attention as one key/value head whose key is the latent
+    row plus the rotary key (key_length) and gives the heads' own sizes as key_length_mla and
+    value_length_mla (older files: key_length and value_length themselves); the routed experts'
+    gate comes as expert_gating_func, which llama.cpp takes as softmax when it is missing."""
+    gating = value("expert_gating_func")
+    if gating != int(gguf.ExpertGatingFuncType.SIGMOID):
+        names = {int(t): t.name.lower() for t in gguf.ExpertGatingFuncType}
+        shown = "missing (llama.cpp then takes softmax)" if gating is None else f"{gating} ({names.get(gating)})"
+        raise ValueError(f"{path}: deepseek2.expert_gating_func is {shown}, DeepSeek-V2's router; only "
+                         "DeepSeek-V3's sigmoid router (2) is supported")
+    if value("attention.temperature_scale"):
+        raise ValueError(f"{path}: deepseek2.attention.temperature_scale (Mistral Large 3's query scaling) "
+                         "is not supported")
+    rope = value("rope.dimension_count")
+    key = value("attention.key_length_mla") or value("attention.key_length")
+    fields.update(kv_lora_rank=value("attention.kv_lora_rank"), q_lora_rank=value("attention.q_lora_rank"),
+                  qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, head_dim=rope,
+                  v_head_dim=value("attention.value_length_mla") or value("attention.value_length"),
+                  num_key_value_heads=fields["num_attention_heads"], rope_interleave=True,
+                  first_k_dense_replace=value("leading_dense_block_count") or 0,
+                  n_routed_experts=fields.pop("num_experts"), n_shared_experts=value("expert_shared_count") or 0,
+                  n_group=value("expert_group_count") or 1, topk_group=value("expert_group_used_count") or 1,
+                  routed_scaling_factor=value("expert_weights_scale") or 1.0,
+                  norm_topk_prob=bool(value("expert_weights_norm")))
+
+
 # Family fields that llama.cpp writes in its own shape (per-layer lists, its own keys):
 # fn(value of `{arch}.<key>`, the per-layer lists (fn takes those it reads), fields so far, path).
 _ARCH_FIELDS: dict[str, Callable[[Callable[[str], Any], dict[str, list], dict[str, Any], str], None]] = {
@@ -131,6 +180,9 @@ _ARCH_FIELDS: dict[str, Callable[[Callable[[str], Any], dict[str, list], dict[st
     "qwen35": _qwen35_fields,
     "granitehybrid": _granitehybrid_fields,
     "gpt-oss": _gpt_oss_fields,
+    "qwen35moe": _qwen35_fields,
+    "llama4": _llama4_fields,
+    "deepseek2": _deepseek2_fields,
 }
 
 # Tensors whose GGUF names the name table cannot map back (the converter renamed them first):
@@ -144,7 +196,13 @@ _LAYER_TENSORS = {
                       # the checkpoint's name (transformers' module is `router`)
                       "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight"},
     "gpt-oss": {"attn_sinks.weight": "self_attn.sinks"},
+    "qwen35moe": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+    # kv_b_proj split per head into k_b (transposed) and v_b: joined again by _deepseek2_kv_b.
+    "deepseek2": {"attn_k_b.weight": "self_attn.k_b_proj.weight", "attn_v_b.weight": "self_attn.v_b_proj.weight",
+                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
 }
+# Latent attention: key and value sizes differ, and the family's fields read the shared experts.
+_LATENT_ARCHS = ("deepseek2",)
 # The module holding an architecture's experts, where not `mlp`.
 _EXPERTS_MODULE = {"granitehybrid": "block_sparse_moe"}
 
@@ -231,11 +289,11 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     heads = fields["num_attention_heads"]
     head_dim = int(fields.get("head_dim") or fields["hidden_size"] // heads)
     fields["head_dim"] = head_dim
-    if _value(reader, f"{arch}.attention.value_length") not in (None, head_dim):
+    if arch not in _LATENT_ARCHS and _value(reader, f"{arch}.attention.value_length") not in (None, head_dim):
         raise ValueError(f"{path}: key and value head sizes differ "
                          f"({head_dim} vs {_value(reader, f'{arch}.attention.value_length')}), "
                          "which no supported family does")
-    if _value(reader, f"{arch}.expert_shared_count"):
+    if arch not in _LATENT_ARCHS and _value(reader, f"{arch}.expert_shared_count"):
         raise ValueError(f"{path}: shared experts ({arch}.expert_shared_count) are not supported")
     rotary = _value(reader, f"{arch}.rope.dimension_count")
     if rotary is not None and rotary != head_dim:
@@ -292,7 +350,8 @@ def iter_gguf_weights(path: str, reader: GGUFFile | None = None, cfg: ModelArchC
         if widened:
             logger.warning("pagellm: %s: %s weights have no quantized kernel here and are dequantized to the "
                            "model's dtype at load", os.path.basename(path), ", ".join(widened))
-    return _weights(reader, names, shapes, arch, cfg, path, keep_blocks)
+    weights = _weights(reader, names, shapes, arch, cfg, path, keep_blocks)
+    return _deepseek2_kv_b(weights, path) if arch == "deepseek2" else weights
 
 
 def has_native_blocks(reader: GGUFFile) -> bool:
@@ -326,9 +385,32 @@ def _weights(reader: GGUFFile, names: dict[str, str], shapes: dict[str, torch.Si
             weight -= 1.0
         if name.endswith(".A_log"):  # stored as A = -exp(A_log)
             weight = torch.log(-weight)
-        if arch == "qwen35" and ".linear_attn." in name:
+        if arch in _QWEN35_ARCHS and ".linear_attn." in name:
             weight = _qwen35_grouped_value_heads(weight, name, cfg.hf_config)
         yield name, weight
+
+
+def _deepseek2_kv_b(weights: Iterator[tuple[str, torch.Tensor | GGUFBlocks]],
+                    path: str) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Latent attention's kv_b_proj ([heads x (nope + v), kv_lora] in the checkpoint) from the two
+    parts the converter splits it into for llama.cpp's absorbed attention: k_b [heads, kv_lora, nope]
+    (each head's block transposed) and v_b [heads, v, kv_lora]. (3-D, so never kept in blocks.)"""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, weight in weights:
+        if not name.endswith((".k_b_proj.weight", ".v_b_proj.weight")):
+            yield name, weight
+            continue
+        prefix, kind, _ = name.rsplit(".", 2)
+        layer = parts.setdefault(prefix, {})
+        layer[kind] = weight
+        if len(layer) == 2:
+            k_b, v_b = layer["k_b_proj"], layer["v_b_proj"]
+            kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+            yield f"{prefix}.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1]).contiguous()
+            del parts[prefix]
+    if parts:
+        raise ValueError(f"{path}: latent attention's attn_k_b and attn_v_b come in pairs; "
+                         f"unpaired in {', '.join(sorted(parts))}")
 
 
 def _hf_names(reader: GGUFFile, arch: str, cfg: ModelArchConfig,
@@ -453,6 +535,10 @@ def _rope_scaling(reader: GGUFFile, arch: str, head_dim: int, theta: float, path
             raw.pop("yarn_attn_factor", None)
             if "yarn_log_multiplier" in raw:
                 scaling["mscale"] = 1.0
+            if "yarn_log_multiplier" in raw and arch == "deepseek2":
+                # Written as 0.1 x mscale_all_dim, and llama.cpp takes mscale equal to it (DeepSeek-V2-Lite's).
+                raw["yarn_log_multiplier"] = float(np.float32(raw["yarn_log_multiplier"]) / np.float32(0.1))
+                scaling["mscale"] = raw["yarn_log_multiplier"]
         scaling.update({_ROPE_SCALING_KEYS.get(k, k): v for k, v in raw.items()})
         return scaling
     linear = _value(reader, f"{arch}.rope.scale_linear")  # older files' spelling of linear scaling
@@ -529,7 +615,7 @@ def _to_torch(tensor: Any, path: str) -> torch.Tensor:
 def _columns_reordered(arch: str, name: str, hf: dict) -> bool:
     """Whether the loader reorders a matrix's columns (which cuts through quantized blocks, so the
     matrix is dequantized first): Qwen3.5's delta-rule out_proj, when its value heads were tiled."""
-    return (arch == "qwen35" and name.endswith(".linear_attn.out_proj.weight")
+    return (arch in _QWEN35_ARCHS and name.endswith(".linear_attn.out_proj.weight")
             and hf["linear_num_key_heads"] != hf["linear_num_value_heads"])
 
 

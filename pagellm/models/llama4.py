@@ -20,8 +20,9 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.layers.linear import ReplicatedLinear
-from pagellm.layers.moe import FusedMoE
+from pagellm.layers.moe import FusedMoE, route_expert_weight
 from pagellm.layers.norm import QKNorm, RMSNorm
+from pagellm.layers.quant.gguf import GGUFBlocks
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.rotary import QueryScale, RotaryEmbedding, llama4_attention_temperature
 from pagellm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -100,16 +101,19 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         if sep and tail in _EXPERT_TENSORS:
             param, kind = _EXPERT_TENSORS[tail]
             return f"{head}.experts.{param}", ("all", kind)
-        return super().route(name, params)
+        return route_expert_weight(name) or super().route(name, params)  # a GGUF file's stacked experts
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((name, self._pairs_to_halves(name, tensor)) for name, tensor in weights)
 
-    def _pairs_to_halves(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _pairs_to_halves(self, name: str, tensor: torch.Tensor | GGUFBlocks) -> torch.Tensor | GGUFBlocks:
         """q_proj and k_proj rows (weight or bias) of each head reordered from the checkpoint's
-        rotated pairs (0, 1), (2, 3), ... to rotate-half order: even features, then odd."""
+        rotated pairs (0, 1), (2, 3), ... to rotate-half order: even features, then odd (a GGUF
+        file's quantized rows as whole runs of blocks)."""
         if ".self_attn.q_proj." not in name and ".self_attn.k_proj." not in name:
             return tensor
+        if isinstance(tensor, GGUFBlocks):
+            return tensor.with_rows(self._pairs_to_halves(name, tensor.data))
         d = self.cfg.head_dim
         heads = tensor.view(-1, d // 2, 2, *tensor.shape[1:])
         return heads.transpose(1, 2).reshape(tensor.shape)

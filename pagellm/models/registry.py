@@ -41,7 +41,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "ministral3", "Ministral3ForCausalLM", ("Ministral3ForCausalLM",), ("mistral3",),
            ("ministral3",)),
     Family("qwen3_5", "qwen3_5", "Qwen3_5ForCausalLM", ("Qwen3_5ForCausalLM",), ("qwen35",), ("qwen3_5_text",)),
-    Family("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", ("Qwen3_5MoeForCausalLM",), (),
+    Family("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", ("Qwen3_5MoeForCausalLM",), ("qwen35moe",),
            ("qwen3_5_moe_text",), moe=True),
     Family("granite_moe_hybrid", "granite_moe_hybrid", "GraniteMoeHybridForCausalLM",
            ("GraniteMoeHybridForCausalLM",), ("granitehybrid",), ("granitemoehybrid",), moe=True),
@@ -50,9 +50,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3moe",),
            ("qwen3_moe",), moe=True),
     Family("gpt_oss", "gpt_oss", "GptOssForCausalLM", ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",), moe=True),
-    Family("llama4", "llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM",), (), ("llama4_text",), moe=True),
-    Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), (), ("deepseek_v3",),
-           moe=True),
+    Family("llama4", "llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM",), ("llama4",), ("llama4_text",), moe=True),
+    Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), ("deepseek2",),
+           ("deepseek_v3",), moe=True),
 )
 
 

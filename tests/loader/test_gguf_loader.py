@@ -376,6 +376,106 @@ def test_gpt_oss_fixed_clamp_and_window_pattern(tmp_path, llama_sd):
     assert hf["layer_types"] == ["sliding_attention", "full_attention"]
 
 
+def test_llama4_sizes_and_what_llama_cpp_fixes(tmp_path, llama_sd):
+    """Llama 4 files: feed_forward_length is the dense MLP's, the experts' length transformers'
+    intermediate_size; chunks, rope-less layers, query scale and q/k norms are llama.cpp's fixed
+    ones. A file whose window is 0 (MobileLLM's switch in llama.cpp) is refused."""
+    def extra(window: int | None):
+        def add(w: gguf.GGUFWriter) -> None:
+            w.add_expert_count(16)
+            w.add_expert_used_count(1)
+            w.add_expert_feed_forward_length(64)
+            w.add_interleave_moe_layer_step(2)
+            if window is not None:
+                w.add_sliding_window(window)
+        return add
+
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "l4.gguf", tensors, arch="llama4", extra=extra(None))
+    cfg = read_gguf_config(str(tmp_path / "l4.gguf"))
+    hf = cfg.hf_config
+    assert cfg.architecture == "llama4"
+    assert (hf["intermediate_size_mlp"], hf["intermediate_size"], hf["num_local_experts"], hf["moe_layers"]) == (
+        FFN, 64, 16, [1])
+    assert (hf["attention_chunk_size"], hf["floor_scale"], hf["attn_scale"]) == (8192, 8192, 0.1)
+    assert hf["no_rope_layers"] == [1, 1] and hf["attn_temperature_tuning"] and hf["use_qk_norm"]
+
+    write_gguf(tmp_path / "mobile.gguf", tensors, arch="llama4", extra=extra(0))
+    with pytest.raises(ValueError, match=r"llama4.attention.sliding_window is 0 \(MobileLLM"):
+        read_gguf_config(str(tmp_path / "mobile.gguf"))
+
+
+def _deepseek2(gating: int | None = 2):
+    def add(w: gguf.GGUFWriter) -> None:
+        _yarn(w)
+        w.add_rope_scaling_yarn_log_mul(0.1 * 0.707)  # the converter's 0.1 x mscale_all_dim
+        w.add_key_length(32 + 16)  # the latent row and the rotary key
+        w.add_value_length(32)
+        w.add_key_length_mla(48 + 16)
+        w.add_value_length_mla(40)
+        w.add_q_lora_rank(24)
+        w.add_kv_lora_rank(32)
+        w.add_leading_dense_block_count(1)
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(64)
+        w.add_expert_shared_count(1)
+        w.add_expert_group_count(2)
+        w.add_expert_group_used_count(1)
+        w.add_expert_weights_scale(2.5)
+        w.add_expert_weights_norm(True)
+        if gating is not None:
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType(gating))
+    return add
+
+
+def test_deepseek2_latent_attention_and_router(tmp_path, llama_sd):
+    """DeepSeek-V3 files ("deepseek2"): the heads' sizes from key_length_mla/value_length_mla, the
+    router's groups, scale and norm, and YaRN's log multiplier (written as 0.1 x mscale_all_dim, mscale
+    taken equal to it); a file whose router is softmax (DeepSeek-V2, or no gating key) is refused."""
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None)}
+    write_gguf(tmp_path / "d.gguf", tensors, arch="deepseek2", head_dim=16, kv_heads=1, extra=_deepseek2())
+    cfg = read_gguf_config(str(tmp_path / "d.gguf"))
+    hf = cfg.hf_config
+    assert cfg.architecture == "deepseek_v3"
+    assert {k: hf[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                               "num_key_value_heads", "first_k_dense_replace", "n_routed_experts", "n_shared_experts",
+                               "moe_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
+                               "norm_topk_prob")} == {
+        "q_lora_rank": 24, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 48, "v_head_dim": 40,
+        "num_key_value_heads": HEADS, "first_k_dense_replace": 1, "n_routed_experts": 4, "n_shared_experts": 1,
+        "moe_intermediate_size": 64, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True}
+    rope = hf["rope_parameters"]
+    assert rope["mscale"] == rope["mscale_all_dim"] == pytest.approx(0.707, abs=1e-6)
+
+    for gating, shown in ((1, r"1 \(softmax\)"), (None, r"missing \(llama.cpp then takes softmax\)")):
+        write_gguf(tmp_path / "v2.gguf", tensors, arch="deepseek2", head_dim=16, kv_heads=1, extra=_deepseek2(gating))
+        with pytest.raises(ValueError, match=rf"deepseek2.expert_gating_func is {shown}, DeepSeek-V2's router"):
+            read_gguf_config(str(tmp_path / "v2.gguf"))
+
+
+def test_deepseek2_k_b_and_v_b_join_into_kv_b_proj(tmp_path, llama_sd):
+    """The converter splits kv_b_proj per head into k_b (each head's block transposed) and v_b;
+    the loader gives back the checkpoint's kv_b_proj (which older files hold as it is)."""
+    heads, nope, v, rank = HEADS, 48, 40, 32
+    kv_b = np.random.default_rng(0).standard_normal((heads * (nope + v), rank)).astype(np.float32)
+    k_b, v_b = np.split(kv_b.reshape(heads, nope + v, rank), [nope], axis=1)  # as convert_hf_to_gguf.py does
+    tensors = {"token_embd.weight": (llama_sd["model.embed_tokens.weight"], None),
+               "blk.0.attn_k_b.weight": (np.ascontiguousarray(k_b.transpose(0, 2, 1)), None),
+               "blk.0.attn_v_b.weight": (np.ascontiguousarray(v_b), None)}
+    write_gguf(tmp_path / "d.gguf", tensors, arch="deepseek2", head_dim=16, kv_heads=1, extra=_deepseek2())
+    weights = dict(iter_gguf_weights(str(tmp_path / "d.gguf")))
+    assert sorted(weights) == ["model.embed_tokens.weight", "model.layers.0.self_attn.kv_b_proj.weight"]
+    assert torch.equal(weights["model.layers.0.self_attn.kv_b_proj.weight"], torch.from_numpy(kv_b))
+
+    # Files from before the split carry attn_kv_b itself.
+    tensors = {"blk.0.attn_kv_b.weight": (kv_b, None)}
+    write_gguf(tmp_path / "old.gguf", tensors, arch="deepseek2", head_dim=16, kv_heads=1, extra=_deepseek2())
+    (name, weight), = iter_gguf_weights(str(tmp_path / "old.gguf"))
+    assert name == "model.layers.0.self_attn.kv_b_proj.weight" and torch.equal(weight, torch.from_numpy(kv_b))
+
+
 def test_bundled_model_config():
     cfg = read_gguf_config(default_model_path())
     assert cfg.architecture == "llama"

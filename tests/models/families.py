@@ -157,12 +157,13 @@ def build(family: str, path: Path, seed: int = 0, **changes) -> Path:
     return _save(model, path)
 
 
-def build_multimodal(name: str, path: Path, seed: int = 0) -> Path:
-    """Image-text checkpoint `name` of MULTIMODAL, its text model the family's test model, saved in `path`."""
+def build_multimodal(name: str, path: Path, seed: int = 0, **changes) -> Path:
+    """Image-text checkpoint `name` of MULTIMODAL, its text model the family's test model, saved in
+    `path`; `changes`: text config fields to set besides."""
     config_cls, model_cls, family, vision, outer = MULTIMODAL[name]
     text_cls, _, overrides = FAMILIES[family]
     torch.manual_seed(seed)
-    text = getattr(transformers, text_cls)(**{**COMMON, **overrides})
+    text = getattr(transformers, text_cls)(**{**COMMON, **overrides, **changes})
     cfg = getattr(transformers, config_cls)(text_config=text.to_dict(), vision_config=vision,
                                             **{"initializer_range": INIT_STD, **outer})
     model = getattr(transformers, model_cls)(cfg).eval()

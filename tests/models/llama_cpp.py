@@ -60,8 +60,14 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
 # Runs the converter once per (model, output, outtype) line of stdin in one interpreter, as its
 # own command line would (`runpy` re-executes the script each time; torch, transformers and gguf
 # are imported once). Prints one JSON line per conversion: its error, or null.
+# transformers 5 reads a Qwen3.5-MoE directory's tokenizer as its Qwen3.5 class, whatever
+# tokenizer_config.json names (a Qwen3.5 directory's is read as named): Qwen's pre-tokenizer over
+# the test models' SmolLM2 vocabulary, whose hash the converter does not know. Read as named
+# there too; the tokenizer is all this changes, and the converter writes SmolLM2's as for Qwen3.5.
 _MANY = """
 import contextlib, io, json, os, runpy, sys, traceback
+import transformers.models.auto.tokenization_auto as auto
+auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.discard("qwen3_5_moe_text")
 script = sys.argv[1]
 sys.path.insert(0, os.path.dirname(script))  # as for `python script`: its conversion/ package
 for line in sys.stdin:
@@ -94,9 +100,10 @@ def convert_many(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> dict[Pa
 
 def requantize(src: Path, out: Path, type_of) -> Path:
     """Rewrite a GGUF file with each matrix (or stack of them: experts) re-quantized by gguf-py's own quantizer:
-    `type_of(tensor name)` gives its GGMLQuantizationType (or None to keep it); metadata is copied."""
+    `type_of(tensor name)` gives its GGMLQuantizationType (or None to keep it; a matrix whose rows are not
+    whole blocks of the type is kept too); metadata is copied."""
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
 
     reader = GGUFReader(src)
@@ -110,7 +117,7 @@ def requantize(src: Path, out: Path, type_of) -> Path:
     for t in reader.tensors:
         qtype = type_of(t.name) if len(t.shape) >= 2 else None
         shape = [int(d) for d in reversed(t.shape.tolist())]  # rows, then values per row
-        if qtype is None:
+        if qtype is None or shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)

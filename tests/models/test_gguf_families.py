@@ -27,8 +27,8 @@ from pagellm import LLM, SamplingParams
 from pagellm.loader.bundled import default_model_path
 from pagellm.models.registry import FAMILIES as REGISTRY
 from tests.conftest import assert_matches, hf_greedy_logprobs, tokens_and_logprobs
-from tests.models.families import REFERENCE_DTYPE, build
-from tests.models.llama_cpp import convert_many, requantize
+from tests.models.families import REFERENCE_DTYPE, build, build_multimodal
+from tests.models.llama_cpp import convert, convert_many, requantize
 
 pytestmark = pytest.mark.slow
 
@@ -63,13 +63,22 @@ GGUF_CHANGES = {
     "gpt_oss": dict(swiglu_limit=7.0,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 64}),
+    # llama.cpp fixes Llama 4's rope-less layer at every fourth, its chunks at 8192 and its query
+    # scale's floor and scale at 8192 and 0.1 (real Llama 4's): four layers, so both kinds are present.
+    "llama4": dict(no_rope_layer_interval=4, num_hidden_layers=4, attention_chunk_size=8192, floor_scale=8192,
+                   attn_scale=0.1),
+    # llama.cpp takes DeepSeek's YaRN mscale equal to mscale_all_dim (as in DeepSeek-V2-Lite's 0.707;
+    # V3's are both 1); the sigmoid router is written from scoring_func (see hf_model).
+    "deepseek_v3": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "mscale": 0.707, "mscale_all_dim": 0.707}),
 }
 N_NEW = 12
 # A file's quantized matrices served in their blocks against the same file dequantized: float32
 # products in another summation order (as in test_gguf_quantized.py).
 QUANTIZED_LOGPROB_ATOL = 2e-3
 # Families whose converter needs a multi-token-prediction layer (see add_mtp_layer).
-MTP = ("qwen3_5",)
+MTP = ("qwen3_5", "qwen3_5_moe")
 SENTENCEPIECE = ("gemma2", "phi3")
 # Phi-3's LongRoPE: short factors within the original context (64), as the HF reference has
 # them for these sequences (see test_families.ENGINE_ARGS).
@@ -116,6 +125,8 @@ def hf_model(family: str, tmp_path, smollm2_tokenizer, sentencepiece_model) -> t
         add_mtp_layer(model_dir)
     if family == "granite_moe_hybrid":
         granite_layer_types_as_published(model_dir)
+    if family == "deepseek_v3":
+        deepseek_scoring_func_as_published(model_dir)
     return model_dir, vocab
 
 
@@ -126,6 +137,14 @@ def granite_layer_types_as_published(model_dir) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     config["layer_types"] = ["attention" if t == "full_attention" else "mamba" for t in config["layer_types"]]
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def deepseek_scoring_func_as_published(model_dir) -> None:
+    """DeepSeek-V3's config.json as DeepSeek publishes it, with scoring_func "sigmoid" (transformers 5
+    fixes the sigmoid in code and does not save it): the converter writes the router's gate from it,
+    and without it llama.cpp takes DeepSeek-V2's softmax."""
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid"}, indent=2))
 
 
 def add_mtp_layer(model_dir) -> None:
@@ -161,8 +180,10 @@ def test_converted_gguf_matches_transformers(family, conversions):
     if isinstance(gguf_path, str):
         raise AssertionError(f"convert_hf_to_gguf.py failed on {family}:\n{gguf_path}")
 
+    # Experts multiplied one by one ("eager"): transformers' grouped products take no float64.
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=REFERENCE_DTYPE.get(family, torch.float32),
-                                                           attn_implementation="eager").eval()
+                                                           attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
     rng = random.Random(1)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17, 30)]
     expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
@@ -210,6 +231,49 @@ def test_qwen35_quantized_delta_rule_layers(conversions, tmp_path):
     in_proj = llm.engine.runner.model.layers[1].linear_attn.in_proj
     assert int(T.Q8_0) in in_proj.segment_types  # served in its blocks
     rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (6, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
+    expected = tokens_and_logprobs(LLM(str(q8), num_kv_blocks=64, block_size=8, quantization="none")
+                                   .generate(prompts, params, use_tqdm=False))
+    got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, lps), (_, want) in zip(got, expected):
+        assert lps == pytest.approx(want, abs=QUANTIZED_LOGPROB_ATOL)
+
+
+def test_llama4_image_text_checkpoint_converts_to_its_text_model(smollm2_tokenizer, tmp_path):
+    """Llama 4's published checkpoints are Llama4ForConditionalGeneration: the converter writes their
+    text model as a `llama4` file (the vision tower goes to a separate mmproj file only with --mmproj),
+    which serves what the image-text model gives on text."""
+    model_dir = build_multimodal("llama4_vl", tmp_path / "llama4_vl", vocab_size=VOCAB, **GGUF_CHANGES["llama4"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_tokenizer / name, model_dir / name)
+    gguf_path = convert(model_dir, tmp_path / "llama4_vl.gguf")
+    hf = transformers.Llama4ForConditionalGeneration.from_pretrained(model_dir, attn_implementation="eager").eval()
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 19)]
+    expected = [hf_greedy_logprobs(hf, p, N_NEW) for p in prompts]
+    llm = LLM(str(gguf_path), num_kv_blocks=64, block_size=8)
+    assert llm.engine.arch.architecture == "llama4"
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_matches(tokens_and_logprobs(outs), expected)
+
+
+@pytest.mark.parametrize("family", ["llama4", "deepseek_v3"])
+def test_q8_0_matrices_match_the_dequantized_file(family, conversions, tmp_path):
+    """The file with its matrices Q8_0 (those whose rows are whole blocks; the experts, 3-D, are
+    dequantized at load), as real files ship them: matrices served in their blocks (Llama 4's q/k
+    rows reordered as runs of blocks, latent attention's projections) give what the same file
+    dequantized gives, summation order aside. Activations stay float32, so the blocks are all that
+    differs."""
+    _, gguf_path, vocab = conversions[family]
+    if isinstance(gguf_path, str):
+        raise AssertionError(f"convert_hf_to_gguf.py failed on {family}:\n{gguf_path}")
+    q8 = requantize(gguf_path, tmp_path / "q8.gguf", lambda name: None if name == "token_embd.weight" else T.Q8_0)
+    llm = LLM(str(q8), num_kv_blocks=64, block_size=8, activation_quantization="none")
+    assert any(int(T.Q8_0) in getattr(m, "segment_types", ()) for m in llm.engine.runner.model.modules())
+    rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (6, 19)]
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
     expected = tokens_and_logprobs(LLM(str(q8), num_kv_blocks=64, block_size=8, quantization="none")

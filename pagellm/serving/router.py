@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from pagellm.config import ROUTER_POLICIES
-from pagellm.core.kv.paged import hash_block
+from pagellm.core.kv.block_hash import hash_block
 from pagellm.engine.async_engine import EngineDeadError
 
 

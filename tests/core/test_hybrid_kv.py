@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from pagellm.core.kv.groups import STATE, plan_kv_groups
-from pagellm.core.kv.hybrid import NULL_BLOCK, HybridKVManager
+from pagellm.core.kv.coordinator import NULL_BLOCK, KVCoordinator
 from pagellm.core.kv.interface import cdiv
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ class Shadow(SharingShadow):
     """The paged test's shadow of the blocks (it writes through every group's table), which also
     remembers where each sequence's last allocation started."""
 
-    def __init__(self, kv: HybridKVManager) -> None:
+    def __init__(self, kv: KVCoordinator) -> None:
         super().__init__(kv)
         self.last_start: dict[str, int] = {}
 
@@ -48,7 +48,7 @@ class Shadow(SharingShadow):
         self.last_start[req.request_id] = req.num_computed_tokens
 
 
-def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> None:
+def _check(kv: KVCoordinator, reqs: dict[str, Request], shadow: Shadow) -> None:
     kv.check_integrity()
     bs = kv.block_size
     copying = {dst for _, dst in kv.pending_copies}
@@ -58,8 +58,8 @@ def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> Non
             # token up to the block's end.
             assert b in copying or shadow.slots.get((b, 0)) == shadow.hash_prefix[key[:16]], (key, b)
             continue
-        # The group's key is the block hash and a group byte.
-        assert [shadow.slots.get((b, o)) for o in range(bs)] == shadow.hash_tokens[key[:-1]]
+        # The group's key is the block hash (and a group byte, but for group 0).
+        assert [shadow.slots.get((b, o)) for o in range(bs)] == shadow.hash_tokens[key[:16]]
     for rid, req in reqs.items():
         tokens, nxt = req.all_token_ids, req.num_computed_tokens
         for g, (w, table) in enumerate(zip(kv.windows, kv.group_tables(rid))):
@@ -94,7 +94,7 @@ op = st.one_of(
        state_blocks=st.integers(1, 3), ops=st.lists(op, max_size=80),
        prefixes=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=MAX_STEP), min_size=4, max_size=4))
 def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, state_blocks, ops, prefixes):
-    kv = HybridKVManager(num_blocks, block_size, windows, max_chunk_tokens=MAX_STEP,
+    kv = KVCoordinator(num_blocks, block_size, windows, max_chunk_tokens=MAX_STEP,
                          state_blocks=state_blocks if STATE in windows else 0)
     shadow = Shadow(kv)
     reqs: dict[str, Request] = {}
@@ -156,7 +156,7 @@ def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, st
 def test_a_long_sliding_sequence_holds_its_window_only():
     """2,000 tokens decoded one at a time through a window of 64: the sliding group holds
     ceil(64 / 16) + 1 blocks at most, the full group all of them."""
-    kv = HybridKVManager(200, 16, [None, 64], max_chunk_tokens=16)
+    kv = KVCoordinator(200, 16, [None, 64], max_chunk_tokens=16)
     req = Request("a", list(range(16)), SamplingParams())
     assert kv.allocate_slots(req, 16)
     req.num_computed_tokens = 16
@@ -176,7 +176,7 @@ def test_a_long_sliding_sequence_holds_its_window_only():
 def test_prefix_hits_agree_across_groups():
     """A prefix is a hit only as far as every group can serve it: a sliding group needs just the
     blocks inside the window of the prefix's end; a full group needs all of them."""
-    kv = HybridKVManager(64, 4, [None, 8], max_chunk_tokens=64)
+    kv = KVCoordinator(64, 4, [None, 8], max_chunk_tokens=64)
     a = Request("a", list(range(40)), SamplingParams())
     assert kv.allocate_slots(a, 40)
     a.num_computed_tokens = 40
@@ -219,7 +219,7 @@ def test_a_fork_copies_the_state_before_either_sequence_writes_it():
     """n > 1 and beams fork a sequence mid-generation: both then hold the same state blocks, and
     the first step of each must write into its own copy, or the other reads a state that has
     seen a token it never had."""
-    kv = HybridKVManager(20, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
+    kv = KVCoordinator(20, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
     shadow = Shadow(kv)
     parent = Request("a", [1, 2, 3], SamplingParams())
     assert kv.allocate_slots(parent, 3)
@@ -243,7 +243,7 @@ def test_a_prefix_resumes_from_the_state_checkpoint_at_its_end():
     state there; a later prompt sharing the prefix restores the latest checkpoint it covers (a copy
     into its own state blocks) and computes from there; checkpoints outlive their request only as
     evictable cached blocks."""
-    kv = HybridKVManager(40, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
+    kv = KVCoordinator(40, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
     shadow = Shadow(kv)
     first = Request("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams())
     steps = []
@@ -277,7 +277,7 @@ def test_a_prompt_sharing_only_part_of_a_prefix_leaves_a_checkpoint_where_the_sh
     """A shared system prompt ends inside another prompt: the first prompt's checkpoint is at its own
     last boundary, past the shared part; the second finds the shared blocks but no checkpoint, so its
     prefill stops where they end; the third resumes there."""
-    kv = HybridKVManager(60, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=1)
+    kv = KVCoordinator(60, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=1)
     shadow = Shadow(kv)
     system = [5, 6, 7, 8, 9, 10]
     for i, (rid, user) in enumerate((("a", [20, 21, 22]), ("b", [30, 31, 32]), ("c", [40, 41, 42]))):

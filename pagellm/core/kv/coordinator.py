@@ -515,14 +515,21 @@ class KVCoordinator(KVManager):
             tables = [[] for _ in self.windows]
         elif self._sliding_groups:
             self._release_slid_out(tables, start)
-        first, last = start // bs, min(cdiv(end, bs), len(tables[0]))
-        # Blocks this step writes: its positions' in attention groups, all of a state group's.
-        shared = [(g, i) for g in self._attention_groups for i in range(first, last)
-                  if ref[tables[g][i]] + (tables[g][i] in extra) > 1]
-        for g in self._state_groups:
-            shared += [(g, i) for i, b in enumerate(tables[g]) if ref[b] + (b in extra) > 1]
-        grow = max(0, cdiv(end, bs) - len(tables[0]))
-        new_state = [g for g in self._state_groups if not tables[g]]
+        end_block = cdiv(end, bs)
+        first, last = start // bs, min(end_block, len(tables[0]))
+        # Blocks this step writes that others share: its positions' in attention groups, all of a
+        # state group's. (A cached prefix's blocks count one more reference: they are about to be taken.)
+        if extra:
+            shared = [(g, i) for g in self._attention_groups for i in range(first, last)
+                      if ref[tables[g][i]] + (tables[g][i] in extra) > 1]
+        else:
+            shared = [(g, i) for g in self._attention_groups for i in range(first, last) if ref[tables[g][i]] > 1]
+        new_state: list[int] = []
+        if self._state_groups:
+            for g in self._state_groups:
+                shared += [(g, i) for i, b in enumerate(tables[g]) if ref[b] + (b in extra) > 1]
+            new_state = [g for g in self._state_groups if not tables[g]]
+        grow = max(0, end_block - len(tables[0]))
         need = revived + len(shared) + grow * len(self._attention_groups) + len(new_state) * self.state_blocks
         if need > self.pool.num_free_blocks:
             return False

@@ -424,6 +424,9 @@ class KVCoordinator(KVManager):
         blocks = [list(t) for t in blocks] if blocks else [[] for _ in self.windows]
         for g, b in zip(self._attention_groups, got):
             blocks[g].append(b)
+        for g in self._sliding_groups:  # the window of the last token moved on past the partial block's start
+            first = self._first_needed(g, n - 1)
+            blocks[g][:first] = [NULL_BLOCK] * first
         return blocks, n - 1
 
     def swap_out(self, request: Request) -> bool:

@@ -1,6 +1,6 @@
 """The layer-kind rows of `pagellm bench memory`: cache bytes one request holds, and how many
 requests fit a fixed budget, for model shapes with sliding-window or recurrent layers, with the
-hybrid KV manager (core/kv/hybrid.py: what slid out given back, a fixed-size state for recurrent
+KV coordinator (core/kv/coordinator.py: what slid out given back, a fixed-size state for recurrent
 layers) against caching every layer as full attention of the same attention shape (what serving
 the model takes without those kinds: the same model with a plain per-head cache).
 

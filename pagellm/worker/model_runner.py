@@ -130,7 +130,7 @@ class ModelRunner:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
-        blocks the KV manager frees, core/kv/hybrid.py); otherwise every layer is in one group.
+        blocks the KV manager frees, core/kv/coordinator.py); otherwise every layer is in one group.
         `kv_cache_dtype`: how K/V are stored (kv_format.py; auto: as `dtype`).
         `activation_quantization` "int8" / "int8x2": GGUF products round their activations to int8
         codes (layers/quant/gguf.py)."""

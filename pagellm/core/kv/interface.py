@@ -94,7 +94,7 @@ class KVManager(ABC):
 
     def chunk_tokens(self, request: Request, num_tokens: int) -> int:
         """How many of the request's next `num_tokens` to compute this step (a layout may end
-        prefill chunks at block boundaries: core/kv/hybrid.py's state checkpoints)."""
+        prefill chunks at block boundaries: core/kv/coordinator.py's state checkpoints)."""
         return num_tokens
 
     @abstractmethod

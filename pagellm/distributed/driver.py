@@ -283,6 +283,9 @@ class DriverModelRunner(ModelRunner):
         self.workers.call("apply_tier_ops", (moves,), lambda: ModelRunner.apply_tier_ops(self, ops))
 
     def close_kv_tier(self, cached_blocks: list[tuple[int, bytes]]) -> None:
+        if self.workers.error is not None:  # the workers are gone (shutdown after a failure): rank 0's own
+            ModelRunner.close_kv_tier(self, cached_blocks)
+            return
         self.workers.call("close_kv_tier", (cached_blocks,), lambda: ModelRunner.close_kv_tier(self, cached_blocks))
 
     def shutdown(self) -> None:

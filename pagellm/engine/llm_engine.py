@@ -390,13 +390,11 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any, and close the KV tier (writing what it has
         queued); the engine cannot step afterwards. Also done at garbage collection and
         interpreter exit."""
-        if self.kv_tier is not None and self.kv_tier.is_open:
-            try:
+        try:
+            if self.kv_tier is not None and self.kv_tier.is_open:
                 self.runner.close_kv_tier(self.kv.cached_blocks())
-            finally:
-                self.runner.shutdown()
-            return
-        self.runner.shutdown()
+        finally:
+            self.runner.shutdown()
 
     def _check_speculation(self, config: EngineConfig) -> None:
         """Speculative decoding rolls rejected tokens back by shortening block tables: refuse what

@@ -214,9 +214,10 @@ class EngineConfig:
     kv_offload_dir: str | None = option(None, "a directory on local disk for the prefix cache's second tier: "
                                               "blocks evicted from the pool are written there (checksummed) and "
                                               "read back on a later prefix hit instead of recomputed (paged "
-                                              "policy, prefix caching on, one rank, no sliding-window layers)")
-    kv_offload_size: int = option(4 << 30, "bytes of --kv-offload-dir the tier may fill (e.g. 8G); past that it "
-                                           "drops its least recently used blocks", check=lambda v: v > 1,
+                                              "policy, prefix caching on, no recurrent layers; each "
+                                              "tensor-parallel rank keeps its shard in its own file)")
+    kv_offload_size: int = option(4 << 30, "bytes of --kv-offload-dir the tier may fill (e.g. 8G; all ranks "
+                                           "together); past that it drops its least recently used blocks", check=lambda v: v > 1,
                                   limit="a byte count (e.g. 512M, 8G)", parse=bytes_or_fraction)
     kv_offload_persist: bool = option(False, "keep the tier's file at shutdown and reuse it at the next start "
                                              "(a restarted server keeps its warm prefixes)")

@@ -2,7 +2,7 @@
 token states, how many requests it batches, and what request rate it sustains.
 
 A request stream is replayed through the real Scheduler and the real KV managers (the
-paged KVCacheManager at several block sizes, and the contiguous-reservation allocators
+paged KVCoordinator at several block sizes, and the contiguous-reservation allocators
 of pagellm.core.kv.contiguous) under one fixed budget of token slots. The model's forward
 pass is a stub that returns a token at once; time is simulated with a cost model, so a
 run takes seconds and needs no torch.
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pagellm.bench import doc_tables, report
 from pagellm.bench.kv_cache import capacity_rows, print_capacity_rows
 from pagellm.bench.windows import print_window_rows, window_rows
-from pagellm.core.kv import ContiguousKVManager, KVCacheManager, make_kv_manager
+from pagellm.core.kv import ContiguousKVManager, KVCoordinator, make_kv_manager
 from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
@@ -145,7 +145,7 @@ def _reserved(kv, rid: str) -> int:
 def _new_kv(policy: str, num_blocks: int, block_size: int, max_model_len: int):
     kwargs = {}
     # Prefix caching (where the paged manager has it) is off: this measures allocation alone.
-    if policy == "paged" and "enable_prefix_caching" in inspect.signature(KVCacheManager).parameters:
+    if policy == "paged" and "enable_prefix_caching" in inspect.signature(KVCoordinator).parameters:
         kwargs["enable_prefix_caching"] = False
     return make_kv_manager(policy, num_blocks, block_size, max_model_len, **kwargs)
 

@@ -1,6 +1,6 @@
 """The layer-kind rows of `pagellm bench memory`: cache bytes one request holds, and how many
 requests fit a fixed budget, for model shapes with sliding-window or recurrent layers, with the
-hybrid KV manager (core/kv/hybrid.py: what slid out given back, a fixed-size state for recurrent
+KV coordinator (core/kv/coordinator.py: what slid out given back, a fixed-size state for recurrent
 layers) against caching every layer as full attention of the same attention shape (what serving
 the model takes without those kinds: the same model with a plain per-head cache).
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagellm.bench import doc_tables
-from pagellm.core.kv import HybridKVManager, KVCacheManager
+from pagellm.core.kv import KVCoordinator
 from pagellm.core.kv.groups import STATE, plan_kv_groups
 from pagellm.layers.recurrent import blocks_for_state
 from pagellm.core.request import Request
@@ -70,12 +70,9 @@ def _fill(kv, rid: str, tokens: int, chunk: int) -> bool:
 def _manager(shape: WindowShape, hybrid: bool, num_blocks: int, block_size: int, context: int, chunk: int):
     plan = plan_kv_groups(shape.layers if hybrid else [None] * len(shape.layers), context + 1)
     bytes_per_block = plan.bytes_per_block(block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes)
-    if plan.hybrid:
-        state_blocks = blocks_for_state(shape.state_bytes, bytes_per_block // plan.slots) if plan.has_state else 0
-        kv = HybridKVManager(num_blocks, block_size, plan.windows, enable_prefix_caching=False,
-                             max_chunk_tokens=chunk, state_blocks=state_blocks)
-    else:
-        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    state_blocks = blocks_for_state(shape.state_bytes, bytes_per_block // plan.slots) if plan.has_state else 0
+    kv = KVCoordinator(num_blocks, block_size, plan.windows, enable_prefix_caching=False, max_chunk_tokens=chunk,
+                       state_blocks=state_blocks)
     return kv, bytes_per_block, plan
 
 

@@ -7,6 +7,7 @@ once, here, and each step's inputs are broadcast before rank 0 runs its own shar
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -261,6 +262,31 @@ class DriverModelRunner(ModelRunner):
 
     def memory_report(self) -> list[dict]:
         return self.workers.call("memory_report", (), lambda: rank_memory(self, 0))
+
+    # ---- the second tier: each rank keeps its own shard of every block ----------------------------------
+    def open_kv_tier(self, directory: str, capacity_bytes: int, fingerprint: bytes, persist: bool) -> None:
+        self.workers.call("open_kv_tier", (directory, capacity_bytes, fingerprint, persist),
+                          lambda: ModelRunner.open_kv_tier(self, directory, capacity_bytes, fingerprint, persist))
+
+    def stage_tier_block(self, key: bytes) -> bool:
+        """True only if every rank holds its shard of the block: a block some rank lost is recomputed."""
+        hits = self.workers.call("stage_tier_block", (key,), lambda: ModelRunner.stage_tier_block(self, key))
+        if all(hits):
+            return True
+        if any(hits):
+            self.workers.call("unstage_tier_block", (key,), lambda: ModelRunner.unstage_tier_block(self, key))
+        return False
+
+    def apply_tier_ops(self, ops: list) -> None:
+        # The payloads stay in the ranks (staged there): only the moves travel.
+        moves = [dataclasses.replace(op, payload=None) for op in ops]
+        self.workers.call("apply_tier_ops", (moves,), lambda: ModelRunner.apply_tier_ops(self, ops))
+
+    def close_kv_tier(self, cached_blocks: list[tuple[int, bytes]]) -> None:
+        if self.workers.error is not None:  # the workers are gone (shutdown after a failure): rank 0's own
+            ModelRunner.close_kv_tier(self, cached_blocks)
+            return
+        self.workers.call("close_kv_tier", (cached_blocks,), lambda: ModelRunner.close_kv_tier(self, cached_blocks))
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -160,6 +160,21 @@ class Worker:
 
         return rank_memory(self.runner, self.tp.rank)
 
+    def open_kv_tier(self, directory: str, capacity_bytes: int, fingerprint: bytes, persist: bool) -> None:
+        self.runner.open_kv_tier(directory, capacity_bytes, fingerprint, persist)
+
+    def stage_tier_block(self, key: bytes) -> bool:
+        return self.runner.stage_tier_block(key)
+
+    def unstage_tier_block(self, key: bytes) -> None:
+        self.runner.unstage_tier_block(key)
+
+    def apply_tier_ops(self, ops: list) -> None:
+        self.runner.apply_tier_ops(ops)
+
+    def close_kv_tier(self, cached_blocks: list[tuple[int, bytes]]) -> None:
+        self.runner.close_kv_tier(cached_blocks)
+
     def step(self, values: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         from pagellm.worker.model_runner import StepInputs
 
@@ -167,7 +182,8 @@ class Worker:
 
 
 COMMANDS = ("init", "load_weights", "init_dummy_weights", "num_blocks_for_budget", "allocate_kv_cache",
-            "memory_report")
+            "memory_report", "open_kv_tier", "stage_tier_block", "unstage_tier_block", "apply_tier_ops",
+            "close_kv_tier")
 
 
 def serve(channel: Channel, tp: TensorParallelGroup, device: torch.device, local_rank: int,

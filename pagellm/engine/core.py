@@ -60,7 +60,8 @@ class EngineCore:
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
         # Structured outputs (engine/structured_outputs.py): set by the engine on first use.
         self.grammars = None
-        # The KV manager's second tier, whose moves the runner makes each step (core/kv/tiered.py).
+        # Rank 0's KV tier (its stats stand for every rank's); the runner makes the KV manager's
+        # moves to and from each rank's (core/kv/tiered.py).
         self.kv_tier = None
         # Seconds per computed token, a moving average over steps: what recomputing costs
         # (preemption_mode "auto"). None until a step has run.
@@ -95,7 +96,7 @@ class EngineCore:
             sched = self.scheduler.schedule()
         if sched.tier_ops:  # even when nothing runs: promoted blocks are in the pool's index now
             with phase(self.timer, "kv_tier"):
-                self.runner.apply_tier_ops(sched.tier_ops, self.kv_tier)
+                self.runner.apply_tier_ops(sched.tier_ops)
         if sched.is_empty:
             return CoreStep()
         started = time.perf_counter()
@@ -237,6 +238,5 @@ class EngineCore:
             "num_step_failures": self.num_step_failures,
             "spec_decode": None if self.scheduler.speculative is None else self.scheduler.spec_stats.as_dict(),
             "kv_offload": None if self.kv_tier is None else {
-                **self.kv_tier.stats(), "demoted_blocks": kv.num_demoted, "promoted_blocks": kv.num_promoted,
-                "swapped_out_requests": kv.num_swapped_out},
+                **self.kv_tier.stats(), **kv.tier_stats()},
         }

@@ -37,6 +37,7 @@ from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.timing import PhaseTimer, phase
+from pagellm.worker.kv_tier import RunnerTier, model_fingerprint
 from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagellm.worker.proposers import make_proposer
 
@@ -104,18 +105,17 @@ class LLMEngine:
             self.runner.allocate_kv_cache(num_blocks, config.block_size, asked_by)
             if not config.enforce_eager:
                 self.runner.capture_cuda_graphs(config.max_num_seqs)
-            if config.kv_offload_dir is not None:
-                self.kv, self.kv_tier = self._tiered_kv(config, num_blocks)
+            tier = None if config.kv_offload_dir is None else self._open_kv_tier(config)
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
-        if self.kv_tier is None:
-            # Sliding-window layers in their own KV groups, whose slid-out blocks go back (core/kv/hybrid.py).
-            self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
-                                      enable_prefix_caching=config.enable_prefix_caching,
-                                      windows=self.runner.kv_groups.windows,
-                                      max_chunk_tokens=config.max_num_batched_tokens,
-                                      state_blocks=self.runner.state_blocks(config.block_size))
+        # One group of layers per cache kind (sliding windows give back what slid out), over one
+        # pool, with the second tier behind its prefix cache (core/kv/coordinator.py).
+        self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
+                                  enable_prefix_caching=config.enable_prefix_caching,
+                                  windows=self.runner.kv_groups.windows,
+                                  max_chunk_tokens=config.max_num_batched_tokens,
+                                  state_blocks=self.runner.state_blocks(config.block_size), tier=tier)
         if config.preemption_mode != "recompute" and self.kv_tier is None:
             raise ValueError(f"preemption_mode {config.preemption_mode!r} moves KV blocks to the second tier: it "
                              f"needs kv_offload_dir")
@@ -391,13 +391,11 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any, and close the KV tier (writing what it has
         queued); the engine cannot step afterwards. Also done at garbage collection and
         interpreter exit."""
-        if self.kv_tier is not None:
-            if self.kv_tier.persist and self.kv_tier.is_open:
-                # The pool's cached blocks join the tier, so a restart finds every warm prefix.
-                for block, key in self.kv.cached_blocks():
-                    self.kv_tier.store(key, self.runner.read_block(block), wait=True)
-            self.kv_tier.close()
-        self.runner.shutdown()
+        try:
+            if self.kv_tier is not None and self.kv_tier.is_open:
+                self.runner.close_kv_tier(self.kv.cached_blocks())
+        finally:
+            self.runner.shutdown()
 
     def _check_speculation(self, config: EngineConfig) -> None:
         """Speculative decoding rolls rejected tokens back by shortening block tables: refuse what
@@ -420,24 +418,22 @@ class LLMEngine:
             return False
         return 2 * num_blocks * self.kv_tier.block_bytes * per_byte < num_tokens * per_token
 
-    def _tiered_kv(self, config: EngineConfig, num_blocks: int):
-        """The paged manager with a second tier on disk (core/kv/tiered.py, worker/kv_tier.py)."""
-        from pagellm.core.kv.tiered import TieredKVManager
-        from pagellm.worker.kv_tier import DiskKVTier, model_fingerprint
-
+    def _open_kv_tier(self, config: EngineConfig) -> RunnerTier:
+        """The second tier on disk (core/kv/tiered.py, worker/kv_tier.py): each rank's runner opens
+        its own; the coordinator sees them as one."""
         unsupported = [why for why, bad in (
             ("kv_policy 'paged'", config.kv_policy != "paged"),
             ("enable_prefix_caching (the tier keeps blocks by their prefix hash)", not config.enable_prefix_caching),
-            ("tensor_parallel_size 1 (each rank would need its own tier)", config.tensor_parallel_size > 1),
-            ("a model without sliding-window or recurrent layers", self.runner.kv_groups.hybrid)) if bad]
+            ("a model without recurrent layers (their state checkpoints stay in the pool)",
+             self.runner.kv_groups.has_state)) if bad]
         if unsupported:
             raise ValueError(f"kv_offload_dir needs {', '.join(unsupported)}")
         block_bytes = self.runner.bytes_per_block(config.block_size)
         fingerprint = model_fingerprint(self.model_path, self.arch.hf_config or vars(self.arch),
                                         self.runner.kv_format.name, config.block_size, block_bytes)
-        tier = DiskKVTier(config.kv_offload_dir, config.kv_offload_size, block_bytes, fingerprint,
-                          persist=config.kv_offload_persist)
-        return TieredKVManager(num_blocks, config.block_size, tier), tier
+        self.runner.open_kv_tier(config.kv_offload_dir, config.kv_offload_size, fingerprint, config.kv_offload_persist)
+        self.kv_tier = self.runner.kv_tier  # rank 0's: its stats and costs stand for every rank's
+        return RunnerTier(self.runner)
 
     def kv_snapshot(self) -> dict:
         """Who holds which physical block right now: the data behind a block map."""

@@ -1,6 +1,6 @@
 """Layers that keep a fixed-size state per sequence instead of K/V rows per token (LFM2's
 short convolutions, Gated DeltaNet, Mamba-2), and where that state lives: in blocks of the
-KV pool, so one memory budget holds every kind of layer (core/kv/hybrid.py).
+KV pool, so one memory budget holds every kind of layer (core/kv/coordinator.py).
 
 A recurrent layer declares its state's fields and shapes per sequence (`state_shapes`) and
 computes on them as float32 tensors [num_seqs, *shape], one row per sequence of the step in

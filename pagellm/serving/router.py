@@ -2,7 +2,7 @@
 
 The prefix cache pays only when requests that share a prefix reach the replica that holds it. The
 cache-aware policy remembers, per replica, the chained block hashes of the prompts it sent there
-(the prefix cache's own keys, core/kv/paged.py; bounded, least recently used first) and sends a
+(the prefix cache's own keys, core/kv/block_hash.py; bounded, least recently used first) and sends a
 request to the replica that has seen the longest run of its leading blocks (at least half of them:
 a shorter match, such as a chat template's header, says little), unless that replica is
 overloaded against the least loaded one, which then gets it (as SGLang's cache-aware router does:
@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from pagellm.config import ROUTER_POLICIES
-from pagellm.core.kv.paged import hash_block
+from pagellm.core.kv.block_hash import hash_block
 from pagellm.engine.async_engine import EngineDeadError
 
 

@@ -117,7 +117,7 @@ class DiskKVTier:
         """Bytes of disk one block takes: its header's page and its bytes, rounded up to pages."""
         return _HEADER_BYTES + -(-block_bytes // 4096) * 4096
 
-    # ---- the tier's interface (core/kv/tiered.py) ------------------------------------------------
+    # ---- what the runner asks (ModelRunner.apply_tier_ops, stage_tier_block) --------------------
     def store(self, key: bytes, payload: torch.Tensor, wait: bool = False) -> None:
         """Queue a block (a uint8 CPU tensor of block_bytes, owned by the tier from now on). With
         the writer behind by _MAX_PENDING blocks the block is dropped, or, with `wait`, waited for."""
@@ -281,6 +281,18 @@ class DiskKVTier:
             logger.warning("KV tier %s: a write failed with %s (%s); blocks that fail to write are skipped and "
                            "counted (pagellm:kv_offload_write_errors_total{cause=\"%s\"}), and serving goes "
                            "on", self.path, cause, error.strerror, cause)
+
+
+class RunnerTier:
+    """The coordinator's view (core/kv/tiered.py's BlockTier) of the tiers the runner's ranks keep:
+    a block loads only if every rank holds its shard, and the bytes wait in the runners for the
+    promotion that writes them (ModelRunner.stage_tier_block)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def load(self, key: bytes) -> bool | None:
+        return True if self.runner.stage_tier_block(key) else None
 
 
 def model_fingerprint(model_path: str, arch_config: dict, kv_format: str, block_size: int, block_bytes: int) -> bytes:

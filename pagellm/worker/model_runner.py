@@ -6,6 +6,7 @@ its block table, who samples from it); knows nothing of how it was chosen.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.kv_format import resolve_kv_format
 from pagellm.core.kv.groups import STATE, plan_kv_groups
 from pagellm.core.step_plan import PlannedSeq, StepPlan
-from pagellm.layers.parallel import TensorParallelGroup
+from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
 from pagellm.layers.moe import FusedMoE
@@ -27,6 +28,7 @@ from pagellm.models.arch import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
+from pagellm.worker.kv_tier import DiskKVTier
 from pagellm.worker.proposers import Proposer
 from pagellm.worker.rejection_sampler import num_accepted, verification_specs
 from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -128,7 +130,7 @@ class ModelRunner:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
-        blocks the KV manager frees, core/kv/hybrid.py); otherwise every layer is in one group.
+        blocks the KV manager frees, core/kv/coordinator.py); otherwise every layer is in one group.
         `kv_cache_dtype`: how K/V are stored (kv_format.py; auto: as `dtype`).
         `activation_quantization` "int8" / "int8x2": GGUF products round their activations to int8
         codes (layers/quant/gguf.py)."""
@@ -171,6 +173,10 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self._rank_size = rank_and_size(tp)
+        # This rank's second tier (open_kv_tier), and blocks loaded from it for the next promotions.
+        self.kv_tier: DiskKVTier | None = None
+        self._staged_blocks: dict[bytes, torch.Tensor] = {}
         self.timer: PhaseTimer | None = None  # see attach_timer
 
     # ---- weights -------------------------------------------------------------------
@@ -266,15 +272,49 @@ class ModelRunner:
         if start != payload.numel():
             raise ValueError(f"a KV tier payload of {payload.numel()} bytes for blocks of {start}")
 
+    def open_kv_tier(self, directory: str, capacity_bytes: int, fingerprint: bytes, persist: bool) -> None:
+        """This rank's disk tier: its own file (of its shard of each block) in an equal part of
+        `capacity_bytes`, so that every rank of a tensor-parallel engine keeps the same blocks."""
+        rank, size = self._rank_size
+        if size > 1:
+            fingerprint = hashlib.blake2b(fingerprint + f"rank {rank} of {size}".encode(), digest_size=16).digest()
+        self.kv_tier = DiskKVTier(directory, capacity_bytes // size, self.bytes_per_block(self.block_size),
+                                  fingerprint, persist=persist)
+
+    def stage_tier_block(self, key: bytes) -> bool:
+        """Load the block stored under `key` from this rank's tier, to be written into the pool by
+        the next apply_tier_ops' promotion; False: the tier misses it (absent, or failing its checks)."""
+        payload = self.kv_tier.load(key)
+        if payload is None:
+            return False
+        self._staged_blocks[key] = payload
+        return True
+
+    def unstage_tier_block(self, key: bytes) -> None:
+        """Forget a staged block (another rank missed it: the coordinator recomputes it)."""
+        self._staged_blocks.pop(key, None)
+
     @torch.inference_mode()
-    def apply_tier_ops(self, ops: list, tier) -> None:
-        """Make the KV manager's moves, in order: demotions copy a block out to `tier`, promotions
-        write a loaded payload in."""
+    def apply_tier_ops(self, ops: list) -> None:
+        """Make the KV manager's moves, in order: demotions copy a block out to this rank's tier,
+        promotions write a staged block in."""
         for op in ops:
             if op.kind == "demote":
-                tier.store(op.key, self.read_block(op.block))
+                self.kv_tier.store(op.key, self.read_block(op.block))
             else:
-                self.write_block(op.block, op.payload)
+                self.write_block(op.block, self._staged_blocks[op.key])
+        self._staged_blocks.clear()
+
+    def close_kv_tier(self, cached_blocks: list[tuple[int, bytes]]) -> None:
+        """Close this rank's tier, writing what it has queued; a persisted one first keeps
+        `cached_blocks` (block, key), the pool's cached prefixes, so a restart finds them warm."""
+        tier = self.kv_tier
+        if tier is None or not tier.is_open:
+            return
+        if tier.persist:
+            for block, key in cached_blocks:
+                tier.store(key, self.read_block(block), wait=True)
+        tier.close()
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Record decode steps for a ladder of batch sizes (CUDA only; after the KV

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagellm.core.block_pool import BlockPool, NoFreeBlocksError
-from pagellm.core.kv.paged import KVCacheManager
+from pagellm.core.kv.coordinator import KVCoordinator
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]), ops=ops)
 def test_block_tables_keep_invariants(num_blocks, block_size, ops):
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCoordinator(num_blocks, block_size)
     reqs: dict[str, Request] = {}
     for op, slot, n in ops:
         rid = f"r{slot}"
@@ -106,7 +106,7 @@ def test_block_tables_keep_invariants(num_blocks, block_size, ops):
     assert all(c == 0 for c in kv.pool.ref_cnt)
 
 
-def _check(kv: KVCacheManager) -> None:
+def _check(kv: KVCoordinator) -> None:
     kv.check_integrity()
     owned = [b for t in kv.block_tables.values() for b in t]
     assert len(owned) == len(set(owned)), "a block is in two tables"

@@ -6,7 +6,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagellm.core.kv import KVCacheManager, make_kv_manager
+from pagellm.core.kv import KVCoordinator, make_kv_manager
 from pagellm.core.kv.contiguous import ContiguousKVManager, ExtentPool, next_pow2
 from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
@@ -128,7 +128,7 @@ def test_outgrowing_a_reservation_extends_or_fails():
 
 
 def test_factory():
-    assert isinstance(make_kv_manager("paged", 8, 16, 128), KVCacheManager)
+    assert isinstance(make_kv_manager("paged", 8, 16, 128), KVCoordinator)
     kv = make_kv_manager("contiguous-pow2", 8, 16, 128)
     assert isinstance(kv, ContiguousKVManager) and kv.policy == "pow2" and kv.num_blocks == 8
     with pytest.raises(ValueError, match="kv_policy"):

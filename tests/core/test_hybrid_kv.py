@@ -1,6 +1,7 @@
-"""The hybrid KV manager (one block table per group of layers, sliding groups giving back what
-slid out), driven by hypothesis against a shadow of what each physical block holds: add (with
-prefix-cache hits), step, fork, preempt and recompute, free; after every operation the
+"""The KV coordinator (one block table per group of layers, sliding groups giving back what
+slid out, a second tier behind the prefix cache), driven by hypothesis against a shadow of what
+each physical block holds: add (with prefix-cache hits and tier promotions), step, fork, preempt
+and recompute or swap, free; after every operation the
 bookkeeping invariants hold, every cached block holds the tokens its hash stands for, every
 sequence reads back its own tokens inside each group's window, and a sliding group's footprint
 stays bounded by its window. Recurrent (STATE) groups: each step reads the state its sequence's
@@ -11,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from pagellm.core.kv.groups import STATE, plan_kv_groups
-from pagellm.core.kv.hybrid import NULL_BLOCK, HybridKVManager
+from pagellm.core.kv.coordinator import NULL_BLOCK, KVCoordinator
 from pagellm.core.kv.interface import cdiv
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -20,13 +21,41 @@ from tests.core.test_sharing_invariants import Shadow as SharingShadow
 MAX_STEP = 14  # the most tokens one operation computes for a sequence
 
 
+class DictTier:
+    """A second tier in a dict: what a demoted block's slots held, under its key."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, dict[int, object]] = {}
+
+    def load(self, key: bytes) -> dict[int, object] | None:
+        return self.blocks.get(key)
+
+
 class Shadow(SharingShadow):
     """The paged test's shadow of the blocks (it writes through every group's table), which also
-    remembers where each sequence's last allocation started."""
+    remembers where each sequence's last allocation started, and makes the tier's moves as the
+    runner does: before the step's copies and writes."""
 
-    def __init__(self, kv: HybridKVManager) -> None:
+    def __init__(self, kv: KVCoordinator, tier: DictTier | None = None) -> None:
         super().__init__(kv)
         self.last_start: dict[str, int] = {}
+        self.tier = tier
+
+    def apply_tier_ops(self) -> None:
+        bs = self.kv.block_size
+        for op in self.kv.take_tier_ops():
+            if op.kind == "demote":
+                self.tier.blocks[op.key] = {o: self.slots.get((op.block, o)) for o in range(bs)}
+            else:
+                for o, v in op.payload.items():
+                    if v is None:
+                        self.slots.pop((op.block, o), None)
+                    else:
+                        self.slots[(op.block, o)] = v
+
+    def run_step(self, req: Request, n: int) -> None:
+        self.apply_tier_ops()
+        super().run_step(req, n)
 
     def write(self, group: int, table: list[int], req: Request, n: int) -> None:
         if self.kv.windows[group] != STATE:
@@ -41,14 +70,14 @@ class Shadow(SharingShadow):
 
     def on_step(self, req: Request, n: int) -> None:
         for g, table in enumerate(self.kv.group_tables(req.request_id)):
-            if self.kv.windows[g] == STATE:
+            if self.kv.windows[g] in (None, STATE):  # null entries only in sliding tables (check_integrity)
                 continue
             for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
                 assert table[p // self.kv.block_size] != NULL_BLOCK, "a token written into the null block"
         self.last_start[req.request_id] = req.num_computed_tokens
 
 
-def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> None:
+def _check(kv: KVCoordinator, reqs: dict[str, Request], shadow: Shadow) -> None:
     kv.check_integrity()
     bs = kv.block_size
     copying = {dst for _, dst in kv.pending_copies}
@@ -58,8 +87,8 @@ def _check(kv: HybridKVManager, reqs: dict[str, Request], shadow: Shadow) -> Non
             # token up to the block's end.
             assert b in copying or shadow.slots.get((b, 0)) == shadow.hash_prefix[key[:16]], (key, b)
             continue
-        # The group's key is the block hash and a group byte.
-        assert [shadow.slots.get((b, o)) for o in range(bs)] == shadow.hash_tokens[key[:-1]]
+        # The group's key is the block hash (and a group byte, but for group 0).
+        assert [shadow.slots.get((b, o)) for o in range(bs)] == shadow.hash_tokens[key[:16]]
     for rid, req in reqs.items():
         tokens, nxt = req.all_token_ids, req.num_computed_tokens
         for g, (w, table) in enumerate(zip(kv.windows, kv.group_tables(rid))):
@@ -85,18 +114,24 @@ op = st.one_of(
     st.tuples(st.just("fork"), st.integers(0, 9), st.integers(0, 9)),
     st.tuples(st.just("preempt"), st.integers(0, 9), st.just(0)),
     st.tuples(st.just("free"), st.integers(0, 9), st.just(0)),
+    st.tuples(st.just("swap"), st.integers(0, 9), st.just(0)),
 )
 
 
 @settings(max_examples=200, deadline=None)
 @given(num_blocks=st.integers(3, 40), block_size=st.sampled_from([1, 2, 4]),
-       windows=st.sampled_from([(None, 3), (5,), (None, 2, 7), (4, 4), (None, STATE), (None, 3, STATE, STATE)]),
-       state_blocks=st.integers(1, 3), ops=st.lists(op, max_size=80),
+       windows=st.sampled_from([(None,), (None, 3), (5,), (None, 2, 7), (4, 4), (None, STATE),
+                                (None, 3, STATE, STATE)]),
+       state_blocks=st.integers(1, 3), with_tier=st.booleans(), ops=st.lists(op, max_size=80),
        prefixes=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=MAX_STEP), min_size=4, max_size=4))
-def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, state_blocks, ops, prefixes):
-    kv = HybridKVManager(num_blocks, block_size, windows, max_chunk_tokens=MAX_STEP,
-                         state_blocks=state_blocks if STATE in windows else 0)
-    shadow = Shadow(kv)
+def test_coordinator_keeps_its_invariants(num_blocks, block_size, windows, state_blocks, with_tier, ops, prefixes):
+    """Every kind of group, with and without a second tier: blocks promoted from the tier hold the
+    tokens their key says (the cached-block check below), and a request swapped out to it resumes
+    reading back its own tokens."""
+    tier = DictTier() if with_tier else None
+    kv = KVCoordinator(num_blocks, block_size, windows, max_chunk_tokens=MAX_STEP,
+                       state_blocks=state_blocks if STATE in windows else 0, tier=tier)
+    shadow = Shadow(kv, tier)
     reqs: dict[str, Request] = {}
     next_id, token = 0, 100
 
@@ -145,18 +180,33 @@ def test_hybrid_manager_keeps_its_invariants(num_blocks, block_size, windows, st
                 reqs[req.request_id] = req
         elif kind == "free" and live:
             kv.free(reqs.pop(live[a % len(live)]))
+        elif kind == "swap" and live:
+            # Preempted by swapping with a sampled token not yet computed, as the scheduler does;
+            # without a tier (or with recurrent layers) swap_out declines and it is recomputed.
+            req = reqs.pop(live[a % len(live)])
+            req.output_token_ids.append(token)
+            token += 1
+            swapped = kv.swap_out(req)
+            assert swapped == (with_tier and STATE not in windows and req.num_computed_tokens > 0)
+            kv.free(req)
+            req.num_computed_tokens = 0
+            shadow.apply_tier_ops()
+            if admit(req):
+                reqs[req.request_id] = req
+        if with_tier:
+            shadow.apply_tier_ops()  # the engine makes them at the next step, whatever it schedules
         _check(kv, reqs, shadow)
     for req in reqs.values():
         kv.free(req)
     kv.take_copies()  # the next step hands out the last copies, and the checkpoints they fill go to the cache
     assert kv.pool.num_free_blocks == kv.num_blocks
-    assert kv.pool.ref_cnt[NULL_BLOCK] == 1 and sum(kv.pool.ref_cnt) == 1
+    assert sum(kv.pool.ref_cnt) == (windows != (None,))  # the null block's, if reserved
 
 
 def test_a_long_sliding_sequence_holds_its_window_only():
     """2,000 tokens decoded one at a time through a window of 64: the sliding group holds
     ceil(64 / 16) + 1 blocks at most, the full group all of them."""
-    kv = HybridKVManager(200, 16, [None, 64], max_chunk_tokens=16)
+    kv = KVCoordinator(200, 16, [None, 64], max_chunk_tokens=16)
     req = Request("a", list(range(16)), SamplingParams())
     assert kv.allocate_slots(req, 16)
     req.num_computed_tokens = 16
@@ -176,7 +226,7 @@ def test_a_long_sliding_sequence_holds_its_window_only():
 def test_prefix_hits_agree_across_groups():
     """A prefix is a hit only as far as every group can serve it: a sliding group needs just the
     blocks inside the window of the prefix's end; a full group needs all of them."""
-    kv = HybridKVManager(64, 4, [None, 8], max_chunk_tokens=64)
+    kv = KVCoordinator(64, 4, [None, 8], max_chunk_tokens=64)
     a = Request("a", list(range(40)), SamplingParams())
     assert kv.allocate_slots(a, 40)
     a.num_computed_tokens = 40
@@ -219,7 +269,7 @@ def test_a_fork_copies_the_state_before_either_sequence_writes_it():
     """n > 1 and beams fork a sequence mid-generation: both then hold the same state blocks, and
     the first step of each must write into its own copy, or the other reads a state that has
     seen a token it never had."""
-    kv = HybridKVManager(20, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
+    kv = KVCoordinator(20, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
     shadow = Shadow(kv)
     parent = Request("a", [1, 2, 3], SamplingParams())
     assert kv.allocate_slots(parent, 3)
@@ -243,7 +293,7 @@ def test_a_prefix_resumes_from_the_state_checkpoint_at_its_end():
     state there; a later prompt sharing the prefix restores the latest checkpoint it covers (a copy
     into its own state blocks) and computes from there; checkpoints outlive their request only as
     evictable cached blocks."""
-    kv = HybridKVManager(40, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
+    kv = KVCoordinator(40, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=2)
     shadow = Shadow(kv)
     first = Request("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams())
     steps = []
@@ -277,7 +327,7 @@ def test_a_prompt_sharing_only_part_of_a_prefix_leaves_a_checkpoint_where_the_sh
     """A shared system prompt ends inside another prompt: the first prompt's checkpoint is at its own
     last boundary, past the shared part; the second finds the shared blocks but no checkpoint, so its
     prefill stops where they end; the third resumes there."""
-    kv = HybridKVManager(60, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=1)
+    kv = KVCoordinator(60, 2, (None, STATE), max_chunk_tokens=MAX_STEP, state_blocks=1)
     shadow = Shadow(kv)
     system = [5, 6, 7, 8, 9, 10]
     for i, (rid, user) in enumerate((("a", [20, 21, 22]), ("b", [30, 31, 32]), ("c", [40, 41, 42]))):
@@ -295,3 +345,31 @@ def test_a_prompt_sharing_only_part_of_a_prefix_leaves_a_checkpoint_where_the_sh
         assert chunks == [[8, 1], [6, 2, 1], [2, 1]][i]
         kv.free(req)
         kv.take_copies()
+
+
+def test_a_sliding_prefix_comes_back_from_the_tier_as_far_as_a_hit_needs():
+    """A prefix pushed out of the pool entirely comes back from the tier: every block of the full
+    group, and of the sliding group only the two inside the window of the prefix's end; each holds
+    the tokens its key says when the step reads it."""
+    tier = DictTier()
+    kv = KVCoordinator(25, 4, [None, 8], max_chunk_tokens=64, tier=tier)
+    shadow = Shadow(kv, tier)
+    a = Request("a", list(range(40)), SamplingParams())
+    assert kv.allocate_slots(a, 40)
+    shadow.run_step(a, 40)
+    kv.free(a)
+    other = Request("o", list(range(100, 196)), SamplingParams())  # 24 blocks a group: all of the pool
+    assert kv.allocate_slots(other, 48)
+    shadow.run_step(other, 48)
+    kv.free(other)
+    shadow.apply_tier_ops()
+    assert kv.tier_stats()["demoted_blocks"] == 20 and not any(len(k) <= 17 and k[:16] in a.block_hashes
+                                                               for k in kv.pool.cached)
+    b = Request("b", list(range(40)) + [99], SamplingParams())
+    blocks, cached = kv.get_computed_blocks(b)
+    assert cached == 40 and kv.tier_stats()["promoted_blocks"] == 10 + 2
+    assert blocks[1][:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in blocks[1][8:]
+    b.num_computed_tokens = cached
+    assert kv.allocate_slots(b, 1, blocks)
+    shadow.run_step(b, 1)  # makes the promotions first, then checks b reads its own tokens
+    _check(kv, {"b": b}, shadow)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from pagellm.core.kv.paged import KVCacheManager
+from pagellm.core.kv.coordinator import KVCoordinator
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ def run(sched: Scheduler, max_steps: int = 10_000) -> dict:
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_budget=64) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, max_tokens_budget)
+    return Scheduler(KVCoordinator(num_blocks, block_size), max_num_seqs, max_tokens_budget)
 
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int) -> Request:

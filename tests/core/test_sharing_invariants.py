@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pagellm.core.kv.paged import KVCacheManager
+from pagellm.core.kv.coordinator import KVCoordinator
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -14,7 +14,7 @@ class Shadow:
     block copies first, then the step's tokens through the block table (each KV group's, for
     the hybrid manager: tests/core/test_hybrid_kv.py)."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCoordinator) -> None:
         self.kv = kv
         self.slots: dict[tuple[int, int], int] = {}
         self.hash_tokens: dict[bytes, list[int]] = {}
@@ -47,7 +47,7 @@ class Shadow:
             self.hash_prefix.setdefault(h, tuple(tokens[:(i + 1) * bs]))
 
 
-def _check(kv: KVCacheManager, reqs: dict[str, Request], shadow: Shadow) -> None:
+def _check(kv: KVCoordinator, reqs: dict[str, Request], shadow: Shadow) -> None:
     kv.check_integrity()
     pool, bs = kv.pool, kv.block_size
     counts = [0] * kv.num_blocks
@@ -80,7 +80,7 @@ op = st.one_of(
 @given(num_blocks=st.integers(2, 20), block_size=st.sampled_from([1, 2, 4]), ops=st.lists(op, max_size=80),
        prefixes=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=14), min_size=4, max_size=4))
 def test_sharing_keeps_refcounts_hashes_and_isolation(num_blocks, block_size, ops, prefixes):
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCoordinator(num_blocks, block_size)
     shadow = Shadow(kv)
     reqs: dict[str, Request] = {}
     next_id = 0

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm.config import SpeculativeConfig
-from pagellm.core.kv.hybrid import HybridKVManager
-from pagellm.core.kv.paged import KVCacheManager
+from pagellm.core.kv.coordinator import KVCoordinator
 from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.spec_decode import next_lookahead
@@ -31,7 +30,7 @@ def _prefilled(sched: Scheduler, rid: str, prompt: list[int], drafts: list[int],
     return req
 
 
-@pytest.mark.parametrize("make_kv", [lambda: KVCacheManager(16, 2), lambda: HybridKVManager(16, 2, [None, 3])],
+@pytest.mark.parametrize("make_kv", [lambda: KVCoordinator(16, 2), lambda: KVCoordinator(16, 2, [None, 3])],
                          ids=["paged", "sliding"])
 @pytest.mark.parametrize("accepted", [0, 1, 4])
 def test_rejected_proposals_give_their_blocks_back(make_kv, accepted):
@@ -60,7 +59,7 @@ def test_rejected_proposals_give_their_blocks_back(make_kv, accepted):
 
 
 def test_a_stop_token_among_accepted_tokens_ends_the_request_there():
-    kv = KVCacheManager(16, 2)
+    kv = KVCoordinator(16, 2)
     sched = _scheduler(kv)
     req = _prefilled(sched, "r", [1, 2, 3], [60, 61, 62], eos=frozenset({61}))
     out = sched.schedule()
@@ -70,14 +69,14 @@ def test_a_stop_token_among_accepted_tokens_ends_the_request_there():
 
 
 def test_proposals_never_reach_past_max_tokens():
-    sched = _scheduler(KVCacheManager(16, 2))
+    sched = _scheduler(KVCoordinator(16, 2))
     _prefilled(sched, "r", [1, 2, 3], [60, 61, 62, 63], max_tokens=3)
     (s,) = sched.schedule().scheduled
     assert s.draft_token_ids == [60]  # 1 sampled; this step yields at most 2 more: 1 draft and 1 token
 
 
 def test_a_large_batch_stops_proposing():
-    sched = _scheduler(KVCacheManager(32, 2))
+    sched = _scheduler(KVCoordinator(32, 2))
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20)) for i in range(2)]
     for req in reqs:
         sched.add_request(req)

@@ -3,6 +3,7 @@ hold half the weights and KV, and fail fast (and leave no process behind) when a
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -106,6 +107,29 @@ def test_two_ranks_match_one_through_preemption_prefix_caching_and_forks(model, 
         assert [s.cumulative_logprob for s in a.sequences] == pytest.approx(
             [s.cumulative_logprob for s in b.sequences], abs=10 * atol)
     assert len(pids) == 1 and all(_wait_gone(p) for p in pids)
+
+
+def test_two_ranks_with_a_disk_tier_match_one(tiny_llama_dir, tmp_path):
+    """Each rank keeps its own shard of every demoted block in a file of its own: prefixes evicted
+    from the pool come back from both ranks' tiers, with the tokens of one rank without a tier."""
+    rng = random.Random(0)
+    docs = [[rng.randrange(3, 320) for _ in range(48)] for _ in range(4)]  # 48 blocks of 4 for a pool of 40
+    prompts = [{"prompt_token_ids": d + [rng.randrange(3, 320)]} for d in docs * 2]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+
+    def run(llm: LLM) -> tuple[list, dict]:
+        outs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
+        return outs, llm.stats()
+
+    with LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path / "one"), **ENGINE) as one:
+        ref, ref_stats = run(one)
+    with LLM(tiny_llama_dir, tensor_parallel_size=2, kv_offload_dir=str(tmp_path / "two"), **ENGINE) as llm:
+        got, stats = run(llm)
+        files = list((tmp_path / "two").glob("pagellm-kv-*.bin"))
+    _assert_same(ref, got)  # the tokens, logprobs and cached tokens of one rank
+    assert len(files) == 2  # one a rank
+    assert stats["kv_offload"]["promoted_blocks"] == ref_stats["kv_offload"]["promoted_blocks"] > 4 * 8
+    assert stats["kv_offload"]["corrupt"] == 0 and stats["prompt_tokens_computed"] == ref_stats["prompt_tokens_computed"]
 
 
 def test_memory_per_rank_is_half_and_shutdown_leaves_nothing(tiny_llama_dir):

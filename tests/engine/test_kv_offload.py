@@ -155,6 +155,40 @@ def test_a_persisted_tier_warms_a_restarted_engine(tiny_llama_dir, tmp_path, ref
     again.shutdown()
 
 
+def test_a_sliding_window_model_gets_the_tokens_of_a_run_without_the_tier(tmp_path_factory):
+    """Gemma 2 (a window of 8 beside full layers, in two KV groups): evicted prefixes come back from
+    the tier, every full block and the sliding blocks inside the window, with the tokens of a run
+    without it."""
+    from tests.models.families import build
+
+    path = str(build("gemma2", tmp_path_factory.mktemp("gemma2")))
+    rng = random.Random(1)
+    docs = [[rng.randrange(3, 320) for _ in range(40)] for _ in range(4)]
+    rounds = [[{"prompt_token_ids": d + [rng.randrange(3, 320) for _ in range(3)]} for d in docs] for _ in range(2)]
+    engine = dict(block_size=4, num_kv_blocks=20)  # 40 block ids of one group: about two documents
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+
+    def run(**kw):
+        llm = LLM(path, **engine, **kw)
+        outs = []
+        for p in rounds[0] + rounds[1]:
+            outs += llm.generate([p], params, use_tqdm=False)
+        stats = llm.stats()
+        llm.shutdown()
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)])
+                for o in outs], stats
+
+    want, without = run()
+    got, stats = run(kv_offload_dir=str(tmp_path_factory.mktemp("tier")))
+    _assert_same(want, got)
+    assert [g["kind"] for g in stats["kv_groups"]] == ["full", "sliding"]
+    tier = stats["kv_offload"]
+    # Per second-round document: its 10 full blocks and the 2 sliding ones its window needs.
+    assert tier["promoted_blocks"] >= 4 * 12 and tier["corrupt"] == 0
+    assert stats["prompt_tokens_computed"] <= without["prompt_tokens_computed"] - 4 * 36
+
+
 def test_what_the_tier_cannot_serve_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_offload_dir needs enable_prefix_caching"):
         LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), enable_prefix_caching=False)

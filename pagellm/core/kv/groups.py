@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The kind of a group of recurrent layers: each sequence holds a fixed number of blocks of it,
-# which hold its state (core/kv/hybrid.py).
+# which hold its state (core/kv/coordinator.py).
 STATE = "state"
 
 

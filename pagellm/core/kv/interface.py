@@ -1,9 +1,10 @@
 """What the scheduler, the engine and the block map ask of a KV manager.
 
-A KV manager decides which physical KV blocks hold each request's tokens. The paged
-manager (PagedAttention: blocks anywhere, shared by reference, copy-on-write, prefix
-caching) and the contiguous baselines (one reserved region a request) both implement
-this; a later layout or tier (sliding windows, a second tier) is one more implementation.
+A KV manager decides which physical KV blocks hold each request's tokens. The coordinator
+(core/kv/coordinator.py: PagedAttention's blocks anywhere, shared by reference, copy-on-write,
+prefix caching, per group of layers, with an optional second tier) and the contiguous baselines
+(one reserved region a request) both implement this. Every method the scheduler, the engine and
+the block map call is declared here.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ class KVManager(ABC):
 
     def chunk_tokens(self, request: Request, num_tokens: int) -> int:
         """How many of the request's next `num_tokens` to compute this step (a layout may end
-        prefill chunks at block boundaries: core/kv/hybrid.py's state checkpoints)."""
+        prefill chunks at block boundaries: core/kv/coordinator.py's state checkpoints)."""
         return num_tokens
 
     @abstractmethod
@@ -131,6 +132,16 @@ class KVManager(ABC):
         """Block moves to and from a second tier, in order, to make before the block copies and
         the next forward pass (core/kv/tiered.py); none without a tier."""
         return []
+
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """(block, tier key) of every block the prefix cache indexes now that a second tier can keep
+        (what a persisted tier writes out at shutdown); none without a tier."""
+        return []
+
+    def tier_stats(self) -> dict:
+        """The second tier's moves: demoted_blocks, promoted_blocks, swapped_out_requests (empty
+        without a tier)."""
+        return {}
 
     # ---- inspection ------------------------------------------------------------------------------
     @abstractmethod

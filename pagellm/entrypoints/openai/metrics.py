@@ -97,7 +97,7 @@ class _EngineCollector(Collector):
             groups.add_metric(labels + [str(g), group["kind"], window], group["used_blocks"])
         yield groups
         state = next((g for g in s.get("kv_groups", []) if g["kind"] == "state"), None)
-        if state is not None:  # recurrent models: prefix caching by state checkpoints (core/kv/hybrid.py)
+        if state is not None:  # recurrent models: prefix caching by state checkpoints (core/kv/coordinator.py)
             yield family(CounterMetricFamily, "pagellm:state_checkpoints_taken",
                          "State checkpoints taken at block boundaries of prompts.", state["checkpoints_taken"])
             yield family(CounterMetricFamily, "pagellm:state_checkpoints_restored",

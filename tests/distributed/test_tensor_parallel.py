@@ -238,7 +238,8 @@ def test_a_script_without_the_main_guard_is_told_the_fix(tiny_llama_dir, tmp_pat
 # SmolLM3 (NoPE layers) and Granite (scalar multipliers) add nothing to shard: each rank applies
 # them to its own heads as one rank would; tests/models covers them on one rank.
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "olmo2", "olmo3", "phi3", "gemma2", "gemma3", "ministral3",
-                                    "lfm2", "qwen3_5", "mixtral", "qwen3_moe", "gpt_oss", "llama4", "deepseek_v3"])
+                                    "lfm2", "qwen3_5", "mixtral", "qwen3_moe", "gpt_oss", "llama4", "deepseek_v3",
+                                    "gemma4"])
 def test_families_on_two_ranks_match_one(family, tmp_path_factory):
     """The sharding each family adds: per-head q/k norms (Qwen3), a norm over all heads whose
     sum of squares crosses ranks (OLMo 2), checkpoints with q/k/v and gate/up already fused

@@ -145,6 +145,11 @@ MULTIMODAL = {
                   dict(tie_word_embeddings=False, mm_tokens_per_image=4)),
     "mistral3_vl": ("Mistral3Config", "Mistral3ForConditionalGeneration", "ministral3", {**_VISION, "head_dim": 16},
                     dict(tie_word_embeddings=True)),
+    # Gemma 4's published checkpoints are all of this class (with an audio tower in some, not read either).
+    "gemma4_vl": ("Gemma4Config", "Gemma4ForConditionalGeneration", "gemma4",
+                  dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64),
+                  dict(tie_word_embeddings=True)),
     # Mistral Small 3.1's text model is a plain Mistral one.
     "mistral3_mistral_vl": ("Mistral3Config", "Mistral3ForConditionalGeneration", "mistral",
                             {**_VISION, "head_dim": 16}, dict(tie_word_embeddings=True)),

@@ -52,12 +52,12 @@ FAMILIES = {
                dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
                     rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
                     pad_token_id=0)),
-    # Gemma 4: sliding layers (window 8) of 16-wide heads and full layers of 32-wide ones with one KV
+    # Gemma 4: sliding layers (window 8) of 16-wide heads and full layers of 64-wide ones with one KV
     # head (v from k_proj: attention_k_eq_v) and proportional rope; the last two layers share the K/V
     # of the last earlier layer of their type (and have double-wide MLPs); per-layer embeddings; 4
     # experts (top-2) beside each MLP; a final soft-cap.
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",
-               dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+               dict(head_dim=16, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
                     num_hidden_layers=5, sliding_window=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                                  "full_attention"],

@@ -25,7 +25,7 @@ from pagellm.layers.embedding import LogitsHead, VocabParallelEmbedding
 from pagellm.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagellm.layers.moe import FusedMoE, route_expert_weight
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.parallel import TensorParallelGroup, load_whole
+from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.rotary import RotaryEmbedding, apply_rope, get_rope, rotate_qk
 from pagellm.models.arch import ModelArchConfig
 from pagellm.models.base import sliding_window

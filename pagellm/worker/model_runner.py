@@ -7,7 +7,6 @@ its block table, who samples from it); knows nothing of how it was chosen.
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass, field
 
@@ -174,6 +173,7 @@ class ModelRunner:
         # Speculative decoding's proposer (set by the engine when speculative_config is on).
         self.proposer: Proposer | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.timer: PhaseTimer | None = None  # see attach_timer
 
@@ -524,7 +524,7 @@ def rank_memory(runner: ModelRunner, rank: int) -> dict:
     import resource
 
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    # Layers of different KV groups share tensors: count each tensor once.
+    # The pool's own tensors: layers of different KV groups share them, or views of them.
     kv = sum(t.numel() * t.element_size() for pair in runner._kv_slots for t in pair)
     report = {"rank": rank, "device": str(runner.device), "weight_bytes": weights, "kv_cache_bytes": kv,
               "num_kv_heads": runner.model.num_kv_heads, **runner.model.compute_cost(),

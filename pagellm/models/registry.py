@@ -137,8 +137,9 @@ def family_for_gguf(arch: str | None, where: str, experts: bool = False, sliding
     family = GGUF_ARCHITECTURES.get((arch, experts, sliding))  # type: ignore[arg-type]
     if family is None and sliding:
         family = GGUF_ARCHITECTURES.get((arch, experts, False))  # type: ignore[arg-type]
-    if family is None and not experts:  # a family with experts that also has dense models (Granite 4)
-        family = GGUF_ARCHITECTURES.get((arch, True, sliding))  # type: ignore[arg-type]
+    if family is None and not experts:  # a family with experts that also has dense models (Granite 4, Gemma 4)
+        family = (GGUF_ARCHITECTURES.get((arch, True, sliding))  # type: ignore[arg-type]
+                  or GGUF_ARCHITECTURES.get((arch, True, False)))  # type: ignore[arg-type]
     if family is None:
         supported = ", ".join(sorted({a for a, _, _ in GGUF_ARCHITECTURES}))
         kind = " with experts" if experts and any(a == arch for a, _, _ in GGUF_ARCHITECTURES) else ""

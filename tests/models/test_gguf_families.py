@@ -53,9 +53,6 @@ GGUF_CHANGES = {
     "olmo3": dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                       "original_max_position_embeddings": 64},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-    # Gemma 4 dense, v projections of its own (as E2B and E4B): the HF test model covers experts and
-    # attention_k_eq_v (as 26B-A4B), whose reading from GGUF this leaves to the same code paths.
-    "gemma4": dict(enable_moe_block=False, attention_k_eq_v=False),
     # No sliding window in llama.cpp's Mistral 3 (real Ministral 3 has none); it takes YaRN's mscale
     # as 1 (as here) and steps the query scale at the YaRN original context (as transformers).
     "ministral3": dict(sliding_window=None),

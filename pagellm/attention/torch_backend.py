@@ -17,9 +17,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if cpu.kv_kernels_usable(k, k_cache, kv_format):
         cpu.store_kv(k, v, k_cache, v_cache, slots, kv_format)
         return
-    kvh, row = k_cache.shape[2:]
     for x, cache in ((k, k_cache), (v, v_cache)):
-        cache.view(-1, kvh, row).index_copy_(0, slots, x.to(cache.dtype) if kv_format is None else kv_format.encode(x))
+        rows = x.to(cache.dtype) if kv_format is None else kv_format.encode(x)
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+        else:  # a layer's view of a slot sized for larger layers (model_runner._allocate_mixed_shapes)
+            bs = cache.shape[1]
+            cache[slots // bs, slots % bs] = rows
 
 
 def read_kv(rows: torch.Tensor, kv_format: KVFormat | None, dtype: torch.dtype) -> torch.Tensor:
@@ -29,7 +33,8 @@ def read_kv(rows: torch.Tensor, kv_format: KVFormat | None, dtype: torch.dtype) 
 
 def stored_kv(cache: torch.Tensor, slots: torch.Tensor, kv_format: KVFormat | None, dtype: torch.dtype) -> torch.Tensor:
     """The rows write_kv just put at `slots`, as attention reads them: [T, KVH, D]."""
-    return read_kv(cache.view(-1, *cache.shape[2:])[slots], kv_format, dtype)
+    bs = cache.shape[1]
+    return read_kv(cache[slots // bs, slots % bs], kv_format, dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:

@@ -125,9 +125,10 @@ def usable(x: torch.Tensor) -> bool:
 
 def kv_kernels_usable(x: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None = None) -> bool:
     """Whether the kernels that read and write the paged cache (paged_attention, store_kv) serve
-    x (the step's q, or its new k) and this cache: CPU tensors, a float32, bfloat16 or 8-bit cache, built."""
+    x (the step's q, or its new k) and this cache: CPU tensors, a float32, bfloat16 or 8-bit cache, contiguous
+    (not a layer's view of a larger slot, model_runner._allocate_mixed_shapes), built."""
     plain = kv_format is None or not kv_format.quantized
-    return k_cache.is_cpu and (k_cache.dtype in _DTYPES or not plain) and usable(x)
+    return k_cache.is_cpu and (k_cache.dtype in _DTYPES or not plain) and k_cache.is_contiguous() and usable(x)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

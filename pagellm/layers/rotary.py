@@ -82,6 +82,8 @@ def _get_rope(hf, head_dim: int, max_positions: int, layer_type: str | None, mod
     kind = params["rope_type"]
     rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)
                                                  or 1.0)))
+    if kind == "proportional":  # rotates a fraction of each head by frequencies of the whole: the rest's are 0
+        rotary_dim = head_dim
     if kind == "default":
         return RotaryEmbedding(default_inverse_frequencies(rotary_dim, float(params["rope_theta"])), max_positions)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -171,6 +171,60 @@ def _deepseek2_fields(value: Callable[[str], Any], per_layer: dict[str, list], f
                   n_group=value("expert_group_count") or 1, topk_group=value("expert_group_used_count") or 1,
                   routed_scaling_factor=value("expert_weights_scale") or 1.0,
                   norm_topk_prob=bool(value("expert_weights_norm")))
+def _gemma4_fields(value: Callable[[str], Any], per_layer: dict[str, list], fields: dict[str, Any], path: str) -> None:
+    """Gemma 4: the sliding layers' head size and KV heads come as the `_swa` keys and per-layer
+    lists, the full layers' as the plain keys; the KV-shared layers' MLPs are double wide in the
+    feed-forward list; experts' counts under Gemma 4's own names. (Its rope and attention_k_eq_v,
+    which need the file's tensors: _gemma4_rope_and_kv.)"""
+    pattern = value("attention.sliding_window_pattern") or [True] * fields["num_hidden_layers"]
+    kv_heads = per_layer.pop("attention.head_count_kv", None) or [fields.pop("num_key_value_heads")] * len(pattern)
+    ffn = per_layer.pop("feed_forward_length", None)
+    swa_kv = {n for n, swa in zip(kv_heads, pattern) if swa} or set(kv_heads)
+    full_kv = {n for n, swa in zip(kv_heads, pattern) if not swa} or set(kv_heads)
+    fields["num_key_value_heads"] = _one_value(swa_kv, "attention.head_count_kv", path)
+    fields["num_global_key_value_heads"] = _one_value(full_kv, "attention.head_count_kv", path)
+    fields["global_head_dim"] = fields["head_dim"]
+    fields["head_dim"] = value("attention.key_length_swa") or fields["head_dim"]
+    shared = value("attention.shared_kv_layers") or 0
+    fields["num_kv_shared_layers"] = shared
+    if ffn is not None:
+        fields["intermediate_size"] = ffn[0]
+        fields["use_double_wide_mlp"] = shared > 0 and ffn[-1] == 2 * ffn[0]
+        if any(n != ffn[0] * (2 if fields["use_double_wide_mlp"] and i >= len(ffn) - shared else 1)
+               for i, n in enumerate(ffn)):
+            raise ValueError(f"{path}: gemma4.feed_forward_length {ffn} is neither one width nor the KV-shared "
+                             f"layers' double width")
+    fields["hidden_size_per_layer_input"] = value("embedding_length_per_layer_input") or 0
+    if "num_experts" in fields:
+        fields["enable_moe_block"] = True
+        fields["top_k_experts"] = fields.pop("num_experts_per_tok")
+
+
+def _gemma4_rope_and_kv(reader: GGUFFile, fields: dict[str, Any], path: str) -> None:
+    """Gemma 4's full layers rotate part of each head by frequencies of the whole ("proportional"):
+    llama.cpp writes rope_freqs as 1 for the rotated frequencies and 1e30 for the others. A full
+    layer without attn_v takes v from k's projection (attention_k_eq_v). The per-layer embedding
+    table has the vocabulary's rows."""
+    names = {t.name: t for t in reader.tensors}
+    freqs = names.get(_ROPE_FREQS)
+    full = fields["global_head_dim"]
+    rotated = full // 2
+    if freqs is not None:
+        values = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1)
+        rotated = int((values == 1.0).sum())
+        if values.size != full // 2 or rotated + int((values >= 1e29).sum()) != values.size:
+            raise ValueError(f"{path}: rope_freqs is not Gemma 4's proportional rope (1 then 1e30 per frequency)")
+    rope = fields["rope_parameters"]
+    rope["full_attention"] = {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated / full,
+                              "rope_theta": rope["full_attention"]["rope_theta"]}
+    fields.pop("partial_rotary_factor", None)  # the generic reading's, of the full layers' rope.dimension_count
+    first_full = fields["layer_types"].index("full_attention")
+    fields["attention_k_eq_v"] = f"blk.{first_full}.attn_v.weight" not in names
+    if not fields["attention_k_eq_v"] and fields["num_global_key_value_heads"] != fields["num_key_value_heads"]:
+        raise ValueError(f"{path}: the full layers have {fields['num_global_key_value_heads']} KV heads and the "
+                         f"sliding ones {fields['num_key_value_heads']}, with v projections: transformers' Gemma 4 "
+                         f"has other KV head counts only where v comes from k (attention_k_eq_v)")
+    fields["vocab_size_per_layer_input"] = fields["vocab_size"]
 
 
 # Family fields that llama.cpp writes in its own shape (per-layer lists, its own keys):
@@ -183,6 +237,7 @@ _ARCH_FIELDS: dict[str, Callable[[Callable[[str], Any], dict[str, list], dict[st
     "qwen35moe": _qwen35_fields,
     "llama4": _llama4_fields,
     "deepseek2": _deepseek2_fields,
+    "gemma4": _gemma4_fields,
 }
 
 # Tensors whose GGUF names the name table cannot map back (the converter renamed them first):
@@ -200,6 +255,9 @@ _LAYER_TENSORS = {
     # kv_b_proj split per head into k_b (transposed) and v_b: joined again by _deepseek2_kv_b.
     "deepseek2": {"attn_k_b.weight": "self_attn.k_b_proj.weight", "attn_v_b.weight": "self_attn.v_b_proj.weight",
                   "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
+    "gemma4": {"ffn_gate_up_exps.weight": "experts.gate_up_proj", "ffn_down_exps.weight": "experts.down_proj",
+               "ffn_down_exps.scale": "router.per_expert_scale", "ffn_gate_inp.weight": "router.proj.weight",
+               "ffn_gate_inp.scale": "router.scale", "layer_output_scale.weight": "layer_scalar"},
 }
 # Latent attention: key and value sizes differ, and the family's fields read the shared experts.
 _LATENT_ARCHS = ("deepseek2",)
@@ -277,7 +335,8 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
         elif value is not None:
             fields[field] = value
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
-        fields[key] = _as_int(fields[key], key, path)
+        if key in fields:  # else a per-layer list, which its family reads (Gemma 4's feed-forward widths)
+            fields[key] = _as_int(fields[key], key, path)
     # Multi-token-prediction layers follow the model's own in the block count; they are not served.
     fields["num_hidden_layers"] -= _value(reader, f"{arch}.nextn_predict_layers") or 0
     if arch in _ARCH_FIELDS:
@@ -289,7 +348,8 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     heads = fields["num_attention_heads"]
     head_dim = int(fields.get("head_dim") or fields["hidden_size"] // heads)
     fields["head_dim"] = head_dim
-    if arch not in _LATENT_ARCHS and _value(reader, f"{arch}.attention.value_length") not in (None, head_dim):
+    if arch not in _LATENT_ARCHS and _value(reader, f"{arch}.attention.value_length") not in (
+            None, _value(reader, f"{arch}.attention.key_length") or head_dim):
         raise ValueError(f"{path}: key and value head sizes differ "
                          f"({head_dim} vs {_value(reader, f'{arch}.attention.value_length')}), "
                          "which no supported family does")
@@ -299,7 +359,8 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     if rotary is not None and rotary != head_dim:
         fields["partial_rotary_factor"] = rotary / head_dim
     theta = _value(reader, f"{arch}.rope.freq_base") or 10000.0
-    scaling = _rope_scaling(reader, arch, head_dim, theta, path) or {}
+    # Gemma 4's rope_freqs are its proportional rope's (_gemma4_rope_and_kv), not a scaling's.
+    scaling = (_rope_scaling(reader, arch, head_dim, theta, path) if arch != "gemma4" else None) or {}
     rope = {"rope_type": "default", "rope_theta": theta, **scaling}
     if "original_max_position_embeddings" in scaling:  # Phi-3's config also keeps it at the top level
         fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
@@ -321,6 +382,8 @@ def _hf_fields(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
         fields[field] = _value(reader, f"tokenizer.ggml.{key}")
     fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     fields.update(_LLAMA_CPP_FIXED.get(arch, {}))
+    if arch == "gemma4":
+        _gemma4_rope_and_kv(reader, fields, path)
     if arch in ("gemma2", "gemma3"):
         # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), except in the 27B models
         # (46 and 62 layers), where it is 1/sqrt(hidden / heads): their query_pre_attn_scalar.

@@ -54,13 +54,22 @@ class ModelArchConfig:
         from transformers import AutoConfig
 
         kwargs = dict(self.hf_config)
-        return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        return global_view(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs))
+
+
+def global_view(hf):
+    """`hf` with its global values of per-layer fields readable (transformers refuses them on a
+    config whose layers differ, Gemma 4's): the family reads each layer's own from per_layer_config."""
+    if getattr(hf, "per_layer_config", None):
+        hf.allow_global_per_layer_attribute_access = True
+    return hf
 
 
 def arch_from_hf(hf, family: str, *, bos_token_id: int | None, eos_token_ids: list[int], model_name: str,
                  attention_bias: bool = False, has_lm_head: bool = True) -> ModelArchConfig:
     """The ModelArchConfig of `hf`, a transformers config (read from config.json, or made from
     a GGUF file's metadata) of a model of `family` (pagellm.models.registry)."""
+    hf = global_view(hf)
     heads = int(hf.num_attention_heads)
     rope_theta, rope_scaling = rope_from_hf(hf.to_dict(), model_name)
     return ModelArchConfig(

@@ -72,6 +72,11 @@ class CausalLM(nn.Module):
         Latent attention (layers/mla.py) overrides it: one head, one row, no V."""
         return self.num_kv_heads, self.cfg.head_dim, self.cfg.head_dim
 
+    def layer_kv_rows(self, layer: nn.Module) -> tuple[int, int, int]:
+        """kv_cache_rows of one caching layer (an Attention or RecurrentMixer module): the same for
+        every layer unless a family's layers differ (Gemma 4's full and sliding layers)."""
+        return self.kv_cache_rows()
+
     def set_ropes(self, ropes: dict[str, RotaryEmbedding]) -> None:
         self.ropes = ropes
         for name, rope in ropes.items():

@@ -38,6 +38,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", "phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("gemma2", "gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family("gemma3", "gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3_text",)),
+    # moe: its dense files and those with experts (26B-A4B) are one family.
+    Family("gemma4", "gemma4", "Gemma4ForCausalLM", ("Gemma4ForCausalLM",), ("gemma4",), ("gemma4_text",), moe=True),
     Family("ministral3", "ministral3", "Ministral3ForCausalLM", ("Ministral3ForCausalLM",), ("mistral3",),
            ("ministral3",)),
     Family("qwen3_5", "qwen3_5", "Qwen3_5ForCausalLM", ("Qwen3_5ForCausalLM",), ("qwen35",), ("qwen3_5_text",)),
@@ -81,6 +83,7 @@ _NEWER = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
 MULTIMODAL: dict[str, Multimodal] = {
     "Qwen3_5ForConditionalGeneration": Multimodal(_NEWER),
     "Gemma3ForConditionalGeneration": Multimodal(_SAVED + _NEWER),
+    "Gemma4ForConditionalGeneration": Multimodal(_NEWER),  # its audio and vision towers are not read
     "Mistral3ForConditionalGeneration": Multimodal(_SAVED + _NEWER),  # a ministral3 or a mistral text model
     "Llama4ForConditionalGeneration": Multimodal(_SAVED, tie_from_text=True),
 }
@@ -134,8 +137,9 @@ def family_for_gguf(arch: str | None, where: str, experts: bool = False, sliding
     family = GGUF_ARCHITECTURES.get((arch, experts, sliding))  # type: ignore[arg-type]
     if family is None and sliding:
         family = GGUF_ARCHITECTURES.get((arch, experts, False))  # type: ignore[arg-type]
-    if family is None and not experts:  # a family with experts that also has dense models (Granite 4)
-        family = GGUF_ARCHITECTURES.get((arch, True, sliding))  # type: ignore[arg-type]
+    if family is None and not experts:  # a family with experts that also has dense models (Granite 4, Gemma 4)
+        family = (GGUF_ARCHITECTURES.get((arch, True, sliding))  # type: ignore[arg-type]
+                  or GGUF_ARCHITECTURES.get((arch, True, False)))  # type: ignore[arg-type]
     if family is None:
         supported = ", ".join(sorted({a for a, _, _ in GGUF_ARCHITECTURES}))
         kind = " with experts" if experts and any(a == arch for a, _, _ in GGUF_ARCHITECTURES) else ""

@@ -7,6 +7,7 @@ its block table, who samples from it); knows nothing of how it was chosen.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -163,6 +164,8 @@ class ModelRunner:
         windows = [STATE if isinstance(m, RecurrentMixer) else m.options.sliding_window if sliding_kv else None
                    for m in layers]
         self.kv_groups = plan_kv_groups(windows, max_model_len)
+        # (heads, K row, V row) of each caching layer's tokens: one shape for most models.
+        self.layer_rows = [self.model.layer_kv_rows(m) for m in layers]
         self.state_groups = frozenset(g for g, w in enumerate(self.kv_groups.windows) if w == STATE)
         for layer, group in zip(layers, self.kv_groups.layer_group):
             layer.kv_group = group
@@ -172,6 +175,7 @@ class ModelRunner:
         # Speculative decoding's proposer (set by the engine when speculative_config is on).
         self.proposer: Proposer | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self._rank_size = rank_and_size(tp)
         # This rank's second tier (open_kv_tier), and blocks loaded from it for the next promotions.
@@ -197,10 +201,12 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of one block id: `kv_groups.slots` layers (all of them with one group)."""
-        heads, k_row, v_row = self.model.kv_cache_rows()
         # A latent layer's one row is in K, none in V (layers/mla.py; 8-bit formats refused for it).
-        return self.kv_groups.bytes_per_block(block_size, heads, self.kv_format.bytes_per_row(k_row),
-                                              self.kv_format.bytes_per_row(v_row) if v_row else 0)
+        # Layers of different shapes share a slot (one of each group): it is sized by the largest.
+        row = self.kv_format.bytes_per_row
+        k = max(heads * row(k_row) for heads, k_row, _ in self.layer_rows)
+        v = max(heads * row(v_row) if v_row else 0 for heads, _, v_row in self.layer_rows)
+        return self.kv_groups.bytes_per_block(block_size, 1, k, v)
 
     def state_blocks(self, block_size: int) -> int:
         """Blocks of one recurrent group that hold a sequence's state (its largest layer's); 0
@@ -235,16 +241,37 @@ class ModelRunner:
                              f"blocks of {per_block} bytes) but {where} has {free} bytes ({free / gib:.2f} GiB) "
                              f"available beside the weights{' (MemAvailable)' if where == 'this host' else ''}; "
                              f"lower kv_cache_memory (e.g. 0.5 of free memory) or num_kv_blocks")
-        heads, k_row, v_row = self.model.kv_cache_rows()
-        shapes = [self.backend.kv_cache_shape(num_blocks, block_size, heads, row) for row in (k_row, v_row)]
         # Zeroed, not empty: attention reads padding slots (and the KV manager's null block) under a
         # mask, and 0 * NaN is NaN. One pair per slot, shared by one layer of each KV group.
+        if len(set(self.layer_rows)) == 1:
+            heads, k_row, v_row = self.layer_rows[0]
+            shapes = [self.backend.kv_cache_shape(num_blocks, block_size, heads, row) for row in (k_row, v_row)]
+            self._kv_slots = [
+                tuple(torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device) for shape in shapes)
+                for _ in range(self.kv_groups.slots)
+            ]
+            self.kv_caches = [self._kv_slots[slot] for slot in self.kv_groups.layer_slot]
+        else:
+            self._allocate_mixed_shapes(num_blocks, block_size)
+        self.block_size = block_size
+
+    def _allocate_mixed_shapes(self, num_blocks: int, block_size: int) -> None:
+        """Layers whose rows differ (Gemma 4's full and sliding layers): each slot is a flat
+        [num_blocks, largest block] tensor, and each layer sees the first part of every block as
+        its [num_blocks, block_size, heads, row] cache, a strided view where its block is smaller
+        (the backends read such a view through torch, the compiled kernels taking contiguous caches)."""
+        shapes = [[self.backend.kv_cache_shape(num_blocks, block_size, heads, row) for row in (k_row, v_row)]
+                  for heads, k_row, v_row in self.layer_rows]
+        per_block = [max(math.prod(layer[i][1:]) for layer in shapes) for i in (0, 1)]
         self._kv_slots = [
-            tuple(torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device) for shape in shapes)
+            tuple(torch.zeros(num_blocks, n, dtype=self.kv_format.storage_dtype, device=self.device)
+                  for n in per_block)
             for _ in range(self.kv_groups.slots)
         ]
-        self.kv_caches = [self._kv_slots[slot] for slot in self.kv_groups.layer_slot]
-        self.block_size = block_size
+        self.kv_caches = [
+            tuple(flat[:, :math.prod(shape[1:])].view(shape) for flat, shape in zip(self._kv_slots[slot], layer))
+            for slot, layer in zip(self.kv_groups.layer_slot, shapes)
+        ]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give each new block the contents of the shared one it replaces."""
@@ -537,8 +564,8 @@ def rank_memory(runner: ModelRunner, rank: int) -> dict:
     import resource
 
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    # Layers of different KV groups share tensors: count each tensor once.
-    kv = sum(t.numel() * t.element_size() for t in {id(t): t for pair in runner.kv_caches for t in pair}.values())
+    # The pool's own tensors: layers of different KV groups share them, or views of them.
+    kv = sum(t.numel() * t.element_size() for pair in runner._kv_slots for t in pair)
     report = {"rank": rank, "device": str(runner.device), "weight_bytes": weights, "kv_cache_bytes": kv,
               "num_kv_heads": runner.model.num_kv_heads, **runner.model.compute_cost(),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

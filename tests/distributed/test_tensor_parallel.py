@@ -262,7 +262,9 @@ def test_a_script_without_the_main_guard_is_told_the_fix(tiny_llama_dir, tmp_pat
 # SmolLM3 (NoPE layers) and Granite (scalar multipliers) add nothing to shard: each rank applies
 # them to its own heads as one rank would; tests/models covers them on one rank.
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "olmo2", "olmo3", "phi3", "gemma2", "gemma3", "ministral3",
-                                    "lfm2", "qwen3_5", "mixtral", "qwen3_moe", "gpt_oss", "llama4", "deepseek_v3"])
+                                    "lfm2", "qwen3_5", "mixtral", "qwen3_moe", "gpt_oss", "llama4", "deepseek_v3",
+                                    # ~20 s on 2 cores: past the fast suite's budget for one family.
+                                    pytest.param("gemma4", marks=pytest.mark.slow)])
 def test_families_on_two_ranks_match_one(family, tmp_path_factory):
     """The sharding each family adds: per-head q/k norms (Qwen3), a norm over all heads whose
     sum of squares crosses ranks (OLMo 2), checkpoints with q/k/v and gate/up already fused
@@ -274,7 +276,8 @@ def test_families_on_two_ranks_match_one(family, tmp_path_factory):
     added once), attention sinks split by head (gpt-oss), Llama 4's shared expert beside experts that
     scale their inputs, and its q/k pairs permuted per head before the heads are split, latent
     attention's heads split with the latent row cached whole on each rank, and shared experts beside
-    grouped routing (DeepSeek-V3)."""
+    grouped routing (DeepSeek-V3); per-layer embeddings split by vocabulary, KV-shared layers' queries
+    split by head, and one full-layer KV head replicated on both ranks (Gemma 4)."""
     from tests.models.families import build
 
     path = str(build(family, tmp_path_factory.mktemp(family)))

@@ -52,6 +52,18 @@ FAMILIES = {
                dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
                     rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
                     pad_token_id=0)),
+    # Gemma 4: sliding layers (window 8) of 16-wide heads and full layers of 64-wide ones with one KV
+    # head (v from k_proj: attention_k_eq_v) and proportional rope; the last two layers share the K/V
+    # of the last earlier layer of their type (and have double-wide MLPs); per-layer embeddings; 4
+    # experts (top-2) beside each MLP; a final soft-cap.
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+               dict(head_dim=16, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+                    num_hidden_layers=5, sliding_window=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                 "full_attention"],
+                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=320, enable_moe_block=True,
+                    num_experts=4, top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=5.0,
+                    tie_word_embeddings=True, pad_token_id=0)),
     # YaRN (a non-trivial attention factor from mscale / mscale_all_dim) and queries scaled up at
     # every 16 positions (original_max_position_embeddings), so each prompt crosses a step; a window.
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM",
@@ -133,6 +145,11 @@ MULTIMODAL = {
                   dict(tie_word_embeddings=False, mm_tokens_per_image=4)),
     "mistral3_vl": ("Mistral3Config", "Mistral3ForConditionalGeneration", "ministral3", {**_VISION, "head_dim": 16},
                     dict(tie_word_embeddings=True)),
+    # Gemma 4's published checkpoints are all of this class (with an audio tower in some, not read either).
+    "gemma4_vl": ("Gemma4Config", "Gemma4ForConditionalGeneration", "gemma4",
+                  dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64),
+                  dict(tie_word_embeddings=True)),
     # Mistral Small 3.1's text model is a plain Mistral one.
     "mistral3_mistral_vl": ("Mistral3Config", "Mistral3ForConditionalGeneration", "mistral",
                             {**_VISION, "head_dim": 16}, dict(tie_word_embeddings=True)),
@@ -186,6 +203,8 @@ def _perturb(model: torch.nn.Module, family: str) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router: zeros at init
                 b.normal_(0.0, 0.3)
+            elif name.endswith("layer_scalar"):  # Gemma 4's: ones at init
+                b.uniform_(0.5, 1.5)
         if family.startswith("gemma"):
             # Gemma multiplies embeddings by sqrt(hidden_size) (8 here) and ties its head: at std
             # 0.3 the token's own embedding would swamp the residual stream and the model would

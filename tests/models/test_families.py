@@ -45,7 +45,7 @@ ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
 # layers give back what slid out (and a block of a group holds only that group's layers), so they
 # need a smaller pool to be preempted.
 CHUNKED_POOL = {"mistral": 20, "qwen3": 20, "olmo3": 20, "gemma2": 20, "gemma3": 20, "ministral3": 20, "gpt_oss": 20,
-                 "lfm2": 14, "qwen3_5": 12, "qwen3_5_moe": 12, "granite_moe_hybrid": 12}
+                 "lfm2": 14, "qwen3_5": 12, "qwen3_5_moe": 12, "granite_moe_hybrid": 12, "gemma4": 24}
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
 

@@ -80,6 +80,10 @@ QUANTIZED_LOGPROB_ATOL = 2e-3
 # Families whose converter needs a multi-token-prediction layer (see add_mtp_layer).
 MTP = ("qwen3_5", "qwen3_5_moe")
 SENTENCEPIECE = ("gemma2", "phi3")
+# Families whose converter reads a Llama-style BPE tokenizer.json with byte fallback alone (Gemma 4):
+# the SentencePiece model converted by transformers, its 300 pieces the whole vocabulary (the
+# converter writes as many embedding rows as the tokenizer has tokens).
+LLAMA_BPE = ("gemma4",)
 # Phi-3's LongRoPE: short factors within the original context (64), as the HF reference has
 # them for these sequences (see test_families.ENGINE_ARGS).
 ENGINE_ARGS = {"phi3": {"max_model_len": 64}}
@@ -112,7 +116,17 @@ def sentencepiece_model() -> bytes:
 
 def hf_model(family: str, tmp_path, smollm2_tokenizer, sentencepiece_model) -> tuple:
     """(the HF directory, the vocabulary size) of family's test model."""
-    if family in SENTENCEPIECE:
+    if family in LLAMA_BPE:
+        vocab = 300
+        model_dir = build(family, tmp_path / family, vocab_size=vocab, vocab_size_per_layer_input=vocab,
+                          **GGUF_CHANGES.get(family, {}))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (model_dir / name).unlink()
+        (model_dir / "tokenizer.model").write_bytes(sentencepiece_model)
+        (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+        transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(model_dir)
+        (model_dir / "tokenizer.model").unlink()
+    elif family in SENTENCEPIECE:
         model_dir, vocab = build(family, tmp_path / family, **GGUF_CHANGES.get(family, {})), 320
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (model_dir / name).unlink()

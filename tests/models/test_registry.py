@@ -58,5 +58,8 @@ def test_unknown_architectures_name_what_is_supported(tmp_path):
     # Granite 4 hybrids come with experts or without (a dense one): one family either way.
     assert family_for_gguf("granitehybrid", "x.gguf", experts=True).name == "granite_moe_hybrid"
     assert family_for_gguf("granitehybrid", "x.gguf").name == "granite_moe_hybrid"
+    # Gemma 4's files all have sliding layers, its 26B-A4B experts besides.
+    assert family_for_gguf("gemma4", "x.gguf", sliding=True).name == "gemma4"
+    assert family_for_gguf("gemma4", "x.gguf", experts=True, sliding=True).name == "gemma4"
     assert family_for_gguf("gpt-oss", "x.gguf", experts=True, sliding=True).name == "gpt_oss"
     assert family_for_hf({"model_type": "gemma3_text"}, "config.json").name == "gemma3"

@@ -1363,7 +1363,7 @@ struct SuperRows {
 // EPYC Zen 4, one thread, A/B in one process; AVX2 builds likewise, Q8_0 12.6 -> 17.3 GB/s), and
 // share each chunk of x's codes among 8 accumulators. Q6_K's AVX-512 kernel keeps each row's 16
 // group scales in a register: 4 rows (8 measured slower on the 2048-value rows). Q4_0 and Q4_1
-// keep 2: with 8, SmolLM2's 576-value rows (Q4_1 head, gate/up) read 0.8-1.0x as fast.
+// keep 2: with 8, their products on SmolLM2's shapes (576-value rows) read 0.8-1.0x as fast.
 template <int64_t T>
 constexpr int single_row_group() {
   if constexpr (T == Q8_0 || T == Q4_K || T == Q5_K) return 8;

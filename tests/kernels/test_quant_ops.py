@@ -76,7 +76,7 @@ def rounded_to_int8(x: torch.Tensor, two_codes: bool, block: int = 32) -> torch.
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_int8_activation_products_are_the_rounded_activations_exact_product(qtype, activations, cols, monkeypatch):
     monkeypatch.setitem(q.INT8_MAX_ROWS, activations, 32)  # the kernel at every batch size tried here
-    # pairs of W's rows for one row of x, then a tail; at K 4352, 120 rows span two of the passes
+    # groups of 8 (4) of W's rows for one row of x, then a tail; at K 4352, 120 rows span two of the passes
     # (kIntPassBytes) that several groups of x's rows take through W
     rows = 41 if cols == 512 else 120
     raw = random_blocks(qtype, rows, cols, seed=4)

@@ -1356,16 +1356,36 @@ struct SuperRows {
 #endif
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
-// Rows [n0, n1) of W into `rows` (1..8) rows of x, one accumulator each; two rows of W at a time
-// for a single row of x (independent accumulator chains keep the FMA units busy).
-template <class Rows>
+// Rows of W taken together against a single row of x (a decode step of one sequence). A product
+// of one row is bound by how fast W's rows arrive from memory, and each row read at once is a
+// stream the CPU's prefetchers follow on their own: with 2 rows a thread read the 1B shapes at
+// ~11 GB/s against ~22 that one core streams; 8 rows at once read them at 14-20 (Q8_0, Q4_K; AMD
+// EPYC Zen 4, one thread, A/B in one process; AVX2 builds likewise, Q8_0 12.6 -> 17.3 GB/s), and
+// share each chunk of x's codes among 8 accumulators. Q6_K's AVX-512 kernel keeps each row's 16
+// group scales in a register: 4 rows (8 measured slower on the 2048-value rows). Q4_0 and Q4_1
+// keep 2: with 8, their products on SmolLM2's shapes (576-value rows) read 0.8-1.0x as fast.
+template <int64_t T>
+constexpr int single_row_group() {
+  if constexpr (T == Q8_0 || T == Q4_K || T == Q5_K) return 8;
+#if defined(PAGELLM_INT8_VNNI)
+  if constexpr (T == Q6_K) return 4;
+#else
+  if constexpr (T == Q6_K) return 8;
+#endif
+  return 2;
+}
+
+// Rows [n0, n1) of W into `rows` (1..8) rows of x, one accumulator each; for a single row of x,
+// single_row_group<T> rows of W at a time, then the rest one by one.
+template <int64_t T, class Rows>
 void multiply_group(int64_t rows, ActView v, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                     int64_t n0, int64_t n1) {
-  const int64_t paired = n0 + (n1 - n0) / 2 * 2;
+  constexpr int kSingle = single_row_group<T>();
+  const int64_t grouped = n0 + (n1 - n0) / kSingle * kSingle;
   switch (rows) {
     case 1:
-      Rows::template run<1, 2>(v, K, w, row_bytes, y, N, n0, paired);
-      if (paired < n1) Rows::template run<1, 1>(v, K, w, row_bytes, y, N, paired, n1);
+      Rows::template run<1, kSingle>(v, K, w, row_bytes, y, N, n0, grouped);
+      if (grouped < n1) Rows::template run<1, 1>(v, K, w, row_bytes, y, N, grouped, n1);
       break;
     case 2: Rows::template run<2, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
     case 3: Rows::template run<3, 1>(v, K, w, row_bytes, y, N, n0, n1); break;
@@ -1407,12 +1427,12 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
 #if defined(PAGELLM_INT8_VNNI)
       if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
         if (wide) {
-          multiply_group<WideRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+          multiply_group<T, WideRows<T>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
           continue;
         }
 #endif
-      if constexpr (kSuperActs) multiply_group<SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
-      else multiply_group<LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+      if constexpr (kSuperActs) multiply_group<T, SuperRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
+      else multiply_group<T, LaneRows<T, kTwo>>(rows, v, K, w, row_bytes, y + m0 * N, N, p0, p1);
     }
   }
 }

@@ -9,7 +9,10 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 # Byte offsets of each block's float16 scales (the rest of a block may be any bytes).
-HALF_OFFSETS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+HALF_OFFSETS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+                T.IQ4_NL: [0], T.IQ4_XS: [0], T.MXFP4: []}
+# Byte offsets of each block's E8M0 exponent (MXFP4's scale: 2^(e - 128)).
+EXPONENT_OFFSETS = {T.MXFP4: [0]}
 
 
 def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -20,6 +23,8 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     for off in HALF_OFFSETS[qtype]:
         scales = (rng.standard_normal((rows, cols // values)) * 0.01).astype(np.float16)
         raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
+    for off in EXPONENT_OFFSETS.get(qtype, []):  # scales 2^-11 .. 2^-4, like the fp16 ones above
+        raw[:, :, off] = rng.integers(117, 125, size=(rows, cols // values), dtype=np.uint8)
     return raw.reshape(rows, -1)
 
 

@@ -111,6 +111,33 @@ class GGUFBlocks:
         return dequantize_rows(self.data, self.qtype, self.cols, torch.arange(self.data.shape[0]), dtype)
 
 
+class ExpertBlocks:
+    """Every expert's matrix of one kind (gate, up or down) as a GGUF file stacks them: `data`
+    uint8 [experts, rows, row_bytes] of type `qtype`, rows of `cols` values. layers/moe.py keeps
+    them so; anything else takes `dequantize()`."""
+
+    def __init__(self, data: torch.Tensor, qtype: int, cols: int) -> None:
+        GGUFBlocks(data[0], qtype, cols)  # checks the row size
+        self.data, self.qtype, self.cols = data, qtype, cols
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:2], self.cols))
+
+    @property
+    def type_name(self) -> str:
+        return NATIVE_TYPES[self.qtype]
+
+    def to(self, *args, **kwargs) -> ExpertBlocks:
+        return self
+
+    def expert(self, e: int) -> GGUFBlocks:
+        return GGUFBlocks(self.data[e], self.qtype, self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([self.expert(e).dequantize(dtype) for e in range(self.data.shape[0])])
+
+
 def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `rows` of a block matrix as dense [len(rows), cols] rows of `dtype`."""
     if qtype in codebook.CODEBOOK_TYPES:

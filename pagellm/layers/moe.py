@@ -84,8 +84,9 @@ class FusedMoE(HotModule):
         expert, kind = part
         n, r = self.inter, self.rank
         if isinstance(loaded, ExpertBlocks):
+            kind = kind.removesuffix("_t")  # blocks are rows of outputs, whatever a dense checkpoint's layout
             matrix = param is self.w13 or param is self.w2
-            if matrix and expert == "all" and kind in ("w1", "w3", "w2") and (
+            if matrix and expert == "all" and (
                     param.dtype == torch.uint8 or not self._filled(param)):
                 self._load_blocks(param, loaded, kind)
                 return
@@ -122,7 +123,16 @@ class FusedMoE(HotModule):
 
     def _load_blocks(self, param: nn.Parameter, loaded: ExpertBlocks, kind: str) -> None:
         """Every expert's gate, up or down rows kept in their blocks (this rank's rows of gate and
-        up, its columns of down: those cut at block boundaries, or ValueError)."""
+        up, its columns of down: those cut at block boundaries, or ValueError). `kind` as in
+        weight_loader, with gate and up stacked ("w13") or alternating ("w13_interleaved") rows."""
+        if kind in ("w13", "w13_interleaved"):
+            rows = loaded.data.shape[1]
+            gate, up = ((slice(0, rows // 2), slice(rows // 2, rows)) if kind == "w13"
+                        else (slice(0, rows, 2), slice(1, rows, 2)))
+            for half, part in ((gate, "w1"), (up, "w3")):
+                self._load_blocks(param, ExpertBlocks(loaded.data[:, half].contiguous(), loaded.qtype, loaded.cols),
+                                  part)
+            return
         key = "w2" if param is self.w2 else "w13"
         n, r = self.inter, self.rank
         if param.dtype != torch.uint8:

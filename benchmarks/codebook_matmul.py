@@ -45,7 +45,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default); on shared cores, "
+                    "1 keeps a product from waiting for a second thread's turn")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kernels = cpu.codebook_kernels()
     rows = []
     load_before = os.getloadavg()

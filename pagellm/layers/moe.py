@@ -23,7 +23,7 @@ from pagellm.layers.activation import Activation, act_and_mul
 from pagellm.layers.linear import ReplicatedLinear, default_linear_method
 from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import divide, load_whole, rank_and_size
-from pagellm.layers.quant.gguf import ExpertBlocks, gguf_matmul
+from pagellm.layers.quant.gguf import NATIVE_TYPES, ExpertBlocks, gguf_matmul
 
 # What a checkpoint tensor of one expert is: its gate (w1), up (w3) or down (w2) projection.
 EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
@@ -80,7 +80,8 @@ class FusedMoE(HotModule):
         and up alternating feature by feature: gpt-oss), "w1", "w3" or "w2" (GGUF's
         ffn_{gate,up,down}_exps, transformers 5's down_proj). A kind ending in "_t": the
         checkpoint stores the matrix transposed, [in, out]. A bias takes the same kinds as its
-        matrix, without the input dimension."""
+        matrix, without the input dimension. Every expert's matrix in GGUF blocks (ExpertBlocks,
+        rows of outputs whatever the kind says) stays in its blocks (_load_blocks)."""
         expert, kind = part
         n, r = self.inter, self.rank
         if isinstance(loaded, ExpertBlocks):
@@ -117,8 +118,6 @@ class FusedMoE(HotModule):
         return id(param) in self._touched
 
     def _type_name(self, param: nn.Parameter) -> str:
-        from pagellm.layers.quant.gguf import NATIVE_TYPES
-
         return NATIVE_TYPES[self.block_types["w2" if param is self.w2 else "w13"]]
 
     def _load_blocks(self, param: nn.Parameter, loaded: ExpertBlocks, kind: str) -> None:
@@ -135,18 +134,16 @@ class FusedMoE(HotModule):
             return
         key = "w2" if param is self.w2 else "w13"
         n, r = self.inter, self.rank
-        if param.dtype != torch.uint8:
-            param.data = torch.empty((self.num_experts, param.shape[1], 0), dtype=torch.uint8)
+        parts = [loaded.expert(e) for e in range(self.num_experts)]
+        parts = [p.narrow(1, r * n, n) if kind == "w2" else p.narrow(0, r * n, n) for p in parts]
+        data = torch.stack([p.data for p in parts])
+        if param.dtype != torch.uint8:  # the first part: the dense placeholder becomes blocks
+            param.data = torch.zeros((self.num_experts, param.shape[1], data.shape[2]), dtype=torch.uint8)
             self.block_types[key] = loaded.qtype
         elif self.block_types[key] != loaded.qtype:
             raise ValueError(f"experts' {kind} is {loaded.type_name} but the other parts of its matrix are "
                              f"{self._type_name(param)}; serve the file with quantization 'none'")
         self._touched.add(id(param))
-        parts = [loaded.expert(e) for e in range(self.num_experts)]
-        parts = [p.narrow(1, r * n, n) if kind == "w2" else p.narrow(0, r * n, n) for p in parts]
-        data = torch.stack([p.data for p in parts])
-        if param.shape[2] == 0:
-            param.data = torch.zeros((self.num_experts, param.shape[1], data.shape[2]), dtype=torch.uint8)
         rows = slice(None) if kind == "w2" else slice(0, n) if kind == "w1" else slice(n, 2 * n)
         param.data[:, rows] = data
 
@@ -184,7 +181,6 @@ class FusedMoE(HotModule):
             out.index_add_(0, tokens[rows], y.to(out.dtype))
             start += n
         return out if self.tp is None else self.tp.all_reduce(out)
-
 
     def _product(self, x: torch.Tensor, key: str, e: int, bias: torch.Tensor | None) -> torch.Tensor:
         w, qtype = getattr(self, key)[e], self.block_types[key]

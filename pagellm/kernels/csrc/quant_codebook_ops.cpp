@@ -19,10 +19,10 @@
 //   batch-invariant mode can use it as it is.
 // - codebook_matmul_int8: x rounded to int8 codes per 32 values (one code per value, or two: the
 //   `activation_quantization` modes of layers/quant/gguf.py, rounded the same way as quant_ops.cpp
-//   rounds them), multiplied by the shuffled table values with integer dot products. The table
-//   values are signed, so as llama.cpp does, the product takes |w| (unsigned) and x's codes with
-//   w's sign: VPDPBUSD on AVX-512 VNNI, VPMADDUBSW + VPMADDWD on AVX2 (no saturation: |w|, |c| <=
-//   127, a pair sums to at most 32258).
+//   rounds them), multiplied by the shuffled table values with integer dot products. One code:
+//   the table values are signed, so as llama.cpp does, the product takes |w| (unsigned) and x's
+//   codes with w's sign: VPDPBUSD on AVX-512 VNNI, VPMADDUBSW + VPMADDWD on AVX2 (no saturation:
+//   |w|, |c| <= 127, a pair sums to at most 32258). Two: both codes as one 16-bit value, VPMADDWD.
 // - codebook_dequantize_rows: chosen rows as float32 or bfloat16 (embeddings, tiles of W for
 //   torch's GEMM at larger batches).
 //
@@ -263,18 +263,21 @@ void float_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
 // ---- int8 activations ----------------------------------------------------------------------
 // x [M, K] rounded per 32 values: c = round(x * 127 / max|x|) (half to even); with two codes
 // also r = round(128 * (x * 127 / max|x| - c)) (the difference as one FMA rounds it), so
-// x ~ d * (c + r / 128) with d = max|x| / 127. `scale` holds d (d / 128 with two codes, whose
-// integer sums are 128 * sum(w c) + sum(w r)). A run holding a NaN gets scale NaN, so its row
-// of y is NaN rather than a finite number from codes that mean nothing.
+// x ~ d * (c + r / 128) with d = max|x| / 127. One code: `codes` c. Two: `wide` 128 c + r in 16
+// bits (|128 c + r| <= 16320), multiplied by the table values widened to 16 bits with one
+// VPMADDWD per 16 values, which two byte products per code and a shift cost more than. `scale`
+// holds d (d / 128 with two codes). A run holding a NaN gets scale NaN, so its row of y is NaN
+// rather than a finite number from codes that mean nothing.
 struct Rounded {
-  std::vector<int8_t> codes, residual;
+  std::vector<int8_t> codes;
+  std::vector<int16_t> wide;
   std::vector<float> scale;
 };
 
 Rounded round_activations(const float* x, int64_t M, int64_t K, bool two) {
   Rounded a;
-  a.codes.resize(M * K);
-  if (two) a.residual.resize(M * K);
+  if (two) a.wide.resize(M * K);
+  else a.codes.resize(M * K);
   a.scale.resize(M * K / kRun);
   at::parallel_for(0, M * K / kRun, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -290,8 +293,12 @@ Rounded round_activations(const float* x, int64_t M, int64_t K, bool two) {
       a.scale[r] = two ? d / 128.f : d;
       for (int i = 0; i < kRun; ++i) {
         const float c = nan ? 0.f : std::nearbyint(v[i] * inv);
-        a.codes[r * kRun + i] = static_cast<int8_t>(c);
-        if (two) a.residual[r * kRun + i] = nan ? 0 : static_cast<int8_t>(std::nearbyint(std::fma(v[i], inv, -c) * 128.f));
+        if (!two) {
+          a.codes[r * kRun + i] = static_cast<int8_t>(c);
+          continue;
+        }
+        const float residual = nan ? 0.f : std::nearbyint(std::fma(v[i], inv, -c) * 128.f);
+        a.wide[r * kRun + i] = static_cast<int16_t>(128 * static_cast<int>(c) + static_cast<int>(residual));
       }
     }
   });
@@ -299,6 +306,27 @@ Rounded round_activations(const float* x, int64_t M, int64_t K, bool two) {
 }
 
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i load16x16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Per pair of values, sum(w * x16) for a run's 32 table values w (bytes) and 32 16-bit x16, as 8
+// int32 lanes.
+struct Wide {
+#if defined(__AVX512BW__)
+  __m512i w;
+  explicit Wide(__m256i v) : w(_mm512_cvtepi8_epi16(v)) {}
+  __m256i dot(const int16_t* x) const {
+    const __m512i d = _mm512_madd_epi16(w, _mm512_loadu_si512(x));
+    return _mm256_add_epi32(_mm512_castsi512_si256(d), _mm512_extracti64x4_epi64(d, 1));
+  }
+#else
+  __m256i lo, hi;
+  explicit Wide(__m256i v)
+      : lo(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v))), hi(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))) {}
+  __m256i dot(const int16_t* x) const {
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, load16x16(x)), _mm256_madd_epi16(hi, load16x16(x + 16)));
+  }
+#endif
+};
 
 // Per 4-value lane, sum(|w| * (c with w's sign)) = sum(w * c).
 inline __m256i dot4(__m256i aw, __m256i signed_c) {
@@ -313,8 +341,8 @@ template <class R, int M, bool kTwo>
 void int8_rows(const Rounded& a, int64_t m0, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
                int64_t n0, int64_t n1) {
   float s[kMaxRunsPerBlock];
-  const int8_t* codes = a.codes.data() + m0 * K;
-  const int8_t* residual = kTwo ? a.residual.data() + m0 * K : nullptr;
+  const int8_t* codes = kTwo ? nullptr : a.codes.data() + m0 * K;
+  const int16_t* wide = kTwo ? a.wide.data() + m0 * K : nullptr;
   const float* scale = a.scale.data() + m0 * K / kRun;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -325,13 +353,17 @@ void int8_rows(const Rounded& a, int64_t m0, int64_t K, const uint8_t* w, int64_
       R::scales(block, s);
       for (int j = 0; j < R::kBlockValues / kRun; ++j) {
         const __m256i wv = run_values<R>(R::codes(block, j));
-        const __m256i aw = _mm256_sign_epi8(wv, wv);
         const int64_t run = b * (R::kBlockValues / kRun) + j;
+        if constexpr (kTwo) {
+          const Wide w16(wv);
+          for (int m = 0; m < M; ++m)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w16.dot(wide + m * K + run * kRun)),
+                                     _mm256_set1_ps(s[j] * scale[m * K / kRun + run]), acc[m]);
+          continue;
+        }
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
         for (int m = 0; m < M; ++m) {
-          __m256i dot = dot4(aw, _mm256_sign_epi8(load32(codes + m * K + run * kRun), wv));
-          if constexpr (kTwo)
-            dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7),
-                                   dot4(aw, _mm256_sign_epi8(load32(residual + m * K + run * kRun), wv)));
+          const __m256i dot = dot4(aw, _mm256_sign_epi8(load32(codes + m * K + run * kRun), wv));
           acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[j] * scale[m * K / kRun + run]), acc[m]);
         }
       }

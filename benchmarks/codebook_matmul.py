@@ -8,7 +8,7 @@ the kernels' bounds take). Their results set layers/quant/codebook.py's bounds.
 Shapes: a Llama-3.2-1B layer's gate (8192 x 2048) and down (2048 x 8192) projections, random
 valid blocks. Every product of one shape and batch runs once per round, the rounds repeated
 (`--repeat`): interleaved, so load from other processes falls on all alike; times are medians (and minima) in
-milliseconds, with the load average and CPU flags recorded beside them.
+milliseconds, with the load average recorded beside them (metadata() has the CPU's flags).
 """
 from __future__ import annotations
 
@@ -32,12 +32,6 @@ from tests.kernels.gguf_blocks import random_blocks, reference  # noqa: E402
 SHAPES = [("llama-1b gate", 8192, 2048), ("llama-1b down", 2048, 8192)]  # (name, rows N, cols K)
 TYPES = (T.MXFP4, T.IQ4_NL, T.IQ4_XS)
 BATCHES = (1, 16)
-
-
-def cpu_flags() -> list[str]:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx")))
 
 
 def main() -> None:
@@ -80,7 +74,7 @@ def main() -> None:
                 rows.append({"shape": name, "type": qtype.name, "N": n, "K": k, "batch": m, "ms": ms, "min_ms": best})
                 print(f"{name:14s} {qtype.name:6s} M={m:3d} " + "  ".join(f"{key} {v:7.3f} ({best[key]:.3f})" for key, v in ms.items()),
                       flush=True)
-    write_json(Path(args.out), {**metadata("codebook_matmul"), "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
+    write_json(Path(args.out), {**metadata("codebook_matmul"), "threads": torch.get_num_threads(),
                           "load_before": load_before, "load_after": os.getloadavg(), "results": rows})
 
 

@@ -7,7 +7,10 @@ Up to FUSED_MAX_ROWS rows of x run the float32 kernel (blocks streamed once, the
 in registers: the dense product up to summation order), or with `activation_quantization` int8 /
 int8x2 up to INT8_MAX_ROWS rows the integer kernel (x rounded per 32 values as the other types'
 integer kernels round it); larger batches return None, and the caller widens tiles of W for
-torch's GEMM (compute-bound there). Bounds from benchmarks/codebook_matmul.py.
+torch's GEMM (compute-bound there). Bounds from benchmarks/codebook_matmul.py on 1B shapes, one
+thread (codebook-matmul-2026-12-05-1thread-int8x2-16bit.json, shared cores under load): the float32
+kernel ties the tiles at 16 rows; int8 beats both up to 32 on every shape; int8x2 beats the
+float32 kernel at one row (0.9 against 1.2-1.5 ms) and ties it at 4-8.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ CODEBOOK_TYPES = {20: "IQ4_NL", 23: "IQ4_XS", 39: "MXFP4"}
 # (values, bytes) per block.
 BLOCKS = {20: (32, 18), 23: (256, 136), 39: (32, 17)}
 FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
-INT8_MAX_ROWS = {"int8": 16, "int8x2": 16}
+INT8_MAX_ROWS = {"int8": 32, "int8x2": 8}
 
 
 def product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int, batch_invariant: bool = False,

@@ -275,8 +275,8 @@ def iter_gguf_weights(path: str, reader: GGUFFile | None = None, cfg: ModelArchC
                       keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap;
     with `keep_blocks`, a matrix of a type the CPU kernels multiply (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-    Q6_K, MXFP4, IQ4_NL, IQ4_XS) comes as its GGUF blocks instead (stacked experts as ExpertBlocks), and one warning names the quantized types that are
-    dequantized all the same.
+    Q6_K, MXFP4, IQ4_NL, IQ4_XS) comes as its GGUF blocks instead (stacked experts as ExpertBlocks),
+    and one warning names the quantized types that are dequantized all the same.
 
     The file is opened and checked, and every tensor's name mapped, before this returns, so a bad
     file or a tensor with no place in the model fails here, not at first use. `reader`, `cfg`: the

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagellm.layers.quant.gguf import ExpertBlocks
 
-MXFP4 = 39
 _PARTS = ("_blocks", "_scales")
 
 
@@ -47,7 +47,8 @@ def join_mxfp4(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
         if len(pair) == 2:
             del pending[base]
             blocks, scales = pair["_blocks"], pair["_scales"]
-            yield base, ExpertBlocks(gguf_blocks(blocks, scales).contiguous(), MXFP4, blocks.shape[-2] * 32)
+            yield base, ExpertBlocks(gguf_blocks(blocks, scales).contiguous(), int(GGMLQuantizationType.MXFP4),
+                                     blocks.shape[-2] * 32)
     if pending:
         base, pair = next(iter(pending.items()))
         missing = next(p for p in _PARTS if p not in pair)

@@ -140,12 +140,12 @@ class ExpertBlocks:
 
 def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `rows` of a block matrix as dense [len(rows), cols] rows of `dtype`."""
+    kernels = cpu.quant_kernels() if data.device.type == "cpu" else None
     if qtype in codebook.CODEBOOK_TYPES:
         dense = codebook.dequantize_rows(data, qtype, cols, rows, dtype)
         if dense is not None:
             return dense
-    kernels = cpu.quant_kernels() if data.device.type == "cpu" and qtype not in codebook.CODEBOOK_TYPES else None
-    if kernels is not None and dtype in (torch.float32, torch.bfloat16):
+    elif kernels is not None and dtype in (torch.float32, torch.bfloat16):
         return kernels.gguf_dequantize_rows(data, qtype, cols, rows, dtype)
     from gguf.quants import dequantize
 

@@ -8,7 +8,9 @@ csrc/cpu_ops.cpp does each in one pass (see its header). It is compiled once
 (torch.utils.cpp_extension, cached under TORCH_EXTENSIONS_DIR); when no compiler is at
 hand, or PAGELLM_CPU_KERNELS=0, the torch code runs instead, with the same results up
 to float rounding (bit-identical for float32 RoPE). csrc/quant_ops.cpp, the matrix product
-over GGUF-quantized weights, is a second extension built the same way (see layers/quant/).
+over GGUF-quantized weights, is a second extension built the same way (see layers/quant/), and
+csrc/quant_codebook_ops.cpp, the same for the types whose 4-bit codes index a table (MXFP4,
+IQ4_NL, IQ4_XS), a third.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "cpu_ops.cpp"
 # The GGUF-blocks matmul is a second extension, built only when a quantized model is loaded.
 _QUANT_SOURCE = _CSRC / "quant_ops.cpp"
+_CODEBOOK_SOURCE = _CSRC / "quant_codebook_ops.cpp"
 
 
 def build_name(source: Path | None = None) -> str:
@@ -112,6 +115,11 @@ def _load():
 def quant_kernels():
     """The GGUF-blocks kernels (csrc/quant_ops.cpp), or None where they cannot be built."""
     return _build(_QUANT_SOURCE, "quantized-matmul CPU kernels")
+
+
+def codebook_kernels():
+    """The MXFP4 / IQ4_NL / IQ4_XS kernels (csrc/quant_codebook_ops.cpp), or None where they cannot be built."""
+    return _build(_CODEBOOK_SOURCE, "MXFP4 / IQ4 CPU kernels")
 
 
 def available() -> bool:

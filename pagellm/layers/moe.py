@@ -6,6 +6,11 @@ experts have biases (gpt-oss) `w13_bias` [E, 2I], `w2_bias` [E, H]. Tensor paral
 every expert's intermediate dimension, like a dense MLP (column-parallel w13 and its bias,
 row-parallel w2), and one all-reduce sums the partial outputs; w2's bias is added by rank 0
 alone, so the sum holds it once.
+
+A GGUF file's stacked experts in a type with a CPU kernel (layers/quant/gguf.py ExpertBlocks:
+MXFP4 in gpt-oss's files, the K-quants in others) stay in their blocks: w13 or w2 is then uint8
+[E, rows, row_bytes] and each expert's product is gguf_matmul's, in the activation mode of the
+linear layers built beside it.
 """
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ from torch import nn
 
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.activation import Activation, act_and_mul
-from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.linear import ReplicatedLinear, default_linear_method
 from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import divide, load_whole, rank_and_size
+from pagellm.layers.quant.gguf import NATIVE_TYPES, ExpertBlocks, gguf_matmul
 
 # What a checkpoint tensor of one expert is: its gate (w1), up (w3) or down (w2) projection.
 EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
@@ -48,6 +54,13 @@ class FusedMoE(HotModule):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
         self.w13_bias = self.w2_bias = None
+        self.hidden_size = hidden_size
+        # Where w13 / w2 stay in GGUF blocks: their type (None: dense). The product's options are
+        # the linear layers' (layers/quant/gguf.py GGUFLinearMethod), built in the same context.
+        self.block_types: dict[str, int | None] = {"w13": None, "w2": None}
+        method = default_linear_method()
+        self.activations = getattr(method, "activations", "none")
+        self.batch_invariant = getattr(method, "batch_invariant", False)
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.inter), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
@@ -59,6 +72,7 @@ class FusedMoE(HotModule):
             # Filled when every expert's parts arrived, one by one or stacked (part ("all", kind)).
             p.parts_needed = {(e, part) for e in range(num_experts) for part in parts}
             p.expand_part = self.expand_part
+        self._touched: set[int] = set()  # the parameters a part was loaded into
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: tuple) -> None:
         """`part`: (expert, "w1" | "w3" | "w2") for one expert's matrix, or ("all", kind) for
@@ -66,9 +80,22 @@ class FusedMoE(HotModule):
         and up alternating feature by feature: gpt-oss), "w1", "w3" or "w2" (GGUF's
         ffn_{gate,up,down}_exps, transformers 5's down_proj). A kind ending in "_t": the
         checkpoint stores the matrix transposed, [in, out]. A bias takes the same kinds as its
-        matrix, without the input dimension."""
+        matrix, without the input dimension. Every expert's matrix in GGUF blocks (ExpertBlocks,
+        rows of outputs whatever the kind says) stays in its blocks (_load_blocks)."""
         expert, kind = part
         n, r = self.inter, self.rank
+        if isinstance(loaded, ExpertBlocks):
+            kind = kind.removesuffix("_t")  # blocks are rows of outputs, whatever a dense checkpoint's layout
+            matrix = param is self.w13 or param is self.w2
+            if matrix and expert == "all" and (
+                    param.dtype == torch.uint8 or not self._filled(param)):
+                self._load_blocks(param, loaded, kind)
+                return
+            loaded = loaded.dequantize(param.dtype)  # a layout kept dense, or joining dense parts already there
+        if param.dtype == torch.uint8:
+            raise ValueError(f"experts' {kind} is dense but the other parts of its matrix are "
+                             f"{self._type_name(param)} blocks; serve the file with quantization 'none'")
+        self._touched.add(id(param))
         dst = param.data[slice(None) if expert == "all" else expert]
         if kind.endswith("_t"):
             kind, loaded = kind[:-2], loaded.transpose(-1, -2)
@@ -86,6 +113,39 @@ class FusedMoE(HotModule):
         else:
             rows = slice(0, n) if kind == "w1" else slice(n, 2 * n)
             load_whole(dst[..., rows, :], loaded.narrow(-2, r * n, n))
+
+    def _filled(self, param: nn.Parameter) -> bool:
+        return id(param) in self._touched
+
+    def _type_name(self, param: nn.Parameter) -> str:
+        return NATIVE_TYPES[self.block_types["w2" if param is self.w2 else "w13"]]
+
+    def _load_blocks(self, param: nn.Parameter, loaded: ExpertBlocks, kind: str) -> None:
+        """Every expert's gate, up or down rows kept in their blocks (this rank's rows of gate and
+        up, its columns of down: those cut at block boundaries, or ValueError). `kind` as in
+        weight_loader, with gate and up stacked ("w13") or alternating ("w13_interleaved") rows."""
+        if kind in ("w13", "w13_interleaved"):
+            rows = loaded.data.shape[1]
+            gate, up = ((slice(0, rows // 2), slice(rows // 2, rows)) if kind == "w13"
+                        else (slice(0, rows, 2), slice(1, rows, 2)))
+            for half, part in ((gate, "w1"), (up, "w3")):
+                self._load_blocks(param, ExpertBlocks(loaded.data[:, half].contiguous(), loaded.qtype, loaded.cols),
+                                  part)
+            return
+        key = "w2" if param is self.w2 else "w13"
+        n, r = self.inter, self.rank
+        parts = [loaded.expert(e) for e in range(self.num_experts)]
+        parts = [p.narrow(1, r * n, n) if kind == "w2" else p.narrow(0, r * n, n) for p in parts]
+        data = torch.stack([p.data for p in parts])
+        if param.dtype != torch.uint8:  # the first part: the dense placeholder becomes blocks
+            param.data = torch.zeros((self.num_experts, param.shape[1], data.shape[2]), dtype=torch.uint8)
+            self.block_types[key] = loaded.qtype
+        elif self.block_types[key] != loaded.qtype:
+            raise ValueError(f"experts' {kind} is {loaded.type_name} but the other parts of its matrix are "
+                             f"{self._type_name(param)}; serve the file with quantization 'none'")
+        self._touched.add(id(param))
+        rows = slice(None) if kind == "w2" else slice(0, n) if kind == "w1" else slice(n, 2 * n)
+        param.data[:, rows] = data
 
     def expand_part(self, part: tuple) -> set[tuple]:
         """The (expert, matrix) pairs a loaded part fills."""
@@ -114,13 +174,25 @@ class FusedMoE(HotModule):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            h = act_and_mul(F.linear(routed[rows], self.w13[e], None if b13 is None else b13[e]), self.act)
-            y = F.linear(h, self.w2[e], None if b2 is None else b2[e])
+            h = act_and_mul(self._product(routed[rows], "w13", e, None if b13 is None else b13[e]), self.act)
+            y = self._product(h, "w2", e, None if b2 is None else b2[e])
             if not self.scale_inputs:
                 y = y * scale[rows, None]
             out.index_add_(0, tokens[rows], y.to(out.dtype))
             start += n
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _product(self, x: torch.Tensor, key: str, e: int, bias: torch.Tensor | None) -> torch.Tensor:
+        w, qtype = getattr(self, key)[e], self.block_types[key]
+        if qtype is None:
+            return F.linear(x, w, bias)
+        cols = self.hidden_size if key == "w13" else self.inter
+        y = gguf_matmul(x, w, qtype, cols, self.batch_invariant, self.activations)
+        return y if bias is None else y + bias
+
+    def macs_per_token(self) -> int:
+        """Multiply-adds of one token's experts (gate, up and down of its top_k)."""
+        return self.top_k * 3 * self.inter * self.hidden_size
 
 
 class SparseMoeBlock(HotModule):

@@ -23,7 +23,7 @@ import torch
 from gguf import GGUFValueType
 from gguf.quants import dequantize
 
-from pagellm.layers.quant.gguf import NATIVE_TYPES, GGUFBlocks
+from pagellm.layers.quant.gguf import NATIVE_TYPES, ExpertBlocks, GGUFBlocks
 from pagellm.loader.gguf_file import ByteOrderError, GGUFFile
 from pagellm.models.arch import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import family_for_gguf
@@ -396,8 +396,8 @@ def iter_gguf_weights(path: str, reader: GGUFFile | None = None, cfg: ModelArchC
                       keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield `(hf_name, float32 tensor in HF shape)` one tensor at a time, dequantizing from the mmap;
     with `keep_blocks`, a matrix of a type the CPU kernels multiply (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-    Q6_K) comes as its GGUF blocks instead, and one warning names the quantized types that are
-    dequantized all the same.
+    Q6_K, MXFP4, IQ4_NL, IQ4_XS) comes as its GGUF blocks instead (stacked experts as ExpertBlocks),
+    and one warning names the quantized types that are dequantized all the same.
 
     The file is opened and checked, and every tensor's name mapped, before this returns, so a bad
     file or a tensor with no place in the model fails here, not at first use. `reader`, `cfg`: the
@@ -423,8 +423,10 @@ def has_native_blocks(reader: GGUFFile) -> bool:
 
 
 def _as_blocks(tensor: Any) -> bool:
-    """Whether a file tensor is served in its blocks: a matrix of a type with a kernel."""
-    return len(tensor.shape) == 2 and int(tensor.tensor_type) in NATIVE_TYPES
+    """Whether a file tensor is served in its blocks: a matrix, or every expert's matrices stacked
+    (ffn_*_exps), of a type with a kernel."""
+    shape_ok = len(tensor.shape) == 2 or (len(tensor.shape) == 3 and _EXPERT_TENSOR_RE.fullmatch(tensor.name))
+    return bool(shape_ok) and int(tensor.tensor_type) in NATIVE_TYPES
 
 
 def _weights(reader: GGUFFile, names: dict[str, str], shapes: dict[str, torch.Size], arch: str,
@@ -436,8 +438,10 @@ def _weights(reader: GGUFFile, names: dict[str, str], shapes: dict[str, torch.Si
             continue
         if keep_blocks and _as_blocks(tensor) and not _columns_reordered(arch, name, cfg.hf_config):
             # A copy out of the read-only mmap: [rows, row_bytes] as the file lays them out.
-            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1))
-            weight = GGUFBlocks(data, int(tensor.tensor_type), int(tensor.shape[0]))
+            rows = [int(d) for d in reversed(tensor.shape[1:])]  # [experts,] rows
+            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(*rows, -1))
+            blocks = GGUFBlocks if len(rows) == 1 else ExpertBlocks
+            weight = blocks(data, int(tensor.tensor_type), int(tensor.shape[0]))
         else:
             weight = _in_reference_shape(_to_torch(tensor, path), shapes.get(name))
         if permuted and ".q_proj." in name:

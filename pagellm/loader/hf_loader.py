@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from pagellm.layers.quant.gguf import ExpertBlocks
+from pagellm.loader.mxfp4 import join_mxfp4
 from pagellm.models.arch import ModelArchConfig, arch_from_hf
 from pagellm.models.registry import HF_ARCHITECTURES, Multimodal, causal_lm_of_base, family_for_hf, multimodal_for_hf
 
@@ -61,16 +63,18 @@ def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type
         raise ValueError(f"{config_path}: transformers cannot read this config: {exc}") from None
 
 
-def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor | ExpertBlocks]]:
     """Yield `(name, tensor)` from the directory's safetensors files, one tensor at a time, as stored
     (an image-text checkpoint's text weights alone, named as its text family names them; the
-    others are never read, nor the shards that hold only them).
+    others are never read, nor the shards that hold only them), but OpenAI's MXFP4 experts
+    (`<name>_blocks`, `<name>_scales`) joined as `<name>` in GGUF blocks (loader/mxfp4.py).
 
     The weight files are found before this returns, so a directory without usable weights fails here.
     """
     config_path = os.path.join(model_dir, "config.json")
     multimodal = multimodal_for_hf(_read_json(config_path)) if os.path.isfile(config_path) else None
-    return _tensors(_safetensors_files(model_dir, multimodal), multimodal)
+    # OpenAI's MXFP4 experts (gpt-oss) come as GGUF MXFP4 blocks, which FusedMoE keeps.
+    return join_mxfp4(_tensors(_safetensors_files(model_dir, multimodal), multimodal))
 
 
 def _tensors(files: list[str], multimodal: Multimodal | None) -> Iterator[tuple[str, torch.Tensor]]:

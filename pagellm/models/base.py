@@ -118,7 +118,7 @@ class CausalLM(nn.Module):
                 macs += module.in_features * module.out_features
                 streamed += nbytes(module)
             elif isinstance(module, FusedMoE):
-                macs += module.top_k * (module.w13[0].numel() + module.w2[0].numel())
+                macs += module.macs_per_token()
                 streamed += nbytes(module)  # a decode batch of B tokens reads min(E, ~B*k) experts: an upper bound
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         macs += head.num_local * self.cfg.hidden_size

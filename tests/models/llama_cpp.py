@@ -106,6 +106,8 @@ def requantize(src: Path, out: Path, type_of) -> Path:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
 
+    from tests.kernels.gguf_blocks import quantize_iq4
+
     reader = GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(out, arch)
@@ -121,7 +123,10 @@ def requantize(src: Path, out: Path, type_of) -> Path:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        writer.add_tensor(t.name, quantize(dense, qtype), raw_dtype=GGMLQuantizationType(qtype))
+        # gguf-py only decodes IQ4_NL and IQ4_XS: the tests' own encoder writes them
+        blocks = quantize_iq4(dense, qtype) if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS) \
+            else quantize(dense, qtype)
+        writer.add_tensor(t.name, blocks, raw_dtype=GGMLQuantizationType(qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

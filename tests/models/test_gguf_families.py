@@ -211,25 +211,31 @@ def test_converted_gguf_matches_transformers(family, conversions):
     assert_matches(tokens_and_logprobs(outs), expected)
 
 
-def test_gpt_oss_mxfp4_experts_load_dequantized(conversions, tmp_path, caplog):
+def test_gpt_oss_mxfp4_experts_are_served_in_blocks(conversions, tmp_path, caplog):
     """OpenAI's gpt-oss GGUF files keep the experts in MXFP4. Such a file (the test model's experts
-    quantized by gguf-py's own MXFP4 quantizer) loads them dequantized, with the one warning that
-    names the type, and serves what the same file with those values stored as F32 serves."""
+    quantized by gguf-py's own MXFP4 quantizer) keeps them in their blocks, with no warning of
+    dequantized types, and serves what the same file dequantized serves: with float32 products the
+    same tokens and logprobs (summation order aside), with the default int8x2 activations the same
+    tokens."""
     _, gguf_path, vocab = conversions["gpt_oss"]
     if isinstance(gguf_path, str):
         raise AssertionError(f"convert_hf_to_gguf.py failed on gpt_oss:\n{gguf_path}")
     mxfp4 = requantize(gguf_path, tmp_path / "mxfp4.gguf", lambda name: T.MXFP4 if "_exps.weight" in name else None)
-    widened = requantize(mxfp4, tmp_path / "widened.gguf", lambda name: T.F32 if "_exps.weight" in name else None)
     with caplog.at_level(logging.WARNING):
-        llm = LLM(str(mxfp4), num_kv_blocks=64, block_size=8)
-    warnings = [r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage()]
-    assert len(warnings) == 1 and "MXFP4" in warnings[0], warnings
+        llm = LLM(str(mxfp4), num_kv_blocks=64, block_size=8, activation_quantization="none")
+    assert not [r for r in caplog.records if "no quantized kernel" in r.getMessage()]
+    experts = llm.engine.runner.model.layers[0].mlp.experts
+    assert experts.block_types == {"w13": int(T.MXFP4), "w2": int(T.MXFP4)} and experts.w13.dtype == torch.uint8
     rng = random.Random(2)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (6, 19)]
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
-    expected = tokens_and_logprobs(LLM(str(widened), num_kv_blocks=64, block_size=8).generate(prompts, params,
-                                                                                               use_tqdm=False))
+    expected = tokens_and_logprobs(LLM(str(mxfp4), num_kv_blocks=64, block_size=8, quantization="none")
+                                   .generate(prompts, params, use_tqdm=False))
     assert_matches(tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False)), expected)
+    int8x2 = LLM(str(mxfp4), num_kv_blocks=64, block_size=8)  # activation_quantization auto
+    assert int8x2.engine.runner.model.layers[0].mlp.experts.activations in ("int8x2", "none")
+    got = tokens_and_logprobs(int8x2.generate(prompts, params, use_tqdm=False))
+    assert [t for t, _ in got] == [t for t, _ in expected]
 
 
 def test_qwen35_quantized_delta_rule_layers(conversions, tmp_path):

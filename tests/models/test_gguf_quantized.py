@@ -139,6 +139,27 @@ def test_mixed_types_match_the_dequantized_model(mixed_gguf):
     assert worst <= LOGPROB_ATOL
 
 
+@pytest.mark.slow
+def test_table_types_match_the_dequantized_model(mixed_gguf, tmp_path):
+    """q in IQ4_NL, gate in MXFP4 and down in IQ4_XS (the types whose codes index a table), served in
+    their blocks beside the others, against the same file dequantized: float32 products, and the
+    default int8x2 activations."""
+    table = {"attn_q": T.IQ4_NL, "ffn_gate": T.MXFP4, "ffn_down": T.IQ4_XS}
+    path = requantize(mixed_gguf, tmp_path / "table.gguf", lambda name: table.get(name.split(".")[-2]))
+    reference = LLM(str(path), num_kv_blocks=128, block_size=8, quantization="none")
+    exact = LLM(str(path), num_kv_blocks=128, block_size=8, activation_quantization="none", **FEW_ROWS)
+    layer = exact.engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.segment_types == [int(T.IQ4_NL), int(T.Q4_1), int(T.Q8_0)]
+    assert layer.mlp.gate_up_proj.segment_types == [int(T.MXFP4), None]
+    assert layer.mlp.down_proj.segment_types == [int(T.IQ4_XS)]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] for _ in range(8)]
+    agreement, worst = _compare(exact, reference, prompts, 16)
+    assert agreement >= MIN_AGREEMENT and 0 < worst <= LOGPROB_ATOL
+    agreement, worst = _compare(LLM(str(path), num_kv_blocks=128, block_size=8, **FEW_ROWS), reference, prompts, 16)
+    assert agreement >= MIN_AGREEMENT and worst <= INT8X2_LOGPROB_ATOL
+
+
 @pytest.fixture(scope="module")
 def bundled_reference() -> Reference:
     """The bundled SmolLM2 dequantized, on 32 prompts x 48 tokens."""

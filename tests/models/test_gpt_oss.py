@@ -45,15 +45,17 @@ class _SummedRanks:
         return x
 
 
-def load_block(mlp: ref.GptOssMLP, tp=None) -> SparseMoeBlock:
+def load_block(mlp: ref.GptOssMLP, tp=None, weights=None) -> SparseMoeBlock:
+    """Our block loaded from `mlp`'s checkpoint tensors (or `weights`, named as in the checkpoint)."""
     cfg = mlp.experts
-    block = SparseMoeBlock(E, TOP_K, H, INTER, ClampedSwiGLU(cfg.alpha, cfg.limit), renormalize=False, tp=tp,
+    h, inter = mlp.router.weight.shape[1], cfg.down_proj.shape[1]
+    block = SparseMoeBlock(E, TOP_K, h, inter, ClampedSwiGLU(cfg.alpha, cfg.limit), renormalize=False, tp=tp,
                            softmax_after_topk=True, bias=True)
     params = {f"mlp.{name}": p for name, p in block.named_parameters()}
-    for name, tensor in mlp.state_dict().items():
-        routed = route_interleaved_expert_weight(f"mlp.{name}")
+    for name, tensor in weights or [(f"mlp.{name}", t) for name, t in mlp.state_dict().items()]:
+        routed = route_interleaved_expert_weight(name)
         if routed is None:  # the router
-            param = params[f"mlp.{name}".replace(".router.", ".gate.")]
+            param = params[name.replace(".router.", ".gate.")]
             param.weight_loader(param, tensor)
         else:
             target, part = routed
@@ -118,13 +120,41 @@ def test_sinks_load_per_rank_by_head():
     assert Attention(4, 1, 16, backend=None).sinks is None
 
 
-def test_mxfp4_experts_are_refused_by_name():
-    from pagellm.attention.torch_backend import TorchAttentionBackend
-    from pagellm.models.arch import arch_from_hf
-    from pagellm.models.gpt_oss import GptOssForCausalLM
+def openai_mxfp4(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random experts' matrices as OpenAI's MXFP4 checkpoints store them: blocks uint8 [E, rows,
+    cols / 32, 16] (any codes), scales uint8 [E, rows, cols / 32] (exponents 2^-6 .. 2^0)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8),
+            torch.randint(121, 128, (E, rows, cols // 32), generator=g, dtype=torch.uint8))
 
-    arch = arch_from_hf(config(), "gpt_oss", bos_token_id=None, eos_token_ids=[], model_name="m")
-    with torch.device("meta"):
-        model = GptOssForCausalLM(arch, TorchAttentionBackend(), 16)
-    with pytest.raises(ValueError, match="gate_up_proj_blocks.*MXFP4"):
-        model.load_weights([("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(1))])
+
+def test_openai_mxfp4_experts_are_served_in_blocks():
+    """A checkpoint's MXFP4 experts (`*_blocks`, `*_scales`) load as GGUF MXFP4 blocks whose values
+    are exactly transformers' own dequantization of them, and the block computes what it computes
+    with those values dense; split over two ranks, down's inputs must cut at its 32-value blocks."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagellm.loader.mxfp4 import join_mxfp4
+
+    h, inter = 64, 32
+    torch.manual_seed(2)
+    mlp = ref.GptOssMLP(config(hidden_size=h, intermediate_size=inter)).eval()
+    packed = {"gate_up_proj": openai_mxfp4(2 * inter, h, 0), "down_proj": openai_mxfp4(h, inter, 1)}
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0.0, 0.5)
+        for name, (blocks, scales) in packed.items():  # transformers' values, [E, in, out]
+            getattr(mlp.experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    checkpoint = [(f"mlp.{name}", t) for name, t in mlp.state_dict().items() if not name.endswith("_proj")]
+    checkpoint += [(f"mlp.experts.{name}{suffix}", t) for name, pair in packed.items()
+                   for suffix, t in zip(("_blocks", "_scales"), pair)]
+    joined = dict(join_mxfp4(checkpoint))
+    for name in packed:
+        widened = joined[f"mlp.experts.{name}"].dequantize()  # [E, out, in]
+        assert torch.equal(widened.transpose(1, 2), getattr(mlp.experts, name).detach())
+    ours = load_block(mlp, weights=list(joined.items()))
+    assert ours.experts.block_types == {"w13": 39, "w2": 39} and ours.experts.w13.dtype == torch.uint8
+    x = torch.randn(9, h)
+    torch.testing.assert_close(ours(x), load_block(mlp)(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"cannot split MXFP4 rows of 32 values at \[16, 32\)"):
+        load_block(mlp, _SummedRanks(1, 2), weights=list(joined.items()))

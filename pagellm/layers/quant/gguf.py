@@ -1,5 +1,6 @@
 """GGUF-quantized weights served in their blocks: a linear method that keeps each weight as the
-file stores it (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and multiplies by it without ever building
+file stores it (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; and MXFP4, IQ4_NL, IQ4_XS, whose products
+are layers/quant/codebook.py's) and multiplies by it without ever building
 the dense matrix.
 
 A fused layer (q/k/v, gate/up) is filled from several file tensors, which may have different
@@ -34,12 +35,12 @@ from torch import nn
 from pagellm.kernels import cpu
 from pagellm.layers import invariant
 from pagellm.layers.linear import LinearMethod
-from pagellm.layers.quant import WeightFormat, register, tiled_product
+from pagellm.layers.quant import WeightFormat, codebook, register, tiled_product
 
 # GGML type id -> name, for the types with a kernel.
-NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", **codebook.CODEBOOK_TYPES}
 # (values, bytes) per block.
-_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), **codebook.BLOCKS}
 # Batches up to this many rows use the fused kernel, by activation dtype: past it, widened tiles
 # through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
 FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
@@ -110,10 +111,41 @@ class GGUFBlocks:
         return dequantize_rows(self.data, self.qtype, self.cols, torch.arange(self.data.shape[0]), dtype)
 
 
+class ExpertBlocks:
+    """Every expert's matrix of one kind (gate, up or down) as a GGUF file stacks them: `data`
+    uint8 [experts, rows, row_bytes] of type `qtype`, rows of `cols` values. layers/moe.py keeps
+    them so; anything else takes `dequantize()`."""
+
+    def __init__(self, data: torch.Tensor, qtype: int, cols: int) -> None:
+        GGUFBlocks(data[0], qtype, cols)  # checks the row size
+        self.data, self.qtype, self.cols = data, qtype, cols
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:2], self.cols))
+
+    @property
+    def type_name(self) -> str:
+        return NATIVE_TYPES[self.qtype]
+
+    def to(self, *args, **kwargs) -> ExpertBlocks:
+        return self
+
+    def expert(self, e: int) -> GGUFBlocks:
+        return GGUFBlocks(self.data[e], self.qtype, self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([self.expert(e).dequantize(dtype) for e in range(self.data.shape[0])])
+
+
 def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `rows` of a block matrix as dense [len(rows), cols] rows of `dtype`."""
     kernels = cpu.quant_kernels() if data.device.type == "cpu" else None
-    if kernels is not None and dtype in (torch.float32, torch.bfloat16):
+    if qtype in codebook.CODEBOOK_TYPES:
+        dense = codebook.dequantize_rows(data, qtype, cols, rows, dtype)
+        if dense is not None:
+            return dense
+    elif kernels is not None and dtype in (torch.float32, torch.bfloat16):
         return kernels.gguf_dequantize_rows(data, qtype, cols, rows, dtype)
     from gguf.quants import dequantize
 
@@ -171,6 +203,9 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     `activations` "int8" / "int8x2": batches of up to int8_max_rows rows round x to one / two int8
     codes per value for the integer kernel (where cols is a multiple of its 64-value chunks); larger
     ones in "int8" round x to bfloat16 for bfloat16 tiles (BF16_TILES)."""
+    if qtype in codebook.CODEBOOK_TYPES:
+        y = codebook.product(x, data, qtype, cols, batch_invariant, activations)
+        return widened_product(x, data, qtype, cols) if y is None else _as(y, x.dtype)
     if batch_invariant:
         return _as(invariant.kernels().gguf_matmul(x, data, qtype, cols), x.dtype)
     kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost

@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> dict:
                 except (ValueError, jsonschema.ValidationError) as e:
                     invalid += 1
                     invalid_names.setdefault(name, f"{backend}: {str(e).splitlines()[0][:160]}")
+        print(f"{system}: {len(compiled)} compiled, {finished} of {len(compiled) * args.samples} outputs finished, "
+              f"{invalid} invalid", flush=True)
         systems[system] = {
             "schemas": len(entries), "compiled": len(compiled), "refused": refused,
             "backends_chosen": dict(sorted({b: sum(1 for _, c in compiled.values() if c == b)

@@ -45,15 +45,21 @@ def test_closed_by_default_matches_strict_mode():
     assert closed["properties"]["a"]["items"] is False
 
 
-def test_auto_prefers_xgrammar_and_moves_to_guidance_for_what_only_guidance_enforces():
+@pytest.mark.parametrize("schema, feature", [
+    ({"type": "number", "multipleOf": 0.25}, "multipleOf on numbers"),
+    ({"type": "string", "format": "hostname", "maxLength": 20}, "format with minLength/maxLength"),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, "pattern with minLength/maxLength"),
+    ({"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, "oneOf"),
+])
+def test_auto_moves_to_guidance_for_what_xgrammar_drops(schema, feature):
     assert choose_backend(StructuredOutputsParams(json=BASE), "auto", AVAILABLE) == "xgrammar"
-    only_guidance = sorted(XGRAMMAR_UNENFORCED - GUIDANCE_UNENFORCED)
-    assert only_guidance, "the tables name at least one keyword guidance adds"
-    schema = {"type": "object", only_guidance[0]: 2} if "Properties" in only_guidance[0] else \
-        {"type": "integer", only_guidance[0]: 2}
     assert choose_backend(StructuredOutputsParams(json=schema), "auto", AVAILABLE) == "guidance"
-    with pytest.raises(ValueError, match=f"'{only_guidance[0]}'.*xgrammar backend does not enforce.*'guidance'"):
+    with pytest.raises(ValueError, match=f"'{feature}'.*xgrammar backend does not enforce.*'guidance'"):
         choose_backend(StructuredOutputsParams(json=schema), "xgrammar", AVAILABLE)
+    # an integer multipleOf, a bare pattern or format: xgrammar's
+    for fine in ({"type": "integer", "multipleOf": 3}, {"type": "string", "pattern": "^a+$"},
+                 {"type": "string", "format": "date"}):
+        assert choose_backend(StructuredOutputsParams(json=fine), "auto", AVAILABLE) == "xgrammar"
 
 
 def test_a_keyword_no_backend_enforces_is_refused_by_name(llm):  # noqa: F811

@@ -9,9 +9,10 @@ from pagellm.engine.grammars import register
 from pagellm.engine.grammars.json_schema import closed_by_default
 from pagellm.sampling_params import StructuredOutputsParams
 
-# Keywords llguidance refuses; choose_backend reports them by name before it is asked.
+# The keywords llguidance refuses ("Unimplemented keys"); choose_backend names them before it is asked.
+# (An overlapping oneOf it refuses itself, naming oneOf.)
 UNENFORCED = frozenset({"uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-                        "contains", "unevaluatedProperties", "propertyNames"})
+                        "contains", "minContains", "maxContains", "unevaluatedProperties", "propertyNames"})
 
 
 class GuidanceMatcher:

@@ -50,17 +50,29 @@ def keywords(schema: Any) -> set[str]:
     return {key for s in subschemas(schema) for key in s}
 
 
+def features(schema: Any) -> set[str]:
+    """What `schema` asks of an output, as the backends' UNENFORCED tables name it: every keyword
+    with a value that constrains, and the combinations a backend treats apart from the keywords
+    alone ("pattern with minLength/maxLength", "format with minLength/maxLength", "multipleOf on
+    numbers")."""
+    used = set()
+    for s in subschemas(schema):
+        used |= {k for k in s if k not in ANNOTATIONS and not (k == "uniqueItems" and s[k] is False)}
+        bounded = "minLength" in s or "maxLength" in s
+        for key in ("pattern", "format"):
+            if key in s and bounded:
+                used.add(f"{key} with minLength/maxLength")
+        if "multipleOf" in s and (s.get("type") != "integer" or not float(s["multipleOf"]).is_integer()):
+            used.add("multipleOf on numbers")
+    return used
+
+
 def unenforced_keywords(schema_json: str | dict, candidates: frozenset[str]) -> set[str]:
-    """The keywords of `candidates` that the schema uses (with a value that constrains)."""
+    """The features (`features`) of the schema that are among `candidates`."""
     import json
 
     schema = json.loads(schema_json) if isinstance(schema_json, str) else schema_json
-    used = set()
-    for s in subschemas(schema):
-        for key in candidates & s.keys():
-            if not (key in ("uniqueItems",) and s[key] is False):  # uniqueItems: false asks nothing
-                used.add(key)
-    return used
+    return features(schema) & candidates
 
 
 def _resolve(root: dict, ref: str) -> dict | None:

@@ -15,11 +15,13 @@ _BOUNDED_STRING_CHAR = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\
 _JSON_CHAR = r'\1 ::= (([^\\0-\\x1f\\"\\\\]))'
 # xgrammar prefixes its errors with a timestamp and its C++ source location.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
-# Keywords xgrammar compiles without enforcing them (`pagellm bench grammar --corpus` finds outputs
-# that break them).
+# What xgrammar compiles without enforcing (json_schema.features names them). `pagellm bench grammar
+# --corpus` finds outputs that break the dropped ones, and xgrammar warns of the combinations.
 UNENFORCED = frozenset({"uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-                        "contains", "multipleOf", "minProperties", "maxProperties", "unevaluatedProperties",
-                        "propertyNames"})
+                        "contains", "minContains", "maxContains", "unevaluatedProperties", "propertyNames",
+                        # approximated as anyOf: an output may match several branches
+                        "oneOf", "multipleOf on numbers", "pattern with minLength/maxLength",
+                        "format with minLength/maxLength"})
 
 
 class XGrammarMatcher:

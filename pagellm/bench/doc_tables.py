@@ -108,8 +108,8 @@ def json_runs_table(name: str, page: str, pattern: str, body: Callable[[list[dic
 def tables() -> list[DocTable]:
     """Every generated section in docs/, page by page. Imported here, not at the top: the
     modules that render them use this module's markers and tables."""
-    from pagellm.bench import cpu_tables, gpu_tables, grammar, kv_cache, lm_eval, memory, offload, quant_tables, \
-        serve, sharing, spec_decode, throughput, windows
+    from pagellm.bench import cpu_tables, gpu_tables, grammar, grammar_corpus, kv_cache, lm_eval, memory, offload, \
+        quant_tables, serve, sharing, spec_decode, throughput, windows
 
     return [
         json_table("kv-memory-table", "benchmarks.md", "memory-2026-12-01.json", memory.doc_table),
@@ -119,6 +119,8 @@ def tables() -> list[DocTable]:
         json_table("serve-table", "benchmarks.md", "serve-2026-11-30.json", serve.doc_table),
         json_table("grammar-table", "benchmarks.md", "grammar-2026-12-01.json",
                    lambda doc: grammar.doc_table(doc["results"])),
+        json_table("grammar-corpus-table", "benchmarks.md", "grammar-corpus-2026-12-05.json",
+                   lambda doc: grammar_corpus.doc_table(doc["results"])),
         json_table("lm-eval-table", "benchmarks.md", lm_eval.RUN, lm_eval.doc_table),
         DocTable(windows.NAME, windows.PAGE, windows.section),
         json_table("kv-formats-table", "kv-cache.md", "kv-cache-2026-12-01.json", kv_cache.doc_table),

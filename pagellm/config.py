@@ -51,26 +51,24 @@ def bytes_or_fraction(text: str) -> float | int:
     return int(value)
 
 
-def json_object(text: str) -> dict:
-    """A CLI flag's JSON object (`--pooler-config '{"pooling_type": "MEAN"}'`)."""
+def _json_flag(text: str, kind: type, what: str) -> Any:
     try:
         value = json.loads(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    if not isinstance(value, kind):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def json_object(text: str) -> dict:
+    """A CLI flag's JSON object (`--pooler-config '{"pooling_type": "MEAN"}'`)."""
+    return _json_flag(text, dict, "a JSON object")
 
 
 def json_list(text: str) -> list:
     """A CLI flag's JSON list (`--classifier-from-token '["no", "yes"]'`)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list")
-    return value
+    return _json_flag(text, list, "a JSON list")
 
 
 # Speculative decoding (docs/speculative-decoding.md): the proposers built so far, and vLLM's other

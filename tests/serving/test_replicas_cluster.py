@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from pagellm import LLM, SamplingParams
 from tests.entrypoints.server_utils import RemoteServer, free_port
 
@@ -20,6 +22,7 @@ def _ray(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([ray, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a Ray cluster started by its CLI; replicas and TP each keep fast tests of their own
 def test_serve_joins_a_running_cluster_with_tensor_parallel_replicas(tiny_llama_dir):
     want = [o.outputs[0].text for o in LLM(tiny_llama_dir, block_size=4, num_kv_blocks=64).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]

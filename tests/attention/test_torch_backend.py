@@ -9,6 +9,7 @@ import torch
 from pagellm.attention.backend import AttentionMetadata, AttentionOptions
 from pagellm.kv_format import resolve_kv_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from tests.pairwise import pairwise
 
 
 def naive(q, k, v, scale, window=None, softcap=None, sinks=None, chunk=None):
@@ -36,20 +37,17 @@ def naive(q, k, v, scale, window=None, softcap=None, sinks=None, chunk=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled-decode"])
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("d", [8, 64])  # 64: the compiled kernel's unrolled path; 8: its generic one
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "chunk"])
+# compiled: the compiled decode kernel, or torch's path; d 64: the compiled kernel's unrolled path, 8: its generic one.
+@pytest.mark.parametrize("variant, d, heads, block_size, compiled", pairwise(
+    variant=["plain", "window", "softcap", "sinks", "chunk"], d=[8, 64], heads=[(4, 4), (8, 2), (6, 1)],
+    block_size=[1, 4, 16], compiled=[False, True]))
 def test_mixed_batch_matches_naive(block_size, heads, compiled, d, variant):
     run_mixed_batch(block_size, heads, compiled, d, variant, None)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "bfloat16"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled-decode"])
-@pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("d", [8, 64, 128])
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "chunk"])
+@pytest.mark.parametrize("variant, d, block_size, compiled, kv_cache_dtype", pairwise(
+    variant=["plain", "window", "softcap", "sinks", "chunk"], d=[8, 64, 128], block_size=[4, 16],
+    compiled=[False, True], kv_cache_dtype=["int8", "fp8_e4m3", "fp8_e5m2", "bfloat16"]))
 def test_stored_formats_match_naive_on_what_the_cache_holds(block_size, compiled, d, variant, kv_cache_dtype):
     """8-bit (and bfloat16) caches: every path, prompts included, attends to the values the cache
     holds (kv_format.py), so the reference is exact attention over K/V rounded through

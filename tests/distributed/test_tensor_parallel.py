@@ -85,8 +85,9 @@ def odd_vocab_llama_dir(tmp_path_factory) -> str:
     return str(_save(transformers.LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("odd-vocab")))
 
 
-@pytest.mark.parametrize("model, kv_cache_dtype", [("tiny_llama_dir", "auto"), ("tiny_qwen2_dir", "auto"),
-                                                   ("tiny_llama_dir", "int8")])
+# Llama with a 16-bit cache runs with the slow sweeps: its model is in the int8 case, its cache in Qwen2's.
+@pytest.mark.parametrize("model, kv_cache_dtype", [pytest.param("tiny_llama_dir", "auto", marks=pytest.mark.slow),
+                                                   ("tiny_qwen2_dir", "auto"), ("tiny_llama_dir", "int8")])
 def test_two_ranks_match_one_through_preemption_prefix_caching_and_forks(model, kv_cache_dtype, request):
     """With an 8-bit KV cache too: each rank stores its own heads' codes and scales. (Its logprobs
     agree to 5e-3 rather than 1e-4: the ranks' all-reduce sums in another order, and a K/V value
@@ -261,10 +262,16 @@ def test_a_script_without_the_main_guard_is_told_the_fix(tiny_llama_dir, tmp_pat
 
 # SmolLM3 (NoPE layers) and Granite (scalar multipliers) add nothing to shard: each rank applies
 # them to its own heads as one rank would; tests/models covers them on one rank.
-@pytest.mark.parametrize("family", ["mistral", "qwen3", "olmo2", "olmo3", "phi3", "gemma2", "gemma3", "ministral3",
-                                    "lfm2", "qwen3_5", "mixtral", "qwen3_moe", "gpt_oss", "llama4", "deepseek_v3",
-                                    # ~20 s on 2 cores: past the fast suite's budget for one family.
-                                    pytest.param("gemma4", marks=pytest.mark.slow)])
+# The slow sweeps add the families whose sharding another one here already has: Mistral's (Llama's
+# with a window), Qwen3's per-head norms (Qwen3.5's), OLMo 3's all-heads norm (OLMo 2's), Gemma 2's
+# norms and tied head (Gemma 3's), Mixtral's experts (Qwen3-MoE's); and Gemma 4, ~20 s on 2 cores.
+SHARDING_COVERED = ("mistral", "qwen3", "olmo3", "gemma2", "mixtral", "gemma4")
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=pytest.mark.slow) if f in SHARDING_COVERED else f
+    for f in ("mistral", "qwen3", "olmo2", "olmo3", "phi3", "gemma2", "gemma3", "ministral3", "lfm2", "qwen3_5",
+              "mixtral", "qwen3_moe", "gpt_oss", "llama4", "deepseek_v3", "gemma4")])
 def test_families_on_two_ranks_match_one(family, tmp_path_factory):
     """The sharding each family adds: per-head q/k norms (Qwen3), a norm over all heads whose
     sum of squares crosses ranks (OLMo 2), checkpoints with q/k/v and gate/up already fused

@@ -115,17 +115,20 @@ class BlockPool:
         self.cached[block_hash] = block_id
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if an invariant of the class docstring is broken."""
-        plain, cached = set(self._free_plain), set(self._free_cached)
-        assert not plain & cached, f"blocks on both free lists: {sorted(plain & cached)[:5]}"
-        free = plain | cached
-        zero = {b for b, c in enumerate(self.ref_cnt) if c == 0}
-        assert free == zero, f"free lists and zero ref counts differ: {sorted(free ^ zero)[:5]}"
-        assert all(c >= 0 for c in self.ref_cnt), "a negative ref count"
-        assert all(self.block_hash[b] is not None for b in cached), "a block on the cached list holds no hash"
-        assert all(self.block_hash[b] is None for b in plain), "a block on the plain list holds a hash"
-        indexed = {b: h for b, h in enumerate(self.block_hash) if h is not None}
-        assert {h: b for b, h in indexed.items()} == self.cached, "the hash index and the blocks' hashes differ"
+        """Raise AssertionError if an invariant of the class docstring is broken. Tests run it
+        after every engine step, so the passes over the pool run in C (count, min, map over the
+        free lists) and no set of the whole pool is built."""
+        ref, hashes, plain, cached = self.ref_cnt, self.block_hash, self._free_plain, self._free_cached
+        assert not plain.keys() & cached.keys(), f"blocks on both free lists: {sorted(plain.keys() & cached.keys())[:5]}"
+        assert min(ref) >= 0, "a negative ref count"
+        # No block is negative, so: free blocks all at 0, and as many as the blocks at 0.
+        assert not any(map(ref.__getitem__, plain)) and not any(map(ref.__getitem__, cached)) and \
+            len(plain) + len(cached) == ref.count(0), "free lists and zero ref counts differ: " \
+            f"{[b for b in range(self.num_blocks) if (ref[b] == 0) != (b in plain or b in cached)][:5]}"
+        assert None not in map(hashes.__getitem__, cached), "a block on the cached list holds no hash"
+        assert not any(map(hashes.__getitem__, plain)), "a block on the plain list holds a hash"
+        assert len(self.cached) == self.num_blocks - hashes.count(None) and \
+            all(hashes[b] == h for h, b in self.cached.items()), "the hash index and the blocks' hashes differ"
 
     def _free_list(self, block_id: int) -> OrderedDict[int, None]:
         return self._free_plain if self.block_hash[block_id] is None else self._free_cached

@@ -114,3 +114,22 @@ def _check(kv: KVCoordinator) -> None:
         assert kv.pool.ref_cnt[b] == owned.count(b)
         assert kv.pool.is_free(b) == (kv.pool.ref_cnt[b] == 0)
     assert kv.pool.num_free_blocks + len(owned) == kv.num_blocks
+
+
+@pytest.mark.parametrize("corrupt, words", [
+    (lambda p, used, free: p.ref_cnt.__setitem__(free, 1), "free lists and zero ref counts differ"),
+    (lambda p, used, free: p.ref_cnt.__setitem__(used, 0), "free lists and zero ref counts differ"),
+    (lambda p, used, free: p.ref_cnt.__setitem__(used, -1), "negative ref count"),
+    (lambda p, used, free: p._free_cached.__setitem__(free, None), "both free lists"),
+    (lambda p, used, free: p.block_hash.__setitem__(free, b"h"), "plain list holds a hash"),
+    (lambda p, used, free: p.cached.__setitem__(b"x", used), "hash index"),
+    (lambda p, used, free: p.block_hash.__setitem__(used, b"y"), "hash index")])
+def test_check_integrity_names_each_broken_invariant(corrupt, words):
+    """The check tests run after every step catches each kind of corruption, and says which."""
+    pool = BlockPool(64)
+    used = pool.allocate(3)[1]
+    pool.cache(used, b"u")
+    pool.check_integrity()
+    corrupt(pool, used, pool.free_block_ids()[5])
+    with pytest.raises(AssertionError, match=words):
+        pool.check_integrity()

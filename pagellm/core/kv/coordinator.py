@@ -211,9 +211,12 @@ class KVCoordinator(KVManager):
         for g, b in self._pinned:
             held[b] += 1
             assert group_of.setdefault(b, g) == g, f"block {b} is held by groups {group_of[b]} and {g}"
-        wrong = [(b, c, h) for b, (c, h) in enumerate(zip(self.pool.ref_cnt, held)) if c != h]
-        assert not wrong, f"ref counts differ from the tables' references (block, ref_cnt, held): {wrong[:5]}"
-        held_per_group = [len({b for b, g in group_of.items() if g == k}) for k in range(self.num_groups)]
+        if self.pool.ref_cnt != held:  # compared in C; the message built only on failure
+            wrong = [(b, c, h) for b, (c, h) in enumerate(zip(self.pool.ref_cnt, held)) if c != h]
+            raise AssertionError(f"ref counts differ from the tables' references (block, ref_cnt, held): {wrong[:5]}")
+        held_per_group = [0] * self.num_groups
+        for g in group_of.values():
+            held_per_group[g] += 1
         assert held_per_group == self._held, f"blocks held per group {self._held}, counted {held_per_group}"
         owned = set(group_of)
         assert all(dst in owned for _, dst in self.pending_copies), f"a copy into an unowned block: " \

@@ -162,9 +162,10 @@ def test_table_types_match_the_dequantized_model(mixed_gguf, tmp_path):
 
 @pytest.fixture(scope="module")
 def bundled_reference() -> Reference:
-    """The bundled SmolLM2 dequantized, on 32 prompts x 48 tokens."""
+    """The bundled SmolLM2 dequantized, on 16 prompts x 48 tokens: 768 positions, where MIN_AGREEMENT
+    leaves room for 7 greedy tokens that differ."""
     reference = LLM(quantization="none", max_model_len=256)
-    return Reference(reference, word_prompts(reference.get_tokenizer(), 32), 48)
+    return Reference(reference, word_prompts(reference.get_tokenizer(), 16), 48)
 
 
 INT8_KERNELS = getattr(quant_kernels(), "has_int8_activations", False)
@@ -189,7 +190,7 @@ def test_blocks_split_over_two_ranks_match_one(mixed_gguf, activations, atol):
 
 
 def test_bundled_q4_1_model_matches_its_dequantized_self(bundled_reference):
-    """32 prompts x 48 tokens on the bundled SmolLM2 (Q4_1 matrices, a Q8_0 embedding and tied head)."""
+    """16 prompts x 48 tokens on the bundled SmolLM2 (Q4_1 matrices, a Q8_0 embedding and tied head)."""
     quantized = LLM(quantization="auto", activation_quantization="none", max_model_len=256, **FEW_ROWS)
     agreement, worst = bundled_reference.compare(quantized)
     assert agreement >= MIN_AGREEMENT

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +24,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagellm"
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
     return ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
 
 
 def _import_time_nodes(body: list[ast.stmt]):
@@ -48,7 +54,7 @@ def file_imports(package: Path = PACKAGE, eager: bool = False) -> dict[str, set[
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
         is_pkg = path.name == "__init__.py"
-        tree = ast.parse(path.read_text())
+        tree = _parse(path)
         for node in _import_time_nodes(tree.body) if eager else ast.walk(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):

@@ -30,6 +30,16 @@ class WindowShape:
     head_dim: int
     dtype_bytes: int = 2  # bfloat16 KV
     state_bytes: int = 0  # one sequence's state in one recurrent layer (float32)
+    v_head_dim: int | None = None  # V's row per head where it differs from K's
+    latent_row: int = 0  # latent attention: one row of this many values per token, read by every head
+
+
+def _row_bytes(shape: WindowShape, by_kind: bool) -> tuple[int, int, int]:
+    """(heads, K bytes per head, V bytes per head) of a block's row: a latent layer's one row in K
+    alone (layers/mla.py), else every KV head's K and V."""
+    if by_kind and shape.latent_row:
+        return 1, shape.latent_row * shape.dtype_bytes, 0
+    return shape.kv_heads, shape.head_dim * shape.dtype_bytes, (shape.v_head_dim or shape.head_dim) * shape.dtype_bytes
 
 
 def _gdn_state_bytes(key_heads: int, value_heads: int, dk: int, dv: int, conv: int) -> int:
@@ -49,6 +59,9 @@ SHAPES = {
     # value heads of 128, convolution of 4) for each full-attention layer (4 KV heads of 256).
     "qwen3.5-like": WindowShape("qwen3.5-like", [None if i % 4 == 3 else STATE for i in range(32)], 4, 256,
                                 state_bytes=_gdn_state_bytes(16, 32, 128, 128, 4)),
+    # DeepSeek-V3 (transformers' default config): 61 layers of latent attention, a row of 512 latent and 64 rotary
+    # values per token; without it, 128 heads of K (128 + 64) and V (128) per token.
+    "mla-like": WindowShape("mla-like", [None] * 61, 128, 192, v_head_dim=128, latent_row=512 + 64),
 }
 
 
@@ -69,7 +82,7 @@ def _fill(kv, rid: str, tokens: int, chunk: int) -> bool:
 
 def _manager(shape: WindowShape, hybrid: bool, num_blocks: int, block_size: int, context: int, chunk: int):
     plan = plan_kv_groups(shape.layers if hybrid else [None] * len(shape.layers), context + 1)
-    bytes_per_block = plan.bytes_per_block(block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes)
+    bytes_per_block = plan.bytes_per_block(block_size, *_row_bytes(shape, hybrid))
     state_blocks = blocks_for_state(shape.state_bytes, bytes_per_block // plan.slots) if plan.has_state else 0
     kv = KVCoordinator(num_blocks, block_size, plan.windows, enable_prefix_caching=False, max_chunk_tokens=chunk,
                        state_blocks=state_blocks)

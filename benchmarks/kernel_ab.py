@@ -4,6 +4,10 @@ about (A, B, then B, A), so that other load on shared cores hits both alike: per
 over copies totalling > 128 MB, so every call reads them from memory as a decode step does.
 
     python benchmarks/kernel_ab.py --base main --types Q8_0,Q4_K,Q6_K --rows 1 --threads 1
+
+A side whose build repacks Q4_K / Q6_K at load (tiles of 8 rows for one-row products) multiplies
+the repacked weights, as a model load gives them; --no-repack keeps GGUF's blocks on both sides.
+PAGELLM_CPU_MARCH=x86-64-v3 builds both sides for AVX2 (the AVX2 kernels on an AVX-512 machine).
 """
 from __future__ import annotations
 
@@ -40,6 +44,15 @@ def base_module(rev: str):
     return cpu._build(source, f"quantized-matmul kernels of {rev}")
 
 
+def weight_form(module, w: torch.Tensor, qtype: int, k: int, repack: bool) -> tuple[torch.Tensor, int]:
+    """(weight, type id) as a model load gives a side's kernels `w`: repacked into tiles of 8 rows
+    where that build repacks the type (layers/quant/gguf.py), else GGUF's blocks."""
+    packed = getattr(module, "repacked_types", {}).get(qtype)
+    if not repack or packed is None or w.shape[0] % 8:
+        return w, qtype
+    return module.gguf_repack(w, qtype, k), packed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="main", help="git revision of the A side; B is the working tree")
@@ -49,6 +62,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--activations", default="int8x2", choices=["int8", "int8x2"])
+    ap.add_argument("--no-repack", dest="repack", action="store_false",
+                    help="both sides read GGUF's blocks, also where a build repacks Q4_K / Q6_K at load")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     two = args.activations == "int8x2"
@@ -58,16 +73,19 @@ def main() -> None:
         for shape in args.shapes.split(","):
             n, k = SHAPES[shape]
             w = torch.from_numpy(random_blocks(T[name], n, k, seed=1))
-            copies = [w.clone() for _ in range(int(128e6 // w.numel()) + 1)]
+            # each side's weights in the form its load would give them (repacked where it repacks the type)
+            weights = {side: weight_form(module, w, qtype, k, args.repack) for side, module in sides.items()}
+            copies = {side: [form[0].clone() for _ in range(int(128e6 // w.numel()) + 1)]
+                      for side, form in weights.items()}
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k)
                 times: dict[str, list[float]] = {side: [] for side in sides}
                 turn = 0
                 for rep in range(args.reps):
                     for side in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
-                        turn = (turn + 1) % len(copies)
+                        turn = (turn + 1) % len(copies[side])
                         start = time.perf_counter()
-                        sides[side].gguf_matmul_int8(x, copies[turn], qtype, k, two)
+                        sides[side].gguf_matmul_int8(x, copies[side][turn], weights[side][1], k, two)
                         times[side].append(time.perf_counter() - start)
                 gb = w.numel() / 1e9
                 row = " | ".join(f"{side} {gb / statistics.median(t):5.1f} / {gb / min(t):5.1f}"

@@ -367,14 +367,16 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // sit one byte per (sub-block, row), ready for a byte shuffle. Ids of our own, past GGML's:
 enum : int64_t { Q4_K_X8 = 1012, Q6_K_X8 = 1014 };
 constexpr int64_t kX8Rows = 8;
-// Tile (8 rows x 256 values) offsets, padded to whole cache lines.
+// Tile (8 rows x 256 values) offsets, in whole cache lines. Each keeps its rows' scales also as
+// GGUF packs them (`raw`), so that a group goes back to GGUF's layout by copies alone (products of
+// more rows of x run the GGUF layout's kernels on it).
 // Q4_K: qs [16 units][8 rows][8 bytes] (unit p: the row's quant bytes 8p..8p+7), d [8] and dmin [8]
-// (float16), sc [8 sub-blocks][8 rows] and m [8][8] (6-bit values, one byte each): 1216 bytes for
-// 8 x 144 (1.056x).
-constexpr int64_t kQ4Tile = 1216, kQ4D = 1024, kQ4Dmin = 1040, kQ4Sc = 1056, kQ4M = 1120;
+// (float16), sc [8 sub-blocks][8 rows] and m [8][8] (6-bit values, one byte each), raw [8 rows][12]:
+// 1280 bytes for 8 x 144 (1.11x).
+constexpr int64_t kQ4Tile = 1280, kQ4D = 1024, kQ4Dmin = 1040, kQ4Sc = 1056, kQ4M = 1120, kQ4Raw = 1184;
 // Q6_K: ql [16 units][8 rows][8 bytes], qh [8 units][8 rows][8 bytes], sc [16 groups][8 rows]
-// (int8), d [8] (float16): 1728 bytes for 8 x 210 (1.029x).
-constexpr int64_t kQ6Tile = 1728, kQ6Qh = 1024, kQ6Sc = 1536, kQ6D = 1664;
+// (int8), raw [8 rows][16], d [8] (float16): 1856 bytes for 8 x 210 (1.10x).
+constexpr int64_t kQ6Tile = 1856, kQ6Qh = 1024, kQ6Sc = 1536, kQ6Raw = 1664, kQ6D = 1792;
 
 inline bool is_x8(int64_t qtype) { return qtype == Q4_K_X8 || qtype == Q6_K_X8; }
 inline int64_t base_type(int64_t qtype) { return qtype == Q4_K_X8 ? Q4_K : qtype == Q6_K_X8 ? Q6_K : qtype; }
@@ -383,35 +385,34 @@ inline int64_t x8_tile(int64_t qtype) { return base_type(qtype) == Q4_K ? kQ4Til
 // Super-block b of GGUF rows src[0..8) (row_bytes apart) into `tile`, or back (kBack).
 template <bool kBack>
 void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* tile) {
-  const auto move = [](uint8_t* gguf, uint8_t* packed, size_t n) {
-    if (kBack) std::memcpy(gguf, packed, n);
-    else std::memcpy(packed, gguf, n);
+  // n a constant at each call, so each copy is one move (not a call to memcpy)
+  const auto move = [](uint8_t* gguf, uint8_t* packed, auto n) {
+    if (kBack) std::memcpy(gguf, packed, decltype(n)::value);
+    else std::memcpy(packed, gguf, decltype(n)::value);
   };
+  using B2 = std::integral_constant<size_t, 2>;
+  using B4 = std::integral_constant<size_t, 4>;
+  using B8 = std::integral_constant<size_t, 8>;
   if (!kBack) std::memset(tile, 0, x8_tile(qtype));
   for (int r = 0; r < kX8Rows; ++r) {
     if (base_type(qtype) == Q4_K) {
       uint8_t* sb = src + r * row_bytes + b * 144;
-      move(sb, tile + kQ4D + 2 * r, 2);
-      move(sb + 2, tile + kQ4Dmin + 2 * r, 2);
-      for (int p = 0; p < 16; ++p) move(sb + 16 + 8 * p, tile + 64 * p + 8 * r, 8);
-      uint8_t* sc = tile + kQ4Sc + r;
-      uint8_t* m = tile + kQ4M + r;
-      uint8_t* q = sb + 4;
-      if (!kBack) {
-        for (int j = 0; j < 8; ++j) scale_min_k4(j, q, sc + 8 * j, m + 8 * j);
-      } else {  // the inverse of scale_min_k4: every bit of the 12 bytes is one of theirs
-        for (int j = 0; j < 4; ++j) {
-          q[j] = static_cast<uint8_t>(sc[8 * j] | ((sc[8 * (j + 4)] >> 4) << 6));
-          q[j + 4] = static_cast<uint8_t>(m[8 * j] | ((m[8 * (j + 4)] >> 4) << 6));
-          q[j + 8] = static_cast<uint8_t>((sc[8 * (j + 4)] & 0x0F) | ((m[8 * (j + 4)] & 0x0F) << 4));
-        }
-      }
+      move(sb, tile + kQ4D + 2 * r, B2{});
+      move(sb + 2, tile + kQ4Dmin + 2 * r, B2{});
+      for (int p = 0; p < 16; ++p) move(sb + 16 + 8 * p, tile + 64 * p + 8 * r, B8{});
+      move(sb + 4, tile + kQ4Raw + 12 * r, B8{});
+      move(sb + 12, tile + kQ4Raw + 12 * r + 8, B4{});
+      if (!kBack)
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, sb + 4, tile + kQ4Sc + 8 * j + r, tile + kQ4M + 8 * j + r);
     } else {
       uint8_t* sb = src + r * row_bytes + b * 210;
-      for (int p = 0; p < 16; ++p) move(sb + 8 * p, tile + 64 * p + 8 * r, 8);
-      for (int p = 0; p < 8; ++p) move(sb + 128 + 8 * p, tile + kQ6Qh + 64 * p + 8 * r, 8);
-      for (int g = 0; g < 16; ++g) move(sb + 192 + g, tile + kQ6Sc + 8 * g + r, 1);
-      move(sb + 208, tile + kQ6D + 2 * r, 2);
+      for (int p = 0; p < 16; ++p) move(sb + 8 * p, tile + 64 * p + 8 * r, B8{});
+      for (int p = 0; p < 8; ++p) move(sb + 128 + 8 * p, tile + kQ6Qh + 64 * p + 8 * r, B8{});
+      move(sb + 192, tile + kQ6Raw + 16 * r, B8{});
+      move(sb + 200, tile + kQ6Raw + 16 * r + 8, B8{});
+      if (!kBack)
+        for (int g = 0; g < 16; ++g) tile[kQ6Sc + 8 * g + r] = sb[192 + g];
+      move(sb + 208, tile + kQ6D + 2 * r, B2{});
     }
   }
 }
@@ -1444,11 +1445,7 @@ using XF = __m512;
 constexpr int kXRows = 8;
 inline XI xi_zero() { return _mm512_setzero_si512(); }
 inline XI xi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline XI xi_bcast64(const int8_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, 8);
-  return _mm512_set1_epi64(v);
-}
+inline XI xi_bcast64(const int8_t* p) { return _mm512_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline XI xi_bcast128(const uint8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline XI xi_bytes(int8_t b) { return _mm512_set1_epi8(b); }
 inline XI xi_and(XI a, XI b) { return _mm512_and_si512(a, b); }
@@ -1483,11 +1480,7 @@ using XF = __m256;
 constexpr int kXRows = 4;
 inline XI xi_zero() { return _mm256_setzero_si256(); }
 inline XI xi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline XI xi_bcast64(const int8_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, 8);
-  return _mm256_set1_epi64x(v);
-}
+inline XI xi_bcast64(const int8_t* p) { return _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline XI xi_bcast128(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline XI xi_bytes(int8_t b) { return _mm256_set1_epi8(b); }
 inline XI xi_and(XI a, XI b) { return _mm256_and_si256(a, b); }
@@ -1593,20 +1586,22 @@ void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
   for (int r = 0; r < kX8Rows; ++r) y[r] += mv[r];
 }
 
-// Per 16 values of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
+// Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
 // q6_k_x8_row takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
 // 128 c + r): the offset term of the codes stored + 32, subtracted in integers per group.
-std::vector<int32_t> q6_k_x8_offsets(const ActRows& a, int64_t K, bool two_terms) {
+std::vector<int32_t> q6_k_x8_offsets(const ActRows& a, int64_t m, int64_t K, bool two_terms) {
   std::vector<int32_t> o(K / 8);
   for (int64_t i = 0; i < K; ++i) {
-    const int32_t v = two_terms ? 128 * a.codes[i] + a.residual[i] : a.codes[i];
+    const int64_t at = m * K + i;
+    const int32_t v = two_terms ? 128 * a.codes[at] + a.residual[at] : a.codes[at];
     o[i / 16 * 2 + (i / 4) % 2] += 32 * v;
   }
   return o;
 }
 
 // 8 rows of a Q6_K_X8 weight times one row of x: with two codes x per 32 values (quantize_activations,
-// the same rounding as int8_rows), with one per 256 (quantize_super, as int8_super_rows). One load
+// the same rounding as int8_rows; a.scale one per 32 values), with one per 256 (quantize_super, as
+// int8_super_rows). One load
 // of ql's units p and p + 4 and of qh's unit p (per 128-value half) gives 4 vectors of codes (values
 // 8p, 32 + 8p, 64 + 8p and 96 + 8p of the half, as dequant_q6_k); per 16-value group a lane's sum
 // (at most 8 * 63 * 16320 before the offset, 8 * 32 * 16320 after) converts to float once, times
@@ -1645,7 +1640,7 @@ void q6_k_x8_row(ActView a, const int32_t* offsets, int64_t K, const uint8_t* ti
             total = xi_sub32(total, xi_bcast64(reinterpret_cast<const int8_t*>(offsets + 2 * g)));
             const XI sc = xi_srai32(xi_shuffle(xi_bcast128(tiles + b * kQ6Tile + kQ6Sc + 16 * (4 * n + i)),
                                                gp ? second : first), 24);
-            const float dx = kTwo ? a.scale[(QK_K * b + 128 * n + 32 * i) / 4] : a.scale[b];
+            const float dx = a.scale[kTwo ? (QK_K * b + 128 * n + 32 * i) / 32 : b];
             acc[h] = xf_fmadd(xf_mul(xf_cvt(total), xf_cvt(sc)), xf_mul(d, xf_set1(dx)), acc[h]);
           }
         }
@@ -1809,27 +1804,50 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 }
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
-// One row of x times a repacked weight (q4_k_x8_row, q6_k_x8_row), x rounded as the GGUF layout's
-// kernels round it for one row: the same codes, so the same sums up to float32 summation order.
-void x8_single_row(const float* x, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms, float* y) {
+// Rows of x that take the tiles' one-row kernels (q4_k_x8_row, q6_k_x8_row) one after the other, each
+// group of 8 rows of W read from memory once and from cache by the next rows of x; more take each
+// group back in GGUF's layout for the kernels above, which share a chunk's unpacking among the rows.
+// 1B shapes, one thread, AVX-512 VNNI, two codes, GB/s of weights in tiles against blocks: Q4_K at 1,
+// 2, 4, 8, 16 rows 39 / 20 / 10 / 5 / 2.4 against 16 / 11 / 8 / 4 / 2: the row loop at every batch
+// the integer kernels take (Q4_K: 32 rows). Q6_K 25 against 19.6 at one row, but from two rows the
+// layout's kernels share far more (16-bit codes times scales, wide_super_rows): one.
+constexpr int64_t x8_max_row_loop(int64_t qtype) { return qtype == Q4_K ? 32 : 1; }
+
+// Up to x8_max_row_loop rows of x times a repacked weight, x rounded as the GGUF layout's kernels
+// round it for these rows: the same codes, so the same sums up to float32 summation order.
+void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
+                 float* y) {
   const bool per_super = qtype == Q4_K || !two_terms;
 #if defined(PAGELLM_INT8_VNNI)
-  const ActRows a = per_super ? quantize_super(x, 1, K, two_terms, false) : quantize_activations(x, 1, K, two_terms);
+  const ActRows a = per_super ? quantize_super(x, M, K, two_terms, false) : quantize_activations(x, M, K, two_terms);
 #else
-  const ActRows a = per_super ? quantize_super(x, 1, K, two_terms) : quantize_activations(x, 1, K, two_terms);
+  const ActRows a = per_super ? quantize_super(x, M, K, two_terms) : quantize_activations(x, M, K, two_terms);
 #endif
-  const ActView v{a.codes.data(), two_terms ? a.residual.data() : nullptr,
-                  per_super ? a.super_scale.data() : a.lane_scale.data(), nullptr,
-                  per_super ? a.block_sum.data() : nullptr, nullptr, nullptr};
-  const std::vector<int32_t> offsets = qtype == Q6_K ? q6_k_x8_offsets(a, K, two_terms) : std::vector<int32_t>();
+  // Q6_K: x's scales one per 32 values (not per lane: a row of 8192 values' lanes with its codes
+  // and the tiles streaming through overflowed L1), and the offsets' sums
+  std::vector<float> scale32;
+  std::vector<int32_t> offsets;
+  if (qtype == Q6_K) {
+    for (int64_t m = 0; m < M; ++m) {
+      const std::vector<int32_t> o = q6_k_x8_offsets(a, m, K, two_terms);
+      offsets.insert(offsets.end(), o.begin(), o.end());
+    }
+    if (!per_super)
+      for (int64_t i = 0; i < M * K; i += 32) scale32.push_back(a.lane_scale[i / 4]);
+  }
   const int64_t group_bytes = K / QK_K * (qtype == Q4_K ? kQ4Tile : kQ6Tile);
   at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
-      float* yg = y + kX8Rows * g;
-      if (qtype == Q4_K) two_terms ? q4_k_x8_row<true>(v, K, tiles, yg) : q4_k_x8_row<false>(v, K, tiles, yg);
-      else two_terms ? q6_k_x8_row<true>(v, offsets.data(), K, tiles, yg)
-                     : q6_k_x8_row<false>(v, offsets.data(), K, tiles, yg);
+      for (int64_t m = 0; m < M; ++m) {
+        const ActView v{a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr,
+                        per_super ? a.super_scale.data() + m * K / QK_K : scale32.data() + m * K / 32, nullptr,
+                        per_super ? a.block_sum.data() + m * K / 32 : nullptr, nullptr, nullptr};
+        float* yg = y + m * N + kX8Rows * g;
+        const int32_t* o = offsets.data() + m * K / 8;
+        if (qtype == Q4_K) two_terms ? q4_k_x8_row<true>(v, K, tiles, yg) : q4_k_x8_row<false>(v, K, tiles, yg);
+        else two_terms ? q6_k_x8_row<true>(v, o, K, tiles, yg) : q6_k_x8_row<false>(v, o, K, tiles, yg);
+      }
     }
   });
 }
@@ -1855,8 +1873,8 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  if (x8 && M == 1) {
-    x8_single_row(x.data_ptr<float>(), w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+  if (x8 && M <= x8_max_row_loop(qtype)) {
+    x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
 #if defined(PAGELLM_INT8_VNNI)

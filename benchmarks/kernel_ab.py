@@ -5,8 +5,9 @@ over copies totalling > 128 MB, so every call reads them from memory as a decode
 
     python benchmarks/kernel_ab.py --base main --types Q8_0,Q4_K,Q6_K --rows 1 --threads 1
 
-A side whose build repacks Q4_K / Q6_K at load (tiles of 8 rows for one-row products) multiplies
-the repacked weights, as a model load gives them; --no-repack keeps GGUF's blocks on both sides.
+A side whose build repacks weights at load (tiles of 8 rows: layers/quant/gguf.py, REPACKED)
+multiplies them repacked, as a model load gives them; --repack all repacks every type its kernels
+can (Q6_K too), --repack none keeps GGUF's blocks on both sides.
 PAGELLM_CPU_MARCH=x86-64-v3 builds both sides for AVX2 (the AVX2 kernels on an AVX-512 machine).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from pagellm.kernels import cpu  # noqa: E402
+from pagellm.layers.quant import gguf  # noqa: E402
 from tests.kernels.gguf_blocks import random_blocks  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
@@ -44,11 +46,13 @@ def base_module(rev: str):
     return cpu._build(source, f"quantized-matmul kernels of {rev}")
 
 
-def weight_form(module, w: torch.Tensor, qtype: int, k: int, repack: bool) -> tuple[torch.Tensor, int]:
-    """(weight, type id) as a model load gives a side's kernels `w`: repacked into tiles of 8 rows
-    where that build repacks the type (layers/quant/gguf.py), else GGUF's blocks."""
+def weight_form(module, w: torch.Tensor, qtype: int, k: int, repack: str) -> tuple[torch.Tensor, int]:
+    """(weight, type id) for a side's kernels: repacked into tiles of 8 rows where that build can
+    repack the type and `repack` asks ("load": the types a model load repacks, gguf.REPACKED; "all"),
+    else GGUF's blocks."""
     packed = getattr(module, "repacked_types", {}).get(qtype)
-    if not repack or packed is None or w.shape[0] % 8:
+    wanted = repack == "all" or (repack == "load" and qtype in gguf.REPACKED)
+    if not wanted or packed is None or w.shape[0] % 8:
         return w, qtype
     return module.gguf_repack(w, qtype, k), packed
 
@@ -62,8 +66,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--activations", default="int8x2", choices=["int8", "int8x2"])
-    ap.add_argument("--no-repack", dest="repack", action="store_false",
-                    help="both sides read GGUF's blocks, also where a build repacks Q4_K / Q6_K at load")
+    ap.add_argument("--repack", default="load", choices=["load", "all", "none"],
+                    help="weights in tiles of 8 rows where a side's build repacks them: as a model load does, "
+                         "every type the kernels can (Q6_K too), or none")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     two = args.activations == "int8x2"

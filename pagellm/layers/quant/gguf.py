@@ -247,8 +247,8 @@ def wide_int8_types(activations: str) -> frozenset[int]:
 
 
 # The types repacked at load. The kernels repack Q6_K too (kernels.repacked_types), whose tiles make
-# a product of one row of x 1.2-1.3x faster, but products of several rows then widen each tile back
-# to GGUF's layout, 20-60% slower than on the blocks (benchmarks/kernel_ab.py --rows 2,4,16): a
+# a product of one row of x 1.2-1.9x faster, but products of several rows then widen each tile back
+# to GGUF's layout, at 0.4-0.6x the blocks' speed (benchmarks/kernel_ab.py --repack all --rows 2,4): a
 # server's batched decode steps would pay for a single stream's gain. Q4_K's tiles run its products of
 # one row 1.35-1.5x faster (1B shapes, AVX-512 VNNI) and of 2-16 rows at 0.9-1.3x (docs/quantization.md).
 REPACKED = frozenset({12})

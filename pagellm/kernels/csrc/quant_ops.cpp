@@ -1820,10 +1820,11 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 // Rows of x that take the tiles' one-row kernels (q4_k_x8_row, q6_k_x8_row) one after the other, each
 // group of 8 rows of W read from memory once and from cache by the next rows of x; more take each
 // group back in GGUF's layout for the kernels above, which share a chunk's unpacking among the rows.
-// 1B shapes, one thread, AVX-512 VNNI, two codes, GB/s of weights in tiles against blocks: Q4_K at 1,
-// 2, 4, 8, 16 rows 39 / 20 / 10 / 5 / 2.4 against 16 / 11 / 8 / 4 / 2: the row loop at every batch
-// the integer kernels take (Q4_K: 32 rows). Q6_K 25 against 19.6 at one row, but from two rows the
-// layout's kernels share far more (16-bit codes times scales, wide_super_rows): one.
+// 1B shapes, one thread, AVX-512 VNNI, two codes, weights in cache, GB/s in tiles against blocks: Q4_K
+// at 1, 2, 4, 16 rows 39 / 20 / 10 / 2.4 against 16 / 11 / 8 / 2 (from memory about even at 4-16:
+// docs/quantization.md; widened back, 0.7-0.8x): the row loop at every batch the integer kernels take
+// (32 rows). Q6_K 25 against 19.6 at one row, but from two rows the layout's kernels share far more
+// (16-bit codes times scales, wide_super_rows): one.
 constexpr int64_t x8_max_row_loop(int64_t qtype) { return qtype == Q4_K ? 32 : 1; }
 
 // Up to x8_max_row_loop rows of x times a repacked weight, x rounded as the GGUF layout's kernels

@@ -244,7 +244,9 @@ class GrammarCompiler:
         for name, (matchers, indices) in by_backend.items():
             self.backend(name).fill(matchers, bitmask, indices)
         for row, (i, j) in enumerate(rows):
-            requests[plan.seqs[i].samplers[j].request_id].grammar.adjust(bitmask[row])
+            grammar = requests[plan.seqs[i].samplers[j].request_id].grammar
+            if grammar.gate is not None:
+                grammar.adjust(bitmask[row])
         seqs = list(plan.seqs)
         for row, (i, j) in enumerate(rows):
             samplers = list(seqs[i].samplers)

@@ -337,6 +337,8 @@ class ChoiceDeltas:
         reasoning = ""
         if self.thinking is not None:  # only the answer goes on to the tool-call parser
             reasoning, answer = self.thinking.advance(text, finished)
+            if answer is None and not finished:  # nothing of the answer yet (a named call's header waits too)
+                return ({"reasoning_content": reasoning} if reasoning else {}), None
             text = answer or ""
         delta, finish_reason = self.tools.advance(text, finished, finish_reason)
         return ({"reasoning_content": reasoning, **delta} if reasoning else delta), finish_reason

@@ -69,8 +69,11 @@ class ReasoningGate:
         self.lead = 0 if section.start_token_ids else -1  # tokens of the start marker written; -1: past the lead
         self.thinking = not section.start_token_ids
         self.spent = 0  # reasoning tokens so far
+        # With a budget, only the end its rule watches for: another spelling would leave the rule
+        # forcing its close into an answer the grammar already holds.
+        self.ends = (budget.end_token_ids,) if budget is not None else section.end_token_ids
         self.tail: list[int] = []  # the reasoning's last tokens, as long as the longest end marker
-        self._keep = max(len(e) for e in section.end_token_ids)
+        self._keep = max(len(e) for e in self.ends)
 
     @property
     def answering(self) -> bool:
@@ -107,8 +110,7 @@ class ReasoningGate:
             self.thinking = self.spent < budget.max_tokens + len(budget.close_token_ids)
             return True
         self.tail = (self.tail + [token_id])[-self._keep:]
-        if any(self.tail[len(self.tail) - len(e):] == list(e) for e in self.section.end_token_ids
-               if len(e) <= len(self.tail)):
+        if any(self.tail[len(self.tail) - len(e):] == list(e) for e in self.ends if len(e) <= len(self.tail)):
             self.thinking = False
         return True
 

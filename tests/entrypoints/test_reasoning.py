@@ -375,6 +375,11 @@ def test_the_grammar_starts_where_the_answer_starts(answer_server):
         (tc,) = called.message.tool_calls
         assert tc.function.name == "judge"
         jsonschema.validate(json.loads(tc.function.arguments), VERDICT)
+    # Thinking off: the call is the whole reply.
+    called = client.chat.completions.create(**{**kwargs, "max_tokens": 60, "extra_body": {
+        "chat_template_kwargs": {"enable_thinking": False}}}, tools=[tool], tool_choice=tool_choice).choices[0]
+    assert getattr(called.message, "reasoning_content", None) is None
+    assert json.loads(called.message.tool_calls[0].function.arguments) in ({"ok": True}, {"ok": False})
 
 
 def test_reasoning_effort_reaches_the_template_or_is_refused(answer_server):

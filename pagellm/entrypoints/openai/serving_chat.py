@@ -69,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=False), req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
+        section = None
         if req.use_beam_search:
             if tools.mode != "none":
                 raise bad_request(f"tool_choice {tools.mode} cannot be combined with use_beam_search",
@@ -89,9 +90,9 @@ class OpenAIServingChat(OpenAIServing):
             if self.reasoning is not None and self.reasoning.keeps_special_tokens:
                 params.skip_special_tokens = False
         # The reply is split into reasoning and answer, unless a forced tool call's grammar covers
-        # all of it (enable_in_reasoning); a prompt that ends inside the reasoning starts there.
-        thinks = self.reasoning is not None and (tools.mode not in ("required", "named") or
-                                                 not self.grammar_in_reasoning)
+        # all of it (enable_in_reasoning, or a prompt that closed the reasoning); a prompt that ends
+        # inside the reasoning starts there.
+        thinks = self.reasoning is not None and (tools.mode not in ("required", "named") or section is not None)
         thinking = ReasoningStream(self.reasoning, self.reasoning.opens_in(text)) if thinks else None
         request_id = random_id(id_prefix)
         streams = await self.add_requests(request_id, [(None, ids)], [params])

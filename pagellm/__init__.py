@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from pagellm.version import __version__
 
 _EXPORTS = {
     "LLM": "pagellm.entrypoints.llm",
@@ -23,7 +23,7 @@ _EXPORTS = {
     "CompletionOutput": "pagellm.outputs",
     "EmbeddingRequestOutput": "pagellm.outputs",
 }
-__all__ = list(_EXPORTS)
+__all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from pagellm.beam_search import BeamSearchOutput, BeamSearchParams

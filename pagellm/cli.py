@@ -115,7 +115,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagellm import __version__
+    from pagellm.version import __version__
 
     parser = argparse.ArgumentParser(prog="pagellm", description="LLM serving engine built on PagedAttention")
     parser.add_argument("--version", action="version", version=f"pagellm {__version__}")

@@ -12,9 +12,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagellm"
 
 # Top to bottom, in the order a request travels (docs/architecture.md).
 LAYERS = [
-    "__main__", "cli", "pagellm", "bench", "entrypoints", "serving", "engine", "distributed", "worker", "loader",
+    "__main__", "cli", "pagellm", "bench", "entrypoints", "serving", "engine", "executor", "distributed", "worker", "loader",
     "models", "layers", "attention", "kernels", "kv_format", "core",
-    "beam_search", "outputs", "sampling_params", "config", "pooling_params", "errors", "timing", "envs", "cpu_features",
+    "beam_search", "outputs", "sampling_params", "config", "pooling_params", "errors", "timing", "envs", "cpu_features", "version",
 ]
 # Upward edges allowed, each with its reason (none at present).
 UPWARD: set[tuple[str, str]] = set()

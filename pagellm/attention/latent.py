@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pagellm.attention.backend import AttentionMetadata
+    from pagellm.attention.metadata import AttentionMetadata
 
 
 def write_rows(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

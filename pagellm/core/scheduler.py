@@ -101,17 +101,19 @@ RECENT_PREEMPTIONS = 32
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", speculative: SpeculativeConfig | None = None) -> None:
+                 preemption_mode: str = "recompute", speculative: SpeculativeConfig | None = None,
+                 swap_cheaper: Callable[[int, int], bool] | None = None) -> None:
         """`preemption_mode`: "recompute" frees a victim's blocks (its cached prefix may survive);
-        "swap" sends them to the KV manager's second tier first; "auto" swaps when `swap_cheaper`
-        (set by the engine from measured rates) says moving the bytes beats recomputing the tokens.
+        "swap" sends them to the KV manager's second tier first; "auto" swaps when
+        `swap_cheaper(num_tokens, num_blocks)` (the engine's measured rates, engine/swap_cost.py)
+        says moving the bytes beats recomputing the tokens (never, without it).
         `speculative`: a decoding sequence's proposed tokens are scheduled after its last one, to be
         verified in the same forward pass (core/spec_decode.py)."""
         self.kv = kv
         self.speculative = speculative
         self.spec_stats = SpecDecodeStats()
         self.preemption_mode = preemption_mode
-        self.swap_cheaper: Callable[[int, int], bool] = lambda num_tokens, num_blocks: False
+        self.swap_cheaper = swap_cheaper or (lambda num_tokens, num_blocks: False)
         self.num_swaps = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

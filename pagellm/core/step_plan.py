@@ -1,4 +1,5 @@
-"""The step plan: what the model runner must do this step, as plain data.
+"""The step plan: what the model runner must do this step, as plain data (and the plain-data
+parts of what a step gives back).
 
 The scheduler decides; the plan carries the decision to the runner without any scheduler
 object: each sequence's tokens to compute, their first position, its block tables, and who
@@ -70,3 +71,15 @@ class StepPlan:
         copying again into a block another subset has written since would erase its new token."""
         owned = {b for s in seqs for table in s.block_tables for b in table}
         return StepPlan(seqs, [(src, dst) for src, dst in self.block_copies if dst in owned])
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt logprobs one step computed for a sequence: entry i scores prompt token
+    `token_ids[i]` (at position start + i + 1) given the tokens before it."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]                        # 1: the most likely token
+    top: list[list[tuple[int, float]]]      # the top-k (token, logprob) pairs, best first

@@ -1,19 +1,14 @@
-"""Rank 0 of a tensor-parallel engine: it starts the worker ranks (or finds them started by
-torchrun), runs its own shard, mirrors every call that touches the model to the workers,
-notices when one dies, and stops them.
-
-The engine above sees an ordinary ModelRunner: the scheduler and the block allocator run
-once, here, and each step's inputs are broadcast before rank 0 runs its own shard.
+"""Rank 0's side of a tensor-parallel group: it starts the worker ranks (or finds them started
+by torchrun), sends them commands, notices when one dies, and stops them. What the commands are
+is the executor's business (pagellm/executor/tensor_parallel.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
 import tempfile
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -22,10 +17,8 @@ import torch.multiprocessing as mp
 
 from pagellm import envs
 from pagellm.distributed import process_group
-from pagellm.distributed.worker import READY_KEY, WorkerSpec, pack, spawn_main, warm_up_kernels
+from pagellm.distributed.worker import READY_KEY, spawn_main
 from pagellm.errors import EngineFatalError
-from pagellm.models.registry import check_tensor_parallel
-from pagellm.worker.model_runner import ModelRunner, StepInputs, rank_memory
 
 logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
@@ -217,92 +210,3 @@ def _set_threads(n: int) -> int:
     saved = torch.get_num_threads()
     torch.set_num_threads(n)
     return saved
-
-
-class DriverModelRunner(ModelRunner):
-    """Rank 0's ModelRunner: its own shard, and each call that touches the model mirrored to the workers."""
-
-    def __init__(self, workers: WorkerGroup, spec: WorkerSpec) -> None:
-        self.workers = workers
-        self._finalizer = weakref.finalize(self, workers.close)
-
-        def build() -> None:
-            args, kwargs = spec.runner_arguments(workers.device, workers.tp)
-            ModelRunner.__init__(self, *args, **kwargs)
-            warm_up_kernels(workers.device)
-
-        workers.call("init", (spec,), build)
-
-    def load_weights(self, weights) -> None:
-        self.workers.call("load_weights", (), lambda: ModelRunner.load_weights(self, weights))
-
-    def init_dummy_weights(self, seed: int = 0) -> None:
-        self.workers.call("init_dummy_weights", (seed,), lambda: ModelRunner.init_dummy_weights(self, seed))
-
-    def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
-        # Every rank must hold the same blocks: the one with the least room decides.
-        return min(self.workers.call("num_blocks_for_budget", (block_size, kv_cache_memory),
-                                     lambda: ModelRunner.num_blocks_for_budget(self, block_size, kv_cache_memory)))
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, asked_by: str = "the KV budget") -> None:
-        self.workers.call("allocate_kv_cache", (num_blocks, block_size, asked_by),
-                          lambda: ModelRunner.allocate_kv_cache(self, num_blocks, block_size, asked_by))
-
-    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        logger.info("pagellm: tensor-parallel steps run eagerly (no CUDA graphs)")
-
-    def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        self.workers.check()
-        values, tensors = pack(inputs)
-        try:
-            self.workers.channel.send("step", values, tensors)
-            return super().run_step(inputs)
-        except Exception as e:  # the ranks are out of step now: the group is done
-            raise self.workers.failed(e) from e
-
-    def memory_report(self) -> list[dict]:
-        return self.workers.call("memory_report", (), lambda: rank_memory(self, 0))
-
-    # ---- the second tier: each rank keeps its own shard of every block ----------------------------------
-    def open_kv_tier(self, directory: str, capacity_bytes: int, fingerprint: bytes, persist: bool) -> None:
-        self.workers.call("open_kv_tier", (directory, capacity_bytes, fingerprint, persist),
-                          lambda: ModelRunner.open_kv_tier(self, directory, capacity_bytes, fingerprint, persist))
-
-    def stage_tier_block(self, key: bytes) -> bool:
-        """True only if every rank holds its shard of the block: a block some rank lost is recomputed."""
-        hits = self.workers.call("stage_tier_block", (key,), lambda: ModelRunner.stage_tier_block(self, key))
-        if all(hits):
-            return True
-        if any(hits):
-            self.workers.call("unstage_tier_block", (key,), lambda: ModelRunner.unstage_tier_block(self, key))
-        return False
-
-    def apply_tier_ops(self, ops: list) -> None:
-        # The payloads stay in the ranks (staged there): only the moves travel.
-        moves = [dataclasses.replace(op, payload=None) for op in ops]
-        self.workers.call("apply_tier_ops", (moves,), lambda: ModelRunner.apply_tier_ops(self, ops))
-
-    def close_kv_tier(self, cached_blocks: list[tuple[int, bytes]]) -> None:
-        if self.workers.error is not None:  # the workers are gone (shutdown after a failure): rank 0's own
-            ModelRunner.close_kv_tier(self, cached_blocks)
-            return
-        self.workers.call("close_kv_tier", (cached_blocks,), lambda: ModelRunner.close_kv_tier(self, cached_blocks))
-
-    def shutdown(self) -> None:
-        self._finalizer()
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """Process ids of the ranks this engine spawned (none under torchrun)."""
-        return self.workers.pids
-
-
-def start_tensor_parallel(size: int, spec: WorkerSpec) -> DriverModelRunner:
-    """Check the model splits `size` ways, start the ranks, build every shard."""
-    check_tensor_parallel(spec.arch, size)
-    workers = WorkerGroup.start(size, spec.device_type)
-    try:
-        return DriverModelRunner(workers, spec)
-    except BaseException:
-        workers.close()
-        raise

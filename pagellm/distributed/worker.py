@@ -15,7 +15,6 @@ import threading
 import time
 import traceback
 import typing
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,52 +24,9 @@ from pagellm import envs
 from pagellm.distributed import process_group
 from pagellm.distributed.channel import Channel
 from pagellm.layers.parallel import TensorParallelGroup
-from pagellm.models.arch import ModelArchConfig
-
-if typing.TYPE_CHECKING:
-    from pagellm.config import EngineConfig
-    from pagellm.loader.source import ModelSource
+from pagellm.worker.spec import WorkerSpec
 
 READY_KEY = "pagellm/ready/{rank}"
-
-
-@dataclass
-class WorkerSpec:
-    """What rank 0 tells each worker about the model, right after the group forms."""
-
-    arch: ModelArchConfig
-    model_path: str
-    load_format: str
-    device_type: str
-    dtype: torch.dtype
-    max_model_len: int
-    seed: int
-    quantization: str = "auto"
-    weight_format: str = "dense"
-    sliding_kv: bool = False  # sliding-window layers in their own KV groups (core/kv/groups.py)
-    kv_cache_dtype: str = "auto"  # how K/V are stored (kv_format.py)
-    activation_quantization: str = "none"  # "int8" / "int8x2": GGUF products round their activations
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype,
-                    max_model_len: int, quantization: str, activation_quantization: str) -> WorkerSpec:
-        """The spec of an engine's model (`source`, loaded with `quantization`, its products taking
-        `activation_quantization` as resolved from the option): the one place the engine's options
-        become ModelRunner's, for one rank or many."""
-        return cls(source.arch, source.path, config.load_format, device.type, dtype, max_model_len, config.seed,
-                   quantization, source.weight_format,
-                   sliding_kv=config.kv_policy == "paged", kv_cache_dtype=config.kv_cache_dtype,
-                   activation_quantization=activation_quantization)
-
-    def runner_arguments(self, device: torch.device,
-                         tp: TensorParallelGroup | None) -> tuple[tuple, dict[str, Any]]:
-        """ModelRunner's arguments for this rank: the one place every rank, rank 0's
-        DriverModelRunner and a single-rank engine included, takes them from, so no option reaches
-        some ranks and not others (rank 0 once built its shard without activation_quantization
-        while the workers had it)."""
-        return ((self.arch, device, self.dtype, self.max_model_len),
-                dict(seed=self.seed, tp=tp, weight_format=self.weight_format, sliding_kv=self.sliding_kv,
-                     kv_cache_dtype=self.kv_cache_dtype, activation_quantization=self.activation_quantization))
 
 
 def pack(obj: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -112,7 +68,9 @@ def unpack(cls: type, values: dict[str, Any], tensors: dict[str, torch.Tensor], 
 
 
 class Worker:
-    """The commands a worker answers; each runs the same ModelRunner method rank 0 runs."""
+    """What a worker does for rank 0: build its runner, load its own copy of the weights, run the
+    steps rank 0 broadcasts; any other command is the ModelRunner method of that name, run with
+    rank 0's arguments (so a new runner operation needs nothing here)."""
 
     def __init__(self, tp: TensorParallelGroup, device: torch.device, local_rank: int,
                  model_path: str | None = None) -> None:
@@ -122,6 +80,13 @@ class Worker:
         self.model_path = model_path  # this machine's path to the model, if not rank 0's
         self.spec: WorkerSpec | None = None
         self.runner = None
+
+    def call(self, command: str, args: tuple) -> Any:
+        if command in ("init", "load_weights"):
+            return getattr(self, command)(*args)
+        if command.startswith("_") or self.runner is None or not callable(getattr(self.runner, command, None)):
+            raise RuntimeError(f"unknown command {command!r} from rank 0")
+        return getattr(self.runner, command)(*args)
 
     def init(self, spec: WorkerSpec) -> None:
         from pagellm.worker.model_runner import ModelRunner
@@ -146,44 +111,10 @@ class Worker:
                              f"({source.arch} != {spec.arch})")
         self.runner.load_weights(source.weights())
 
-    def init_dummy_weights(self, seed: int) -> None:
-        self.runner.init_dummy_weights(seed)
-
-    def num_blocks_for_budget(self, block_size: int, kv_cache_memory) -> int:
-        return self.runner.num_blocks_for_budget(block_size, kv_cache_memory)
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, asked_by: str = "the KV budget") -> None:
-        self.runner.allocate_kv_cache(num_blocks, block_size, asked_by)
-
-    def memory_report(self) -> dict:
-        from pagellm.worker.model_runner import rank_memory
-
-        return rank_memory(self.runner, self.tp.rank)
-
-    def open_kv_tier(self, directory: str, capacity_bytes: int, fingerprint: bytes, persist: bool) -> None:
-        self.runner.open_kv_tier(directory, capacity_bytes, fingerprint, persist)
-
-    def stage_tier_block(self, key: bytes) -> bool:
-        return self.runner.stage_tier_block(key)
-
-    def unstage_tier_block(self, key: bytes) -> None:
-        self.runner.unstage_tier_block(key)
-
-    def apply_tier_ops(self, ops: list) -> None:
-        self.runner.apply_tier_ops(ops)
-
-    def close_kv_tier(self, cached_blocks: list[tuple[int, bytes]]) -> None:
-        self.runner.close_kv_tier(cached_blocks)
-
     def step(self, values: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         from pagellm.worker.model_runner import StepInputs
 
         self.runner.run_step(unpack(StepInputs, values, tensors))
-
-
-COMMANDS = ("init", "load_weights", "init_dummy_weights", "num_blocks_for_budget", "allocate_kv_cache",
-            "memory_report", "open_kv_tier", "stage_tier_block", "unstage_tier_block", "apply_tier_ops",
-            "close_kv_tier")
 
 
 def serve(channel: Channel, tp: TensorParallelGroup, device: torch.device, local_rank: int,
@@ -196,15 +127,13 @@ def serve(channel: Channel, tp: TensorParallelGroup, device: torch.device, local
             worker.step(args, tensors)
         elif command == "shutdown":
             return
-        elif command in COMMANDS:
+        else:
             try:
-                value, error = getattr(worker, command)(*args), None
+                value, error = worker.call(command, args), None
             except Exception as e:
                 traceback.print_exc()
                 value, error = None, f"tensor-parallel rank {tp.rank}: {type(e).__name__}: {e}"
             channel.answer(error, value)
-        else:
-            raise RuntimeError(f"unknown command {command!r} from rank 0")
 
 
 def warm_up_kernels(device: torch.device) -> None:

@@ -20,8 +20,11 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.engine.pooling import PooledPrompts
+from pagellm.engine.swap_cost import SwapCost
 from pagellm.errors import EngineFatalError
+from pagellm.executor.base import Executor
 from pagellm.timing import PhaseTimer, phase
+from pagellm.worker.kv_tier import DiskKVTier
 from pagellm.worker.model_runner import StepResult
 from pagellm.worker.sampler import ROW_ERRORS, SamplerOutput
 
@@ -48,8 +51,9 @@ class CoreStep:
 
 
 class EngineCore:
-    def __init__(self, runner, kv: KVManager, scheduler: Scheduler, eos_token_ids: frozenset[int]) -> None:
-        self.runner = runner
+    def __init__(self, executor: Executor, kv: KVManager, scheduler: Scheduler, eos_token_ids: frozenset[int],
+                 kv_tier: DiskKVTier | None = None, costs: SwapCost | None = None) -> None:
+        self.executor = executor
         self.kv = kv
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
@@ -60,12 +64,11 @@ class EngineCore:
         self.num_step_failures = 0  # steps whose batch raised (and was bisected)
         # Structured outputs (engine/structured_outputs.py): set by the engine on first use.
         self.grammars = None
-        # Rank 0's KV tier (its stats stand for every rank's); the runner makes the KV manager's
+        # Rank 0's KV tier (its stats stand for every rank's); the executor makes the KV manager's
         # moves to and from each rank's (core/kv/tiered.py).
-        self.kv_tier = None
-        # Seconds per computed token, a moving average over steps: what recomputing costs
-        # (preemption_mode "auto"). None until a step has run.
-        self.seconds_per_token: float | None = None
+        self.kv_tier = kv_tier
+        # What a step costs per token, measured here, read by preemption_mode "auto".
+        self.costs = costs or SwapCost(kv_tier)
         self.pooled = PooledPrompts()  # embedding requests' pooled chunks so far
 
     # ---- sequences: what the layers above may do between steps ----------------------------
@@ -96,7 +99,7 @@ class EngineCore:
             sched = self.scheduler.schedule()
         if sched.tier_ops:  # even when nothing runs: promoted blocks are in the pool's index now
             with phase(self.timer, "kv_tier"):
-                self.runner.apply_tier_ops(sched.tier_ops)
+                self.executor.apply_tier_ops(sched.tier_ops)
         if sched.is_empty:
             return CoreStep()
         started = time.perf_counter()
@@ -109,8 +112,7 @@ class EngineCore:
             self.num_step_failures += 1
             groups = sorted({s.request.group_id for s in sched.scheduled})
             return CoreStep(failures=self._abort_groups({gid: (e, "step_error") for gid in groups}))
-        sample = (time.perf_counter() - started) / sched.num_batched_tokens
-        self.seconds_per_token = sample if self.seconds_per_token is None else 0.8 * self.seconds_per_token + 0.2 * sample
+        self.costs.record_step(time.perf_counter() - started, sched.num_batched_tokens)
         return step
 
     def _run(self, sched: SchedulerOutput) -> CoreStep:
@@ -187,7 +189,7 @@ class EngineCore:
         """
         eos = set(self.eos_token_ids)
         try:
-            return self.runner.execute(plan, eos), {}
+            return self.executor.execute(plan, eos), {}
         except EngineFatalError:
             raise
         except Exception as error:
@@ -205,7 +207,7 @@ class EngineCore:
             mid = len(part) // 2
             for half in (part[:mid], part[mid:]):
                 try:
-                    clean.append(self.runner.execute(plan.subset(half), eos))
+                    clean.append(self.executor.execute(plan.subset(half), eos))
                 except EngineFatalError:
                     raise
                 except Exception as e:

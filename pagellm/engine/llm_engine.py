@@ -1,4 +1,5 @@
-"""The engine: add requests, step, abort. It loads the model and puts together the three
+"""The engine: add requests, step, abort. Built from its parts (engine/builder.py: the model,
+the executor that runs it, the KV cache, the scheduler and the core), it puts together the three
 jobs of a step: input processing (prompts and parameters -> sequences, all validation), the
 engine core (schedule -> execute -> update) and output processing (text, logprobs,
 `RequestOutput`), with beam search driven between core steps (`engine/beams.py`).
@@ -13,33 +14,23 @@ import time
 from collections import Counter
 
 import numpy as np
-import torch
 
 from pagellm import envs
 from pagellm.beam_search import Beam, BeamSearchParams, BeamState
 from pagellm.config import EngineConfig, structured_outputs_backend
-from pagellm.core.kv import make_kv_manager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.scheduler import Scheduler
-from pagellm.distributed.worker import WorkerSpec
 from pagellm.engine import beams
-from pagellm.engine.core import CoreStep, EngineCore
+from pagellm.engine.builder import build_engine_parts
+from pagellm.engine.core import CoreStep
 from pagellm.engine.groups import BeamRound, SequenceGroup
-from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
+from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
-from pagellm.layers.quant import quantized_on_load
-from pagellm.layers.quant.gguf import resolve_activation_quantization
-from pagellm.loader.pooler_config import read_pooler_config
-from pagellm.loader.source import load_model_source
 from pagellm.loader.tokenizer import Tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.timing import PhaseTimer, phase
-from pagellm.worker.kv_tier import RunnerTier, model_fingerprint
-from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
-from pagellm.worker.proposers import make_proposer
 
 logger = logging.getLogger("pagellm.engine")
 # The block map shows the start of each prompt: this much of it.
@@ -49,91 +40,22 @@ PROMPT_HEAD_TOKENS, PROMPT_HEAD_CHARS = 24, 80
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.kv_tier = None  # the KV cache's second tier (--kv-offload-dir), if any
-        started = time.monotonic()
-        device = resolve_device(config.device)
-        # A GPU gets a GGUF file dequantized: the Triton GGUF product is not wired into the layers yet.
-        fmt = quantized_on_load(config.quantization)
-        if fmt is not None and device.type not in fmt.devices:
-            raise ValueError(f"quantization {config.quantization!r} runs on {', '.join(fmt.devices)} only for now; "
-                             f"the device is {device}")
-        quantization = config.quantization if device.type == "cpu" else "none"
-        source = load_model_source(config.model, config.load_format, quantization)
-        logger.info("loading %s (%s, %s family, %s on disk)", source.path, source.format, source.arch.architecture,
-                    _disk_size(source.path))
-        activations, line = resolve_activation_quantization(config.activation_quantization, source.weight_format,
-                                                            config.batch_invariant, device.type)
-        if line:
-            logger.info(line)
-        self.activation_quantization = activations  # as resolved: what the products run
-        self.model_path = source.path
-        self.tokenizer: Tokenizer = source.tokenizer
-        self.arch = source.arch
-        # How embeddings are made (pooling_params.py): the model's own files, then --pooler-config.
-        self.pooler_config = read_pooler_config(source.path).with_overrides(config.pooler_config)
-        self.max_model_len = resolve_max_model_len(config.max_model_len, self.arch.max_position_embeddings)
-        self.device = device
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        torch.manual_seed(config.seed)
-        spec = WorkerSpec.from_config(config, source, self.device, self.dtype, self.max_model_len, quantization,
-                                      activations)
-        if config.tensor_parallel_size > 1:
-            if config.batch_invariant:
-                raise ValueError("batch_invariant does not cover tensor parallelism yet (its all-reduce adds the "
-                                 "ranks' partial sums in the transport's order); use tensor_parallel_size 1")
-            from pagellm.distributed.driver import start_tensor_parallel
-
-            self.runner = start_tensor_parallel(config.tensor_parallel_size, spec)
-        else:
-            args, kwargs = spec.runner_arguments(self.device, None)
-            self.runner = ModelRunner(*args, batch_invariant=config.batch_invariant, **kwargs)
-        try:
-            if source.weights is None:
-                self.runner.init_dummy_weights(config.seed)
-            else:
-                self.runner.load_weights(_with_progress(source.weights(), source.path))
-            if config.num_kv_blocks:
-                # Blocks of every layer, as without KV groups: the same memory whatever the model's
-                # windows. A block id of a KV group holds only that group's layers, so more ids fit.
-                groups = self.runner.kv_groups
-                num_blocks = config.num_kv_blocks * len(groups.layer_group) // groups.slots
-                asked_by = f"num_kv_blocks={config.num_kv_blocks}"
-            else:
-                num_blocks = self.runner.num_blocks_for_budget(config.block_size, config.kv_cache_memory)
-                asked_by = "the default KV budget" if config.kv_cache_memory is None else \
-                    f"kv_cache_memory={config.kv_cache_memory}"
-            self.runner.allocate_kv_cache(num_blocks, config.block_size, asked_by)
-            if not config.enforce_eager:
-                self.runner.capture_cuda_graphs(config.max_num_seqs)
-            tier = None if config.kv_offload_dir is None else self._open_kv_tier(config)
-        except BaseException:
-            self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
-            raise
-        # One group of layers per cache kind (sliding windows give back what slid out), over one
-        # pool, with the second tier behind its prefix cache (core/kv/coordinator.py).
-        self.kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, self.max_model_len,
-                                  enable_prefix_caching=config.enable_prefix_caching,
-                                  windows=self.runner.kv_groups.windows,
-                                  max_chunk_tokens=config.max_num_batched_tokens,
-                                  state_blocks=self.runner.state_blocks(config.block_size), tier=tier)
-        if config.preemption_mode != "recompute" and self.kv_tier is None:
-            raise ValueError(f"preemption_mode {config.preemption_mode!r} moves KV blocks to the second tier: it "
-                             f"needs kv_offload_dir")
-        speculative = config.speculative
-        if speculative is not None:
-            self._check_speculation(config)
-            self.runner.proposer = make_proposer(speculative)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode, speculative)
-        self.scheduler.swap_cheaper = self._swap_is_cheaper
-        eos = set(self.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self.core = EngineCore(self.runner, self.kv, self.scheduler, self.eos_token_ids)
-        self.core.kv_tier = self.kv_tier
-        logger.info("ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d", time.monotonic() - started,
-                    num_blocks, config.block_size, self.max_model_len)
+        parts = build_engine_parts(config)
+        self.model_path = parts.model_path
+        self.tokenizer: Tokenizer = parts.tokenizer
+        self.arch = parts.arch
+        self.pooler_config = parts.pooler_config
+        self.max_model_len = parts.max_model_len
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.activation_quantization = parts.activation_quantization
+        self.executor = parts.executor
+        self.runner = parts.executor.driver  # rank 0's: the model, KV groups and format every rank shares
+        self.kv = parts.kv
+        self.kv_tier = parts.kv_tier
+        self.scheduler = parts.scheduler
+        self.core = parts.core
+        self.eos_token_ids = parts.eos_token_ids
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                      self.kv, self.eos_token_ids)
@@ -303,7 +225,7 @@ class LLMEngine:
     def attach_timer(self, timer: PhaseTimer | None) -> None:
         """Time each phase of every step into `timer` (pagellm.timing); None detaches it."""
         self.timer = self.core.timer = timer
-        self.runner.attach_timer(timer)
+        self.executor.attach_timer(timer)
 
     def _process(self, out: CoreStep) -> list[RequestOutput]:
         """From what the core did to outputs: fail what failed, drive the beams, detokenize."""
@@ -371,7 +293,7 @@ class LLMEngine:
     def memory_report(self) -> list[dict]:
         """Per rank (one entry without tensor parallelism): bytes of weights and of KV cache it
         holds, its KV heads, and its peak memory so far."""
-        return self.runner.memory_report()
+        return self.executor.memory_report()
 
     def cache_config(self) -> dict:
         """The KV cache's settings as vLLM's cache config names them (the labels of the server's
@@ -393,47 +315,9 @@ class LLMEngine:
         interpreter exit."""
         try:
             if self.kv_tier is not None and self.kv_tier.is_open:
-                self.runner.close_kv_tier(self.kv.cached_blocks())
+                self.executor.close_kv_tier(self.kv.cached_blocks())
         finally:
-            self.runner.shutdown()
-
-    def _check_speculation(self, config: EngineConfig) -> None:
-        """Speculative decoding rolls rejected tokens back by shortening block tables: refuse what
-        cannot be rolled back that way (yet)."""
-        if self.runner.recurrent:
-            kinds = ", ".join(sorted({type(m).__name__ for m in self.runner.recurrent}))
-            raise ValueError(f"speculative_config is not supported for {self.arch.architecture} yet: its recurrent "
-                             f"layers ({kinds}) keep a per-sequence state that rejected tokens would have "
-                             f"advanced, and rolling that state back is not implemented")
-        if config.kv_policy != "paged":
-            raise ValueError(f"speculative_config needs kv_policy 'paged' (rejected tokens are dropped from block "
-                             f"tables), got {config.kv_policy!r}")
-
-    def _swap_is_cheaper(self, num_tokens: int, num_blocks: int) -> bool:
-        """preemption_mode "auto": writing and reading back `num_blocks` blocks against computing
-        `num_tokens` tokens again, at the rates measured so far (recompute until both are known)."""
-        per_token = self.core.seconds_per_token
-        per_byte = None if self.kv_tier is None else self.kv_tier.seconds_per_byte
-        if per_token is None or per_byte is None:
-            return False
-        return 2 * num_blocks * self.kv_tier.block_bytes * per_byte < num_tokens * per_token
-
-    def _open_kv_tier(self, config: EngineConfig) -> RunnerTier:
-        """The second tier on disk (core/kv/tiered.py, worker/kv_tier.py): each rank's runner opens
-        its own; the coordinator sees them as one."""
-        unsupported = [why for why, bad in (
-            ("kv_policy 'paged'", config.kv_policy != "paged"),
-            ("enable_prefix_caching (the tier keeps blocks by their prefix hash)", not config.enable_prefix_caching),
-            ("a model without recurrent layers (their state checkpoints stay in the pool)",
-             self.runner.kv_groups.has_state)) if bad]
-        if unsupported:
-            raise ValueError(f"kv_offload_dir needs {', '.join(unsupported)}")
-        block_bytes = self.runner.bytes_per_block(config.block_size)
-        fingerprint = model_fingerprint(self.model_path, self.arch.hf_config or vars(self.arch),
-                                        self.runner.kv_format.name, config.block_size, block_bytes)
-        self.runner.open_kv_tier(config.kv_offload_dir, config.kv_offload_size, fingerprint, config.kv_offload_persist)
-        self.kv_tier = self.runner.kv_tier  # rank 0's: its stats and costs stand for every rank's
-        return RunnerTier(self.runner)
+            self.executor.shutdown()
 
     def kv_snapshot(self) -> dict:
         """Who holds which physical block right now: the data behind a block map."""
@@ -462,19 +346,3 @@ class LLMEngine:
         return {**self.core.stats(), "request_failures": dict(self.request_failures),
                 "max_model_len": self.max_model_len}
 
-
-def _disk_size(path: str) -> str:
-    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)]
-    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
-    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.0f} MiB"
-
-
-def _with_progress(weights, path: str):
-    """The weights, with a progress bar on a terminal (a large model takes a while to read)."""
-    import sys
-
-    if not sys.stderr.isatty():
-        return weights
-    from tqdm.auto import tqdm
-
-    return tqdm(weights, desc=f"loading {os.path.basename(path)}", unit=" tensors", leave=False)

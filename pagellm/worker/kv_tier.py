@@ -286,13 +286,14 @@ class DiskKVTier:
 class RunnerTier:
     """The coordinator's view (core/kv/tiered.py's BlockTier) of the tiers the runner's ranks keep:
     a block loads only if every rank holds its shard, and the bytes wait in the runners for the
-    promotion that writes them (ModelRunner.stage_tier_block)."""
+    promotion that writes them (ModelRunner.stage_tier_block). `ranks` is the executor that runs
+    them (pagellm/executor/base.py: stage_tier_block on every rank)."""
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, ranks) -> None:
+        self.ranks = ranks
 
     def load(self, key: bytes) -> bool | None:
-        return True if self.runner.stage_tier_block(key) else None
+        return True if self.ranks.stage_tier_block(key) else None
 
 
 def model_fingerprint(model_path: str, arch_config: dict, kv_format: str, block_size: int, block_bytes: int) -> bytes:

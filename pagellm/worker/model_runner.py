@@ -10,6 +10,7 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -18,7 +19,7 @@ from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.kv_format import resolve_kv_format
 from pagellm.core.kv.groups import STATE, plan_kv_groups
-from pagellm.core.step_plan import PlannedSeq, StepPlan
+from pagellm.core.step_plan import PlannedSeq, PromptLogprobs, StepPlan
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
@@ -84,18 +85,6 @@ class StepInputs:
 
 
 @dataclass
-class PromptLogprobs:
-    """Prompt logprobs one step computed for a sequence: entry i scores prompt token
-    `token_ids[i]` (at position start + i + 1) given the tokens before it."""
-
-    start: int
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]                        # 1: the most likely token
-    top: list[list[tuple[int, float]]]      # the top-k (token, logprob) pairs, best first
-
-
-@dataclass
 class StepResult:
     """What one step sampled: `request_ids[i]` drew `sampled.token_ids[i]` (a speculating sequence
     draws several tokens, in consecutive rows, in order); the prompt logprobs it computed, by
@@ -122,19 +111,28 @@ class StepResult:
                    prompt, pooled, drafts)
 
 
+# Rank 0's way to run a step's tensor work (StepInputs -> run_step's value) on every rank: it is
+# handed the inputs and this runner's own run_step.
+StepMirror = Callable[["StepInputs", Callable[["StepInputs"], Any]], Any]
+
+
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend | None = None, seed: int = 0,
                  tp: TensorParallelGroup | None = None, weight_format: str = "dense",
                  batch_invariant: bool = False, sliding_kv: bool = False, kv_cache_dtype: str = "auto",
-                 activation_quantization: str = "none") -> None:
+                 activation_quantization: str = "none", proposer: Proposer | None = None,
+                 mirror: StepMirror | None = None) -> None:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
         blocks the KV manager frees, core/kv/coordinator.py); otherwise every layer is in one group.
         `kv_cache_dtype`: how K/V are stored (kv_format.py; auto: as `dtype`).
         `activation_quantization` "int8" / "int8x2": GGUF products round their activations to int8
-        codes (layers/quant/gguf.py)."""
+        codes (layers/quant/gguf.py).
+        `proposer`: speculative decoding's, on the rank that samples (None: no speculation).
+        `mirror`: how rank 0 of a tensor-parallel engine runs a step's tensor work on every rank
+        (pagellm/executor/tensor_parallel.py); None: on this one alone."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -172,8 +170,8 @@ class ModelRunner:
         if device.type == "cpu":
             cpu_kernels.available()  # built (once) at start-up, not on the first request
         self.sampler = Sampler(seed=seed, device=device)
-        # Speculative decoding's proposer (set by the engine when speculative_config is on).
-        self.proposer: Proposer | None = None
+        self.proposer = proposer
+        self.mirror = mirror
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -380,7 +378,7 @@ class ModelRunner:
         # from the same row as their parent), and each verified position of a speculating one.
         samplers = [spec for s in seqs for spec in
                     (verification_specs(s.samplers[0], s.draft_token_ids) if s.draft_token_ids else s.samplers)]
-        logits, pooled_rows = self.run_step(inputs)
+        logits, pooled_rows = self.run_step(inputs) if self.mirror is None else self.mirror(inputs, self.run_step)
         pooled = {} if pooled_rows is None else dict(zip([s.request_id for s in seqs if s.pool], pooled_rows))
         if logits is None:
             return StepResult([], None, pooled=pooled)
@@ -440,12 +438,20 @@ class ModelRunner:
         with phase(self.timer, "logits"):
             return self.model.compute_logits(hidden[torch.tensor(inputs.rows, device=self.device)]), pooled
 
-    def memory_report(self) -> list[dict]:
-        """Bytes of weights and KV cache this process holds (one entry per tensor-parallel rank)."""
-        return [rank_memory(self, rank=0)]
+    def memory_report(self) -> dict:
+        """What this rank holds: its weight and KV cache bytes, and its peak memory so far (the
+        process's peak RSS on the CPU, the allocator's peak on CUDA)."""
+        import resource
 
-    def shutdown(self) -> None:
-        """Release what outlives the object (tensor-parallel workers); nothing on one rank."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # The pool's own tensors: layers of different KV groups share them, or views of them.
+        kv = sum(t.numel() * t.element_size() for pair in self._kv_slots for t in pair)
+        report = {"rank": self._rank_size[0], "device": str(self.device), "weight_bytes": weights,
+                  "kv_cache_bytes": kv, "num_kv_heads": self.model.num_kv_heads, **self.model.compute_cost(),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.device.type == "cuda":
+            report["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return report
 
     def _prepare(self, seqs: list[PlannedSeq], block_copies: list[tuple[int, int]]) -> StepInputs:
         bs = self.block_size
@@ -556,20 +562,4 @@ def _prompt_logprobs(seqs: list[PlannedSeq], logits: torch.Tensor) -> dict[str, 
         out[s.request_id] = PromptLogprobs(s.prompt_logprob_start, list(s.prompt_targets), chosen.tolist(),
                                            ranks.tolist(), top)
     return out
-
-
-def rank_memory(runner: ModelRunner, rank: int) -> dict:
-    """What one rank holds: its weight and KV cache bytes, and its peak memory so far (the
-    process's peak RSS on the CPU, the allocator's peak on CUDA)."""
-    import resource
-
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    # The pool's own tensors: layers of different KV groups share them, or views of them.
-    kv = sum(t.numel() * t.element_size() for pair in runner._kv_slots for t in pair)
-    report = {"rank": rank, "device": str(runner.device), "weight_bytes": weights, "kv_cache_bytes": kv,
-              "num_kv_heads": runner.model.num_kv_heads, **runner.model.compute_cost(),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if runner.device.type == "cuda":
-        report["peak_device_bytes"] = torch.cuda.max_memory_allocated(runner.device)
-    return report
 

@@ -97,7 +97,7 @@ def test_two_ranks_match_one_through_preemption_prefix_caching_and_forks(model, 
     ref, ref_stats, ref_beams = _run(LLM(path, **engine))
     with LLM(path, tensor_parallel_size=2, **engine) as llm:
         got, stats, beams = _run(llm)
-        pids = llm.engine.runner.worker_pids
+        pids = llm.engine.executor.worker_pids
     assert ref_stats["num_preemptions"] > 0 and ref_stats["prefix_cache_hits"] > 0
     for key in ("num_preemptions", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens"):
         assert stats[key] == ref_stats[key]
@@ -138,7 +138,7 @@ def test_memory_per_rank_is_half_and_shutdown_leaves_nothing(tiny_llama_dir):
     [one] = LLM(tiny_llama_dir, **ENGINE).engine.memory_report()
     llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE)
     report = llm.engine.memory_report()
-    pids = llm.engine.runner.worker_pids
+    pids = llm.engine.executor.worker_pids
     assert [r["rank"] for r in report] == [0, 1]
     # Replicated on every rank: the RMSNorm weights (2 per layer and the final one).
     replicated = (2 * 2 + 1) * 64 * 4
@@ -169,7 +169,7 @@ def test_killed_worker_fails_fast_and_leaves_no_orphan(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=4)
     assert llm.generate("hello", params, use_tqdm=False)[0].outputs[0].token_ids
-    [pid] = llm.engine.runner.worker_pids
+    [pid] = llm.engine.executor.worker_pids
     os.kill(pid, signal.SIGKILL)
     errors: list[BaseException] = []
 
@@ -200,7 +200,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir, tmp_path):
 
         if __name__ == "__main__":
             llm = LLM({tiny_llama_dir!r}, tensor_parallel_size=2, block_size=4, num_kv_blocks=16)
-            print(*llm.engine.runner.worker_pids, flush=True)
+            print(*llm.engine.executor.worker_pids, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no finalizer: the workers must notice alone
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

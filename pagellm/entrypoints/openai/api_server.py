@@ -16,7 +16,6 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
@@ -40,6 +39,7 @@ from pagellm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagellm.entrypoints.openai.shutdown import Drain, DrainingServer, DrainMiddleware
 from pagellm.entrypoints.responses.protocol import ResponsesRequest
 from pagellm.entrypoints.responses.serving_responses import OpenAIServingResponses
+from pagellm.version import __version__
 
 logger = logging.getLogger("pagellm.server")
 
@@ -96,7 +96,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
             await engine.shutdown()
             engine.close()  # the engine's own resources: its KV tier's file, tensor-parallel ranks, replicas
 
-    app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagellm", version=__version__, lifespan=lifespan)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> Response:
@@ -138,7 +138,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pagellm.__version__}
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -8,17 +8,10 @@ verification keeps exactly the tokens the target model would have produced.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Sequence
-
 from pagellm.config import SpeculativeConfig
+from pagellm.worker.proposers.base import Proposer
 
-
-class Proposer(ABC):
-    @abstractmethod
-    def propose(self, contexts: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> list[list[int]]:
-        """For each sequence, up to `num_tokens[i]` tokens to follow `contexts[i]` (its prompt and
-        output so far), or [] when it has no guess."""
+__all__ = ["Proposer", "make_proposer"]
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
-from pagellm.worker.proposers import Proposer
+from pagellm.worker.proposers.base import Proposer
 
 # Tokens are searched as 4-byte integers with bytes.rfind: a C loop, not a Python one, over contexts
 # of thousands of tokens every step.

@@ -4,6 +4,11 @@ about (A, B, then B, A), so that other load on shared cores hits both alike: per
 over copies totalling > 128 MB, so every call reads them from memory as a decode step does.
 
     python benchmarks/kernel_ab.py --base main --types Q8_0,Q4_K,Q6_K --rows 1 --threads 1
+
+A side whose build repacks weights at load (tiles of 8 rows: layers/quant/gguf.py, REPACKED)
+multiplies them repacked, as a model load gives them; --repack all repacks every type its kernels
+can (Q6_K too), --repack none keeps GGUF's blocks on both sides.
+PAGELLM_CPU_MARCH=x86-64-v3 builds both sides for AVX2 (the AVX2 kernels on an AVX-512 machine).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from pagellm.kernels import cpu  # noqa: E402
+from pagellm.layers.quant import gguf  # noqa: E402
 from tests.kernels.gguf_blocks import random_blocks  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
@@ -40,6 +46,17 @@ def base_module(rev: str):
     return cpu._build(source, f"quantized-matmul kernels of {rev}")
 
 
+def weight_form(module, w: torch.Tensor, qtype: int, k: int, repack: str) -> tuple[torch.Tensor, int]:
+    """(weight, type id) for a side's kernels: repacked into tiles of 8 rows where that build can
+    repack the type and `repack` asks ("load": the types a model load repacks, gguf.REPACKED; "all"),
+    else GGUF's blocks."""
+    packed = getattr(module, "repacked_types", {}).get(qtype)
+    wanted = repack == "all" or (repack == "load" and qtype in gguf.REPACKED)
+    if not wanted or packed is None or w.shape[0] % 8:
+        return w, qtype
+    return module.gguf_repack(w, qtype, k), packed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="main", help="git revision of the A side; B is the working tree")
@@ -49,6 +66,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--activations", default="int8x2", choices=["int8", "int8x2"])
+    ap.add_argument("--repack", default="load", choices=["load", "all", "none"],
+                    help="weights in tiles of 8 rows where a side's build repacks them: as a model load does, "
+                         "every type the kernels can (Q6_K too), or none")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     two = args.activations == "int8x2"
@@ -58,16 +78,19 @@ def main() -> None:
         for shape in args.shapes.split(","):
             n, k = SHAPES[shape]
             w = torch.from_numpy(random_blocks(T[name], n, k, seed=1))
-            copies = [w.clone() for _ in range(int(128e6 // w.numel()) + 1)]
+            # each side's weights in the form its load would give them (repacked where it repacks the type)
+            weights = {side: weight_form(module, w, qtype, k, args.repack) for side, module in sides.items()}
+            copies = {side: [form[0].clone() for _ in range(int(128e6 // w.numel()) + 1)]
+                      for side, form in weights.items()}
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k)
                 times: dict[str, list[float]] = {side: [] for side in sides}
                 turn = 0
                 for rep in range(args.reps):
                     for side in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
-                        turn = (turn + 1) % len(copies)
+                        turn = (turn + 1) % len(copies[side])
                         start = time.perf_counter()
-                        sides[side].gguf_matmul_int8(x, copies[turn], qtype, k, two)
+                        sides[side].gguf_matmul_int8(x, copies[side][turn], weights[side][1], k, two)
                         times[side].append(time.perf_counter() - start)
                 gb = w.numel() / 1e9
                 row = " | ".join(f"{side} {gb / statistics.median(t):5.1f} / {gb / min(t):5.1f}"

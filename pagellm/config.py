@@ -133,8 +133,10 @@ def structured_outputs_backend(options: dict | None) -> str:
     """The grammar backend a structured_outputs_config names ("auto" without one); ValueError names the key."""
     if options is None:
         return "auto"
-    if not isinstance(options, dict) or set(options) - {"backend"}:
-        raise ValueError(f"takes only the key 'backend', got {options!r}")
+    if not isinstance(options, dict) or set(options) - {"backend", "enable_in_reasoning"}:
+        raise ValueError(f"takes only the keys 'backend' and 'enable_in_reasoning', got {options!r}")
+    if not isinstance(options.get("enable_in_reasoning", False), bool):
+        raise ValueError(f"enable_in_reasoning must be true or false, got {options['enable_in_reasoning']!r}")
     backend = options.get("backend", "auto")
     if backend not in ("auto", "xgrammar", "guidance"):
         raise ValueError(f"backend must be one of auto, xgrammar, guidance, got {backend!r}")
@@ -250,9 +252,10 @@ class EngineConfig:
                                        alias="-tp")
     structured_outputs_config: dict | None = option(
         None, "structured outputs, as vLLM's JSON: {\"backend\": \"auto\"} (default) picks the grammar backend "
-              "per constraint, \"xgrammar\" or \"guidance\" (llguidance) pins one (docs/client-apis.md)",
+              "per constraint, \"xgrammar\" or \"guidance\" (llguidance) pins one; with --reasoning-parser the grammar "
+              "starts after the reasoning, unless \"enable_in_reasoning\": true (docs/client-apis.md)",
         check=lambda v: structured_outputs_backend(v) is not None, parse=json_object,
-        limit='an object {"backend": "auto" | "xgrammar" | "guidance"}')
+        limit='an object {"backend": "auto" | "xgrammar" | "guidance", "enable_in_reasoning": true | false}')
     speculative_config: dict | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 8}: prompt lookup "

@@ -102,6 +102,28 @@ class ReasoningBudget:
             object.__setattr__(self, name, ids)
 
 
+@dataclass(frozen=True)
+class ReasoningSection:
+    """How a reply's reasoning is marked, in token ids, so that a structured output's grammar
+    starts where the answer starts (the reasoning is free text). Built by the server from its
+    reasoning parser; the grammar applies at once when the prompt already closed the reasoning
+    (thinking switched off), and the server then sends none."""
+
+    # Each marker that ends the reasoning (a parser may know several spellings).
+    end_token_ids: tuple[tuple[int, ...], ...]
+    # The marker that opens it at the start of the reply; empty: the prompt already opened it.
+    start_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        ends = tuple(tuple(e) for e in self.end_token_ids)
+        _need(bool(ends) and all(e and all(_is_token_id(t) for t in e) for e in ends),
+              "reasoning_section.end_token_ids", ends, "a non-empty list of non-empty lists of token ids >= 0")
+        _need(all(_is_token_id(t) for t in self.start_token_ids), "reasoning_section.start_token_ids",
+              self.start_token_ids, "a list of token ids >= 0")
+        object.__setattr__(self, "end_token_ids", ends)
+        object.__setattr__(self, "start_token_ids", tuple(self.start_token_ids))
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, and when to stop; named as in vLLM."""
@@ -136,6 +158,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Close the reasoning once it has spent this many tokens (logits_processors.ReasoningBudgetRule).
     reasoning_budget: ReasoningBudget | None = None
+    # Set with structured_outputs: the reply opens with reasoning marked so, and the grammar applies
+    # after it (None: the grammar covers the whole reply).
+    reasoning_section: ReasoningSection | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -166,11 +191,14 @@ class SamplingParams:
               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         _need(self.reasoning_budget is None or isinstance(self.reasoning_budget, ReasoningBudget),
               "reasoning_budget", self.reasoning_budget, "a ReasoningBudget")
-        # The grammar covers the whole reply, reasoning included, so it would refuse the forced close.
-        _need(self.reasoning_budget is None or self.structured_outputs is None, "thinking_token_budget",
-              self.reasoning_budget and self.reasoning_budget.max_tokens,
-              "left out with structured outputs (their grammar covers the whole reply, its reasoning included, "
-              "and would refuse the close that the budget forces)")
+        _need(self.reasoning_section is None or isinstance(self.reasoning_section, ReasoningSection),
+              "reasoning_section", self.reasoning_section, "a ReasoningSection")
+        # A grammar over the whole reply, reasoning included, would refuse the close the budget forces.
+        _need(self.reasoning_budget is None or self.structured_outputs is None or self.reasoning_section is not None,
+              "thinking_token_budget", self.reasoning_budget and self.reasoning_budget.max_tokens,
+              "left out with structured outputs whose grammar covers the whole reply, its reasoning included "
+              "(the server's structured_outputs_config enable_in_reasoning), as it would refuse the close that "
+              "the budget forces")
         self._validate()
 
     def _validate(self) -> None:

@@ -81,7 +81,8 @@ class LLMEngine:
             raise ValueError(f"request_id {taken!r} is already in use")
         text, ids = self.inputs.tokenize(prompt)
         self.inputs.validate(ids, params)
-        grammar = None if params.structured_outputs is None else self.grammars.grammar(params.structured_outputs)
+        grammar = None if params.structured_outputs is None else \
+            self.grammars.grammar(params.structured_outputs, params.reasoning_section, params.reasoning_budget)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,

@@ -9,13 +9,16 @@ Three jobs, each in one place:
   thread, before the request is handed over) and the engine's own call is a cache hit.
 - `Grammar` is a sequence's parser state. It lives on the `Request`, advances by the tokens
   the sequence appends, is forked with the sequence (n > 1) and needs nothing on preemption:
-  a recomputed sequence keeps its tokens, so its state stays valid.
+  a recomputed sequence keeps its tokens, so its state stays valid. With a reasoning section
+  (a thinking model's reply), its `ReasoningGate` holds the grammar back until the reasoning
+  ends: the grammar starts where the answer starts, as vLLM's `reasoning_ended` does.
 - `attach_bitmasks` fills the bitmask of every sampling row with a grammar, one call per backend,
   and hands each row to the sampler through the step plan; the sampler masks the logits in place
   (`worker/sampler.py`), so the model runner never imports a grammar library.
 """
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from dataclasses import replace
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagellm.engine import grammars
-from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.sampling_params import ReasoningBudget, ReasoningSection, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagellm.core.request import Request
@@ -50,25 +53,117 @@ def xgrammar_available() -> bool:
     return backend_available("xgrammar")
 
 
-class Grammar:
-    """One sequence's position in its grammar."""
+class ReasoningGate:
+    """Where a reply stands against its reasoning section, so that its grammar begins where the
+    answer begins. Three states, read from the tokens accepted so far:
+    - the lead (the prompt did not open the reasoning): the reply may open it with the start
+      marker, or answer at once; its first token is either the marker's first or one the grammar
+      allows, and once the marker is begun its rest is all that is allowed;
+    - the reasoning: free text, until an end marker is written, or until the budget's forced close
+      (the reasoning spent `budget.max_tokens` tokens, as ReasoningBudgetRule counts them) is done;
+    - the answer: the grammar's."""
 
-    def __init__(self, matcher: grammars.Matcher, spec: StructuredOutputsParams, backend: str) -> None:
+    def __init__(self, section: ReasoningSection, budget: ReasoningBudget | None) -> None:
+        self.section = section
+        self.budget = budget
+        self.lead = 0 if section.start_token_ids else -1  # tokens of the start marker written; -1: past the lead
+        self.thinking = not section.start_token_ids
+        self.spent = 0  # reasoning tokens so far
+        # With a budget, only the end its rule watches for: another spelling would leave the rule
+        # forcing its close into an answer the grammar already holds.
+        self.ends = (budget.end_token_ids,) if budget is not None else section.end_token_ids
+        self.tail: list[int] = []  # the reasoning's last tokens, as long as the longest end marker
+        self._keep = max(len(e) for e in self.ends)
+
+    @property
+    def answering(self) -> bool:
+        return self.lead < 0 and not self.thinking
+
+    def allowed_now(self) -> tuple[int | None, bool]:
+        """(a token the mask must allow, whether the grammar's own mask applies beside it) while not
+        answering: the start marker's next token, beside the grammar only before it is begun; in the
+        reasoning (None, False): anything goes."""
+        if self.lead >= 0:
+            return self.section.start_token_ids[self.lead], self.lead == 0
+        return None, False
+
+    def accept(self, token_id: int) -> bool | None:
+        """Advance past `token_id` when it belongs to the lead or the reasoning (True); None: it is
+        the answer's, for the grammar."""
+        if self.lead >= 0:
+            start = self.section.start_token_ids
+            if token_id != start[self.lead]:
+                if self.lead > 0:
+                    return False  # the mask allowed only the marker's next token
+                self.lead = -1
+                return None
+            self.lead += 1
+            if self.lead == len(start):
+                self.lead, self.thinking = -1, True
+            return True
+        if not self.thinking:
+            return None
+        self.spent += 1
+        budget = self.budget
+        if budget is not None and self.spent > budget.max_tokens:
+            # The close is being forced, whatever it spells; the answer starts after its last token.
+            self.thinking = self.spent < budget.max_tokens + len(budget.close_token_ids)
+            return True
+        self.tail = (self.tail + [token_id])[-self._keep:]
+        if any(self.tail[len(self.tail) - len(e):] == list(e) for e in self.ends if len(e) <= len(self.tail)):
+            self.thinking = False
+        return True
+
+    def fork(self) -> ReasoningGate:
+        twin = copy.copy(self)
+        twin.tail = list(self.tail)
+        return twin
+
+
+class Grammar:
+    """One sequence's position in its grammar, and (`gate`) in the reasoning before it."""
+
+    def __init__(self, matcher: grammars.Matcher, spec: StructuredOutputsParams, backend: str,
+                 gate: ReasoningGate | None = None) -> None:
         self.matcher = matcher
         self.spec = spec
         self.backend = backend
+        self.gate = gate
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False if the grammar does not allow it."""
+        if self.gate is not None and not self.gate.answering:
+            taken = self.gate.accept(token_id)
+            if taken is not None:
+                return taken
         return self.matcher.accept(token_id)
 
     def fork(self) -> Grammar:
-        return Grammar(self.matcher.fork(), self.spec, self.backend)
+        return Grammar(self.matcher.fork(), self.spec, self.backend, self.gate and self.gate.fork())
+
+    @property
+    def masks(self) -> bool:
+        """Whether the next token is masked at all (not in the free reasoning)."""
+        return self.gate is None or self.gate.answering or self.gate.allowed_now()[0] is not None
+
+    def adjust(self, row: torch.Tensor) -> None:
+        """The bitmask `row`, filled from the matcher, as the gate allows it now."""
+        if self.gate is None or self.gate.answering:
+            return
+        token, with_grammar = self.gate.allowed_now()
+        if not with_grammar:
+            row.zero_()
+        row[token // 32] |= _bit(token % 32)
 
     @property
     def is_terminated(self) -> bool:
         """The output is complete and the stop token was accepted: the sequence must end."""
-        return self.matcher.is_terminated
+        return (self.gate is None or self.gate.answering) and self.matcher.is_terminated
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch stores (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
 
 
 class GrammarCompiler:
@@ -126,15 +221,18 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def grammar(self, spec: StructuredOutputsParams) -> Grammar:
-        """A fresh parser state for a new sequence."""
+    def grammar(self, spec: StructuredOutputsParams, reasoning: ReasoningSection | None = None,
+                budget: ReasoningBudget | None = None) -> Grammar:
+        """A fresh parser state for a new sequence; with `reasoning`, the grammar starts after it
+        (`budget`: the reasoning budget that may close it)."""
         name, compiled = self.compile(spec)
-        return Grammar(self.backend(name).matcher(compiled), spec, name)
+        gate = ReasoningGate(reasoning, budget) if reasoning is not None else None
+        return Grammar(self.backend(name).matcher(compiled), spec, name, gate)
 
     def attach_bitmasks(self, plan: StepPlan, requests: dict[str, Request]) -> StepPlan:
         """The plan with a token bitmask on every sampling row whose sequence has a grammar."""
         rows = [(i, j) for i, s in enumerate(plan.seqs) for j, spec in enumerate(s.samplers)
-                if requests[spec.request_id].grammar is not None]
+                if requests[spec.request_id].grammar is not None and requests[spec.request_id].grammar.masks]
         if not rows:
             return plan
         # Every bit set: a backend that fills no row leaves every token allowed (none does).
@@ -147,6 +245,10 @@ class GrammarCompiler:
             indices.append(row)
         for name, (matchers, indices) in by_backend.items():
             self.backend(name).fill(matchers, bitmask, indices)
+        for row, (i, j) in enumerate(rows):
+            grammar = requests[plan.seqs[i].samplers[j].request_id].grammar
+            if grammar.gate is not None:
+                grammar.adjust(bitmask[row])
         seqs = list(plan.seqs)
         for row, (i, j) in enumerate(rows):
             samplers = list(seqs[i].samplers)

@@ -51,19 +51,23 @@ class FusedMoE(HotModule):
         self.tp = tp
         self.rank, size = rank_and_size(tp)
         self.inter = divide(intermediate_size, size, "moe_intermediate_size")  # this rank's
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        method = default_linear_method()
+        # In the model's dtype from the start where the method knows it (GGUF): the runner's
+        # .to(dtype) then leaves these untouched placeholders alone, instead of writing a dense
+        # copy of every expert that the blocks replace (gpt-oss-20b: 38 GB in bfloat16).
+        dtype = getattr(method, "dtype", None)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter, dtype=dtype), requires_grad=False)
         self.w13_bias = self.w2_bias = None
         self.hidden_size = hidden_size
         # Where w13 / w2 stay in GGUF blocks: their type (None: dense). The product's options are
         # the linear layers' (layers/quant/gguf.py GGUFLinearMethod), built in the same context.
         self.block_types: dict[str, int | None] = {"w13": None, "w2": None}
-        method = default_linear_method()
         self.activations = getattr(method, "activations", "none")
         self.batch_invariant = getattr(method, "batch_invariant", False)
         if bias:
-            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.inter), requires_grad=False)
-            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.inter, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         for p, parts in ((self.w13, ("w1", "w3")), (self.w2, ("w2",)), (self.w13_bias, ("w1", "w3")),
                          (self.w2_bias, ("w2",))):
             if p is None:

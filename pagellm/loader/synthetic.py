@@ -39,6 +39,37 @@ LLAMA_SHAPES = {
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
 }
 
+# The text model of released checkpoints other than Llama: their config.json as it ships, less
+# what a random-weight copy has no use for (multi-token-prediction layers, vision tower, the
+# real tokenizer's special ids). benchmarks/make_gguf_shape.py writes random weights for them.
+CHECKPOINT_SHAPES = {
+    # Qwen/Qwen3.5-4B's text_config (transformers 5.25's Qwen3_5TextConfig defaults are the 9B:
+    # hidden 4096, intermediate 12288); the 4B keeps its layout (32 layers, every 4th full
+    # attention, 16 q / 4 kv heads of 256, Gated DeltaNet with 16 key / 32 value heads of 128)
+    # at hidden 2560 and intermediate 9216, with tied embeddings.
+    "qwen3.5-4b": dict(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560,
+        intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=256, full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, hidden_act="silu",
+        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True, attn_output_gate=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                             mrope_interleaved=True, mrope_section=[11, 11, 10])),
+    # openai/gpt-oss-20b's config.json: GptOssConfig's defaults are the 120b (36 layers, 128
+    # experts); the 20b has 24 layers and 32 experts, the rest equal. Its experts ship in MXFP4
+    # (quantization_config), everything else in bfloat16.
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4,
+        head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True, hidden_act="silu",
+        swiglu_limit=7.0, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=4096),
+        quantization_config=dict(quant_method="mxfp4", modules_to_not_convert=[
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"])),
+}
+
 
 def write_dummy_model_dir(path: str | Path, shape: str | dict = "tiny", **overrides) -> str:
     """config.json of a Llama shape (a name from LLAMA_SHAPES or a dict) plus a byte

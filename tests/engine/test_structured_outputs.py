@@ -11,6 +11,7 @@ import torch
 import xgrammar as xgr
 
 from pagellm import LLM, SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import ReasoningBudget, ReasoningSection
 from pagellm.worker.logits_processors import bitmask_to_additive
 from tests.engine.test_isolation import run as run_requests
 
@@ -221,3 +222,30 @@ def test_length_bounded_strings_are_json_strings(llm, text, valid):
                                                                       backend="xgrammar"))
     matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
     assert bool(matcher.accept_string(text)) is valid
+
+
+def test_the_grammar_starts_where_the_reasoning_ends(llm):
+    """With a reasoning section the reasoning is free and the grammar applies after it: the
+    reasoning's tokens equal the unconstrained greedy's, and what follows equals the greedy run
+    under the grammar from there. The end is the model's own (its third token stands for the end
+    marker), or the budget's forced close; a reply may also open the reasoning itself."""
+    spec = StructuredOutputsParams(regex=REGEX)
+    free = run(llm, [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))])["r0"].outputs[0]
+    free = free.token_ids
+    unused = next(t for t in range(3, 300) if t not in free)
+    close = (unused + 1, unused + 2)
+    cases = {  # name: (section, budget, the free tokens the reply starts with)
+        "ended": (ReasoningSection(((free[2],),)), None, list(free)),
+        "opened by the reply": (ReasoningSection(((free[2],),), start_token_ids=(free[0],)), None, list(free)),
+        "closed by the budget": (ReasoningSection(((unused,),)), ReasoningBudget(2, close, (unused,)),
+                                 list(free[:2]) + list(close)),
+    }
+    reqs = [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec, reasoning_section=s,
+                                        reasoning_budget=b)) for s, b, _ in cases.values()]
+    done = run(llm, reqs)
+    for i, (name, (_, _, head)) in enumerate(cases.items()):
+        out = done[f"r{i}"].outputs[0]
+        assert out.token_ids[:len(head)] == head, name
+        answer = run(llm, [(PROMPTS[0] + head, SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec))])
+        assert out.token_ids[len(head):] == answer["r0"].outputs[0].token_ids, name
+        assert re.fullmatch(REGEX, answer["r0"].outputs[0].text) and out.finish_reason == "stop", name

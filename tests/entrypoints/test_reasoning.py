@@ -115,7 +115,9 @@ def thinking_server(tmp_path_factory):
     write_byte_tokenizer(path, 320, THINKING_TEMPLATE)
     server = RemoteServer([path, "--load-format", "dummy", "--served-model-name", "thinker",
                            "--kv-cache-memory", "16M", "--max-model-len", "512", "--reasoning-parser", "auto",
-                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                           # The random model's reasoning is forced by a grammar over the whole reply.
+                           "--structured-outputs-config", '{"enable_in_reasoning": true}'])
     yield server
     server.close()
 
@@ -318,3 +320,86 @@ def test_the_reasoning_budget_closes_the_thinking(thinking_server):
                        json={"model": "thinker", "messages": ASK, "max_tokens": 8, **body})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "thinking_token_budget"
+
+
+@pytest.fixture(scope="module")
+def answer_server(tmp_path_factory):
+    """The thinking model served as by default: a structured output's grammar starts after the reasoning."""
+    from pagellm.loader.synthetic import write_byte_tokenizer, write_dummy_model_dir
+    from server_utils import RemoteServer
+
+    path = write_dummy_model_dir(tmp_path_factory.mktemp("answer"), "tiny")
+    write_byte_tokenizer(path, 320, THINKING_TEMPLATE)
+    server = RemoteServer([path, "--load-format", "dummy", "--served-model-name", "thinker",
+                           "--kv-cache-memory", "16M", "--max-model-len", "512", "--reasoning-parser", "auto"])
+    yield server
+    server.close()
+
+
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+# The random model would fill any whitespace the grammar allows until max_tokens.
+TIGHT_VERDICT = {"structured_outputs": {"json": VERDICT, "disable_any_whitespace": True}}
+
+
+def test_the_grammar_starts_where_the_answer_starts(answer_server):
+    """response_format and a forced tool call on a thinking model: the reasoning (random bytes from
+    the random model, closed by thinking_token_budget) is free text, the answer follows the schema;
+    the same streamed. With thinking switched off the grammar applies at once."""
+    import jsonschema
+
+    client = answer_server.client(timeout=120)
+    kwargs = dict(model="thinker", messages=ASK, max_tokens=4 + 11 + 40, temperature=0,
+                  extra_body={"thinking_token_budget": 4, **TIGHT_VERDICT})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.reasoning_content is not None
+    jsonschema.validate(json.loads(choice.message.content), VERDICT)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) == \
+        choice.message.reasoning_content
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+
+    off = client.chat.completions.create(**{**kwargs, "extra_body": {
+        "chat_template_kwargs": {"enable_thinking": False}, **TIGHT_VERDICT}}).choices[0]
+    assert off.message.reasoning_content is None and off.finish_reason == "stop"
+    jsonschema.validate(json.loads(off.message.content), VERDICT)
+
+    tool = {"type": "function", "function": {"name": "judge", "parameters": VERDICT}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "judge"}}):
+        called = client.chat.completions.create(**{**kwargs, "max_tokens": 4 + 11 + 60,
+                                                   "extra_body": {"thinking_token_budget": 4}},
+                                                tools=[tool], tool_choice=tool_choice,
+                                                parallel_tool_calls=False).choices[0]
+        assert called.finish_reason == ("tool_calls" if tool_choice == "required" else "stop"), called
+        assert called.message.reasoning_content == choice.message.reasoning_content
+        (tc,) = called.message.tool_calls
+        assert tc.function.name == "judge"
+        jsonschema.validate(json.loads(tc.function.arguments), VERDICT)
+    # Thinking off: the call is the whole reply.
+    called = client.chat.completions.create(**{**kwargs, "max_tokens": 60, "extra_body": {
+        "chat_template_kwargs": {"enable_thinking": False}}}, tools=[tool], tool_choice=tool_choice).choices[0]
+    assert getattr(called.message, "reasoning_content", None) is None
+    assert json.loads(called.message.tool_calls[0].function.arguments) in ({"ok": True}, {"ok": False})
+
+
+def test_reasoning_effort_reaches_the_template_or_is_refused(answer_server):
+    """reasoning_effort (chat) and reasoning.effort (Responses): none and minimal switch this
+    template's thinking off; a level it cannot take, or no effort at all, is a 400 naming both."""
+    import httpx
+
+    client = answer_server.client(timeout=120)
+    off = client.chat.completions.create(model="thinker", messages=ASK, max_tokens=40, temperature=0,
+                                         reasoning_effort="minimal", extra_body=TIGHT_VERDICT).choices[0]
+    assert off.message.reasoning_content is None and json.loads(off.message.content) in ({"ok": True}, {"ok": False})
+    r = client.responses.create(model="thinker", input="2+2?", max_output_tokens=40, temperature=0,
+                                reasoning={"effort": "none"}, extra_body=TIGHT_VERDICT)
+    assert [i.type for i in r.output] == ["message"] and json.loads(r.output_text) == json.loads(off.message.content)
+    for path, body, field, value in [
+            ("/v1/chat/completions", {"messages": ASK, "reasoning_effort": "high"}, "reasoning_effort", "'high'"),
+            ("/v1/chat/completions", {"messages": ASK, "reasoning_effort": "max"}, "reasoning_effort", "'max'"),
+            ("/v1/chat/completions", {"messages": ASK, "reasoning_effort": "none",
+                                      "chat_template_kwargs": {"enable_thinking": True}}, "reasoning_effort", "'none'"),
+            ("/v1/responses", {"input": "hi", "reasoning": {"effort": "low"}}, "reasoning.effort", "'low'")]:
+        got = httpx.post(answer_server.url + path, json={"model": "thinker", **body}, timeout=60)
+        assert got.status_code == 400 and value in got.json()["error"]["message"], got.text
+        assert got.json()["error"]["param"] == field

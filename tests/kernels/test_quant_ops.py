@@ -107,6 +107,82 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
                                              int(T.Q8_0), 32)
 
 
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_repacked_k_quants_multiply_as_their_blocks(qtype):
+    """Q4_K / Q6_K weights repacked into tiles of 8 rows (a layer's Q4_K in the integer modes): the
+    same bytes back; rows and float32 products equal to the blocks'; integer products of the rows
+    of x that the tiles' kernel takes (Q4_K: all, Q6_K: one; x rounded alike) within float32
+    summation order of the blocks', of more rows (each tile widened back) equal."""
+    kernels, cols = cpu.quant_kernels(), 1280  # 5 super-blocks
+    raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=6))
+    packed_id = kernels.repacked_types[int(qtype)]
+    packed = kernels.gguf_repack(raw, int(qtype), cols)
+    assert packed.numel() <= 1.12 * raw.numel()
+    assert torch.equal(kernels.gguf_repack(packed, packed_id, cols, True), raw)
+    rows = torch.tensor([17, 0, 9, 23])
+    assert torch.equal(q.dequantize_rows(packed, packed_id, cols, rows, torch.bfloat16),
+                       reference(raw.numpy(), qtype, cols)[rows].bfloat16())
+    for activations in ("none", "int8", "int8x2"):
+        for m in (1, 3):
+            x = torch.randn(m, cols)
+            x[0, 256:512] = 0  # an all-zero super-block: scale 0
+            ours = q.gguf_matmul(x, packed, packed_id, cols, activations=activations)
+            blocks = q.gguf_matmul(x, raw, int(qtype), cols, activations=activations)
+            if activations != "none" and (m == 1 or qtype == T.Q4_K):
+                assert (ours - blocks).abs().max() <= RTOL * blocks.abs().max(), activations
+            else:
+                assert torch.equal(ours, blocks), (activations, m)
+        x = torch.randn(1, cols)
+        x[0, 700] = float("nan")
+        assert q.gguf_matmul(x, packed, packed_id, cols, activations=activations).isnan().all()
+    assert q.repacked_type(int(T.Q4_K), 24, "int8x2", batch_invariant=False) == kernels.repacked_types[int(T.Q4_K)]
+    assert q.repacked_type(int(T.Q4_K), 24, "none", batch_invariant=False) is None  # mode none keeps the blocks
+    assert q.repacked_type(int(T.Q4_K), 20, "int8x2", batch_invariant=False) is None  # not whole tiles
+    assert q.repacked_type(int(T.Q6_K), 24, "int8x2", batch_invariant=False) is None  # see gguf.REPACKED
+
+
+def test_a_layer_repacks_its_k_quant_segments_in_the_integer_modes():
+    """gate in Q4_K (repacked), up in Q6_K (kept in blocks: gguf.REPACKED); products as the layer kept in blocks."""
+    if q.repacked_type(int(T.Q4_K), 8, "int8x2", batch_invariant=False) is None:
+        pytest.skip("no repacking kernels in this build")
+    parts = [random_blocks(T.Q4_K, 8, 512, seed=7), random_blocks(T.Q6_K, 16, 512, seed=8)]
+    layers = {}
+    for activations in ("int8x2", "none"):
+        layer = MergedColumnParallelLinear(512, [8, 16], method=GGUFLinearMethod(torch.float32, activations=activations))
+        for i, (part, qtype) in enumerate(zip(parts, (T.Q4_K, T.Q6_K))):
+            layer.weight_loader(layer.weight, GGUFBlocks(torch.from_numpy(part), int(qtype), 512), i)
+        layer.method.finish(layer)
+        assert layer.segment_types == [int(T.Q4_K), int(T.Q6_K)]  # the file's types, whatever the layout
+        layers[activations] = layer
+    packed, blocks = layers["int8x2"], layers["none"]
+    assert [kind for kind, _ in packed.gguf_products] == [cpu.quant_kernels().repacked_types[int(T.Q4_K)],
+                                                            int(T.Q6_K)]
+    for m in (1, 5):
+        x = torch.randn(m, 512)
+        packed.method.activations = blocks.method.activations = "int8x2"  # the same products on both
+        expected = blocks(x)
+        assert (packed(x) - expected).abs().max() <= RTOL * expected.abs().max()
+
+
+@pytest.mark.slow
+def test_the_avx2_build_repacks_and_multiplies_as_the_blocks(tmp_path):
+    """The AVX2 kernels (PAGELLM_CPU_MARCH=x86-64-v3, built apart) pass the integer and repacking tests."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGELLM_CPU_MARCH": "x86-64-v3"}
+    probe = subprocess.run([sys.executable, "-c", "from pagellm.kernels import cpu; print(cpu.quant_kernels().int8_kernel)"],
+                           env=env, capture_output=True, text=True, timeout=900)
+    if probe.returncode or probe.stdout.split()[-1:] != ["avx2"]:
+        pytest.skip(f"no AVX2 build here: {probe.stdout[-200:]} {probe.stderr[-200:]}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                          "repack and not avx2 or int8_activation_products"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:]
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
 def test_int8x2_products_take_the_integer_kernel_up_to_their_bound_and_the_float32_one_past_it(qtype):
     # The bound depends on the type and the build (gguf.wide_int8_types): Q4_K's super-block kernel

@@ -125,3 +125,17 @@ def test_experts_run_as_one_matrix_product_each_whatever_the_token_count():
             block(x)
         linears = sum(e.count for e in prof.key_averages() if e.key == "aten::linear")
         assert linears <= 1 + 2 * E, (tokens, linears)
+
+
+def test_gguf_experts_are_built_in_the_model_dtype_so_to_dtype_writes_no_dense_copy() -> None:
+    """The runner builds a model and then calls .to(dtype): experts whose GGUF blocks replace
+    the dense placeholders must already be in that dtype, or .to writes a dense copy of every
+    expert (gpt-oss-20b in bfloat16: 38 GB) that is thrown away at load."""
+    from pagellm.layers.quant import linear_methods
+
+    with linear_methods("gguf", torch.bfloat16):
+        layer = FusedMoE(E, TOP_K, H, INTER, "silu", bias=True)
+    before = {name: p.data_ptr() for name, p in layer.named_parameters()}
+    layer.to(torch.bfloat16)
+    assert {name: p.data_ptr() for name, p in layer.named_parameters()} == before
+    assert layer.w13.dtype == layer.w2.dtype == torch.bfloat16

@@ -57,6 +57,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # --reasoning-parser, `auto` resolved from the chat template (None: replies are not split).
     reasoning_parser: str | None = None
+    # structured_outputs_config's enable_in_reasoning: a grammar covers the reasoning too (False: it
+    # starts where the answer starts).
+    grammar_in_reasoning: bool = False
     # --classifier-from-token (None: /score and /rerank are cosines of embeddings).
     classifier_from_token: list[str] | None = None
 
@@ -76,7 +79,8 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
     model_name = config.served_model_names[0]
     completions = OpenAIServingCompletion(engine, config.served_model_names, config.max_seqs_per_request)
     chat = OpenAIServingChat(engine, config.served_model_names, config.max_seqs_per_request,
-                             tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+                             tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+                             grammar_in_reasoning=config.grammar_in_reasoning)
     messages = AnthropicServingMessages(chat)
     embeddings = OpenAIServingEmbedding(engine, config.served_model_names)
     scores = OpenAIServingScore(embeddings, config.classifier_from_token)
@@ -300,6 +304,7 @@ def build_server(args: argparse.Namespace, drain: Drain | None = None) -> tuple[
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           reasoning_parser=resolve_reasoning_parser(args.reasoning_parser,
                                                                     engine.tokenizer.chat_template),
+                          grammar_in_reasoning=bool((args.structured_outputs_config or {}).get("enable_in_reasoning")),
                           classifier_from_token=args.classifier_from_token)
     return build_app(engine, metrics, config, drain), engine, config
 

@@ -131,6 +131,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the most tokens the reasoning may spend before its close is forced (needs --reasoning-parser).
     thinking_token_budget: int | None = None
+    # OpenAI's: none, minimal, low, medium or high, as the model's chat template reads it (reasoning.effort_switch).
+    reasoning_effort: str | None = None
 
 
 class EmbeddingRequest(OpenAIModel):

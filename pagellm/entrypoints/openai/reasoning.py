@@ -67,6 +67,12 @@ class ReasoningParser:
         end = max(prompt.rfind(m) for m in self.ends)
         return start > end
 
+    def closes(self, prompt: str) -> bool:
+        """Whether a rendered prompt ends just after a closed reasoning: the template wrote an empty
+        one to switch thinking off (Qwen3's `enable_thinking: false`), so the answer starts at once."""
+        tail = prompt.rstrip()
+        return any(tail.endswith(m) for m in self.ends)
+
     def budget(self, tokens: int, opened: bool, encode: Callable[[str], list[int]],
                field: str = "thinking_token_budget") -> ReasoningBudget:
         """thinking_token_budget `tokens` as the sampler's rule, in this model's token ids. A reply
@@ -195,6 +201,39 @@ def thinking_switch(chat_template: str | None, think: bool | str | None, field: 
         raise bad_request(f"{field} {think!r} is not supported by this model: its chat template takes no "
                           f"reasoning effort (send true or false instead)", param=field)
     return {"reasoning_effort": think}
+
+
+# OpenAI's reasoning efforts (chat `reasoning_effort`, Responses `reasoning.effort`); "none" and
+# "minimal" ask for no reasoning.
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def effort_switch(chat_template: str | None, effort: str | None, field: str, splits_reasoning: bool) -> dict | None:
+    """A reasoning effort as the chat-template arguments this model's template reads: "none" and
+    "minimal" turn thinking off (`enable_thinking: false`), "low" to "high" go to a template that
+    reads `reasoning_effort` (gpt-oss). What the template cannot do is a 400 naming `field` and the value."""
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise bad_request(f"{field} must be one of {', '.join(EFFORTS)}, got {effort!r}", param=field)
+    template = chat_template or ""
+    if effort in ("none", "minimal"):
+        if "enable_thinking" in template:
+            return {"enable_thinking": False}
+        if not splits_reasoning:
+            return None  # a model that does not think, asked not to
+        raise bad_request(f"{field} {effort!r} is not supported by this model: its chat template has no switch "
+                          f"(enable_thinking) that turns thinking off", param=field)
+    if not splits_reasoning:
+        raise bad_request(f"{field} {effort!r} needs the server started with --reasoning-parser (how this model "
+                          f"marks its reasoning), so that the reasoning comes back apart from the answer",
+                          param=field)
+    if "reasoning_effort" not in template:
+        levels = " (this model's template only switches thinking off: send 'none')" \
+            if "enable_thinking" in template else ""
+        raise bad_request(f"{field} {effort!r} is not supported by this model: its chat template takes no reasoning "
+                          f"effort{levels}", param=field)
+    return {"reasoning_effort": effort}
 
 
 class ReasoningStream:

@@ -11,13 +11,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagellm.engine.async_engine import RequestStream
 from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
+from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream, effort_switch
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS, ToolCall, ToolParser, ToolPlan,
                                                    forced_calls, plan_tools)
 from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import ReasoningBudget
+from pagellm.sampling_params import ReasoningBudget, ReasoningSection
 
 
 @dataclass
@@ -33,12 +33,14 @@ class ChatRun:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 **kwargs) -> None:
+                 grammar_in_reasoning: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Set with --enable-auto-tool-choice: the format this model writes tool calls in.
         self.tool_call_parser = tool_call_parser
         # Set with --reasoning-parser (auto already resolved): how this model marks its reasoning.
         self.reasoning: ReasoningParser | None = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+        # True: a structured output's grammar covers the reasoning too (vLLM's enable_in_reasoning).
+        self.grammar_in_reasoning = grammar_in_reasoning
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         run = await self.start(req)
@@ -67,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=False), req.truncate_prompt_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(ids), asked, req.n, "messages")
+        section = None
         if req.use_beam_search:
             if tools.mode != "none":
                 raise bad_request(f"tool_choice {tools.mode} cannot be combined with use_beam_search",
@@ -75,18 +78,21 @@ class OpenAIServingChat(OpenAIServing):
         else:
             structured = await self.structured_outputs(req, tools.structured_outputs(),
                                                        f"tool_choice {tools.mode}")
+            section = self.reasoning_section(text) if structured is not None else None
             params = self.sampling_params(req, max_tokens=max_tokens,
                                           logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                           prompt_logprobs=req.prompt_logprobs, structured=structured,
                                           reasoning_budget=self.reasoning_budget(req.thinking_token_budget, text,
-                                                                                  budget_field))
+                                                                                  budget_field),
+                                          reasoning_section=section)
             if tools.mode == "auto" and self.tool_call_parser in KEEPS_SPECIAL_TOKENS:
                 params.skip_special_tokens = False
             if self.reasoning is not None and self.reasoning.keeps_special_tokens:
                 params.skip_special_tokens = False
-        # The reply is split into reasoning and answer, unless a forced tool call's grammar made
-        # all of it JSON; a prompt that ends inside the reasoning (the template opened it) starts there.
-        thinks = self.reasoning is not None and tools.mode not in ("required", "named")
+        # The reply is split into reasoning and answer, unless a forced tool call's grammar covers
+        # all of it (enable_in_reasoning, or a prompt that closed the reasoning); a prompt that ends
+        # inside the reasoning starts there.
+        thinks = self.reasoning is not None and (tools.mode not in ("required", "named") or section is not None)
         thinking = ReasoningStream(self.reasoning, self.reasoning.opens_in(text)) if thinks else None
         request_id = random_id(id_prefix)
         streams = await self.add_requests(request_id, [(None, ids)], [params])
@@ -103,9 +109,22 @@ class OpenAIServingChat(OpenAIServing):
         return self.reasoning.budget(tokens, self.reasoning.opens_in(prompt),
                                      lambda s: self.tokenizer.encode(s, add_special_tokens=False), field)
 
+    def reasoning_section(self, prompt: str) -> ReasoningSection | None:
+        """How the reply's reasoning is marked, so that a structured output's grammar starts after it;
+        None: the grammar covers the whole reply (no parser, enable_in_reasoning, or a prompt that
+        closed the reasoning itself: thinking switched off)."""
+        parser = self.reasoning
+        if parser is None or self.grammar_in_reasoning or parser.closes(prompt):
+            return None
+
+        def encode(marker: str) -> tuple[int, ...]:
+            return tuple(self.tokenizer.encode(marker, add_special_tokens=False))
+        return ReasoningSection(tuple(encode(m) for m in parser.ends),
+                                () if parser.opens_in(prompt) else encode(parser.starts[0]))
+
     def render_request(self, req: ChatCompletionRequest) -> str:
         """The prompt a chat request renders to, through the chat template."""
-        kwargs = req.chat_template_kwargs or {}
+        kwargs = {**(req.chat_template_kwargs or {}), **self.effort_kwargs(req)}
         reserved = sorted(self.tokenizer.reserved_template_variables & kwargs.keys())
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
@@ -115,6 +134,20 @@ class OpenAIServingChat(OpenAIServing):
                               "message, the other starts a new one", param="continue_final_message")
         return self.render_text(req.messages, req.add_generation_prompt, tools=req.tools,
                                 continue_final_message=req.continue_final_message, **kwargs)
+
+    def effort_kwargs(self, req: ChatCompletionRequest) -> dict:
+        """reasoning_effort as the chat-template arguments this model's template reads (reasoning.effort_switch)."""
+        if req.reasoning_effort is None:
+            return {}
+        switch = effort_switch(self.tokenizer.chat_template, req.reasoning_effort, "reasoning_effort",
+                               self.reasoning is not None) or {}
+        given = req.chat_template_kwargs or {}
+        clash = sorted(k for k in switch if k in given and given[k] != switch[k])
+        if clash:
+            raise bad_request(f"reasoning_effort {req.reasoning_effort!r} sets {clash[0]} to {switch[clash[0]]!r}, "
+                              f"but chat_template_kwargs sets it to {given[clash[0]]!r}: send one of them",
+                              param="reasoning_effort")
+        return switch
 
     def choice_deltas(self, tools: ToolPlan, thinking: ReasoningStream | None) -> ChoiceDeltas:
         """What turns one streamed choice's text into OpenAI-shaped deltas."""
@@ -305,6 +338,8 @@ class ChoiceDeltas:
         reasoning = ""
         if self.thinking is not None:  # only the answer goes on to the tool-call parser
             reasoning, answer = self.thinking.advance(text, finished)
+            if answer is None and not finished:  # nothing of the answer yet (a named call's header waits too)
+                return ({"reasoning_content": reasoning} if reasoning else {}), None
             text = answer or ""
         delta, finish_reason = self.tools.advance(text, finished, finish_reason)
         return ({"reasoning_content": reasoning, **delta} if reasoning else delta), finish_reason

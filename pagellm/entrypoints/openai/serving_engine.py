@@ -20,7 +20,8 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, check_re
 from pagellm.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.entrypoints.openai.structured import parse_structured_outputs
-from pagellm.sampling_params import OPENAI_FIELDS, ReasoningBudget, SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import (OPENAI_FIELDS, ReasoningBudget, ReasoningSection, SamplingParams,
+                                     StructuredOutputsParams)
 
 T = TypeVar("T")
 # Request fields that mean nothing to beam search (sent with use_beam_search, a 400 names them).
@@ -156,13 +157,15 @@ class OpenAIServing:
     def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         best_of: int | None = None, prompt_logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None,
-                        reasoning_budget: ReasoningBudget | None = None) -> SamplingParams:
+                        reasoning_budget: ReasoningBudget | None = None,
+                        reasoning_section: ReasoningSection | None = None) -> SamplingParams:
         # A field sent as null means its default, as in OpenAI's API.
         shared = {name: getattr(req, name) for name in OPENAI_FIELDS if getattr(req, name) is not None}
         try:
             return SamplingParams(n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs, logit_bias=token_bias(req.logit_bias),
-                                  structured_outputs=structured, reasoning_budget=reasoning_budget, **shared)
+                                  structured_outputs=structured, reasoning_budget=reasoning_budget,
+                                  reasoning_section=reasoning_section, **shared)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
 

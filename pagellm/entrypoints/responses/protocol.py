@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pagellm.entrypoints.openai.errors import bad_request, refuse_unknown
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagellm.entrypoints.openai.reasoning import thinking_switch
+from pagellm.entrypoints.openai.reasoning import effort_switch
 
 # A 400 naming a field sent that is not one of the Responses API this server implements.
 _unknown = functools.partial(refuse_unknown, "the Responses API")
@@ -237,16 +237,14 @@ def _text_format(text: dict | None) -> dict | None:
 
 
 def _reasoning(req: ResponsesRequest, chat_template: str | None, splits_reasoning: bool) -> dict | None:
-    """reasoning.effort as chat-template arguments ("none" switches thinking off)."""
+    """reasoning.effort as chat-template arguments (reasoning.effort_switch)."""
     if req.reasoning is None:
         return None
     _unknown("reasoning.", req.reasoning.keys() - {"effort", "summary"})
     if req.reasoning.get("summary") is not None:
         raise bad_request("reasoning.summary is not supported: this server returns the reasoning itself (the "
                           "reasoning item's content), never a summary of it", param="reasoning.summary")
-    effort = req.reasoning.get("effort")
-    think = False if effort == "none" else effort
-    return thinking_switch(chat_template, think, "reasoning.effort", splits_reasoning)
+    return effort_switch(chat_template, req.reasoning.get("effort"), "reasoning.effort", splits_reasoning)
 
 
 def check(req: ResponsesRequest) -> None:

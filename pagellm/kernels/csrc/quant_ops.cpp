@@ -356,6 +356,85 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
   return f;
 }
 
+// ---- Q4_K / Q6_K repacked for one row of x ----------------------------------------------------
+// A decode step multiplies one row of x by every weight, and with GGUF's layout the integer
+// kernels spend more time unpacking each super-block (6-bit packed scales, a row's codes in their
+// own lanes, one reduction per row) than reading it. So at load the weights of a decode-bound
+// model are repacked once, 8 rows at a time, into tiles of 8 rows x 256 values where one 64-byte
+// load holds the same 8 bytes of codes of each of the 8 rows (as llama.cpp's block_q4_Kx8): an
+// integer dot product against 8 bytes of x broadcast then sums 4 values of one row per 32-bit
+// lane, two lanes a row, so no row needs a reduction until its last super-block, and the scales
+// sit one byte per (sub-block, row), ready for a byte shuffle. Ids of our own, past GGML's:
+enum : int64_t { Q4_K_X8 = 1012, Q6_K_X8 = 1014 };
+constexpr int64_t kX8Rows = 8;
+// Tile (8 rows x 256 values) offsets, in whole cache lines. Each keeps its rows' scales also as
+// GGUF packs them (`raw`), so that a group goes back to GGUF's layout by copies alone (products of
+// more rows of x run the GGUF layout's kernels on it).
+// Q4_K: qs [16 units][8 rows][8 bytes] (unit p: the row's quant bytes 8p..8p+7), d [8] and dmin [8]
+// (float16), sc [8 sub-blocks][8 rows] and m [8][8] (6-bit values, one byte each), raw [8 rows][12]:
+// 1280 bytes for 8 x 144 (1.11x).
+constexpr int64_t kQ4Tile = 1280, kQ4D = 1024, kQ4Dmin = 1040, kQ4Sc = 1056, kQ4M = 1120, kQ4Raw = 1184;
+// Q6_K: ql [16 units][8 rows][8 bytes], qh [8 units][8 rows][8 bytes], sc [16 groups][8 rows]
+// (int8), raw [8 rows][16], d [8] (float16): 1856 bytes for 8 x 210 (1.10x).
+constexpr int64_t kQ6Tile = 1856, kQ6Qh = 1024, kQ6Sc = 1536, kQ6Raw = 1664, kQ6D = 1792;
+
+inline bool is_x8(int64_t qtype) { return qtype == Q4_K_X8 || qtype == Q6_K_X8; }
+inline int64_t base_type(int64_t qtype) { return qtype == Q4_K_X8 ? Q4_K : qtype == Q6_K_X8 ? Q6_K : qtype; }
+inline int64_t x8_tile(int64_t qtype) { return base_type(qtype) == Q4_K ? kQ4Tile : kQ6Tile; }
+
+// Super-block b of GGUF rows src[0..8) (row_bytes apart) into `tile`, or back (kBack).
+template <bool kBack>
+void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* tile) {
+  // n a constant at each call, so each copy is one move (not a call to memcpy)
+  const auto move = [](uint8_t* gguf, uint8_t* packed, auto n) {
+    if (kBack) std::memcpy(gguf, packed, decltype(n)::value);
+    else std::memcpy(packed, gguf, decltype(n)::value);
+  };
+  using B2 = std::integral_constant<size_t, 2>;
+  using B4 = std::integral_constant<size_t, 4>;
+  using B8 = std::integral_constant<size_t, 8>;
+  if (!kBack) std::memset(tile, 0, x8_tile(qtype));
+  for (int r = 0; r < kX8Rows; ++r) {
+    if (base_type(qtype) == Q4_K) {
+      uint8_t* sb = src + r * row_bytes + b * 144;
+      move(sb, tile + kQ4D + 2 * r, B2{});
+      move(sb + 2, tile + kQ4Dmin + 2 * r, B2{});
+      for (int p = 0; p < 16; ++p) move(sb + 16 + 8 * p, tile + 64 * p + 8 * r, B8{});
+      move(sb + 4, tile + kQ4Raw + 12 * r, B8{});
+      move(sb + 12, tile + kQ4Raw + 12 * r + 8, B4{});
+      if (!kBack)
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, sb + 4, tile + kQ4Sc + 8 * j + r, tile + kQ4M + 8 * j + r);
+    } else {
+      uint8_t* sb = src + r * row_bytes + b * 210;
+      for (int p = 0; p < 16; ++p) move(sb + 8 * p, tile + 64 * p + 8 * r, B8{});
+      for (int p = 0; p < 8; ++p) move(sb + 128 + 8 * p, tile + kQ6Qh + 64 * p + 8 * r, B8{});
+      move(sb + 192, tile + kQ6Raw + 16 * r, B8{});
+      move(sb + 200, tile + kQ6Raw + 16 * r + 8, B8{});
+      if (!kBack)
+        for (int g = 0; g < 16; ++g) tile[kQ6Sc + 8 * g + r] = sb[192 + g];
+      move(sb + 208, tile + kQ6D + 2 * r, B2{});
+    }
+  }
+}
+
+// Rows [8 g, 8 g + 8) of a repacked weight back in GGUF's layout, at dst (row_bytes apart).
+void x8_unpack_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t g, uint8_t* dst, int64_t row_bytes) {
+  const int64_t supers = K / QK_K;
+  for (int64_t b = 0; b < supers; ++b)
+    x8_tile_rows<true>(qtype, dst, row_bytes, b,
+                       const_cast<uint8_t*>(w + (g * supers + b) * x8_tile(qtype)));
+}
+
+// A repacked weight: [N, K / 256 * tile / 8] uint8, N a multiple of 8; returns GGUF's row bytes.
+int64_t checked_x8(const torch::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+              "repacked weight: a contiguous uint8 [rows, row_bytes] tensor expected");
+  TORCH_CHECK(K % QK_K == 0 && w.size(0) % kX8Rows == 0 && w.size(1) == K / QK_K * x8_tile(qtype) / kX8Rows,
+              "repacked weight: ", w.size(0), " x ", w.size(1), " bytes do not hold rows of ", K,
+              " values of type ", qtype);
+  return K / QK_K * format_of(base_type(qtype)).bytes;
+}
+
 // Rows of x per group in the fused kernel: one block unpacked serves them all, each with its own
 // accumulators. AVX2 has 16 vector registers to AVX-512's 32: groups of 4.
 #if defined(__AVX512F__) || !defined(__AVX2__)
@@ -1356,6 +1435,236 @@ struct SuperRows {
 #endif
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
+// ---- single-row kernels over repacked tiles (Q4_K_X8, Q6_K_X8) --------------------------------
+// One vector holds kXRows rows' lanes, two 32-bit lanes a row (the row's 8 bytes of a unit: 4
+// values each); AVX-512 one vector for a tile's 8 rows, AVX2 two of 4 (taken one after the other
+// over the whole row, so that the accumulators fit its 16 registers).
+#if defined(PAGELLM_INT8_VNNI)
+using XI = __m512i;
+using XF = __m512;
+constexpr int kXRows = 8;
+inline XI xi_zero() { return _mm512_setzero_si512(); }
+inline XI xi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline XI xi_bcast64(const int8_t* p) { return _mm512_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline XI xi_bcast128(const uint8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline XI xi_bytes(int8_t b) { return _mm512_set1_epi8(b); }
+inline XI xi_and(XI a, XI b) { return _mm512_and_si512(a, b); }
+inline XI xi_or(XI a, XI b) { return _mm512_or_si512(a, b); }
+inline XI xi_srli16(XI a, int s) { return _mm512_srli_epi16(a, s); }
+inline XI xi_slli16(XI a, int s) { return _mm512_slli_epi16(a, s); }
+inline XI xi_slli32(XI a, int s) { return _mm512_slli_epi32(a, s); }
+inline XI xi_srai32(XI a, int s) { return _mm512_srai_epi32(a, s); }
+inline XI xi_add32(XI a, XI b) { return _mm512_add_epi32(a, b); }
+inline XI xi_sub32(XI a, XI b) { return _mm512_sub_epi32(a, b); }
+inline XI xi_shuffle(XI a, XI c) { return _mm512_shuffle_epi8(a, c); }
+inline XI xi_controls(const int8_t* c) { return _mm512_loadu_si512(c); }
+// acc + per 32-bit lane the sum of 4 products of unsigned u and signed c
+inline XI xi_dot4(XI acc, XI u, XI c) { return _mm512_dpbusd_epi32(acc, u, c); }
+// acc + per 32-bit lane a.lo16 * b.lo16 + a.hi16 * b.hi16
+inline XI xi_madd16(XI acc, XI a, XI b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline XF xf_zero() { return _mm512_setzero_ps(); }
+inline XF xf_cvt(XI a) { return _mm512_cvtepi32_ps(a); }
+inline XF xf_mul(XF a, XF b) { return _mm512_mul_ps(a, b); }
+inline XF xf_fmadd(XF a, XF b, XF c) { return _mm512_fmadd_ps(a, b, c); }
+inline XF xf_set1(float a) { return _mm512_set1_ps(a); }
+inline void xf_store(float* p, XF v) { _mm512_storeu_ps(p, v); }
+// The 8 float16 values at p, each in its row's two lanes (rows [kXRows h, kXRows h + kXRows)).
+inline XF xf_row_halves(const uint8_t* p, int) {
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                               _mm512_castps256_ps512(v));
+}
+#else
+using XI = __m256i;
+using XF = __m256;
+constexpr int kXRows = 4;
+inline XI xi_zero() { return _mm256_setzero_si256(); }
+inline XI xi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline XI xi_bcast64(const int8_t* p) { return _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline XI xi_bcast128(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline XI xi_bytes(int8_t b) { return _mm256_set1_epi8(b); }
+inline XI xi_and(XI a, XI b) { return _mm256_and_si256(a, b); }
+inline XI xi_or(XI a, XI b) { return _mm256_or_si256(a, b); }
+inline XI xi_srli16(XI a, int s) { return _mm256_srli_epi16(a, s); }
+inline XI xi_slli16(XI a, int s) { return _mm256_slli_epi16(a, s); }
+inline XI xi_slli32(XI a, int s) { return _mm256_slli_epi32(a, s); }
+inline XI xi_srai32(XI a, int s) { return _mm256_srai_epi32(a, s); }
+inline XI xi_add32(XI a, XI b) { return _mm256_add_epi32(a, b); }
+inline XI xi_sub32(XI a, XI b) { return _mm256_sub_epi32(a, b); }
+inline XI xi_shuffle(XI a, XI c) { return _mm256_shuffle_epi8(a, c); }
+inline XI xi_controls(const int8_t* c) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)); }
+inline XI xi_dot4(XI acc, XI u, XI c) { return _mm256_add_epi32(acc, dot4(u, c)); }
+inline XI xi_madd16(XI acc, XI a, XI b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline XF xf_zero() { return _mm256_setzero_ps(); }
+inline XF xf_cvt(XI a) { return _mm256_cvtepi32_ps(a); }
+inline XF xf_mul(XF a, XF b) { return _mm256_mul_ps(a, b); }
+inline XF xf_fmadd(XF a, XF b, XF c) { return _mm256_fmadd_ps(a, b, c); }
+inline XF xf_set1(float a) { return _mm256_set1_ps(a); }
+inline void xf_store(float* p, XF v) { _mm256_storeu_ps(p, v); }
+inline XF xf_row_halves(const uint8_t* p, int h) {
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const int r = kXRows * h;
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(r, r, r + 1, r + 1, r + 2, r + 2, r + 3, r + 3));
+}
+#endif
+constexpr int kXVecs = kX8Rows / kXRows;
+constexpr int kXBytes = kXRows * 8;  // one vector's share of a 64-byte unit
+
+// Byte-shuffle controls that put the scale byte of each lane's row (of 8 at the start of the
+// shuffled 16 bytes, or of the 8 after them: `second`) into the lane's byte `at`, zeroing the rest.
+inline XI scale_controls(int h, bool second, int at) {
+  int8_t c[4 * 2 * kXRows];
+  for (int i = 0; i < 2 * kXRows; ++i)
+    for (int k = 0; k < 4; ++k) c[4 * i + k] = k == at ? static_cast<int8_t>(kXRows * h + i / 2 + (second ? 8 : 0)) : -1;
+  return xi_controls(c);
+}
+
+// The tiles are one stream in the order the kernels read them. Q6_K's kernel, which reads each
+// tile's lines out of order (ql, ql + 32, qh), fetches the lines kIntPrefetchBytes ahead while a
+// tile is multiplied (lines [l0, l1) of a tile of `bytes` at t), as matmul_rows does for GGUF's rows:
+// 1B shapes from memory, one thread, 6.5 -> 21 GB/s. Q4_K's, which reads its tiles in order, runs
+// faster without on rows of 2048 values (12 against 15 GB/s with), and fetches ahead only on longer
+// rows, whose group of 8 is one long stream (1B down, 8192 values: 11 -> 13 GB/s with).
+inline void prefetch_tile(const uint8_t* t, int64_t bytes, int l0, int l1) {
+  for (int l = l0; l < l1 && 64 * l < bytes; ++l) prefetch(t + kIntPrefetchBytes + 64 * l);
+}
+
+// Rows' two lanes summed: the 8 rows' sums from the kXVecs accumulators' lanes.
+inline void row_sums(const XF* acc, float* y) {
+  alignas(64) float lanes[2 * kXRows];
+  for (int h = 0; h < kXVecs; ++h) {
+    xf_store(lanes, acc[h]);
+    for (int r = 0; r < kXRows; ++r) y[kXRows * h + r] = lanes[2 * r] + lanes[2 * r + 1];
+  }
+}
+
+// 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times one row of x from quantize_super:
+// y[0..8). Per sub-block the 16 values a lane sums (unsigned 4-bit codes times x's codes: within
+// 16 bits, at most 16 * 15 * 127) take the sub-block's scale in one 16-bit multiply-add, into
+// int32 (Σ over the super-block at most 8 * 63 * 30480: the two codes' sums apart, the first one
+// shifted by 7 only at the end, within 2^31); per super-block one convert, times d * dx. The mins'
+// term against x's per-32 sums, as int8_super_rows.
+template <bool kTwo>
+void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
+  const int64_t supers = K / QK_K;
+  const bool fetch = K > 4096;  // see prefetch_tile
+  const XI low = xi_bytes(0x0F);
+  XF acc[kXVecs];
+  for (int h = 0; h < kXVecs; ++h) {
+    const XI first = scale_controls(h, false, 0), second = scale_controls(h, true, 0);
+    acc[h] = xf_zero();
+    for (int64_t b = 0; b < supers; ++b) {
+      const uint8_t* t = tiles + b * kQ4Tile + h * kXBytes;
+      const int8_t* xc = a.codes + QK_K * b;
+      const int8_t* xr = kTwo ? a.residual + QK_K * b : nullptr;
+      XI sums = xi_zero(), second_sums = xi_zero();
+      for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles), 2j + 1 (high)
+        if (h == 0 && fetch) prefetch_tile(tiles + b * kQ4Tile, kQ4Tile, 5 * j, 5 * j + 5);
+        XI c0 = xi_zero(), c1 = xi_zero(), r0 = xi_zero(), r1 = xi_zero();
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+          const XI v = xi_load(t + (4 * j + q) * 64);
+          const XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
+          const int64_t at = 64 * j + 8 * q;
+          c0 = xi_dot4(c0, lo, xi_bcast64(xc + at));
+          c1 = xi_dot4(c1, hi, xi_bcast64(xc + at + 32));
+          if constexpr (kTwo) {
+            r0 = xi_dot4(r0, lo, xi_bcast64(xr + at));
+            r1 = xi_dot4(r1, hi, xi_bcast64(xr + at + 32));
+          }
+        }
+        const XI s = xi_bcast128(tiles + b * kQ4Tile + kQ4Sc + 16 * j);
+        const XI s0 = xi_shuffle(s, first), s1 = xi_shuffle(s, second);
+        sums = xi_madd16(xi_madd16(sums, c0, s0), c1, s1);
+        if constexpr (kTwo) second_sums = xi_madd16(xi_madd16(second_sums, r0, s0), r1, s1);
+      }
+      const XI total = kTwo ? xi_add32(xi_slli32(sums, 7), second_sums) : sums;
+      const float dx = kTwo ? a.scale[b] / 128.f : a.scale[b];
+      acc[h] = xf_fmadd(xf_cvt(total), xf_mul(xf_row_halves(tiles + b * kQ4Tile + kQ4D, h), xf_set1(dx)), acc[h]);
+    }
+  }
+  row_sums(acc, y);
+  __m256 mins = _mm256_setzero_ps();
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* t = tiles + b * kQ4Tile;
+    __m256 m = _mm256_setzero_ps();
+    for (int s = 0; s < 8; ++s)
+      m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + kQ4M + 8 * s)))),
+                          _mm256_set1_ps(a.block_sum[8 * b + s]), m);
+    mins = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ4Dmin))), mins);
+  }
+  alignas(32) float mv[8];
+  _mm256_store_ps(mv, mins);
+  for (int r = 0; r < kX8Rows; ++r) y[r] += mv[r];
+}
+
+// Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
+// q6_k_x8_row takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
+// 128 c + r): the offset term of the codes stored + 32, subtracted in integers per group.
+std::vector<int32_t> q6_k_x8_offsets(const ActRows& a, int64_t m, int64_t K, bool two_terms) {
+  std::vector<int32_t> o(K / 8);
+  for (int64_t i = 0; i < K; ++i) {
+    const int64_t at = m * K + i;
+    const int32_t v = two_terms ? 128 * a.codes[at] + a.residual[at] : a.codes[at];
+    o[i / 16 * 2 + (i / 4) % 2] += 32 * v;
+  }
+  return o;
+}
+
+// 8 rows of a Q6_K_X8 weight times one row of x: with two codes x per 32 values (quantize_activations,
+// the same rounding as int8_rows; a.scale one per 32 values), with one per 256 (quantize_super, as
+// int8_super_rows). One load
+// of ql's units p and p + 4 and of qh's unit p (per 128-value half) gives 4 vectors of codes (values
+// 8p, 32 + 8p, 64 + 8p and 96 + 8p of the half, as dequant_q6_k); per 16-value group a lane's sum
+// (at most 8 * 63 * 16320 before the offset, 8 * 32 * 16320 after) converts to float once, times
+// its scale and d * dx.
+template <bool kTwo>
+void q6_k_x8_row(ActView a, const int32_t* offsets, int64_t K, const uint8_t* tiles, float* y) {
+  const int64_t supers = K / QK_K;
+  const XI low = xi_bytes(0x0F), top = xi_bytes(0x30);
+  XF acc[kXVecs];
+  for (int h = 0; h < kXVecs; ++h) {
+    const XI first = scale_controls(h, false, 3), second = scale_controls(h, true, 3);
+    acc[h] = xf_zero();
+    for (int64_t b = 0; b < supers; ++b) {
+      const uint8_t* t = tiles + b * kQ6Tile + h * kXBytes;
+      const XF d = xf_row_halves(tiles + b * kQ6Tile + kQ6D, h);
+      for (int n = 0; n < 2; ++n) {
+        for (int gp = 0; gp < 2; ++gp) {  // groups 8n + 2i + gp of the super-block, i = 0..3
+          if (h == 0) prefetch_tile(tiles + b * kQ6Tile, kQ6Tile, 8 * (2 * n + gp), 8 * (2 * n + gp) + 8);
+          XI c[4], r[4];
+          for (int i = 0; i < 4; ++i) c[i] = r[i] = xi_zero();
+          for (int p = 2 * gp; p < 2 * gp + 2; ++p) {
+            const XI A = xi_load(t + (8 * n + p) * 64), B = xi_load(t + (8 * n + 4 + p) * 64);
+            const XI H = xi_load(t + kQ6Qh + (4 * n + p) * 64);
+            const XI v[4] = {xi_or(xi_and(A, low), xi_and(xi_slli16(H, 4), top)),
+                             xi_or(xi_and(B, low), xi_and(xi_slli16(H, 2), top)),
+                             xi_or(xi_and(xi_srli16(A, 4), low), xi_and(H, top)),
+                             xi_or(xi_and(xi_srli16(B, 4), low), xi_and(xi_srli16(H, 2), top))};
+            for (int i = 0; i < 4; ++i) {
+              const int64_t at = QK_K * b + 128 * n + 32 * i + 8 * p;
+              c[i] = xi_dot4(c[i], v[i], xi_bcast64(a.codes + at));
+              if constexpr (kTwo) r[i] = xi_dot4(r[i], v[i], xi_bcast64(a.residual + at));
+            }
+          }
+          for (int i = 0; i < 4; ++i) {
+            const int64_t g = 16 * b + 8 * n + 2 * i + gp;
+            XI total = kTwo ? xi_add32(xi_slli32(c[i], 7), r[i]) : c[i];
+            total = xi_sub32(total, xi_bcast64(reinterpret_cast<const int8_t*>(offsets + 2 * g)));
+            const XI sc = xi_srai32(xi_shuffle(xi_bcast128(tiles + b * kQ6Tile + kQ6Sc + 16 * (4 * n + i)),
+                                               gp ? second : first), 24);
+            const float dx = a.scale[kTwo ? (QK_K * b + 128 * n + 32 * i) / 32 : b];
+            acc[h] = xf_fmadd(xf_mul(xf_cvt(total), xf_cvt(sc)), xf_mul(d, xf_set1(dx)), acc[h]);
+          }
+        }
+      }
+    }
+  }
+  row_sums(acc, y);
+}
+#endif  // PAGELLM_INT8_ACTIVATIONS
+
+#if defined(PAGELLM_INT8_ACTIVATIONS)
 // Rows of W taken together against a single row of x (a decode step of one sequence). A product
 // of one row is bound by how fast W's rows arrive from memory, and each row read at once is a
 // stream the CPU's prefetchers follow on their own: with 2 rows a thread read the 1B shapes at
@@ -1447,15 +1756,17 @@ void int8_product(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int6
 }  // namespace
 
 // x: [M, K] float32; w: [N, row_bytes] uint8 blocks. Returns x @ W^T: [M, N] float32.
-torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t qtype, int64_t K) {
-  const Format f = checked(w, qtype, K);
+torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t packed_type, int64_t K) {
+  // Repacked weights (Q4_K_X8, Q6_K_X8): each group of 8 rows back in GGUF's layout (L1), then as those.
+  const bool x8 = is_x8(packed_type);
+  const int64_t qtype = base_type(packed_type);
+  const Format f = format_of(qtype);
+  const int64_t row_bytes = x8 ? checked_x8(w, packed_type, K) : (checked(w, qtype, K), w.size(1));
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "gguf_matmul: x must be [M, ", K, "]");
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+  const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
   // W's rows split over threads; each thread takes its rows kRowsPerPass at a time (L2-sized) and
   // multiplies them into every group of kMaxRows rows of x (one accumulator register each), so W
   // streams from memory once per product however many rows x has. A value of y sums its K terms
@@ -1466,7 +1777,7 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
   const int64_t pass = std::max<int64_t>(4, std::min<int64_t>(kRowsPerPass, kPassFloats / K));
   const bool widen_once = qtype != F32 && M > kMaxRows;
   const Format dense = format_of(F32);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  const auto rows = [&](const uint8_t* wp, float* yp, int64_t n0, int64_t n1) {
     std::vector<float> buf(widen_once ? static_cast<size_t>(pass * K) : 0);
     for (int64_t p0 = n0; p0 < n1; p0 += pass) {
       const int64_t p1 = std::min(n1, p0 + pass);
@@ -1488,9 +1799,73 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
         }
       }
     }
+  };
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (!x8) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(wp, yp, n0, n1); });
+    return y;
+  }
+  at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> group(kX8Rows * row_bytes);
+    for (int64_t g = g0; g < g1; ++g) {
+      x8_unpack_group(packed_type, wp, K, g, group.data(), row_bytes);
+      rows(group.data(), yp + kX8Rows * g, 0, kX8Rows);
+    }
   });
   return y;
 }
+
+#if defined(PAGELLM_INT8_ACTIVATIONS)
+// Rows of x that take the tiles' one-row kernels (q4_k_x8_row, q6_k_x8_row) one after the other, each
+// group of 8 rows of W read from memory once and from cache by the next rows of x; more take each
+// group back in GGUF's layout for the kernels above, which share a chunk's unpacking among the rows.
+// 1B shapes, one thread, AVX-512 VNNI, two codes, weights in cache, GB/s in tiles against blocks: Q4_K
+// at 1, 2, 4, 16 rows 39 / 20 / 10 / 2.4 against 16 / 11 / 8 / 2 (from memory about even at 4-16:
+// docs/quantization.md; widened back, 0.7-0.8x): the row loop at every batch the integer kernels take
+// (32 rows). Q6_K 25 against 19.6 at one row, but from two rows the layout's kernels share far more
+// (16-bit codes times scales, wide_super_rows): one.
+constexpr int64_t x8_max_row_loop(int64_t qtype) { return qtype == Q4_K ? 32 : 1; }
+
+// Up to x8_max_row_loop rows of x times a repacked weight, x rounded as the GGUF layout's kernels
+// round it for these rows: the same codes, so the same sums up to float32 summation order.
+void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
+                 float* y) {
+  const bool per_super = qtype == Q4_K || !two_terms;
+#if defined(PAGELLM_INT8_VNNI)
+  const ActRows a = per_super ? quantize_super(x, M, K, two_terms, false) : quantize_activations(x, M, K, two_terms);
+#else
+  const ActRows a = per_super ? quantize_super(x, M, K, two_terms) : quantize_activations(x, M, K, two_terms);
+#endif
+  // Q6_K: x's scales one per 32 values (not per lane: a row of 8192 values' lanes with its codes
+  // and the tiles streaming through overflowed L1), and the offsets' sums
+  std::vector<float> scale32;
+  std::vector<int32_t> offsets;
+  if (qtype == Q6_K) {
+    for (int64_t m = 0; m < M; ++m) {
+      const std::vector<int32_t> o = q6_k_x8_offsets(a, m, K, two_terms);
+      offsets.insert(offsets.end(), o.begin(), o.end());
+    }
+    if (!per_super)
+      for (int64_t i = 0; i < M * K; i += 32) scale32.push_back(a.lane_scale[i / 4]);
+  }
+  const int64_t group_bytes = K / QK_K * (qtype == Q4_K ? kQ4Tile : kQ6Tile);
+  at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* tiles = w + g * group_bytes;
+      for (int64_t m = 0; m < M; ++m) {
+        const ActView v{a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr,
+                        per_super ? a.super_scale.data() + m * K / QK_K : scale32.data() + m * K / 32, nullptr,
+                        per_super ? a.block_sum.data() + m * K / 32 : nullptr, nullptr, nullptr};
+        float* yg = y + m * N + kX8Rows * g;
+        const int32_t* o = offsets.data() + m * K / 8;
+        if (qtype == Q4_K) two_terms ? q4_k_x8_row<true>(v, K, tiles, yg) : q4_k_x8_row<false>(v, K, tiles, yg);
+        else two_terms ? q6_k_x8_row<true>(v, o, K, tiles, yg) : q6_k_x8_row<false>(v, o, K, tiles, yg);
+      }
+    }
+  });
+}
+#endif
 
 // With two codes per value, the K-quants' products of at least this many rows of x take the 16-bit
 // kernel (wide_super_rows), whose per-chunk widening the rows share; fewer take int8_super_rows
@@ -1501,15 +1876,21 @@ constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtyp
 // x @ W^T with x rounded to int8 per 32 values (the int8-activation mode; see above). K a
 // multiple of 64. Not summed in a batch-invariant order: each row's sums do not depend on M, but
 // the mode is not the exact product the invariant mode promises.
-torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w, int64_t qtype, int64_t K,
+torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w, int64_t packed_type, int64_t K,
                                bool two_terms) {
 #if defined(PAGELLM_INT8_ACTIVATIONS)
-  checked(w, qtype, K);
+  const bool x8 = is_x8(packed_type);
+  const int64_t qtype = base_type(packed_type);
+  const int64_t row_bytes = x8 ? checked_x8(w, packed_type, K) : (checked(w, qtype, K), w.size(1));
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "gguf_matmul_int8: x must be [M, ", K, "]");
   TORCH_CHECK(K % 64 == 0, "gguf_matmul_int8: K = ", K, " is not a multiple of 64");
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+  const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
+  if (x8 && M <= x8_max_row_loop(qtype)) {
+    x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+    return y;
+  }
 #if defined(PAGELLM_INT8_VNNI)
   const bool wide = two_terms && wide_min_rows(qtype) > 0 && M >= wide_min_rows(qtype);
 #else
@@ -1524,7 +1905,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
                         : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  const auto rows = [&](const uint8_t* wp, float* yp, int64_t n0, int64_t n1) {
     switch (qtype) {
       case Q4_0: int8_product<Q4_0>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
       case Q4_1: int8_product<Q4_1>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
@@ -1534,6 +1915,18 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
       case Q6_K: int8_product<Q6_K>(a, M, K, wp, row_bytes, yp, N, n0, n1); break;
       default: TORCH_CHECK(false, "gguf_matmul_int8: GGUF type ", qtype, " has no integer kernel");
     }
+  };
+  if (!x8) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(wp, yp, n0, n1); });
+    return y;
+  }
+  // Several rows of x: each group of 8 rows back in GGUF's layout (L1), then the kernels above.
+  at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> group(kX8Rows * row_bytes);
+    for (int64_t g = g0; g < g1; ++g) {
+      x8_unpack_group(packed_type, wp, K, g, group.data(), row_bytes);
+      rows(group.data(), yp + kX8Rows * g, 0, kX8Rows);
+    }
   });
   return y;
 #else
@@ -1542,20 +1935,31 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
 }
 
 // Rows `rows` (int64 [R]) of the quantized matrix as dense [R, K] rows of `dtype` (float32 or bfloat16).
-torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_t K, const torch::Tensor& rows_in,
+torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t packed_type, int64_t K, const torch::Tensor& rows_in,
                                    torch::ScalarType dtype) {
-  const Format f = checked(w, qtype, K);
+  const bool x8 = is_x8(packed_type);
+  const Format f = format_of(base_type(packed_type));
+  const int64_t row_bytes = x8 ? checked_x8(w, packed_type, K) : (checked(w, packed_type, K), w.size(1));
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "gguf_dequantize_rows: float32 or bfloat16");
   const torch::Tensor rows = rows_in.to(torch::kInt64).contiguous();
-  const int64_t R = rows.numel(), N = w.size(0), row_bytes = w.size(1), blocks = K / f.block;
+  const int64_t R = rows.numel(), N = w.size(0), blocks = K / f.block;
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < N, "row ", rp[r], " out of range [0, ", N, ")");
   torch::Tensor out = torch::empty({R, K}, w.options().dtype(dtype));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
     alignas(64) float tmp[QK_K];
+    std::vector<uint8_t> group(x8 ? kX8Rows * row_bytes : 0);  // repacked: the row's 8, in GGUF's layout
+    int64_t unpacked = -1;
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = wp + rp[r] * row_bytes;
+      if (x8) {
+        if (rp[r] / kX8Rows != unpacked) {
+          unpacked = rp[r] / kX8Rows;
+          x8_unpack_group(packed_type, wp, K, unpacked, group.data(), row_bytes);
+        }
+        row = group.data() + rp[r] % kX8Rows * row_bytes;
+      }
       if (dtype == torch::kFloat32) {
         widen_row(f, row, K, out.data_ptr<float>() + r * K);
       } else {
@@ -1564,6 +1968,32 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_
           const float* v = block_values(f, row + b * f.bytes, tmp);
           for (int i = 0; i < f.block; ++i) dst[b * f.block + i] = static_cast<at::BFloat16>(v[i]);
         }
+      }
+    }
+  });
+  return out;
+}
+
+// A Q4_K / Q6_K weight [N, row_bytes] (N a multiple of 8) in tiles of 8 rows (Q4_K_X8 / Q6_K_X8),
+// or (`back`) a repacked one in GGUF's layout again.
+torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool back) {
+  const int64_t packed = back ? qtype : (qtype == Q4_K ? Q4_K_X8 : qtype == Q6_K ? Q6_K_X8 : 0);
+  TORCH_CHECK(is_x8(packed), "gguf_repack: Q4_K or Q6_K weights (or, back, their repacked ids), got type ", qtype);
+  TORCH_CHECK(w.size(0) % kX8Rows == 0, "gguf_repack: ", w.size(0), " rows are not a multiple of ", kX8Rows);
+  const int64_t N = w.size(0), supers = K / QK_K, tile = x8_tile(packed);
+  const int64_t row_bytes = back ? checked_x8(w, packed, K) : (checked(w, base_type(packed), K), w.size(1));
+  torch::Tensor out = back ? torch::empty({N, row_bytes}, w.options())
+                           : torch::empty({N, supers * tile / kX8Rows}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / kX8Rows, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (back) {
+        x8_unpack_group(packed, src, K, g, dst + g * kX8Rows * row_bytes, row_bytes);
+      } else {
+        for (int64_t b = 0; b < supers; ++b)
+          x8_tile_rows<false>(packed, const_cast<uint8_t*>(src) + g * kX8Rows * row_bytes, row_bytes, b,
+                              dst + (g * supers + b) * tile);
       }
     }
   });
@@ -1602,4 +2032,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("float_lanes") = 0;
 #endif
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)");
+  m.def("gguf_repack", &gguf_repack, "Q4_K / Q6_K rows in tiles of 8 for one-row products, or back",
+        py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false);
+  py::dict repacked;  // GGUF type -> the id of its repacked layout
+  repacked[py::int_(static_cast<int64_t>(Q4_K))] = static_cast<int64_t>(Q4_K_X8);
+  repacked[py::int_(static_cast<int64_t>(Q6_K))] = static_cast<int64_t>(Q6_K_X8);
+  m.attr("repacked_types") = repacked;
 }

@@ -6,7 +6,9 @@ the dense matrix.
 A fused layer (q/k/v, gate/up) is filled from several file tensors, which may have different
 types (a Q4_K_M file keeps v in Q6_K and q, k in Q4_K): each run of rows of one type is a
 segment, multiplied on its own, and the segments' outputs are concatenated. Rows of a type
-with no kernel arrive dequantized (the loader warns) and form dense segments.
+with no kernel arrive dequantized (the loader warns) and form dense segments. In the integer
+activation modes a Q4_K segment is repacked at load into the kernels' tiles of 8 rows
+(repacked_type): `segment_types` keeps the file's type, `gguf_products` the layout's id.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
 int8_max_rows rows (by mode, weight type and build, as measured) round their activations to one int8
@@ -141,6 +143,9 @@ class ExpertBlocks:
 def dequantize_rows(data: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `rows` of a block matrix as dense [len(rows), cols] rows of `dtype`."""
     kernels = cpu.quant_kernels() if data.device.type == "cpu" else None
+    if qtype in _repacked_bases():  # only ever made by these kernels
+        wide = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        return kernels.gguf_dequantize_rows(data, qtype, cols, rows, wide).to(dtype)
     if qtype in codebook.CODEBOOK_TYPES:
         dense = codebook.dequantize_rows(data, qtype, cols, rows, dtype)
         if dense is not None:
@@ -222,6 +227,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
 
 def int8_max_rows(activations: str, qtype: int) -> int:
     """The most rows of x a product in mode `activations` gives the integer kernel."""
+    qtype = _repacked_bases().get(qtype, qtype)
     bound = INT8_MAX_ROWS[activations]
     return max(bound, WIDE_INT8_MAX_ROWS) if qtype in wide_int8_types(activations) else bound
 
@@ -238,6 +244,34 @@ def wide_int8_types(activations: str) -> frozenset[int]:
     if kernels.float_lanes < 16:
         return frozenset(NATIVE_TYPES)
     return K_QUANTS if kernels.int8_kernel == "avx512_vnni" else frozenset()
+
+
+# The types repacked at load. The kernels repack Q6_K too (kernels.repacked_types), whose tiles make
+# a product of one row of x 1.2-1.9x faster, but products of several rows then widen each tile back
+# to GGUF's layout, at 0.4-0.6x the blocks' speed (benchmarks/kernel_ab.py --repack all --rows 2,4): a
+# server's batched decode steps would pay for a single stream's gain. Q4_K's tiles run its products of
+# one row 1.35-1.5x faster (1B shapes, AVX-512 VNNI) and of 2-16 rows at 0.9-1.3x (docs/quantization.md).
+REPACKED = frozenset({12})
+
+
+def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool) -> int | None:
+    """The id of the layout the kernels repack a weight of `qtype` with `rows` rows into at load,
+    or None to keep GGUF's blocks. Q4_K and Q6_K, in the integer modes, whose one-row products
+    (a decode step of one sequence) read tiles of 8 rows without unpacking scales per token
+    (csrc/quant_ops.cpp, "Q4_K / Q6_K repacked"); products of other row counts widen each tile back
+    in cache, so mode none, whose products never take the integer kernels, keeps the blocks."""
+    kernels = cpu.quant_kernels()
+    if (activations not in INT8_MAX_ROWS or batch_invariant or kernels is None or not kernels.has_int8_activations
+            or rows % 8 or qtype not in REPACKED):
+        return None
+    return getattr(kernels, "repacked_types", {}).get(qtype)
+
+
+@functools.cache
+def _repacked_bases() -> dict[int, int]:
+    """Repacked id -> its GGUF type."""
+    kernels = cpu.quant_kernels()
+    return {packed: qtype for qtype, packed in getattr(kernels, "repacked_types", {}).items()}
 
 
 def widened_product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
@@ -298,10 +332,21 @@ class GGUFLinearMethod(LinearMethod):
         layer.segments = nn.ParameterList(
             [nn.Parameter(torch.cat([p.data if kind is not None else p.to(self.dtype) for p in group]),
                           requires_grad=False) for kind, group in segments])
+        kinds = [kind if kind is None else self._repack(layer, i, kind) for i, kind in enumerate(layer.segment_types)]
         # The same Parameter objects in a plain tuple for apply: iterating an nn.ParameterList costs
         # several microseconds, paid by every linear layer at every step (a decode step of the
-        # bundled model makes 121 products).
-        layer.gguf_products = tuple(zip(layer.segment_types, layer.segments))
+        # bundled model makes 121 products). Kinds as the kernels take them (repacked ids).
+        layer.gguf_products = tuple(zip(kinds, layer.segments))
+
+    def _repack(self, layer: nn.Module, i: int, qtype: int) -> int:
+        """Segment i's blocks in the kernels' tiles of 8 rows where repacked_type says so (its
+        Parameter's data replaced in place); the type id the products take."""
+        data = layer.segments[i].data
+        packed = repacked_type(qtype, data.shape[0], self.activations, self.batch_invariant)
+        if packed is not None and data.is_cpu:
+            layer.segments[i].data = cpu.quant_kernels().gguf_repack(data, qtype, layer.gguf_shape[1])
+            return packed
+        return qtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         cols = layer.gguf_shape[1]
@@ -319,7 +364,7 @@ class GGUFLinearMethod(LinearMethod):
         return invariant.invariant_linear(x, w) if self.batch_invariant else F.linear(x, w)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        (kind,), (w,) = layer.segment_types, layer.segments
+        ((kind, w),) = layer.gguf_products
         if kind is None:
             return F.embedding(ids, w)
         flat = dequantize_rows(w, kind, layer.gguf_shape[1], ids.reshape(-1), self.dtype)

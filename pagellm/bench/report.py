@@ -37,7 +37,7 @@ def output_paths(name: str, out: str | None) -> tuple[Path, Path]:
     if out is None:
         base = RESULTS_DIR / f"{name}-{_dt.date.today().isoformat()}"
         stem, k = base, 1
-        while stem.with_suffix(".json").exists() or stem.with_suffix(".png").exists():
+        while _with(stem, ".json").exists() or _with(stem, ".png").exists():
             k += 1
             stem = base.with_name(f"{base.name}-{k}")
     else:
@@ -45,7 +45,13 @@ def output_paths(name: str, out: str | None) -> tuple[Path, Path]:
         if stem.suffix in (".json", ".png"):
             stem = stem.with_suffix("")
     stem.parent.mkdir(parents=True, exist_ok=True)
-    return stem.with_suffix(".json"), stem.with_suffix(".png")
+    return _with(stem, ".json"), _with(stem, ".png")
+
+
+def _with(stem: Path, extension: str) -> Path:
+    """`stem` with `extension` added: a dot in the stem ("qwen3.5-4b") is part of the name, not an
+    extension for Path.with_suffix to replace."""
+    return stem.with_name(stem.name + extension)
 
 
 SIMD_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "vnni", "bmi")

@@ -18,3 +18,10 @@ def test_default_paths_never_overwrite(tmp_path, monkeypatch):
     assert report.output_paths("serve", None)[0] == tmp_path / f"serve-{today}-3.json"
     # An explicit --out is taken as given, even over an existing file.
     assert report.output_paths("serve", str(first))[0] == first
+
+
+def test_a_dot_in_the_name_is_kept(tmp_path):
+    """`--out results/latency-qwen3.5-4b` names latency-qwen3.5-4b.json, not latency-qwen3.json."""
+    json_path, png = report.output_paths("latency", str(tmp_path / "latency-qwen3.5-4b"))
+    assert json_path.name == "latency-qwen3.5-4b.json" and png.name == "latency-qwen3.5-4b.png"
+    assert report.output_paths("latency", str(tmp_path / "run-1.5.json"))[0].name == "run-1.5.json"

@@ -1521,10 +1521,10 @@ inline XI scale_controls(int h, bool second, int at) {
 
 // The tiles are one stream in the order the kernels read them. Q6_K's kernel, which reads each
 // tile's lines out of order (ql, ql + 32, qh), fetches the lines kIntPrefetchBytes ahead while a
-// tile is multiplied (lines [l0, l1) of a tile of `bytes` at t), as matmul_rows does for GGUF's rows:
-// 1B shapes from memory, one thread, 6.5 -> 21 GB/s. Q4_K's, which reads its tiles in order, runs
-// faster without on rows of 2048 values (12 against 15 GB/s with), and fetches ahead only on longer
-// rows, whose group of 8 is one long stream (1B down, 8192 values: 11 -> 13 GB/s with).
+// tile is multiplied (lines [l0, l1) of a tile of `bytes` at t), as matmul_rows does for GGUF's rows.
+// Q4_K's, which reads its tiles in order, leaves short rows to the hardware's prefetcher (measured
+// faster without on rows of 2048 values) and fetches ahead only on longer rows, whose group of 8 is
+// one long stream (benchmarks/kernel_ab.py measures both).
 inline void prefetch_tile(const uint8_t* t, int64_t bytes, int l0, int l1) {
   for (int l = l0; l < l1 && 64 * l < bytes; ++l) prefetch(t + kIntPrefetchBytes + 64 * l);
 }
@@ -1820,11 +1820,9 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 // Rows of x that take the tiles' one-row kernels (q4_k_x8_row, q6_k_x8_row) one after the other, each
 // group of 8 rows of W read from memory once and from cache by the next rows of x; more take each
 // group back in GGUF's layout for the kernels above, which share a chunk's unpacking among the rows.
-// 1B shapes, one thread, AVX-512 VNNI, two codes, weights in cache, GB/s in tiles against blocks: Q4_K
-// at 1, 2, 4, 16 rows 39 / 20 / 10 / 2.4 against 16 / 11 / 8 / 2 (from memory about even at 4-16:
-// docs/quantization.md; widened back, 0.7-0.8x): the row loop at every batch the integer kernels take
-// (32 rows). Q6_K 25 against 19.6 at one row, but from two rows the layout's kernels share far more
-// (16-bit codes times scales, wide_super_rows): one.
+// Q4_K's row loop beats widening back at every batch the integer kernels take (32 rows), so it takes
+// them all; from two rows Q6_K's layout kernels share far more (16-bit codes times scales,
+// wide_super_rows), so its loop takes one (ratios: docs/quantization.md, "Repacked Q4_K").
 constexpr int64_t x8_max_row_loop(int64_t qtype) { return qtype == Q4_K ? 32 : 1; }
 
 // Up to x8_max_row_loop rows of x times a repacked weight, x rounded as the GGUF layout's kernels

@@ -246,17 +246,16 @@ def wide_int8_types(activations: str) -> frozenset[int]:
     return K_QUANTS if kernels.int8_kernel == "avx512_vnni" else frozenset()
 
 
-# The types repacked at load. The kernels repack Q6_K too (kernels.repacked_types), whose tiles make
-# a product of one row of x 1.2-1.9x faster, but products of several rows then widen each tile back
-# to GGUF's layout, at 0.4-0.6x the blocks' speed (benchmarks/kernel_ab.py --repack all --rows 2,4): a
-# server's batched decode steps would pay for a single stream's gain. Q4_K's tiles run its products of
-# one row 1.35-1.5x faster (1B shapes, AVX-512 VNNI) and of 2-16 rows at 0.9-1.3x (docs/quantization.md).
-REPACKED = frozenset({12})
+# The types repacked at load: Q4_K. The kernels repack Q6_K too (kernels.repacked_types), whose tiles
+# speed up a product of one row of x, but products of several rows then widen each tile back to
+# GGUF's layout and run slower than on the blocks, so a server's batched decode steps would pay for a
+# single stream's gain (the measured ratios: docs/quantization.md, "Repacked Q4_K").
+REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name == "Q4_K")
 
 
 def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool) -> int | None:
     """The id of the layout the kernels repack a weight of `qtype` with `rows` rows into at load,
-    or None to keep GGUF's blocks. Q4_K and Q6_K, in the integer modes, whose one-row products
+    or None to keep GGUF's blocks. The types of REPACKED, in the integer modes, whose one-row products
     (a decode step of one sequence) read tiles of 8 rows without unpacking scales per token
     (csrc/quant_ops.cpp, "Q4_K / Q6_K repacked"); products of other row counts widen each tile back
     in cache, so mode none, whose products never take the integer kernels, keeps the blocks."""

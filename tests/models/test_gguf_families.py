@@ -250,15 +250,7 @@ def test_qwen35_quantized_delta_rule_layers(conversions, tmp_path):
     llm = LLM(str(q8), num_kv_blocks=64, block_size=8)
     in_proj = llm.engine.runner.model.layers[1].linear_attn.in_proj
     assert int(T.Q8_0) in in_proj.segment_types  # served in its blocks
-    rng = random.Random(3)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (6, 19)]
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
-    expected = tokens_and_logprobs(LLM(str(q8), num_kv_blocks=64, block_size=8, quantization="none")
-                                   .generate(prompts, params, use_tqdm=False))
-    got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
-    assert [t for t, _ in got] == [t for t, _ in expected]
-    for (_, lps), (_, want) in zip(got, expected):
-        assert lps == pytest.approx(want, abs=QUANTIZED_LOGPROB_ATOL)
+    _assert_serves_as_dequantized(llm, q8, vocab, seed=3)
 
 
 def test_llama4_image_text_checkpoint_converts_to_its_text_model(smollm2_tokenizer, tmp_path):
@@ -293,10 +285,16 @@ def test_q8_0_matrices_match_the_dequantized_file(family, conversions, tmp_path)
     q8 = requantize(gguf_path, tmp_path / "q8.gguf", lambda name: None if name == "token_embd.weight" else T.Q8_0)
     llm = LLM(str(q8), num_kv_blocks=64, block_size=8, activation_quantization="none")
     assert any(int(T.Q8_0) in getattr(m, "segment_types", ()) for m in llm.engine.runner.model.modules())
-    rng = random.Random(5)
+    _assert_serves_as_dequantized(llm, q8, vocab, seed=5)
+
+
+def _assert_serves_as_dequantized(llm: LLM, path, vocab: int, seed: int) -> None:
+    """`llm` (serving `path` in its blocks) gives the greedy tokens of the same file dequantized on
+    two prompts, and logprobs within QUANTIZED_LOGPROB_ATOL (summation order aside)."""
+    rng = random.Random(seed)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (6, 19)]
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=0)
-    expected = tokens_and_logprobs(LLM(str(q8), num_kv_blocks=64, block_size=8, quantization="none")
+    expected = tokens_and_logprobs(LLM(str(path), num_kv_blocks=64, block_size=8, quantization="none")
                                    .generate(prompts, params, use_tqdm=False))
     got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
     assert [t for t, _ in got] == [t for t, _ in expected]

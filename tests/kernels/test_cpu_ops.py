@@ -271,3 +271,36 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype):
     gemma = RMSNorm(576, 1e-5, unit_offset=True)
     s2, normed2 = gemma.add_and_norm(x, h)
     assert torch.equal(s2, x + h) and torch.equal(normed2, gemma(x + h))
+
+
+@pytest.mark.parametrize("window,sinks", [(0, False), (0, True), (50, False)])
+def test_paged_attention_groups_a_sequences_query_tokens_as_each_token_alone(window, sinks):
+    """A verification step's 1 + k query tokens of one sequence (consecutive, one block-table row)
+    are attended together, block by block: each token must still read exactly its own keys (its
+    causal end, a window, the sinks), in long contexts split into runs and in short ones, and give
+    what it gives attended alone and what a float64 oracle gives."""
+    torch.manual_seed(7 + window + sinks)
+    h, kvh, d, bs, nb = 6, 2, 64, 16, 600
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d) * 2, torch.randn(nb, bs, kvh, d)
+    tables = torch.stack([torch.randperm(nb)[:200] for _ in range(3)])
+    # Row 0: five tokens ending at 3000 (split into runs); row 1: one decode token; row 2: three
+    # tokens of a short context, one of them a repeat length (two tokens may end alike).
+    token_seq = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2, 2])
+    lens = torch.tensor([2996, 2997, 2998, 2999, 3000, 40, 9, 10, 10])
+    q = torch.randn(len(lens), h, d)
+    sink = torch.randn(h) if sinks else None
+    out = cpu.paged_attention(q, k_cache, v_cache, tables, lens, 0.125, sliding_window=window or None,
+                              sinks=sink, token_seq=token_seq)
+    for i in range(len(lens)):
+        alone = cpu.paged_attention(q[i:i + 1], k_cache, v_cache, tables, lens[i:i + 1], 0.125,
+                                    sliding_window=window or None, sinks=sink, token_seq=token_seq[i:i + 1])
+        torch.testing.assert_close(out[i], alone[0], rtol=0, atol=2e-6)
+        n, row = int(lens[i]), tables[int(token_seq[i])]
+        first = max(0, n - window) if window else 0
+        k = k_cache[row].flatten(0, 1)[first:n].double().repeat_interleave(h // kvh, dim=1)
+        v = v_cache[row].flatten(0, 1)[first:n].double().repeat_interleave(h // kvh, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].double(), k) * 0.125
+        if sink is not None:
+            scores = torch.cat([scores, sink.double()[:, None]], dim=1)
+        p = scores.softmax(-1)[:, :k.shape[0]]
+        torch.testing.assert_close(out[i].double(), torch.einsum("hk,khd->hd", p, v), rtol=0, atol=5e-6)

@@ -100,9 +100,12 @@ inline float row_scale(const T* row, int64_t D) {
 template <typename T>
 constexpr int64_t head_stride(int64_t D) { return kQuantized<T> ? D + 2 : D; }
 
-// A run of one sequence's context, [begin, end), attended by all its query heads.
+// A run of one sequence's context, [begin, end), attended by all the query heads of nq
+// consecutive query tokens q0 .. q0 + nq - 1 of that sequence (a decode token alone, or a
+// verification step's 1 + k tokens, which then read each K/V block once between them).
 struct WorkItem {
-  int64_t seq, begin, end, part;  // part: row in the partial-results buffer, -1 if the run is the whole context
+  int64_t q0, nq, begin, end;
+  int64_t part;  // the first of nq rows in the partial-results buffer, -1 if the run is the whole context
 };
 
 #if defined(__AVX512F__)
@@ -221,31 +224,32 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// Online softmax over the run, one block of keys at a time, for every query head: each
-// K/V row is read once (all KV heads of a token are one contiguous row) and serves the G
-// query heads that share it. Writes the normalised output when the run is the whole
-// context, else (max, sum, unnormalised accumulator) for the combine step.
+// Online softmax over the run, one block of keys at a time, for every query head of every query
+// token of the item: each K/V row is read once (all KV heads of a token are one contiguous row)
+// and serves the G query heads that share it, and a block read for the first query token is in
+// cache for the others. Query token i reads keys below lens[i] only. Writes the normalised output
+// when the run is the whole context, else (max, sum, unnormalised accumulator) for the combine step.
 // DT > 0 fixes the head size at compile time so the inner loops unroll; DT == 0 reads D.
 template <int DT, typename T>
 void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t BS, const float* q,
-                const T* kp, const T* vp, const int64_t* table, float scale, float softcap, const float* sinks,
-                float* out, float* part_acc, float* part_ml, std::vector<float>& buf) {
+                const int64_t* lens, const T* kp, const T* vp, const int64_t* table, float scale, float softcap,
+                const float* sinks, float* out, float* part_acc, float* part_ml, std::vector<float>& buf) {
   const int64_t D = DT > 0 ? DT : Drt;
-  const int64_t G = H / KVH, HS = head_stride<T>(D), row = KVH * HS;
-  buf.assign(static_cast<size_t>(H * D + 2 * H + H * BS), 0.f);
-  float* acc = buf.data();
-  float* m = acc + H * D;
-  float* l = m + H;
-  float* s = l + H;  // [H, BS] scores of the current block
-  for (int64_t i = 0; i < H; ++i) m[i] = -std::numeric_limits<float>::infinity();
+  const int64_t G = H / KVH, HS = head_stride<T>(D), row = KVH * HS, NQ = w.nq;
+  buf.assign(static_cast<size_t>(NQ * (H * D + 2 * H) + H * BS), 0.f);
+  float* accs = buf.data();     // [NQ, H, D]
+  float* ms = accs + NQ * H * D;  // [NQ, H]
+  float* ls = ms + NQ * H;        // [NQ, H]
+  float* s = ls + NQ * H;         // [H, BS] scores of the current block, one query token at a time
+  for (int64_t i = 0; i < NQ * H; ++i) ms[i] = -std::numeric_limits<float>::infinity();
   for (int64_t t0 = w.begin; t0 < w.end;) {
     const int64_t j = t0 / BS, off = t0 % BS;
-    const int64_t nt = std::min(BS - off, w.end - t0);
+    const int64_t nt_run = std::min(BS - off, w.end - t0);
     const T* kb = kp + (table[j] * BS + off) * row;
     const T* vb = vp + (table[j] * BS + off) * row;
     // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every
-    // block boundary and each thread would wait on DRAM latency: ask for the next block now.
-    // (Measured: one block ahead reads 3.6x faster than none; two or three ahead, no faster.)
+    // block boundary and each thread would wait on DRAM latency: ask for the next block now
+    // (one block ahead is enough to hide it).
     if ((j + 1) * BS < w.end) {
       const T* kn = kp + table[j + 1] * BS * row;
       const T* vn = vp + table[j + 1] * BS * row;
@@ -254,129 +258,144 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
         __builtin_prefetch(vn + i, 0, 3);
       }
     }
+    for (int64_t qi = 0; qi < NQ; ++qi) {
+      const int64_t nt = std::min(nt_run, lens[qi] - t0);  // this token's keys in the block
+      if (nt <= 0) continue;
+      const float* qt = q + qi * H * D;
+      float* acc = accs + qi * H * D;
+      float* m = ms + qi * H;
+      float* l = ls + qi * H;
 #if defined(__AVX512F__)
-    if constexpr (DT > 0 && DT % 16 == 0) {
-      for (int64_t h = 0; h < KVH; ++h)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t u = 0; u < nt; u += 16)
-            scores16<DT, T>(q + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, nt - u), scale,
-                            s + (h * G + g) * BS + u);
-    } else
+      if constexpr (DT > 0 && DT % 16 == 0) {
+        for (int64_t h = 0; h < KVH; ++h)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t u = 0; u < nt; u += 16)
+              scores16<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, nt - u),
+                              scale, s + (h * G + g) * BS + u);
+      } else
 #endif
-    {
-      for (int64_t t = 0; t < nt; ++t) {
-        for (int64_t h = 0; h < KVH; ++h) {
-          const T* k = kb + t * row + h * HS;
-          const float ks = row_scale(k, D);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qh = q + (h * G + g) * D;
-            float dot = 0.f;
+      {
+        for (int64_t t = 0; t < nt; ++t) {
+          for (int64_t h = 0; h < KVH; ++h) {
+            const T* k = kb + t * row + h * HS;
+            const float ks = row_scale(k, D);
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qh = qt + (h * G + g) * D;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < D; ++i) dot += qh[i] * widen(k[i]);
-            s[(h * G + g) * BS + t] = dot * scale * ks;
+              for (int64_t i = 0; i < D; ++i) dot += qh[i] * widen(k[i]);
+              s[(h * G + g) * BS + t] = dot * scale * ks;
+            }
           }
         }
       }
-    }
-    if (softcap > 0.f) {  // Gemma 2: cap * tanh(score / cap), as the reference computes it
-      for (int64_t hh = 0; hh < H; ++hh)
-        for (int64_t t = 0; t < nt; ++t) s[hh * BS + t] = std::tanh(s[hh * BS + t] / softcap) * softcap;
-    }
-    for (int64_t hh = 0; hh < H; ++hh) {
-      float* sh = s + hh * BS;
-      float mx = m[hh];
-      for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sh[t]);
-      const float alpha = std::exp(m[hh] - mx);  // 0 on the first block (exp(-inf))
-      float sum = 0.f;
-#if defined(__AVX512F__)
-      for (int64_t u = 0; u < nt; u += 16) {
-        const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, nt - u)) - 1);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + u), _mm512_set1_ps(mx)));
-        _mm512_mask_storeu_ps(sh + u, live, e);
-        sum += _mm512_mask_reduce_add_ps(live, e);
+      if (softcap > 0.f) {  // Gemma 2: cap * tanh(score / cap), as the reference computes it
+        for (int64_t hh = 0; hh < H; ++hh)
+          for (int64_t t = 0; t < nt; ++t) s[hh * BS + t] = std::tanh(s[hh * BS + t] / softcap) * softcap;
       }
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float* sh = s + hh * BS;
+        float mx = m[hh];
+        for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sh[t]);
+        const float alpha = std::exp(m[hh] - mx);  // 0 on the first block (exp(-inf))
+        float sum = 0.f;
+#if defined(__AVX512F__)
+        for (int64_t u = 0; u < nt; u += 16) {
+          const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, nt - u)) - 1);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + u), _mm512_set1_ps(mx)));
+          _mm512_mask_storeu_ps(sh + u, live, e);
+          sum += _mm512_mask_reduce_add_ps(live, e);
+        }
 #elif defined(__AVX2__) && defined(__FMA__)
-      int64_t t = 0;
-      for (; t + 8 <= nt; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(mx)));
-        _mm256_storeu_ps(sh + t, e);
-        sum += hsum8(e);
-      }
-      for (; t < nt; ++t) {
-        sh[t] = std::exp(sh[t] - mx);
-        sum += sh[t];
-      }
+        int64_t t = 0;
+        for (; t + 8 <= nt; t += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(mx)));
+          _mm256_storeu_ps(sh + t, e);
+          sum += hsum8(e);
+        }
+        for (; t < nt; ++t) {
+          sh[t] = std::exp(sh[t] - mx);
+          sum += sh[t];
+        }
 #else
-      for (int64_t t = 0; t < nt; ++t) {
-        sh[t] = std::exp(sh[t] - mx);
-        sum += sh[t];
-      }
+        for (int64_t t = 0; t < nt; ++t) {
+          sh[t] = std::exp(sh[t] - mx);
+          sum += sh[t];
+        }
 #endif
-      l[hh] = l[hh] * alpha + sum;
-      m[hh] = mx;
-      if (alpha != 1.f) {
-        float* a = acc + hh * D;
+        l[hh] = l[hh] * alpha + sum;
+        m[hh] = mx;
+        if (alpha != 1.f) {
+          float* a = acc + hh * D;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] *= alpha;
+          for (int64_t i = 0; i < D; ++i) a[i] *= alpha;
+        }
       }
-    }
-    // Each head's accumulator stays in registers over the block's tokens (a local array of a
-    // compile-time size); the V rows it reads are in L1 after the first query head.
-    for (int64_t h = 0; h < KVH; ++h) {
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + (h * G + g) * D;
-        const float* p = s + (h * G + g) * BS;
+      // Each head's accumulator stays in registers over the block's tokens (a local array of a
+      // compile-time size); the V rows it reads are in L1 after the first query head.
+      for (int64_t h = 0; h < KVH; ++h) {
+        for (int64_t g = 0; g < G; ++g) {
+          float* a = acc + (h * G + g) * D;
+          const float* p = s + (h * G + g) * BS;
 #if defined(__AVX512F__)
-        if constexpr (kQuantized<T> && DT > 0 && DT % 16 == 0) {
-          // Codes widened 16 at a time; the row's scale folds into its softmax weight.
-          __m512 al[DT / 16];
-          for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_loadu_ps(a + 16 * c);
-          for (int64_t t = 0; t < nt; ++t) {
-            const T* v = vb + t * row + h * HS;
-            const __m512 pt = _mm512_set1_ps(p[t] * row_scale(v, DT));
-            for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_fmadd_ps(pt, load16(v + 16 * c), al[c]);
-          }
-          for (int c = 0; c < DT / 16; ++c) _mm512_storeu_ps(a + 16 * c, al[c]);
-        } else
+          if constexpr (kQuantized<T> && DT > 0 && DT % 16 == 0) {
+            // Codes widened 16 at a time; the row's scale folds into its softmax weight.
+            __m512 al[DT / 16];
+            for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_loadu_ps(a + 16 * c);
+            for (int64_t t = 0; t < nt; ++t) {
+              const T* v = vb + t * row + h * HS;
+              const __m512 pt = _mm512_set1_ps(p[t] * row_scale(v, DT));
+              for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_fmadd_ps(pt, load16(v + 16 * c), al[c]);
+            }
+            for (int c = 0; c < DT / 16; ++c) _mm512_storeu_ps(a + 16 * c, al[c]);
+          } else
 #endif
-        if constexpr (DT > 0) {
-          float al[DT];
-          for (int64_t i = 0; i < DT; ++i) al[i] = a[i];
-          for (int64_t t = 0; t < nt; ++t) {
-            const T* v = vb + t * row + h * HS;
-            const float pt = p[t] * row_scale(v, DT);
+          if constexpr (DT > 0) {
+            float al[DT];
+            for (int64_t i = 0; i < DT; ++i) al[i] = a[i];
+            for (int64_t t = 0; t < nt; ++t) {
+              const T* v = vb + t * row + h * HS;
+              const float pt = p[t] * row_scale(v, DT);
 #pragma omp simd
-            for (int64_t i = 0; i < DT; ++i) al[i] += pt * widen(v[i]);
-          }
-          for (int64_t i = 0; i < DT; ++i) a[i] = al[i];
-        } else {
-          for (int64_t t = 0; t < nt; ++t) {
-            const T* v = vb + t * row + h * HS;
-            const float pt = p[t] * row_scale(v, D);
+              for (int64_t i = 0; i < DT; ++i) al[i] += pt * widen(v[i]);
+            }
+            for (int64_t i = 0; i < DT; ++i) a[i] = al[i];
+          } else {
+            for (int64_t t = 0; t < nt; ++t) {
+              const T* v = vb + t * row + h * HS;
+              const float pt = p[t] * row_scale(v, D);
 #pragma omp simd
-            for (int64_t i = 0; i < D; ++i) a[i] += pt * widen(v[i]);
+              for (int64_t i = 0; i < D; ++i) a[i] += pt * widen(v[i]);
+            }
           }
         }
       }
     }
-    t0 += nt;
+    t0 += nt_run;
   }
-  if (w.part < 0) {
-    for (int64_t hh = 0; hh < H; ++hh) {
-      float scale_acc = 1.f, denom = l[hh];
-      if (sinks != nullptr) {  // gpt-oss: the sink's logit joins the denominator, attending to nothing
-        const float mx = std::max(m[hh], sinks[hh]);
-        scale_acc = std::exp(m[hh] - mx);
-        denom = l[hh] * scale_acc + std::exp(sinks[hh] - mx);
+  for (int64_t qi = 0; qi < NQ; ++qi) {
+    const float* acc = accs + qi * H * D;
+    const float* m = ms + qi * H;
+    const float* l = ls + qi * H;
+    if (w.part < 0) {
+      float* o = out + qi * H * D;
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float scale_acc = 1.f, denom = l[hh];
+        if (sinks != nullptr) {  // gpt-oss: the sink's logit joins the denominator, attending to nothing
+          const float mx = std::max(m[hh], sinks[hh]);
+          scale_acc = std::exp(m[hh] - mx);
+          denom = l[hh] * scale_acc + std::exp(sinks[hh] - mx);
+        }
+        const float inv = scale_acc / denom;
+        for (int64_t i = 0; i < D; ++i) o[hh * D + i] = acc[hh * D + i] * inv;
       }
-      const float inv = scale_acc / denom;
-      for (int64_t i = 0; i < D; ++i) out[hh * D + i] = acc[hh * D + i] * inv;
-    }
-  } else {
-    std::copy(acc, acc + H * D, part_acc + w.part * H * D);
-    for (int64_t hh = 0; hh < H; ++hh) {
-      part_ml[(w.part * H + hh) * 2] = m[hh];
-      part_ml[(w.part * H + hh) * 2 + 1] = l[hh];
+    } else {  // a token with no key in this run leaves (-inf, 0, zeros), which the combine weighs 0
+      const int64_t part = w.part + qi;
+      std::copy(acc, acc + H * D, part_acc + part * H * D);
+      for (int64_t hh = 0; hh < H; ++hh) {
+        part_ml[(part * H + hh) * 2] = m[hh];
+        part_ml[(part * H + hh) * 2 + 1] = l[hh];
+      }
     }
   }
 }
@@ -432,23 +451,45 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
     return chunk > 0 ? std::max(from_window, (sl[b] - 1) / chunk * chunk) : from_window;
   };
 
+  // Consecutive query tokens of one sequence that read the same keys from the same start (a
+  // verification step's 1 + k tokens, a short prefill) are attended together, block by block;
+  // not in batch-invariant mode, where a query's sums may depend on nothing but its own keys.
+  constexpr int64_t kMaxGroup = 16;
+  std::vector<int64_t> group_len;  // tokens b .. b + group_len - 1 form one group, by first token
+  int64_t total = 0;               // keys read, each group's once
+  for (int64_t b = 0; b < B;) {
+    int64_t n = 1, longest = sl[b];
+    while (fixed_run == 0 && token_seq != nullptr && n < kMaxGroup && b + n < B &&
+           token_seq[b + n] == token_seq[b] && first_key(b + n) == first_key(b)) {
+      longest = std::max(longest, sl[b + n]);
+      ++n;
+    }
+    group_len.push_back(n);
+    total += longest - first_key(b);
+    b += n;
+  }
   // Runs of whole blocks, sized so that every thread gets several.
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += sl[b] - first_key(b);
   const int64_t threads = at::get_num_threads();
   int64_t run = fixed_run > 0 ? fixed_run : std::max<int64_t>(4 * BS, (total + 8 * threads - 1) / (8 * threads));
   run = (run + BS - 1) / BS * BS;
   std::vector<WorkItem> items;
-  std::vector<int64_t> first_part(B, -1);
+  // A split query's partial results: rows first_part[b] + r * part_stride[b] for its runs r.
+  std::vector<int64_t> first_part(B, -1), part_stride(B, 0), group_end(B, 0);
   int64_t parts = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = sl[b], start = first_key(b);
-    if (len - start <= run) {
-      items.push_back({b, start, len, -1});
+  for (int64_t b = 0, gi = 0; b < B; b += group_len[gi++]) {
+    const int64_t n = group_len[gi], start = first_key(b);
+    int64_t longest = 0;
+    for (int64_t i = b; i < b + n; ++i) longest = std::max(longest, sl[i]);
+    if (longest - start <= run) {
+      items.push_back({b, n, start, longest, -1});
       continue;
     }
-    first_part[b] = parts;
-    for (int64_t t = start; t < len; t += run) items.push_back({b, t, std::min(len, t + run), parts++});
+    for (int64_t i = 0; i < n; ++i) {
+      first_part[b + i] = parts + i;
+      part_stride[b + i] = n;
+      group_end[b + i] = longest;
+    }
+    for (int64_t t = start; t < longest; t += run, parts += n) items.push_back({b, n, t, std::min(longest, t + run), parts});
   }
   std::vector<float> part_acc(static_cast<size_t>(parts * H * D));
   std::vector<float> part_ml(static_cast<size_t>(parts * H * 2));
@@ -457,32 +498,33 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& w = items[i];
-      const float* q_b = qp + w.seq * H * D;
-      const int64_t* table = bt + (token_seq != nullptr ? token_seq[w.seq] : w.seq) * max_blocks;
-      float* o = op + w.seq * H * D;
+      const float* q_b = qp + w.q0 * H * D;
+      const int64_t* table = bt + (token_seq != nullptr ? token_seq[w.q0] : w.q0) * max_blocks;
+      float* o = op + w.q0 * H * D;
       if (D == 64)
-        attend_run<64, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
-                            part_ml.data(), buf);
+        attend_run<64, T>(w, D, H, KVH, BS, q_b, sl + w.q0, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
+                          part_ml.data(), buf);
       else if (D == 128)
-        attend_run<128, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
-                            part_ml.data(), buf);
+        attend_run<128, T>(w, D, H, KVH, BS, q_b, sl + w.q0, kp, vp, table, fscale, fcap, sinks, o,
+                           part_acc.data(), part_ml.data(), buf);
       else
-        attend_run<0, T>(w, D, H, KVH, BS, q_b, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
-                            part_ml.data(), buf);
+        attend_run<0, T>(w, D, H, KVH, BS, q_b, sl + w.q0, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
+                         part_ml.data(), buf);
     }
   });
 
-  // Put split sequences back together: weight each run by exp(its max - the overall max).
+  // Put split queries back together: weight each run by exp(its max - the overall max).
   for (int64_t b = 0; b < B; ++b) {
     if (first_part[b] < 0) continue;
-    const int64_t n = (sl[b] - first_key(b) + run - 1) / run, p0 = first_part[b];
+    const int64_t n = (group_end[b] - first_key(b) + run - 1) / run;
     for (int64_t hh = 0; hh < H; ++hh) {
       float mx = sinks != nullptr ? sinks[hh] : -std::numeric_limits<float>::infinity();
-      for (int64_t p = p0; p < p0 + n; ++p) mx = std::max(mx, part_ml[(p * H + hh) * 2]);
+      for (int64_t r = 0; r < n; ++r) mx = std::max(mx, part_ml[((first_part[b] + r * part_stride[b]) * H + hh) * 2]);
       float denom = sinks != nullptr ? std::exp(sinks[hh] - mx) : 0.f;  // the sink joins once, here
       float* o = op + (b * H + hh) * D;
       std::fill(o, o + D, 0.f);
-      for (int64_t p = p0; p < p0 + n; ++p) {
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t p = first_part[b] + r * part_stride[b];
         const float w = std::exp(part_ml[(p * H + hh) * 2] - mx);
         denom += w * part_ml[(p * H + hh) * 2 + 1];
         const float* a = part_acc.data() + (p * H + hh) * D;

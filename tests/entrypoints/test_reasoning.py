@@ -279,6 +279,31 @@ def test_the_thinking_switch_refuses_what_the_template_cannot_do():
         assert e.value.param == "reasoning.effort"
 
 
+def test_anthropic_output_config_effort_reaches_the_template_or_is_refused():
+    """output_config.effort low..high goes where the chat template reads an effort (gpt-oss's
+    reasoning_effort) beside the thinking switch; xhigh and max have no level there, and a template
+    without one refuses every level: 400s that name output_config.effort and the value."""
+    from pagellm.entrypoints.anthropic.protocol import MessagesRequest, to_chat
+    from pagellm.entrypoints.openai.errors import OpenAIError
+
+    def request(**extra):
+        return MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": ASK, **extra})
+
+    gpt_oss = "{{ reasoning_effort }}<|channel|>"
+    for effort in ("low", "medium", "high"):
+        chat = to_chat(request(output_config={"effort": effort}), gpt_oss, True)
+        assert chat.chat_template_kwargs == {"reasoning_effort": effort}
+    chat = to_chat(request(output_config={"effort": "low"}, thinking={"type": "disabled"}), gpt_oss, True)
+    assert chat.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
+    assert to_chat(request(), gpt_oss, True).chat_template_kwargs is None
+    for template, effort, words in [(gpt_oss, "max", "at most 'high'"), (gpt_oss, "xhigh", "at most 'high'"),
+                                    (gpt_oss, "huge", "must be one of"),
+                                    (THINKING_TEMPLATE, "high", "takes no reasoning effort")]:
+        with pytest.raises(OpenAIError, match=words) as e:
+            to_chat(request(output_config={"effort": effort}), template, True)
+        assert e.value.param == "output_config.effort" and repr(effort) in str(e.value)
+
+
 def test_the_reasoning_budget_closes_the_thinking(thinking_server):
     """thinking_token_budget N: N tokens of reasoning, then the close the template writes
     ("\n</think>\n\n") is forced, then the answer runs; the same in a stream. (allowed_token_ids

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pagellm.entrypoints.openai.errors import bad_request, refuse_unknown
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.reasoning import effort_switch
 
 # A 400 naming a field sent that is not one of Anthropic's Messages API this server implements.
 _unknown = functools.partial(refuse_unknown, "Anthropic's Messages API")
@@ -73,7 +74,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # accepted without effect: see ACCEPTED_WITHOUT_EFFECT
     service_tier: str | None = None  # accepted without effect
-    # Anthropic's structured outputs: {"format": {"type": "json_schema", "schema": {...}}}.
+    # Anthropic's structured outputs ({"format": {"type": "json_schema", "schema": {...}}}) and
+    # reasoning effort ({"effort": "low" | "medium" | "high"}).
     output_config: dict[str, Any] | None = None
     # pagellm's extra, as on the chat endpoint: a regex, choice, grammar or JSON schema the reply must match.
     structured_outputs: dict[str, Any] | None = None
@@ -206,10 +208,10 @@ def _thinking(req: CountTokensRequest) -> tuple[dict | None, int | None]:
 
 
 def _output_format(config: dict | None) -> dict | None:
-    """output_config as the chat endpoint's response_format."""
+    """output_config's format as the chat endpoint's response_format."""
     if config is None:
         return None
-    _unknown("output_config.", config.keys() - {"format"})
+    _unknown("output_config.", config.keys() - {"format", "effort"})
     fmt = config.get("format")
     if fmt is None:
         return None
@@ -220,8 +222,31 @@ def _output_format(config: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat-completions request that does what `req` asks (400s naming Anthropic's fields)."""
+# Anthropic's efforts. The model's chat template is what takes an effort (gpt-oss's reasoning_effort:
+# low, medium, high); the two above high have no level there to go to, so they are refused, not lowered.
+EFFORTS = ("low", "medium", "high")
+EFFORTS_ABOVE = ("xhigh", "max")
+
+
+def _effort(config: dict | None, chat_template: str | None, splits_reasoning: bool) -> dict:
+    """output_config.effort as chat-template arguments (reasoning.effort_switch)."""
+    effort = (config or {}).get("effort")
+    if effort is None:
+        return {}
+    if effort in EFFORTS_ABOVE:
+        raise bad_request(f"output_config.effort {effort!r} is not supported: a model's chat template takes at most "
+                          f"'high' (its reasoning_effort levels are {', '.join(EFFORTS)})", param="output_config.effort")
+    if effort not in EFFORTS:
+        raise bad_request(f"output_config.effort must be one of {', '.join(EFFORTS + EFFORTS_ABOVE)}, got {effort!r}",
+                          param="output_config.effort")
+    return effort_switch(chat_template, effort, "output_config.effort", splits_reasoning) or {}
+
+
+def to_chat(req: CountTokensRequest, chat_template: str | None = None,
+            splits_reasoning: bool = False) -> ChatCompletionRequest:
+    """The chat-completions request that does what `req` asks (400s naming Anthropic's fields).
+    `chat_template` and `splits_reasoning` (the server has a reasoning parser) decide what an
+    output_config.effort can reach."""
     _unknown("", (req.model_extra or {}).keys() - ACCEPTED_WITHOUT_EFFECT.keys())
     for i, m in enumerate(req.messages):
         _unknown(f"messages[{i}].", (m.model_extra or {}).keys())
@@ -229,6 +254,9 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
         raise bad_request("messages must hold at least one message", param="messages")
     tools, tool_choice, parallel = _tools(req)
     template_kwargs, budget = _thinking(req)
+    effort = _effort(getattr(req, "output_config", None), chat_template, splits_reasoning)
+    if effort:
+        template_kwargs = {**(template_kwargs or {}), **effort}
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": tools,
                             "tool_choice": tool_choice, "parallel_tool_calls": parallel,
                             "chat_template_kwargs": template_kwargs}

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, to_chat
 from pagellm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagellm.entrypoints.openai.errors import OpenAIError
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.serving_engine import guarded_sse, merge_streams
 from pagellm.outputs import CompletionOutput, RequestOutput
 
@@ -46,7 +47,7 @@ class AnthropicServingMessages:
         self.chat = chat
 
     async def create_message(self, req: MessagesRequest, raw_request: Request) -> Response:
-        chat_req = to_chat(req)
+        chat_req = self.to_chat(req)
         run = await self.chat.start(chat_req, id_prefix="msg", budget_field="thinking.budget_tokens")
         if req.stream:
             # Anthropic's stream ends with message_stop, never [DONE]; an engine failure is an error event.
@@ -56,8 +57,11 @@ class AnthropicServingMessages:
         (final,) = await self.chat.collect(raw_request, run.streams)
         return JSONResponse(self.response(req, run, final))
 
+    def to_chat(self, req: CountTokensRequest) -> ChatCompletionRequest:
+        return to_chat(req, self.chat.tokenizer.chat_template, self.chat.reasoning is not None)
+
     def count_tokens(self, req: CountTokensRequest) -> dict:
-        chat_req = to_chat(req)
+        chat_req = self.to_chat(req)
         self.chat.check_model(chat_req.model)
         text = self.chat.render_request(chat_req)
         return {"input_tokens": len(self.chat.tokenizer.encode(text, add_special_tokens=False))}

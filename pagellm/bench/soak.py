@@ -1,0 +1,541 @@
+"""`pagellm bench soak`: hours of mixed traffic against one server, and whether anything grows.
+
+For `--duration`, `--concurrency` clients send a seeded mix of well-formed requests through the
+official `openai` client (chat and completions, streamed and not, n > 1, beam search, JSON-schema
+grammars, forced tool calls, prompts sharing a long system prompt, prompts long enough to force
+preemption), fuzzed fields (pagellm.bench.fuzz's generator), streams dropped mid-way and
+requests whose client gives up (httpx and short client timeouts). Every `--interval` it records
+the server process's RSS, open fds and threads (its descendants too: tensor-parallel ranks),
+the KV blocks held, p50/p99 TTFT and TPOT of the interval's streamed requests, and requests by
+outcome and failure cause.
+
+The verdict fails (exit status 1) on any failed well-formed request, any fuzzed request that
+harmed (a 5xx, an error in its stream, no answer), blocks still held once idle at the end, or
+growth after warm-up (the first WARMUP_FRACTION of the samples): an RSS least-squares slope
+above RSS_SLOPE_LIMIT of the mean RSS per 10 minutes, or fds / threads in the last
+WARMUP_FRACTION of the samples above their warm-up maximum plus FD_SLACK / THREAD_SLACK.
+Fewer than MIN_TREND_SAMPLES samples after warm-up leave the growth checks inconclusive.
+
+`--launch` starts `pagellm serve` here with the disk tier on and a small KV pool, so long
+prompts preempt by swapping; `--url` soaks a running loopback server (its process is found by
+its port to read RSS, fds and threads; if it is not readable here they are omitted, and said so).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from urllib.parse import urlparse
+
+from pagellm.bench import procfs, report
+from pagellm.bench.fuzz import fuzz_one, held_blocks, idle_state, random_case
+from pagellm.bench.serve import check_loopback, get_model, launch, percentile, stop, wait_ready, words
+
+# The growth verdict's tolerances.
+WARMUP_FRACTION = 0.2
+RSS_SLOPE_LIMIT = 0.01        # of the mean RSS, per RSS_SLOPE_PERIOD_S
+RSS_SLOPE_PERIOD_S = 600.0
+# A sample lands at a random moment of the load: each open connection holds an fd, and the
+# server's thread pools start threads on demand up to their bound.
+FD_SLACK = 8
+THREAD_SLACK = 4
+MIN_TREND_SAMPLES = 5
+
+# The traffic mix: kind -> weight.
+MIX = {"completion": 3, "chat": 3, "completion_stream": 3, "chat_stream": 3, "beam": 1, "json_schema": 1,
+       "tools": 1, "shared_prefix": 3, "long_prompt": 1, "fuzzed": 2, "disconnect": 1, "client_timeout": 1}
+# Outcomes a request may end with; only "failed" and "fuzz_harm" fail the verdict.
+OUTCOMES = ("ok", "failed", "refused", "fuzz_served", "fuzz_harm", "disconnected", "timed_out")
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}}]
+DEFAULT_ENGINE_ARGS = "--kv-cache-memory 64M --max-model-len 2048 --kv-offload-size 256M --preemption-mode swap"
+
+
+@dataclass
+class SoakConfig:
+    duration_s: float = 3600.0
+    concurrency: int = 4
+    interval_s: float = 60.0
+    seed: int = 0
+    timeout_s: float = 300.0          # a well-formed request's client timeout
+    max_tokens: int = 16
+    system_prompt_tokens: int = 400   # the prompt every shared_prefix request starts with
+    long_prompt_tokens: int = 1200    # more than a quarter of the --launch pool: a few at once preempt
+
+
+@dataclass
+class Record:
+    kind: str
+    start: float
+    end: float = 0.0
+    outcome: str = "ok"
+    cause: str | None = None
+    detail: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+class Invalid(Exception):
+    """A well-formed request's answer was not what it asked for."""
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in '90', '90s', '45m', '1.5h'."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--duration must be a positive number of seconds, or end with s, m or h "
+                         f"(e.g. 90s, 60m, 1h), got {text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+class Traffic:
+    """One client's seeded stream of requests; each ends as a Record."""
+
+    def __init__(self, url: str, model: str, cfg: SoakConfig, rng: random.Random, system_prompt: str) -> None:
+        import httpx
+        import openai
+
+        self.url, self.model, self.cfg, self.rng, self.system = url, model, cfg, rng, system_prompt
+        self.openai = openai
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="soak", max_retries=0,
+                                         timeout=cfg.timeout_s)
+        self.http = httpx.AsyncClient(timeout=cfg.timeout_s)
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.http.aclose()
+
+    async def one(self) -> Record:
+        kind = self.rng.choices(list(MIX), weights=list(MIX.values()))[0]
+        rec = Record(kind, time.perf_counter())
+        try:
+            await getattr(self, kind)(rec)
+        except self.openai.APITimeoutError as e:
+            rec.outcome, rec.cause, rec.detail = "failed", "client timeout", str(e)[:300]
+        except self.openai.APIStatusError as e:
+            rec.outcome, rec.cause, rec.detail = "failed", f"HTTP {e.status_code}", str(e)[:300]
+        except Invalid as e:
+            rec.outcome, rec.cause, rec.detail = "failed", str(e).split(":")[0], str(e)[:300]
+        except Exception as e:  # a reset or refused connection, an error event in a stream
+            rec.outcome, rec.cause, rec.detail = "failed", type(e).__name__, str(e)[:300]
+        rec.end = time.perf_counter()
+        return rec
+
+    def _sampling(self) -> dict:
+        temperature = self.rng.choice([0.0, 0.8])
+        return {"temperature": temperature, "seed": self.rng.randrange(1000), "max_tokens": self.cfg.max_tokens}
+
+    def _question(self) -> str:
+        return words(self.rng, self.rng.randint(4, 24))
+
+    # Well-formed requests, ignore_eos so that every choice's length is known.
+    async def completion(self, rec: Record, prompt: str | None = None) -> None:
+        n = self.rng.choice([1, 1, 2, 3])
+        r = await self.client.completions.create(model=self.model, prompt=prompt or self._question(), n=n,
+                                                 extra_body={"ignore_eos": True}, **self._sampling())
+        _check_choices(r.choices, n, r.usage.completion_tokens, self.cfg.max_tokens)
+
+    async def chat(self, rec: Record) -> None:
+        n = self.rng.choice([1, 1, 2, 3])
+        r = await self.client.chat.completions.create(model=self.model, messages=self._messages(), n=n,
+                                                      extra_body={"ignore_eos": True}, **self._sampling())
+        _check_choices(r.choices, n, r.usage.completion_tokens, self.cfg.max_tokens)
+
+    def _messages(self, system: str | None = None) -> list[dict]:
+        return [*([{"role": "system", "content": system}] if system else []),
+                {"role": "user", "content": self._question()}]
+
+    async def completion_stream(self, rec: Record, prompt: str | None = None) -> None:
+        n = self.rng.choice([1, 1, 2])
+        stream = await self.client.completions.create(
+            model=self.model, prompt=prompt or self._question(), n=n, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **self._sampling())
+        await self._read_stream(rec, stream, n, lambda c: c.text)
+
+    async def chat_stream(self, rec: Record, system: str | None = None) -> None:
+        n = self.rng.choice([1, 1, 2])
+        stream = await self.client.chat.completions.create(
+            model=self.model, messages=self._messages(system), n=n, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **self._sampling())
+        await self._read_stream(rec, stream, n, lambda c: c.delta.content)
+
+    async def _read_stream(self, rec: Record, stream, n: int, text_of) -> None:
+        first = last = None
+        finished: set[int] = set()
+        usage = None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if text_of(choice):
+                    last = time.perf_counter()
+                    first = first or last
+                if choice.finish_reason:
+                    finished.add(choice.index)
+        if finished != set(range(n)):
+            raise Invalid(f"unfinished choices: {sorted(finished)} of {n} finished")
+        if usage is None or usage.completion_tokens != n * self.cfg.max_tokens:
+            raise Invalid(f"token count: usage {usage}, expected {n} x {self.cfg.max_tokens}")
+        if first is not None:
+            rec.ttft_s = first - rec.start
+            if self.cfg.max_tokens > 1 and last > first:
+                rec.tpot_s = (last - first) / (self.cfg.max_tokens - 1)
+
+    async def beam(self, rec: Record) -> None:
+        n = self.rng.choice([2, 3])
+        r = await self.client.completions.create(model=self.model, prompt=self._question(), n=n,
+                                                 max_tokens=self.cfg.max_tokens,
+                                                 extra_body={"use_beam_search": True, "ignore_eos": True})
+        if len(r.choices) != n or not all(c.text for c in r.choices):
+            raise Invalid(f"beams: {len(r.choices)} choices of {n}, texts {[c.text for c in r.choices]}")
+
+    async def json_schema(self, rec: Record) -> None:
+        n = self.rng.choice([1, 2])
+        r = await self.client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "Is the sky blue? Answer as JSON."}], n=n,
+            max_tokens=48, temperature=self.rng.choice([0.0, 1.0]), seed=self.rng.randrange(1000),
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+        for c in r.choices:
+            if c.finish_reason == "stop":  # a reply cut by max_tokens is incomplete, not invalid
+                _check_json(c.message.content, ANSWER)
+
+    async def tools(self, rec: Record) -> None:
+        choice = self.rng.choice(["required", {"type": "function", "function": {"name": "get_weather"}}])
+        r = await self.client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+            tool_choice=choice, max_tokens=60, temperature=self.rng.choice([0.0, 0.8]), seed=self.rng.randrange(99))
+        c = r.choices[0]
+        if c.finish_reason != "length":
+            if not c.message.tool_calls:
+                raise Invalid(f"no tool call: {c.message}")
+            for call in c.message.tool_calls:
+                _check_json(call.function.arguments, WEATHER)
+
+    async def shared_prefix(self, rec: Record) -> None:
+        await self.chat_stream(rec, system=self.system)
+
+    async def long_prompt(self, rec: Record) -> None:
+        prompt = words(self.rng, self.cfg.long_prompt_tokens)
+        await (self.completion_stream(rec, prompt) if self.rng.random() < 0.5 else self.completion(rec, prompt))
+
+    # Requests that may be refused or cut off; the server must carry on.
+    async def fuzzed(self, rec: Record) -> None:
+        endpoint, fields = random_case(self.rng)
+        out = await fuzz_one(self.http, self.url, self.model, endpoint, fields, self.cfg.timeout_s)
+        if out.harm:
+            rec.outcome, rec.cause, rec.detail = "fuzz_harm", out.harm.split(":")[0], f"{out.fields}: {out.harm}"[:300]
+        else:
+            rec.outcome = "fuzz_served" if out.status == 200 else "refused"
+
+    async def disconnect(self, rec: Record) -> None:
+        """A stream the client drops after a few events: the server must abort it and free its blocks."""
+        body = {"model": self.model, "messages": self._messages(), "stream": True, "ignore_eos": True,
+                "max_tokens": 4 * self.cfg.max_tokens}
+        keep = self.rng.randint(1, 3)
+        async with self.http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise Invalid(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                keep -= line.startswith("data: ")
+                if keep <= 0:
+                    break
+        rec.outcome = "disconnected"
+
+    async def client_timeout(self, rec: Record) -> None:
+        """A client that gives up after a fraction of a second; one that is answered in time is checked."""
+        timeout = self.rng.uniform(0.1, 1.0)
+        try:
+            r = await self.client.with_options(timeout=timeout).completions.create(
+                model=self.model, prompt=self._question(), max_tokens=4 * self.cfg.max_tokens,
+                extra_body={"ignore_eos": True}, temperature=0.0)
+        except self.openai.APITimeoutError:
+            rec.outcome = "timed_out"
+            return
+        _check_choices(r.choices, 1, r.usage.completion_tokens, 4 * self.cfg.max_tokens)
+
+
+def _check_choices(choices, n: int, tokens: int, max_tokens: int) -> None:
+    if len(choices) != n or tokens != n * max_tokens or any(c.finish_reason != "length" for c in choices):
+        raise Invalid(f"choices: {len(choices)} of {n}, {tokens} tokens of {n * max_tokens}, finish reasons "
+                      f"{[c.finish_reason for c in choices]}")
+
+
+def _check_json(text: str | None, schema: dict) -> None:
+    """The object `text` holds has exactly the schema's properties, each of its type and enum."""
+    try:
+        value = json.loads(text or "")
+    except ValueError:
+        raise Invalid(f"invalid JSON: {text!r}") from None
+    props = schema["properties"]
+    kinds = {"string": str, "boolean": bool}
+    if not isinstance(value, dict) or set(value) != set(props) or not all(
+            isinstance(value[k], kinds[p["type"]]) and value[k] in p.get("enum", [value[k]])
+            for k, p in props.items()):
+        raise Invalid(f"not of the schema: {text!r}")
+
+
+def interval_summary(records: list[Record]) -> dict:
+    """Requests finished in one interval: counts by outcome and failure cause, TTFT and TPOT percentiles."""
+    outcomes = {o: 0 for o in OUTCOMES}
+    causes: dict[str, int] = {}
+    for r in records:
+        outcomes[r.outcome] += 1
+        if r.cause:
+            causes[f"{r.outcome}: {r.cause}"] = causes.get(f"{r.outcome}: {r.cause}", 0) + 1
+    ttft = [r.ttft_s for r in records if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in records if r.tpot_s is not None]
+    return {"requests": outcomes, "causes": causes,
+            "ttft_s": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99)},
+            "tpot_s": {"p50": percentile(tpot, 0.5), "p99": percentile(tpot, 0.99)}}
+
+
+async def server_sample(http, url: str, pid: int | None, start: float) -> dict:
+    """The server's process figures and its block map's counts, now."""
+    state = (await http.get(url + "/dashboard/state")).json()
+    stats = state["stats"]
+    sample = {"t_s": round(time.perf_counter() - start, 2), "loadavg": os.getloadavg(),
+              "held_blocks": held_blocks(state)["held_blocks"], "used_blocks": stats["used_blocks"],
+              "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+              "num_preemptions": stats["num_preemptions"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+              "kv_offload": stats.get("kv_offload")}
+    proc = procfs.process_sample(pid) if pid is not None else None
+    if proc is not None:
+        sample.update(rss_bytes=proc["total"]["rss_bytes"], fds=proc["total"]["fds"],
+                      threads=proc["total"]["threads"], processes=1 + len(proc["children"]))
+    return sample
+
+
+def slope(ts: list[float], ys: list[float]) -> float:
+    """The least-squares slope of ys over ts."""
+    mt, my = sum(ts) / len(ts), sum(ys) / len(ys)
+    var = sum((t - mt) ** 2 for t in ts)
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else 0.0
+
+
+def growth_checks(samples: list[dict]) -> list[dict]:
+    """RSS, fds and threads after warm-up, against the tolerances above. A check's `met` is None when
+    the series was not measured or is too short to say."""
+    k = max(1, round(WARMUP_FRACTION * len(samples)))
+    warm, after = samples[:k], samples[k:]
+    checks = []
+    for key in ("rss_bytes", "fds", "threads"):
+        if not samples or any(s.get(key) is None for s in samples):
+            checks.append({"check": f"{key} growth", "met": None, "why": "not measured (no readable server process)"})
+            continue
+        if len(after) < MIN_TREND_SAMPLES:
+            checks.append({"check": f"{key} growth", "met": None,
+                           "why": f"{len(after)} samples after warm-up, fewer than {MIN_TREND_SAMPLES}"})
+            continue
+        if key == "rss_bytes":
+            mean = sum(s[key] for s in after) / len(after)
+            per_period = slope([s["t_s"] for s in after], [s[key] for s in after]) * RSS_SLOPE_PERIOD_S
+            limit = RSS_SLOPE_LIMIT * mean
+            checks.append({"check": f"RSS slope after warm-up <= {RSS_SLOPE_LIMIT:.0%} of mean RSS per "
+                                    f"{RSS_SLOPE_PERIOD_S / 60:g} min", "value": per_period, "limit": limit,
+                           "met": per_period <= limit})
+        else:
+            slack = FD_SLACK if key == "fds" else THREAD_SLACK
+            last = max(s[key] for s in samples[-k:])
+            limit = max(s[key] for s in warm) + slack
+            checks.append({"check": f"{key} in the last {WARMUP_FRACTION:.0%} of samples <= warm-up max + {slack}",
+                           "value": last, "limit": limit, "met": last <= limit})
+    return checks
+
+
+def verdict(results: dict) -> dict:
+    totals = results["totals"]
+    checks = [
+        {"check": "failed well-formed requests == 0", "value": totals["failed"], "met": totals["failed"] == 0},
+        {"check": "harmful fuzzed requests == 0", "value": totals["fuzz_harm"], "met": totals["fuzz_harm"] == 0},
+        {"check": "held blocks once idle == 0", "value": results["idle_end"]["held_blocks"],
+         "met": results["idle_end"]["held_blocks"] == 0 and not results["idle_end"]["tables"]},
+        *growth_checks(results["samples"]),
+    ]
+    return {"pass": all(c["met"] is not False for c in checks), "checks": checks,
+            "inconclusive": [c["check"] for c in checks if c["met"] is None]}
+
+
+async def soak_async(url: str, cfg: SoakConfig, pid: int | None, show_progress: bool = True) -> dict:
+    import httpx
+
+    model = get_model(url)
+    async with httpx.AsyncClient(timeout=cfg.timeout_s) as http:
+        max_model_len = (await http.get(url + "/dashboard/state")).json()["stats"]["max_model_len"]
+    if max_model_len:  # words() counts about 1.3 tokens a word: leave room for the error and the output
+        cfg = replace(cfg, long_prompt_tokens=min(cfg.long_prompt_tokens, max_model_len // 2))
+    records: list[Record] = []
+    samples: list[dict] = []
+    system = words(random.Random(cfg.seed), cfg.system_prompt_tokens)
+    start = time.perf_counter()
+    deadline = start + cfg.duration_s
+
+    async def client(i: int) -> None:
+        traffic = Traffic(url, model, cfg, random.Random(cfg.seed * 1000 + i), system)
+        try:
+            while time.perf_counter() < deadline:
+                records.append(await traffic.one())
+        finally:
+            await traffic.close()
+
+    async with httpx.AsyncClient(timeout=cfg.timeout_s) as http:
+        clients = [asyncio.ensure_future(client(i)) for i in range(cfg.concurrency)]
+        seen = 0
+        next_at = start + cfg.interval_s
+        while not all(c.done() for c in clients):
+            await asyncio.wait(clients, timeout=max(0.0, next_at - time.perf_counter()))
+            if time.perf_counter() < next_at or time.perf_counter() > deadline:
+                continue  # the clients are draining after the deadline: the idle sample follows
+            sample = {**await server_sample(http, url, pid, start), **interval_summary(records[seen:])}
+            seen = len(records)
+            samples.append(sample)
+            while next_at <= time.perf_counter():  # a slow sample skips the ticks it overran
+                next_at += cfg.interval_s
+            if show_progress:
+                print(_progress_line(sample), flush=True)
+        for c in clients:
+            c.result()  # a bug in the load generator itself is raised, not counted
+        state = await idle_state(http, url, cfg.timeout_s)
+        idle = {**await server_sample(http, url, pid, start), **held_blocks(state)}
+        metrics = (await http.get(url + "/metrics")).text
+    every = interval_summary(records)
+    return {
+        "config": asdict(cfg), "model": model, "elapsed_s": round(time.perf_counter() - start, 2),
+        "samples": samples, "idle_end": idle,
+        "totals": {**every["requests"], "sent": len(records), "causes": every["causes"],
+                   "by_kind": {k: sum(r.kind == k for r in records) for k in MIX}},
+        "failures": [asdict(r) for r in records if r.outcome in ("failed", "fuzz_harm")][:50],
+        "server_counters": [line for line in metrics.splitlines()
+                                    if line.startswith(("pagellm:request_failures", "pagellm:num_preemptions",
+                                                        "pagellm:kv_offload_demoted", "pagellm:kv_offload_promoted"))],
+    }
+
+
+def _progress_line(s: dict) -> str:
+    rss = f"RSS {s['rss_bytes'] / 2**20:.0f} MiB, fds {s['fds']}, threads {s['threads']}, " if "rss_bytes" in s else ""
+    r = s["requests"]
+    return (f"[{s['t_s']:7.0f} s] {rss}held blocks {s['held_blocks']}, ok {r['ok']}, failed {r['failed']}, "
+            f"fuzz {r['refused'] + r['fuzz_served']} (harm {r['fuzz_harm']}), dropped {r['disconnected']}, "
+            f"timed out {r['timed_out']}, TTFT p50 {_ms(s['ttft_s']['p50'])}, TPOT p50 {_ms(s['tpot_s']['p50'])}")
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.0f} ms"
+
+
+def plot(results: dict, path) -> None:
+    plt = report.pyplot()
+    samples = results["samples"]
+    ts = [s["t_s"] / 60 for s in samples]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    if samples and "rss_bytes" in samples[0]:
+        axes[0].plot(ts, [s["rss_bytes"] / 2**20 for s in samples], marker=".")
+        axes[1].plot(ts, [s["fds"] for s in samples], marker=".", label="open fds")
+        axes[1].plot(ts, [s["threads"] for s in samples], marker=".", label="threads")
+    axes[2].plot(ts, [s["held_blocks"] for s in samples], marker=".", label="held (sampled under load)")
+    axes[2].plot(ts, [s["requests"]["failed"] for s in samples], marker="x", label="failed requests")
+    for key, style in (("ttft_s", "-"), ("tpot_s", "--")):
+        for q in ("p50", "p99"):
+            axes[3].plot(ts, [s[key][q] for s in samples], ls=style, marker=".", label=f"{key[:4].upper()} {q}")
+    for ax, title, ylabel in ((axes[0], "server RSS (with children)", "MiB"), (axes[1], "fds and threads", "count"),
+                              (axes[2], "KV blocks held, failures", "count"), (axes[3], "latency", "s")):
+        ax.set_xlabel("minutes")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    report.save_figure(fig, path)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("soak", help="mixed traffic for a long time: fails on any failed well-formed request, "
+                                    "blocks held once idle, or RSS / fds / threads growing",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", default="60m", help="how long to send traffic: seconds, or 90s, 60m, 1h")
+    p.add_argument("--url", default=None, help="a running server (loopback only)")
+    p.add_argument("--launch", action="store_true",
+                   help="start `pagellm serve` here with --engine-args and the disk tier in a temporary directory")
+    p.add_argument("--model", default=None, help="the model --launch serves (default: the bundled SmolLM2 GGUF)")
+    p.add_argument("--engine-args", default=DEFAULT_ENGINE_ARGS,
+                   help="engine flags for --launch (a quoted string; --kv-offload-dir is added)")
+    p.add_argument("--concurrency", type=int, default=4, help="clients sending requests at once")
+    p.add_argument("--interval", type=float, default=60.0, help="seconds between two samples")
+    p.add_argument("--timeout", type=float, default=300.0, help="a well-formed request's client timeout (s)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per choice of a well-formed request")
+    p.add_argument("--system-prompt-tokens", type=int, default=400,
+                   help="tokens of the system prompt every prefix-sharing request starts with (approximately)")
+    p.add_argument("--long-prompt-tokens", type=int, default=1200,
+                   help="tokens of a long prompt (approximately; at most half the server's max_model_len)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/soak-<date>)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if bool(args.url) == bool(args.launch):
+        raise ValueError("give exactly one of --url URL and --launch")
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.interval <= 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {args.interval}")
+    for flag in ("max_tokens", "system_prompt_tokens", "long_prompt_tokens"):
+        if getattr(args, flag) < 2:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 2, got {getattr(args, flag)}")
+    cfg = SoakConfig(duration_s=parse_duration(args.duration), concurrency=args.concurrency,
+                     interval_s=args.interval, seed=args.seed, timeout_s=args.timeout, max_tokens=args.max_tokens,
+                     system_prompt_tokens=args.system_prompt_tokens, long_prompt_tokens=args.long_prompt_tokens)
+    json_path, png_path = report.output_paths("soak", args.out)
+    server: dict = {"launched": bool(args.launch)}
+    proc, tier_dir, url = None, None, args.url
+    if args.launch:
+        tier_dir = tempfile.mkdtemp(prefix="pagellm-soak-tier-")
+        engine_args = [*([args.model] if args.model else []), *args.engine_args.split(), "--kv-offload-dir", tier_dir]
+        server["engine_args"] = engine_args
+        server["log"] = os.path.join(tempfile.gettempdir(), "soak-serve.log")
+        proc, url = launch("paged", engine_args, server["log"])
+    try:
+        if proc is not None:
+            wait_ready(url, proc, 600.0)
+        check_loopback(url)
+        url = url.rstrip("/")
+        pid = proc.pid if proc is not None else procfs.listening_pid(urlparse(url).port or 80)
+        server.update(url=url, pid=pid)
+        if pid is None or procfs.process_sample(pid) is None:
+            server["note"] = ("the server's process is not readable here (another user, or no /proc): RSS, fds "
+                              "and threads are not recorded and their growth checks are left out")
+        load = {"loadavg_start": os.getloadavg()}
+        results = {**report.metadata("soak", extra_versions=("httpx", "openai")), "server": server, "load": load,
+                   **asyncio.run(soak_async(url, cfg, pid, show_progress=not args.no_progress))}
+        load["loadavg_end"] = os.getloadavg()
+    finally:
+        if proc is not None:
+            stop(proc)
+        if tier_dir is not None:
+            shutil.rmtree(tier_dir, ignore_errors=True)
+    results["verdict"] = verdict(results)
+    report.write_json(json_path, results)
+    plot(results, png_path)
+    t = results["totals"]
+    print(f"{t['sent']} requests: {t['ok']} ok, {t['failed']} failed, {t['refused']} fuzzed refused, "
+          f"{t['fuzz_served']} fuzzed served, {t['fuzz_harm']} fuzzed harmful, {t['disconnected']} dropped, "
+          f"{t['timed_out']} timed out; idle at the end: {results['idle_end']['held_blocks']} blocks held")
+    report.print_targets([{**c, "target": c["check"], "value": c.get("value", float("nan"))}
+                          for c in results["verdict"]["checks"] if c["met"] is not None])
+    for c in results["verdict"]["checks"]:
+        if c["met"] is None:
+            print(f"n/a     {c['check']}: {c['why']}")
+    print(f"{'PASS' if results['verdict']['pass'] else 'FAIL'}\nwrote {json_path} and {png_path}")
+    return 0 if results["verdict"]["pass"] else 1

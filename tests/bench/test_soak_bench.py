@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from pagellm.bench import procfs
-from pagellm.bench.soak import (ANSWER, MIN_TREND_SAMPLES, Invalid, _check_choices, _check_json, growth_checks,
-                                parse_duration, verdict)
+from pagellm.bench.soak import MIN_TREND_SAMPLES, growth_checks, parse_duration, verdict
+from pagellm.bench.soak_traffic import ANSWER, Invalid, check_choices, check_json
 from pagellm.cli import main
 
 MiB = 1 << 20
@@ -77,20 +77,20 @@ def test_short_run_is_not_failed_for_its_length():
 
 
 def test_answer_checks_refuse_what_was_not_asked_for():
-    _check_json('{"answer": "yes", "sure": false}', ANSWER)
+    check_json('{"answer": "yes", "sure": false}', ANSWER)
     for text in ('{"answer": "maybe", "sure": false}', '{"answer": "yes"}', '{"answer": "yes", "sure": 1}',
                  '{"answer": "yes", "sure": true, "x": 1}', '{"answer": "yes", "sure"', None):
         with pytest.raises(Invalid):
-            _check_json(text, ANSWER)
+            check_json(text, ANSWER)
 
     class Choice:
         def __init__(self, finish_reason: str) -> None:
             self.finish_reason = finish_reason
 
-    _check_choices([Choice("length")] * 2, 2, 32, 16)
+    check_choices([Choice("length")] * 2, 2, 32, 16)
     for choices, tokens in (([Choice("length")], 32), ([Choice("length")] * 2, 31), ([Choice("stop")] * 2, 32)):
         with pytest.raises(Invalid):
-            _check_choices(choices, 2, tokens, 16)
+            check_choices(choices, 2, tokens, 16)
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("45m", 2700), ("1.5h", 5400)])

@@ -11,7 +11,8 @@ outcome and failure cause.
 
 The verdict fails (exit status 1) on any failed well-formed request, any fuzzed request that
 harmed (a 5xx, an error in its stream, no answer), blocks still held once idle at the end, or
-growth after warm-up (the first WARMUP_FRACTION of the samples): an RSS least-squares slope
+growth after warm-up (the first WARMUP_FRACTION of the samples, and at least until every kind of
+request has finished once): an RSS least-squares slope
 above RSS_SLOPE_LIMIT of the mean RSS per 10 minutes, or fds / threads in the last
 WARMUP_FRACTION of the samples above their warm-up maximum plus FD_SLACK / THREAD_SLACK.
 Fewer than MIN_TREND_SAMPLES samples after warm-up leave the growth checks inconclusive.
@@ -98,11 +99,19 @@ def slope(ts: list[float], ys: list[float]) -> float:
     return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else 0.0
 
 
+def warmup_length(samples: list[dict]) -> int:
+    """Samples in the warm-up: the first WARMUP_FRACTION, and at least until every request kind has
+    finished once (a first beam search, grammar or swap allocates what later ones reuse)."""
+    covered = next((i + 1 for i, s in enumerate(samples) if s.get("all_kinds_done", True)), len(samples))
+    return max(1, round(WARMUP_FRACTION * len(samples)), covered)
+
+
 def growth_checks(samples: list[dict]) -> list[dict]:
     """RSS, fds and threads after warm-up, against the tolerances above. A check's `met` is None when
     the series was not measured or is too short to say."""
-    k = max(1, round(WARMUP_FRACTION * len(samples)))
+    k = warmup_length(samples)
     warm, after = samples[:k], samples[k:]
+    tail = samples[-max(1, round(WARMUP_FRACTION * len(samples))):]
     checks = []
     for key in ("rss_bytes", "fds", "threads"):
         if not samples or any(s.get(key) is None for s in samples):
@@ -121,7 +130,7 @@ def growth_checks(samples: list[dict]) -> list[dict]:
                            "met": per_period <= limit})
         else:
             slack = FD_SLACK if key == "fds" else THREAD_SLACK
-            last = max(s[key] for s in samples[-k:])
+            last = max(s[key] for s in tail)
             limit = max(s[key] for s in warm) + slack
             checks.append({"check": f"{key} in the last {WARMUP_FRACTION:.0%} of samples <= warm-up max + {slack}",
                            "value": last, "limit": limit, "met": last <= limit})
@@ -166,12 +175,15 @@ async def soak_async(url: str, cfg: SoakConfig, pid: int | None, show_progress: 
     async with httpx.AsyncClient(timeout=cfg.timeout_s) as http:
         clients = [asyncio.ensure_future(client(i)) for i in range(cfg.concurrency)]
         seen = 0
+        kinds_done: set[str] = set()
         next_at = start + cfg.interval_s
         while not all(c.done() for c in clients):
             await asyncio.wait(clients, timeout=max(0.0, next_at - time.perf_counter()))
             if time.perf_counter() < next_at or time.perf_counter() > deadline:
                 continue  # the clients are draining after the deadline: the idle sample follows
-            sample = {**await server_sample(http, url, pid, start), **interval_summary(records[seen:])}
+            kinds_done.update(r.kind for r in records[seen:])
+            sample = {**await server_sample(http, url, pid, start), **interval_summary(records[seen:]),
+                      "all_kinds_done": kinds_done >= set(MIX)}
             seen = len(records)
             samples.append(sample)
             while next_at <= time.perf_counter():  # a slow sample skips the ticks it overran

@@ -43,6 +43,19 @@ def test_a_flat_run_passes_and_each_leak_fails():
     assert met(growth_checks(series(threads_per_sample=0.2))) == {"RSS": True, "fds": True, "threads": False}
 
 
+def test_warm_up_lasts_until_every_kind_of_request_ran():
+    """A first beam search or swap raises RSS once: that step is warm-up while some kind of request
+    has not finished yet, and growth if every kind had."""
+    step = series()
+    for i, s in enumerate(step):
+        s["rss_bytes"] += 40 * MiB * (i >= 30)
+        s["all_kinds_done"] = i >= 30
+    assert met(growth_checks(step))["RSS"] is True
+    assert met(growth_checks([{**s, "all_kinds_done": True} for s in step]))["RSS"] is False
+    never = [{**s, "all_kinds_done": False} for s in step]
+    assert set(met(growth_checks(never)).values()) == {None}
+
+
 def test_too_few_or_unmeasured_samples_leave_growth_open():
     short = series(n=MIN_TREND_SAMPLES, rss_per_sample=50 * MiB)
     assert set(met(growth_checks(short)).values()) == {None}

@@ -49,6 +49,9 @@ FD_SLACK = 8
 THREAD_SLACK = 4
 MIN_TREND_SAMPLES = 5
 
+# What /metrics says at the end about failures, preemptions and the disk tier.
+SERVER_COUNTERS = ("pagellm:request_failures", "pagellm:engine_step_failures", "pagellm:num_preemptions",
+                   "pagellm:kv_offload_demoted", "pagellm:kv_offload_promoted", "pagellm:kv_offload_write_errors")
 DEFAULT_ENGINE_ARGS = "--kv-cache-memory 64M --max-model-len 2048 --kv-offload-size 256M --preemption-mode swap"
 
 
@@ -77,14 +80,22 @@ def interval_summary(records: list[Record]) -> dict:
 
 
 async def server_sample(http, url: str, pid: int | None, start: float) -> dict:
-    """The server's process figures and its block map's counts, now."""
-    state = (await http.get(url + "/dashboard/state")).json()
-    stats = state["stats"]
-    sample = {"t_s": round(time.perf_counter() - start, 2), "loadavg": os.getloadavg(),
-              "held_blocks": held_blocks(state)["held_blocks"], "used_blocks": stats["used_blocks"],
-              "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
-              "num_preemptions": stats["num_preemptions"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
-              "kv_offload": stats.get("kv_offload")}
+    """The server's process figures and its block map's counts, now (`server_error` if it did not answer)."""
+    import httpx
+
+    sample = {"t_s": round(time.perf_counter() - start, 2), "loadavg": os.getloadavg()}
+    try:
+        r = await http.get(url + "/dashboard/state")
+        r.raise_for_status()
+        state = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        sample["server_error"] = f"{type(e).__name__}: {e}"[:300]
+    else:
+        stats = state["stats"]
+        sample.update(held_blocks=held_blocks(state)["held_blocks"], used_blocks=stats["used_blocks"],
+                      num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+                      num_preemptions=stats["num_preemptions"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
+                      kv_offload=stats.get("kv_offload"))
     proc = procfs.process_sample(pid) if pid is not None else None
     if proc is not None:
         sample.update(rss_bytes=proc["total"]["rss_bytes"], fds=proc["total"]["fds"],
@@ -109,14 +120,15 @@ def warmup_length(samples: list[dict]) -> int:
 def growth_checks(samples: list[dict]) -> list[dict]:
     """RSS, fds and threads after warm-up, against the tolerances above. A check's `met` is None when
     the series was not measured or is too short to say."""
-    k = warmup_length(samples)
-    warm, after = samples[:k], samples[k:]
-    tail = samples[-max(1, round(WARMUP_FRACTION * len(samples))):]
     checks = []
     for key in ("rss_bytes", "fds", "threads"):
-        if not samples or any(s.get(key) is None for s in samples):
+        measured = [s for s in samples if s.get(key) is not None]
+        if not measured:
             checks.append({"check": f"{key} growth", "met": None, "why": "not measured (no readable server process)"})
             continue
+        k = warmup_length(measured)
+        warm, after = measured[:k], measured[k:]
+        tail = measured[-max(1, round(WARMUP_FRACTION * len(measured))):]
         if len(after) < MIN_TREND_SAMPLES:
             checks.append({"check": f"{key} growth", "met": None,
                            "why": f"{len(after)} samples after warm-up, fewer than {MIN_TREND_SAMPLES}"})
@@ -192,9 +204,13 @@ async def soak_async(url: str, cfg: SoakConfig, pid: int | None, show_progress: 
                 print(_progress_line(sample), flush=True)
         for c in clients:
             c.result()  # a bug in the load generator itself is raised, not counted
-        state = await idle_state(http, url, cfg.timeout_s)
-        idle = {**await server_sample(http, url, pid, start), **held_blocks(state)}
-        metrics = (await http.get(url + "/metrics")).text
+        idle = {**await server_sample(http, url, pid, start), **interval_summary(records[seen:])}
+        try:  # the requests that finished after the deadline are in the idle sample's counts
+            idle.update(held_blocks(await idle_state(http, url, cfg.timeout_s)))
+            metrics = (await http.get(url + "/metrics")).text
+        except httpx.HTTPError as e:  # the server is gone: the verdict fails, the JSON says why
+            idle.update(held_blocks=None, tables=None, server_error=f"{type(e).__name__}: {e}"[:300])
+            metrics = ""
     every = interval_summary(records)
     return {
         "config": asdict(cfg), "model": model, "elapsed_s": round(time.perf_counter() - start, 2),
@@ -202,16 +218,15 @@ async def soak_async(url: str, cfg: SoakConfig, pid: int | None, show_progress: 
         "totals": {**every["requests"], "sent": len(records), "causes": every["causes"],
                    "by_kind": {k: sum(r.kind == k for r in records) for k in MIX}},
         "failures": [asdict(r) for r in records if r.outcome in ("failed", "fuzz_harm")][:50],
-        "server_counters": [line for line in metrics.splitlines()
-                                    if line.startswith(("pagellm:request_failures", "pagellm:num_preemptions",
-                                                        "pagellm:kv_offload_demoted", "pagellm:kv_offload_promoted"))],
+        "server_counters": [line for line in metrics.splitlines() if line.startswith(SERVER_COUNTERS)],
     }
 
 
 def _progress_line(s: dict) -> str:
     rss = f"RSS {s['rss_bytes'] / 2**20:.0f} MiB, fds {s['fds']}, threads {s['threads']}, " if "rss_bytes" in s else ""
+    held = f"held blocks {s['held_blocks']}" if "held_blocks" in s else f"no answer ({s['server_error']})"
     r = s["requests"]
-    return (f"[{s['t_s']:7.0f} s] {rss}held blocks {s['held_blocks']}, ok {r['ok']}, failed {r['failed']}, "
+    return (f"[{s['t_s']:7.0f} s] {rss}{held}, ok {r['ok']}, failed {r['failed']}, "
             f"fuzz {r['refused'] + r['fuzz_served']} (harm {r['fuzz_harm']}), dropped {r['disconnected']}, "
             f"timed out {r['timed_out']}, TTFT p50 {_ms(s['ttft_s']['p50'])}, TPOT p50 {_ms(s['tpot_s']['p50'])}")
 
@@ -225,11 +240,11 @@ def plot(results: dict, path) -> None:
     samples = results["samples"]
     ts = [s["t_s"] / 60 for s in samples]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-    if samples and "rss_bytes" in samples[0]:
-        axes[0].plot(ts, [s["rss_bytes"] / 2**20 for s in samples], marker=".")
-        axes[1].plot(ts, [s["fds"] for s in samples], marker=".", label="open fds")
-        axes[1].plot(ts, [s["threads"] for s in samples], marker=".", label="threads")
-    axes[2].plot(ts, [s["held_blocks"] for s in samples], marker=".", label="held (sampled under load)")
+    if any("rss_bytes" in s for s in samples):
+        axes[0].plot(ts, [s["rss_bytes"] / 2**20 if "rss_bytes" in s else None for s in samples], marker=".")
+        axes[1].plot(ts, [s.get("fds") for s in samples], marker=".", label="open fds")
+        axes[1].plot(ts, [s.get("threads") for s in samples], marker=".", label="threads")
+    axes[2].plot(ts, [s.get("held_blocks") for s in samples], marker=".", label="held (sampled under load)")
     axes[2].plot(ts, [s["requests"]["failed"] for s in samples], marker="x", label="failed requests")
     for key, style in (("ttft_s", "-"), ("tpot_s", "--")):
         for q in ("p50", "p99"):
@@ -317,7 +332,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{t['sent']} requests: {t['ok']} ok, {t['failed']} failed, {t['refused']} fuzzed refused, "
           f"{t['fuzz_served']} fuzzed served, {t['fuzz_harm']} fuzzed harmful, {t['disconnected']} dropped, "
           f"{t['timed_out']} timed out; idle at the end: {results['idle_end']['held_blocks']} blocks held")
-    report.print_targets([{**c, "target": c["check"], "value": c.get("value", float("nan"))}
+    report.print_targets([{**c, "target": c["check"], "value": float("nan") if c["value"] is None else c["value"]}
                           for c in results["verdict"]["checks"] if c["met"] is not None])
     for c in results["verdict"]["checks"]:
         if c["met"] is None:

@@ -52,7 +52,9 @@ MIN_TREND_SAMPLES = 5
 # What /metrics says at the end about failures, preemptions and the disk tier.
 SERVER_COUNTERS = ("pagellm:request_failures", "pagellm:engine_step_failures", "pagellm:num_preemptions",
                    "pagellm:kv_offload_demoted", "pagellm:kv_offload_promoted", "pagellm:kv_offload_write_errors")
-DEFAULT_ENGINE_ARGS = "--kv-cache-memory 64M --max-model-len 2048 --kv-offload-size 256M --preemption-mode swap"
+# A pool of 68 SmolLM2 blocks (1,088 tokens): a long prompt (half of max_model_len) beside any other
+# request preempts, and preempting swaps to the disk tier.
+DEFAULT_ENGINE_ARGS = "--kv-cache-memory 48M --max-model-len 2048 --kv-offload-size 256M --preemption-mode swap"
 
 
 def parse_duration(text: str) -> float:
@@ -331,7 +333,8 @@ def main(args: argparse.Namespace) -> int:
     t = results["totals"]
     print(f"{t['sent']} requests: {t['ok']} ok, {t['failed']} failed, {t['refused']} fuzzed refused, "
           f"{t['fuzz_served']} fuzzed served, {t['fuzz_harm']} fuzzed harmful, {t['disconnected']} dropped, "
-          f"{t['timed_out']} timed out; idle at the end: {results['idle_end']['held_blocks']} blocks held")
+          f"{t['timed_out']} timed out; idle at the end: {results['idle_end']['held_blocks']} blocks held; "
+          f"{results['idle_end'].get('num_preemptions')} preemptions")
     report.print_targets([{**c, "target": c["check"], "value": float("nan") if c["value"] is None else c["value"]}
                           for c in results["verdict"]["checks"] if c["met"] is not None])
     for c in results["verdict"]["checks"]:

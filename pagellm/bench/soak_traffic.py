@@ -18,7 +18,7 @@ from pagellm.bench.serve import words
 
 # The traffic mix: kind (the Traffic method that sends it) -> weight.
 MIX = {"completion": 3, "chat": 3, "completion_stream": 3, "chat_stream": 3, "beam": 1, "json_schema": 1,
-       "tools": 1, "shared_prefix": 3, "long_prompt": 1, "fuzzed": 2, "disconnect": 1, "client_timeout": 1}
+       "tools": 1, "shared_prefix": 3, "long_prompt": 2, "fuzzed": 2, "disconnect": 1, "client_timeout": 1}
 # Outcomes a request may end with; only "failed" and "fuzz_harm" fail the verdict.
 OUTCOMES = ("ok", "failed", "refused", "fuzz_served", "fuzz_harm", "disconnected", "timed_out")
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},

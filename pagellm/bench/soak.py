@@ -278,7 +278,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per choice of a well-formed request")
     p.add_argument("--system-prompt-tokens", type=int, default=400,
                    help="tokens of the system prompt every prefix-sharing request starts with (approximately)")
-    p.add_argument("--long-prompt-tokens", type=int, default=1200,
+    p.add_argument("--long-prompt-tokens", type=int, default=800,
                    help="tokens of a long prompt (approximately; at most half the server's max_model_len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/soak-<date>)")

@@ -40,7 +40,7 @@ class SoakConfig:
     timeout_s: float = 300.0          # a well-formed request's client timeout
     max_tokens: int = 16
     system_prompt_tokens: int = 400   # the prompt every shared_prefix request starts with
-    long_prompt_tokens: int = 1200    # more than a quarter of the --launch pool: a few at once preempt
+    long_prompt_tokens: int = 800     # most of the --launch pool: its long output beside others preempts
 
 
 @dataclass
@@ -92,45 +92,47 @@ class Traffic:
         rec.end = time.perf_counter()
         return rec
 
-    def _sampling(self) -> dict:
+    def _sampling(self, max_tokens: int) -> dict:
         temperature = self.rng.choice([0.0, 0.8])
-        return {"temperature": temperature, "seed": self.rng.randrange(1000), "max_tokens": self.cfg.max_tokens}
+        return {"temperature": temperature, "seed": self.rng.randrange(1000), "max_tokens": max_tokens}
 
     def _question(self) -> str:
         return words(self.rng, self.rng.randint(4, 24))
 
     # Well-formed requests, ignore_eos so that every choice's length is known.
-    async def completion(self, rec: Record, prompt: str | None = None) -> None:
-        n = self.rng.choice([1, 1, 2, 3])
+    async def completion(self, rec: Record, prompt: str | None = None, max_tokens: int | None = None) -> None:
+        n, max_tokens = self.rng.choice([1, 1, 2, 3]), max_tokens or self.cfg.max_tokens
         r = await self.client.completions.create(model=self.model, prompt=prompt or self._question(), n=n,
-                                                 extra_body={"ignore_eos": True}, **self._sampling())
-        check_choices(r.choices, n, r.usage.completion_tokens, self.cfg.max_tokens)
+                                                 extra_body={"ignore_eos": True}, **self._sampling(max_tokens))
+        check_choices(r.choices, n, r.usage.completion_tokens, max_tokens)
 
     async def chat(self, rec: Record) -> None:
         n = self.rng.choice([1, 1, 2, 3])
         r = await self.client.chat.completions.create(model=self.model, messages=self._messages(), n=n,
-                                                      extra_body={"ignore_eos": True}, **self._sampling())
+                                                      extra_body={"ignore_eos": True},
+                                                      **self._sampling(self.cfg.max_tokens))
         check_choices(r.choices, n, r.usage.completion_tokens, self.cfg.max_tokens)
 
     def _messages(self, system: str | None = None) -> list[dict]:
         return [*([{"role": "system", "content": system}] if system else []),
                 {"role": "user", "content": self._question()}]
 
-    async def completion_stream(self, rec: Record, prompt: str | None = None) -> None:
-        n = self.rng.choice([1, 1, 2])
+    async def completion_stream(self, rec: Record, prompt: str | None = None, max_tokens: int | None = None) -> None:
+        n, max_tokens = self.rng.choice([1, 1, 2]), max_tokens or self.cfg.max_tokens
         stream = await self.client.completions.create(
             model=self.model, prompt=prompt or self._question(), n=n, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **self._sampling())
-        await self._read_stream(rec, stream, n, lambda c: c.text)
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **self._sampling(max_tokens))
+        await self._read_stream(rec, stream, n, max_tokens, lambda c: c.text)
 
     async def chat_stream(self, rec: Record, system: str | None = None) -> None:
         n = self.rng.choice([1, 1, 2])
         stream = await self.client.chat.completions.create(
             model=self.model, messages=self._messages(system), n=n, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **self._sampling())
-        await self._read_stream(rec, stream, n, lambda c: c.delta.content)
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            **self._sampling(self.cfg.max_tokens))
+        await self._read_stream(rec, stream, n, self.cfg.max_tokens, lambda c: c.delta.content)
 
-    async def _read_stream(self, rec: Record, stream, n: int, text_of) -> None:
+    async def _read_stream(self, rec: Record, stream, n: int, max_tokens: int, text_of) -> None:
         first = last = None
         finished: set[int] = set()
         usage = None
@@ -145,12 +147,12 @@ class Traffic:
                     finished.add(choice.index)
         if finished != set(range(n)):
             raise Invalid(f"unfinished choices: {sorted(finished)} of {n} finished")
-        if usage is None or usage.completion_tokens != n * self.cfg.max_tokens:
-            raise Invalid(f"token count: usage {usage}, expected {n} x {self.cfg.max_tokens}")
+        if usage is None or usage.completion_tokens != n * max_tokens:
+            raise Invalid(f"token count: usage {usage}, expected {n} x {max_tokens}")
         if first is not None:
             rec.ttft_s = first - rec.start
-            if self.cfg.max_tokens > 1 and last > first:
-                rec.tpot_s = (last - first) / (self.cfg.max_tokens - 1)
+            if max_tokens > 1 and last > first:
+                rec.tpot_s = (last - first) / (max_tokens - 1)
 
     async def beam(self, rec: Record) -> None:
         n = self.rng.choice([2, 3])
@@ -186,8 +188,10 @@ class Traffic:
         await self.chat_stream(rec, system=self.system)
 
     async def long_prompt(self, rec: Record) -> None:
-        prompt = words(self.rng, self.cfg.long_prompt_tokens)
-        await (self.completion_stream(rec, prompt) if self.rng.random() < 0.5 else self.completion(rec, prompt))
+        """Most of a small pool, and a long output: the requests beside it need blocks while it grows."""
+        prompt, max_tokens = words(self.rng, self.cfg.long_prompt_tokens), 4 * self.cfg.max_tokens
+        send = self.completion_stream if self.rng.random() < 0.5 else self.completion
+        await send(rec, prompt, max_tokens)
 
     # Requests that may be refused or cut off; the server must carry on.
     async def fuzzed(self, rec: Record) -> None:

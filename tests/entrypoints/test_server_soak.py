@@ -1,8 +1,8 @@
 """`pagellm bench soak` for two seconds against the shared SmolLM2 server (--url): the traffic
 mix runs, every interval is sampled (the server's process found by its port), no well-formed
 request fails and no block is held once idle. Prompts and outputs are short here (a few seconds
-of CPU); the long prompts that preempt are the launched soak's. The hour-long run is the lead's; its verdict's
-arithmetic is tests/bench/test_soak_bench.py."""
+of CPU); the long prompts that preempt are the launched soak's. The verdict's arithmetic is
+tests/bench/test_soak_bench.py."""
 from __future__ import annotations
 
 import json

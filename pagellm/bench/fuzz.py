@@ -116,16 +116,21 @@ def fuzz_cases(cfg: FuzzConfig) -> list[tuple[str, dict]]:
     rng = random.Random(cfg.seed)
     cases = list(KNOWN_CASES[:cfg.num_requests])
     while len(cases) < cfg.num_requests:
-        endpoint = rng.choice(list(FIELDS))
-        fields: dict = {}
-        if rng.random() < 0.5:
-            fields["temperature"] = rng.choice([0.7, 1.0, 1.5])
-        for name in rng.sample(FIELDS[endpoint], rng.randint(1, cfg.max_fields)):
-            # Half extremes, half values at the edge of the valid range (which the engine must serve).
-            edges = VALID_EDGES.get(name)
-            fields[name] = rng.choice(edges) if edges and rng.random() < 0.5 else rng.choice(EXTREMES)
-        cases.append((endpoint, fields))
+        cases.append(random_case(rng, cfg.max_fields))
     return cases
+
+
+def random_case(rng: random.Random, max_fields: int = 3) -> tuple[str, dict]:
+    """One fuzzed request: an endpoint and 1..max_fields of its fields set to extremes or edges."""
+    endpoint = rng.choice(list(FIELDS))
+    fields: dict = {}
+    if rng.random() < 0.5:
+        fields["temperature"] = rng.choice([0.7, 1.0, 1.5])
+    for name in rng.sample(FIELDS[endpoint], rng.randint(1, max_fields)):
+        # Half extremes, half values at the edge of the valid range (which the engine must serve).
+        edges = VALID_EDGES.get(name)
+        fields[name] = rng.choice(edges) if edges and rng.random() < 0.5 else rng.choice(EXTREMES)
+    return endpoint, fields
 
 
 def body_for(endpoint: str, model: str, fields: dict) -> dict:
@@ -243,12 +248,12 @@ async def run_fuzz_async(url: str, cfg: FuzzConfig) -> dict:
         finally:
             stop_at.set()
             await asyncio.gather(*workers, return_exceptions=True)
-        state = await _idle_state(client, url, cfg.timeout_s)
+        state = await idle_state(client, url, cfg.timeout_s)
         metrics = (await client.get(url + "/metrics")).text
     by_status: dict[str, int] = {}
     for o in outcomes:
         by_status[str(o.status)] = by_status.get(str(o.status), 0) + 1
-    leaked = {"tables": state["tables"], "held_blocks": sum(1 for c in state["ref_cnt"] if c)}
+    leaked = held_blocks(state)
     return {
         "config": asdict(cfg),
         "elapsed_s": round(time.perf_counter() - start, 2),
@@ -263,15 +268,22 @@ async def run_fuzz_async(url: str, cfg: FuzzConfig) -> dict:
     }
 
 
-async def _idle_state(client, url: str, timeout_s: float) -> dict:
+async def idle_state(client, url: str, timeout_s: float) -> dict:
     """The block map once no request is running or waiting (or after timeout_s)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        state = (await client.get(url + "/dashboard/state")).json()
+        r = await client.get(url + "/dashboard/state")
+        r.raise_for_status()
+        state = r.json()
         s = state["stats"]
         if (s["num_running"] == 0 and s["num_waiting"] == 0) or time.monotonic() > deadline:
             return state
         await asyncio.sleep(0.2)
+
+
+def held_blocks(state: dict) -> dict:
+    """What requests still hold in a /dashboard/state: their block tables and the blocks referenced."""
+    return {"tables": state["tables"], "held_blocks": sum(1 for c in state["ref_cnt"] if c)}
 
 
 def _failure_lines(metrics: str) -> list[str]:

@@ -95,7 +95,7 @@ def check_loopback(url: str) -> None:
     raise ValueError(f"--url must point at this machine (127.0.0.0/8, ::1 or localhost), got {url!r}")
 
 
-def _words(rng: random.Random, tokens: int) -> str:
+def words(rng: random.Random, tokens: int) -> str:
     """About `tokens` tokens of common words (a word is about 1.3 tokens; usage reports the true count)."""
     return " ".join(rng.choice(report.COMMON_WORDS) for _ in range(max(1, round(tokens / 1.3))))
 
@@ -105,14 +105,14 @@ def make_requests(cfg: ServeConfig, round_index: int = 0) -> list[tuple[str, int
     for a CPU server. For shared-prefix, each `round_index` (rate) has its own system prompts."""
     if cfg.workload == "shared-prefix":
         rng = random.Random(cfg.seed * 1000 + round_index)
-        systems = [_words(rng, cfg.system_prompt_len) for _ in range(cfg.num_systems)]
-        return [(f"{rng.choice(systems)}\n\nQ: {_words(rng, QUESTION_LEN)}", cfg.max_output)
+        systems = [words(rng, cfg.system_prompt_len) for _ in range(cfg.num_systems)]
+        return [(f"{rng.choice(systems)}\n\nQ: {words(rng, QUESTION_LEN)}", cfg.max_output)
                 for _ in range(cfg.num_requests)]
     from pagellm.bench.memory import WORKLOADS as LENGTHS, sample_lengths
 
     lengths = sample_lengths(LENGTHS[cfg.workload], cfg.num_requests, cfg.seed, 2048)
     rng = random.Random(cfg.seed)
-    return [(_words(rng, min(p, cfg.max_prompt)), max(1, min(o, cfg.max_output))) for p, o in lengths]
+    return [(words(rng, min(p, cfg.max_prompt)), max(1, min(o, cfg.max_output))) for p, o in lengths]
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int, rec: RequestRecord) -> None:
@@ -176,7 +176,7 @@ async def run_rate(url: str, model: str, work: list[tuple[str, int]], rate: floa
     return records
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
@@ -196,8 +196,8 @@ def summarize(records: list[RequestRecord], rate: float) -> dict:
     prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]  # as usage reported them
 
     def stats(xs: list[float]) -> dict:
-        return {"mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9),
-                "p99": _pct(xs, 0.99)}
+        return {"mean": sum(xs) / len(xs) if xs else None, "p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9),
+                "p99": percentile(xs, 0.99)}
 
     return {
         "rate": rate, "num_requests": len(records), "completed": len(ok),

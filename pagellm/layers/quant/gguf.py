@@ -37,7 +37,9 @@ from torch import nn
 from pagellm.kernels import cpu
 from pagellm.layers import invariant
 from pagellm.layers.linear import LinearMethod
-from pagellm.layers.quant import WeightFormat, codebook, register, tiled_product
+from pagellm.layers.quant import codebook
+from pagellm.layers.quant.formats import WeightFormat, register
+from pagellm.layers.quant.tiled import tiled_product
 
 # GGML type id -> name, for the types with a kernel.
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", **codebook.CODEBOOK_TYPES}

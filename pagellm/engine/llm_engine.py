@@ -19,6 +19,7 @@ from pagellm import envs
 from pagellm.beam_search import Beam, BeamSearchParams, BeamState
 from pagellm.config import EngineConfig, structured_outputs_backend
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.stats import EngineStats
 from pagellm.engine import beams
 from pagellm.engine.builder import build_engine_parts
 from pagellm.engine.core import CoreStep
@@ -343,7 +344,7 @@ class LLMEngine:
                 "computed_tokens": req.num_computed_tokens, "preemptions": req.num_preemptions,
                 "arrival_time": req.arrival_time, "prompt_head": head[:PROMPT_HEAD_CHARS]}
 
-    def stats(self) -> dict:
-        return {**self.core.stats(), "request_failures": dict(self.request_failures),
-                "max_model_len": self.max_model_len}
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.core.stats(), request_failures=dict(self.request_failures),
+                                   max_model_len=self.max_model_len)
 

@@ -1,5 +1,5 @@
 """Every benchmark table in docs/ is drawn from the committed JSON in benchmarks/results/, never
-copied by hand. This module lists every such table; `python -m pagellm.bench.doc_tables` rewrites
+copied by hand (and the table of GGUF block types from layers/quant/gguf_types.py). This module lists every such table; `python -m pagellm.bench.doc_tables` rewrites
 them all, and tests/bench/test_doc_tables.py checks that each page holds what its files give.
 
 A generated section is marked in the page (doc_sections.py) so that the prose around it stays the
@@ -75,6 +75,9 @@ def tables() -> list[DocTable]:
                    quant_tables.activation_table),
         json_table("weight-formats-table", "quantization.md", "quant-matmul-2026-12-01.json",
                    quant_tables.weight_format_table),
+        DocTable("gguf-types-table", Path("docs") / "quantization.md",
+                 lambda results: wrap("gguf-types-table", quant_tables.BLOCK_TYPES_SOURCE,
+                                      quant_tables.block_types_table())),
         DocTable(cpu_tables.NAME, cpu_tables.PAGE, lambda results: cpu_tables.render(cpu_tables.load_runs(results))),
         json_runs_table("streams-table", "quantization.md", "serve-16-streams-*-vs-llama-server-2026-12-04*.json",
                         quant_tables.streams_table, quant_tables.STREAMS_RUNS),

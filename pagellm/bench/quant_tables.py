@@ -1,6 +1,7 @@
 """docs/quantization.md's tables of products and served streams, drawn from the committed results
 of benchmarks/quant_matmul.py (quant-matmul-*.json) and of `pagellm bench serve` against
-llama-server (serve-16-streams-*.json). Rendered by `python -m pagellm.bench.doc_tables`."""
+llama-server (serve-16-streams-*.json), and its table of GGUF block types, drawn from
+layers/quant/gguf_types.py. Rendered by `python -m pagellm.bench.doc_tables`."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,9 @@ import re
 from pathlib import Path
 
 from pagellm.bench import doc_sections
+from pagellm.layers.quant.gguf_types import BLOCK_TYPES, KERNEL_SOURCES
+
+BLOCK_TYPES_SOURCE = "pagellm/layers/quant/gguf_types.py"
 
 
 def ms(x: float) -> str:
@@ -16,6 +20,14 @@ def ms(x: float) -> str:
     if x <= 0:
         return f"{x:g}"
     return f"{x:.{min(3, max(0, 2 - math.floor(math.log10(x))))}f}"
+
+
+def block_types_table() -> str:
+    """The GGUF block types multiplied in their blocks: layout, bits per value, kernels."""
+    rows = [[t.name, t.id, t.values, t.bytes, f"{8 * t.bytes / t.values:g}", "yes" if t.k_quant else "no",
+             f"`{KERNEL_SOURCES[t.kernels]}`"] for t in BLOCK_TYPES.values()]
+    return doc_sections.markdown_table(["type", "GGML id", "values / block", "bytes / block", "bits / value",
+                                        "K-quant", "kernels"], rows, "lrrrrll")
 
 
 def _rows_by(doc: dict) -> dict:

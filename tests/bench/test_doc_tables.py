@@ -50,7 +50,11 @@ def changed_results(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("name", list(TABLES))
+# Drawn from the code, not from results (tests/layers/test_gguf_types.py checks its source).
+FROM_CODE = {"gguf-types-table"}
+
+
+@pytest.mark.parametrize("name", [n for n in TABLES if n not in FROM_CODE])
 def test_a_changed_figure_changes_the_table(name, changed_results):
     t = TABLES[name]
     assert t.render(changed_results) != t.render(RESULTS)

@@ -4,7 +4,7 @@ the wire form that `LLM.stats()`, /metrics and /dashboard/state are drawn from: 
 order are a public interface (docs/python.md), so a new field is appended, never renamed."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from pagellm.core.spec_decode import SpecDecodeStats
 
@@ -177,6 +177,11 @@ NO_ENGINE = EngineStats(KVCacheStats(0, 0, 0, 0, 0.0, []), SchedulerStats(0, 0, 
                         0, 0, 0, 0, None, None)
 
 
+def _added(parts: list) -> object:
+    """Dataclasses of counts, added field by field."""
+    return type(parts[0])(*(sum(getattr(p, f.name) for p in parts) for f in fields(parts[0])))
+
+
 def summed(parts: list[EngineStats]) -> EngineStats:
     """Several engines' stats as one: counts and blocks added, KV usage over the blocks of all;
     what does not add (block size, groups, second tier, spec decode, failures by cause) is the
@@ -184,21 +189,15 @@ def summed(parts: list[EngineStats]) -> EngineStats:
     if not parts:
         return NO_ENGINE
     first = parts[0]
-
-    def total(get) -> int:
-        return sum(get(p) for p in parts)
-
-    used, blocks = total(lambda p: p.kv.used_blocks), total(lambda p: p.kv.total_blocks)
+    used, blocks = sum(p.kv.used_blocks for p in parts), sum(p.kv.total_blocks for p in parts)
     return replace(
         first,
-        kv=replace(first.kv, total_blocks=blocks, free_blocks=total(lambda p: p.kv.free_blocks), used_blocks=used,
+        kv=replace(first.kv, total_blocks=blocks, free_blocks=sum(p.kv.free_blocks for p in parts), used_blocks=used,
                    usage=used / blocks if blocks else first.kv.usage),
-        scheduler=SchedulerStats(*(total(lambda p, f=f: getattr(p.scheduler, f))
-                                   for f in ("num_running", "num_waiting", "num_preemptions", "num_swaps"))),
-        prefix_cache=PrefixCacheStats(*(total(lambda p, f=f: getattr(p.prefix_cache, f))
-                                        for f in ("cached_blocks", "queries", "hits"))),
-        prompt_tokens_computed=total(lambda p: p.prompt_tokens_computed),
-        tokens_computed=total(lambda p: p.tokens_computed),
-        generation_tokens=total(lambda p: p.generation_tokens),
-        num_step_failures=total(lambda p: p.num_step_failures),
-        num_unstarted=None if first.num_unstarted is None else total(lambda p: p.num_unstarted or 0))
+        scheduler=_added([p.scheduler for p in parts]),
+        prefix_cache=_added([p.prefix_cache for p in parts]),
+        prompt_tokens_computed=sum(p.prompt_tokens_computed for p in parts),
+        tokens_computed=sum(p.tokens_computed for p in parts),
+        generation_tokens=sum(p.generation_tokens for p in parts),
+        num_step_failures=sum(p.num_step_failures for p in parts),
+        num_unstarted=None if first.num_unstarted is None else sum(p.num_unstarted or 0 for p in parts))

@@ -195,9 +195,10 @@ class EngineConfig:
                                        limit="an integer >= 2")
     load_format: str = option("auto", "how to read --model", choices=LOAD_FORMATS)
     quantization: str = option("auto", "how weights are served: auto keeps a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, "
-                                       "Q5_K and Q6_K matrices in their blocks (CPU); none dequantizes every weight "
-                                       "to --dtype at load; int8 (per channel) and int4 (groups of 128) quantize a "
-                                       "safetensors model's linear layers at load (CPU)", choices=QUANTIZATIONS)
+                                       "Q5_K, Q6_K, MXFP4, IQ4_NL and IQ4_XS matrices in their blocks (CPU); none "
+                                       "dequantizes every weight to --dtype at load; int8 (per channel) and int4 "
+                                       "(groups of 128) quantize a safetensors model's linear layers at load (CPU)",
+                               choices=QUANTIZATIONS)
     activation_quantization: str = option(
         "auto", "how a GGUF model's quantized products take their activations (CPU, AVX-512 VNNI or AVX2): "
                 "auto takes int8x2 where this CPU has the integer kernels and none elsewhere (and for "

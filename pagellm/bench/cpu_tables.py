@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from pagellm.bench import doc_tables
+from pagellm.bench import doc_sections
 
-RESULTS = doc_tables.RESULTS
+RESULTS = doc_sections.RESULTS
 PAGE = Path("docs") / "quantization.md"
 NAME = "cpu-latency-table"
 SOURCE = "benchmarks/results/latency-*.json"
@@ -77,12 +77,12 @@ def row(name: str, doc: dict) -> list[str]:
 def render(runs: list[tuple[str, dict]]) -> str:
     header = ["run", "model", "CPU", "load", "`none` tg", "`int8x2` tg", "`int8` tg", "llama-bench tg",
               "tg / llama-bench: none / int8x2 / int8", "pp: int8x2 / llama-bench"]
-    return doc_tables.wrap(NAME, SOURCE, doc_tables.markdown_table(header, [row(name, doc) for name, doc in runs]))
+    return doc_sections.wrap(NAME, SOURCE, doc_sections.markdown_table(header, [row(name, doc) for name, doc in runs]))
 
 
 def update_page(page: Path = PAGE, results: Path = RESULTS) -> bool:
     """Rewrite the table in `page`; True when it changed."""
-    return doc_tables.update_page(page, NAME, render(load_runs(results)))
+    return doc_sections.update_page(page, NAME, render(load_runs(results)))
 
 
 if __name__ == "__main__":

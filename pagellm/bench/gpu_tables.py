@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from pagellm.bench import doc_tables
-from pagellm.bench.doc_tables import markdown_table
+from pagellm.bench import doc_sections
+from pagellm.bench.doc_sections import markdown_table
 
-RESULTS = doc_tables.RESULTS
+RESULTS = doc_sections.RESULTS
 PAGE = Path("docs") / "gpu.md"
 NAME = "gpu-tables"
 SOURCE = "benchmarks/results/gpu_check-*.json"
@@ -155,12 +155,12 @@ def render(runs: list[tuple[str, dict]]) -> str:
         markdown_table(["run", "shape", "pagellm", "transformers generate (static batch)", "pagellm / transformers",
                 "pagellm, fp8 KV", "decode step / roofline (ms)", "GPU busy in decode"], e2e_rows(runs)),
     ]
-    return doc_tables.wrap(NAME, SOURCE, "\n".join(parts))
+    return doc_sections.wrap(NAME, SOURCE, "\n".join(parts))
 
 
 def update_page(page: Path = PAGE, results: Path = RESULTS) -> bool:
     """Rewrite the generated section of `page`; True if it changed."""
-    return doc_tables.update_page(page, NAME, render(load_runs(results)))
+    return doc_sections.update_page(page, NAME, render(load_runs(results)))
 
 
 if __name__ == "__main__":

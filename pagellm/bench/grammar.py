@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 
-from pagellm.bench import doc_tables, report
+from pagellm.bench import doc_sections, report
 
 # Long by construction: at least 64 strings, so no output completes within --max-tokens.
 SCHEMA = {
@@ -96,7 +96,7 @@ def doc_table(result: dict) -> str:
     rows = [[MODE_LABELS.get(mode, mode), s["steps"],
              *(f"{s[key]:.1f} ms" for key in ("step_ms_median", "grammar_ms_median", "sampler_ms_median"))]
             for mode, s in result["modes"].items()]
-    return doc_tables.markdown_table(["mode", "steps timed", "step (median)", "filling the bitmask (xgrammar)",
+    return doc_sections.markdown_table(["mode", "steps timed", "step (median)", "filling the bitmask (xgrammar)",
                                       "sampler"], rows, "lrrrr")
 
 

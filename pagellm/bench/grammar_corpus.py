@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from pagellm.bench import doc_tables
+from pagellm.bench import doc_sections
 from pagellm.bench.schema_corpus import corpus
 
 SYSTEMS = ("xgrammar", "guidance", "auto")
@@ -91,5 +91,5 @@ def doc_table(result: dict) -> str:
         rows.append([name, s["schemas"], s["compiled"], len(s["refused"]),
                      f"{s['compile_ms_median']:.1f} / {s['compile_ms_max']:.0f} ms", s["outputs"], s["finished"],
                      s["invalid"]])
-    return doc_tables.markdown_table(["system", "schemas", "compiled", "refused", "compile (median / max)",
+    return doc_sections.markdown_table(["system", "schemas", "compiled", "refused", "compile (median / max)",
                                       "outputs", "finished", "invalid"], rows, "lrrrrrrr")

@@ -24,7 +24,7 @@ import tempfile
 import time
 from importlib import resources
 
-from pagellm.bench import doc_tables, report
+from pagellm.bench import doc_sections, report
 
 FORMATS = ("float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 # Prompts for the free-running comparison: openings of ordinary sentences.
@@ -274,7 +274,7 @@ def doc_table(out: dict, model: str = "bundled") -> str:
     rows = [[name, f"{r['kv_bytes_per_token']:,}", f"{r['num_kv_blocks']:,} ({r['blocks_vs_bfloat16']:.2f}x)",
              f"{r['teacher_forced_top1_agreement']:.2%}", f"{r['perplexity_change']:+.2%}",
              f"{speed[name]['speed_vs_bfloat16']:.2f}x" if name in speed else "-"] for name, r in m["formats"].items()]
-    return doc_tables.markdown_table(
+    return doc_sections.markdown_table(
         [out["models"][model]["model"], "KV bytes / token", f"blocks in {m['kv_cache_memory'] >> 20} MiB (vs bfloat16)",
          f"top-1 agreement with {m['reference']}", "perplexity change", "decode attention vs bfloat16"], rows, "lrrrrr")
 

@@ -2,7 +2,7 @@
 `pagellm serve`), as docs/benchmarks.md shows them."""
 from __future__ import annotations
 
-from pagellm.bench import doc_tables
+from pagellm.bench import doc_sections
 
 # The committed run the page shows, under benchmarks/results/.
 RUN = "lm-eval-2026-12-01/results_2026-12-01T04-37-07.715921.json"
@@ -19,4 +19,4 @@ def doc_table(doc: dict) -> str:
             if not _filter or metric.endswith("_stderr"):
                 continue
             rows.append([f"{task} ({kind})", metric, f"{value:.2f} ({round(value * n)}/{n})"])
-    return doc_tables.markdown_table(["task", "metric", "value"], rows)
+    return doc_sections.markdown_table(["task", "metric", "value"], rows)

@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
-from pagellm.bench import doc_tables, report
+from pagellm.bench import doc_sections, report
 from pagellm.bench.kv_cache import capacity_rows, print_capacity_rows
 from pagellm.bench.windows import print_window_rows, window_rows
 from pagellm.core.kv import ContiguousKVManager, KVCoordinator, make_kv_manager
@@ -411,7 +411,7 @@ def doc_table(results: dict) -> str:
     rows = [[name, f"{r['token_share_of_reserved']:.1%}", f"{r['token_share_of_pool']:.1%}", f"{r['mean_batch']:.1f}",
              r["peak_batch"], f"{r['max_sustained_rate']:.3g}", f"{alpaca[name]['token_share_of_reserved']:.1%}",
              alpaca[name]["peak_batch"], f"{alpaca[name]['max_sustained_rate']:.3g}"] for name, r in share.items()]
-    return doc_tables.markdown_table(["policy", "ShareGPT tokens / reserved", "tokens / pool", "mean batch",
+    return doc_sections.markdown_table(["policy", "ShareGPT tokens / reserved", "tokens / pool", "mean batch",
                                       "peak batch", "max rate (req/s)", "Alpaca tokens / reserved", "peak batch",
                                       "max rate"], rows, "lrrrrrrrr")
 

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 
-from pagellm.bench import doc_tables, report
+from pagellm.bench import doc_sections, report
 
 
 def conversations(n: int, min_turns: int, max_turns: int, words: int, seed: int) -> list[list[str]]:
@@ -192,8 +192,8 @@ def doc_table(out: dict) -> str:
              f"{p['prompt_tokens_computed']:,} ({p['share_recomputed']:.1%})", f"{1e3 * p['mean_ttft_s']:.0f} ms",
              "(the reference)" if name == "no_tier" else "equal" if out["outputs_equal_no_tier"][name] else "differ"]
             for name, p in out["passes"].items()]
-    return doc_tables.markdown_table(["pass", "prompt tokens", "recomputed", "mean TTFT", "outputs against no tier"],
-                                     rows, "lrrrl")
+    return doc_sections.markdown_table(["pass", "prompt tokens", "recomputed", "mean TTFT", "outputs against no tier"],
+                                       rows, "lrrrl")
 
 
 def swap_doc_table(out: dict) -> str:
@@ -201,7 +201,7 @@ def swap_doc_table(out: dict) -> str:
     rows = [[bs, r["blocks"], f"{r['block_bytes']:,}", *(f"{1e3 * r[k]:,.0f} ms" for k in
                                                         ("swap_out_s", "swap_in_s", "swap_s", "recompute_s"))]
             for bs, r in out["swap_vs_recompute"]["block_sizes"].items()]
-    return doc_tables.markdown_table(["block size", "blocks", "bytes / block", "swap out", "swap in", "swap total",
+    return doc_sections.markdown_table(["block size", "blocks", "bytes / block", "swap out", "swap in", "swap total",
                                       "recompute"], rows, "rrrrrrr")
 
 

@@ -1,13 +1,17 @@
 """docs/quantization.md's tables of products and served streams, drawn from the committed results
 of benchmarks/quant_matmul.py (quant-matmul-*.json) and of `pagellm bench serve` against
-llama-server (serve-16-streams-*.json). Rendered by `python -m pagellm.bench.doc_tables`."""
+llama-server (serve-16-streams-*.json), and its table of GGUF block types, drawn from
+layers/quant/gguf_types.py. Rendered by `python -m pagellm.bench.doc_tables`."""
 from __future__ import annotations
 
 import math
 import re
 from pathlib import Path
 
-from pagellm.bench import doc_tables
+from pagellm.bench import doc_sections
+from pagellm.layers.quant.gguf_types import BLOCK_TYPES, KERNEL_SOURCES
+
+BLOCK_TYPES_SOURCE = "pagellm/layers/quant/gguf_types.py"
 
 
 def ms(x: float) -> str:
@@ -16,6 +20,14 @@ def ms(x: float) -> str:
     if x <= 0:
         return f"{x:g}"
     return f"{x:.{min(3, max(0, 2 - math.floor(math.log10(x))))}f}"
+
+
+def block_types_table() -> str:
+    """The GGUF block types multiplied in their blocks: layout, bits per value, kernels."""
+    rows = [[t.name, t.id, t.values, t.bytes, f"{8 * t.bytes / t.values:g}", "yes" if t.k_quant else "no",
+             f"`{KERNEL_SOURCES[t.kernels]}`"] for t in BLOCK_TYPES.values()]
+    return doc_sections.markdown_table(["type", "GGML id", "values / block", "bytes / block", "bits / value",
+                                        "K-quant", "kernels"], rows, "lrrrrll")
 
 
 def _rows_by(doc: dict) -> dict:
@@ -34,7 +46,7 @@ def activation_table(doc: dict, batches: tuple[int, ...] = (1, 2, 16)) -> str:
         rows.append([f"{shape}, {qtype} {n} x {k}",
                      *(" / ".join(ms(r[key]) if r else "-" for r in got)
                        for key in ("fused_ms", "q8x2act_ms", "q8act_ms"))])
-    return doc_tables.markdown_table([f"product, batch {' / '.join(map(str, batches))}", "float32 activations",
+    return doc_sections.markdown_table([f"product, batch {' / '.join(map(str, batches))}", "float32 activations",
                                       "`int8x2`", "`int8`"], rows, "lrrr")
 
 
@@ -58,7 +70,7 @@ def weight_format_table(doc: dict, shape: str = "llama-1b gate_up", qtype: str =
     first = next(r for r in doc["rows"] if (r["shape"], r["type"]) == (shape, qtype))
     rows = [[label.replace("GGUF", f"GGUF {qtype}"),
              *(ms(by[(shape, qtype, dtype, b)][key]) for b in batches)] for label, dtype, key in WEIGHT_FORMATS]
-    return doc_tables.markdown_table([f"{shape} ({first['rows']} x {first['cols']})",
+    return doc_sections.markdown_table([f"{shape} ({first['rows']} x {first['cols']})",
                                       *(f"batch {b}" for b in batches)], rows, "l" + "r" * len(batches))
 
 
@@ -88,7 +100,7 @@ def streams_table(runs: list[dict]) -> str:
                      ", ".join(ms(b["throughput_tok_s"]) for _, b in pairs),
                      ", ".join(f"{a['throughput_tok_s'] / b['throughput_tok_s']:.2f}x" for a, b in pairs),
                      f"{span([a for a, _ in pairs])} / {span([b for _, b in pairs])} ms"])
-    return doc_tables.markdown_table(["file, mode", "pagellm output tok/s", "llama-server `--parallel 16`", "ratio",
+    return doc_sections.markdown_table(["file, mode", "pagellm output tok/s", "llama-server `--parallel 16`", "ratio",
                                       "TPOT p50, pagellm / llama-server"], rows, "lrrrr")
 
 

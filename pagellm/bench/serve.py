@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
 from pagellm import envs
-from pagellm.bench import doc_tables, report, roofline
+from pagellm.bench import doc_sections, report, roofline
 from pagellm.config import ROUTER_POLICIES
 
 
@@ -465,7 +465,7 @@ def router_doc_table(runs: list[dict]) -> str:
                 rows.append([kv if i == 0 else "", f"{mine['rate']:g}", _fmt_pct(ours), _fmt_pct(base),
                              f"{ours / base:.2f}x" if ours is not None and base else "-",
                              f"{mine['ttft_s']['mean']:.2f} s", f"{theirs['ttft_s']['mean']:.2f} s"])
-    return doc_tables.markdown_table(["KV per replica", "rate req/s", "hit rate cache_aware", "round_robin", "ratio",
+    return doc_sections.markdown_table(["KV per replica", "rate req/s", "hit rate cache_aware", "round_robin", "ratio",
                                       "mean TTFT cache_aware", "round_robin"], rows, "lrrrrrr")
 
 
@@ -509,7 +509,7 @@ def doc_table(results: dict) -> str:
             row += ["-"] * 3 if r is None else [f"{r['normalized_latency_s']['mean']:.3f}", f"{r['ttft_s']['p50']:.2f}",
                                                 f"{r['throughput_tok_s']:.1f}"]
         rows.append(row)
-    return doc_tables.markdown_table(header, rows, "r" * len(header))
+    return doc_sections.markdown_table(header, rows, "r" * len(header))
 
 
 def plot(results: dict, path) -> None:

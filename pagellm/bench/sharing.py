@@ -19,7 +19,7 @@ import random
 import tempfile
 import time
 
-from pagellm.bench import doc_tables, report
+from pagellm.bench import doc_sections, report
 from pagellm.bench.memory import WORKLOADS, sample_lengths
 
 PAPER = {
@@ -152,7 +152,7 @@ def doc_table(result: dict) -> str:
         rows.append([f"{label} {' / '.join(map(str, widths))}",
                      *(" / ".join(f"{r['saving_pct']:.1f}" for r in by_workload[wl]) + " %" for wl in by_workload),
                      " / ".join(f"{PAPER[(mode, wl)][0]}-{PAPER[(mode, wl)][1]} %" for wl in by_workload)])
-    return doc_tables.markdown_table(["sharing", "Alpaca saved", "ShareGPT saved", "paper (Alpaca / ShareGPT)"], rows)
+    return doc_sections.markdown_table(["sharing", "Alpaca saved", "ShareGPT saved", "paper (Alpaca / ShareGPT)"], rows)
 
 
 def plot(result: dict, path) -> None:

@@ -156,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
 
 def doc_table(doc: dict) -> str:
     """docs/speculative-decoding.md's table: per workload, plain and speculative decode speed (medians)."""
-    from pagellm.bench import doc_tables
+    from pagellm.bench import doc_sections
 
     rows = []
     for name, e in doc["workloads"].items():
@@ -164,5 +164,5 @@ def doc_table(doc: dict) -> str:
         rows.append([f"{name} ({prompt:,} prompt tokens)", f"{e['plain']['decode_tokens_per_s']:.1f}",
                      f"{e['speculative']['decode_tokens_per_s']:.1f}", f"{e['speedup']:.2f}x",
                      f"{e['speculative'].get('acceptance_rate', 0):.2f}", "yes" if e["outputs_equal"] else "no"])
-    return doc_tables.markdown_table(["workload", "plain tok/s", "with prompt lookup", "speedup (medians)",
+    return doc_sections.markdown_table(["workload", "plain tok/s", "with prompt lookup", "speedup (medians)",
                                       "acceptance", "same output"], rows, "lrrrrl")

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagellm.bench import doc_tables, report, roofline
+from pagellm.bench import doc_sections, report, roofline
 from pagellm.timing import PhaseTimer
 
 DEFAULT_SYSTEMS = ["pagellm-paged", "pagellm-contiguous-max", "pagellm-contiguous-oracle", "pagellm-paged-bf16",
@@ -575,7 +575,7 @@ def doc_table(results: dict) -> str:
                      f"{sum(match.values())}/{len(match)}" if match else "-",
                      f"{100 * sum(agree.values()) / len(agree):.0f}%" if agree else "-",
                      f"{r['matmul_gflops_after']:.0f}" if r.get("matmul_gflops_after") else "-"])
-    return doc_tables.markdown_table(["system", "generated tok/s", "req/s", "wall s", "mean / peak batch",
+    return doc_sections.markdown_table(["system", "generated tok/s", "req/s", "wall s", "mean / peak batch",
                                       "greedy = transformers", "tokens before the first difference",
                                       "reference matmul GFLOP/s after"], rows, "lrrrrrrr")
 
@@ -588,7 +588,7 @@ def invariant_doc_table(results: dict) -> str:
     rows = [["default", *(f"{tok[(False, d)]:.1f} tok/s" for d in dtypes)],
             ["batch-invariant", *(f"{tok[(True, d)]:.1f} tok/s ({tok[(True, d)] / tok[(False, d)] - 1:+.0%})"
                                   for d in dtypes)]]
-    return doc_tables.markdown_table(["mode", *dtypes], rows, "l" + "r" * len(dtypes))
+    return doc_sections.markdown_table(["mode", *dtypes], rows, "l" + "r" * len(dtypes))
 
 
 def plot(results: dict, path) -> None:

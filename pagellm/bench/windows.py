@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagellm.bench import doc_tables
+from pagellm.bench import doc_sections
 from pagellm.core.kv import KVCoordinator
 from pagellm.core.kv.groups import STATE, plan_kv_groups
 from pagellm.layers.recurrent import blocks_for_state
@@ -140,7 +140,7 @@ def print_window_rows(rows: dict) -> None:
 
 # docs/kv-cache.md's table of these rows, drawn from the newest committed layer-kinds JSON.
 PAGE = Path("docs") / "kv-cache.md"
-RESULTS = doc_tables.RESULTS
+RESULTS = doc_sections.RESULTS
 NAME = "layer-kinds-table"
 SOURCE = "benchmarks/results/layer-kinds-*.json"
 
@@ -160,7 +160,7 @@ def render(doc: dict, source: str) -> str:
                          f"{h['requests_in_budget']} / {f['requests_in_budget']}"])
     note = (f"(`{source}`; bf16 K/V, float32 state, blocks of {doc['block_size']}, prefill in chunks of "
             f"{doc['chunk']:,}.)")
-    return doc_tables.wrap(NAME, SOURCE, doc_tables.markdown_table(header, rows, "lrrrrrr") + "\n\n" + note)
+    return doc_sections.wrap(NAME, SOURCE, doc_sections.markdown_table(header, rows, "lrrrrrr") + "\n\n" + note)
 
 
 def newest(results: Path = RESULTS) -> Path:
@@ -175,7 +175,7 @@ def section(results: Path = RESULTS) -> str:
 
 def update_page(page: Path = PAGE, results: Path = RESULTS) -> bool:
     """Rewrite the generated table in `page` from the newest result; True when it changed."""
-    return doc_tables.update_page(page, NAME, section(results))
+    return doc_sections.update_page(page, NAME, section(results))
 
 
 def main() -> None:

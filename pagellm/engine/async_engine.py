@@ -26,6 +26,7 @@ with EngineDeadError and none is accepted (the server then exits, see openai/shu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -35,6 +36,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from pagellm.config import EngineConfig
+from pagellm.core.stats import EngineStats
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.errors import EngineFatalError
 from pagellm.engine.stats_logger import StatsLogger, log_added, log_finished, request_logger
@@ -200,7 +202,7 @@ class AsyncLLMEngine:
         self._unstarted: set[str] = set()
         # Engine-thread side: the requests the engine holds.
         self._live: set[str] = set()
-        self._stats: dict = engine.stats()
+        self._stats: EngineStats = engine.stats()
         self._stats_logger = StatsLogger(stats_interval)
         # Steps whose step() raised (the engine's own count covers the failures it isolated).
         self.num_unisolated_failures = 0
@@ -320,11 +322,11 @@ class AsyncLLMEngine:
         Raises ValueError when the schema, regex or grammar is not valid."""
         await asyncio.to_thread(lambda: self.engine.grammars.compile(spec))
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """The engine's stats as of its last step (never waits for the engine)."""
-        stats = {**self._stats, "num_unstarted": len(self._unstarted), "num_stalled_streams": self.num_stalled_streams}
-        stats["num_step_failures"] = stats.get("num_step_failures", 0) + self.num_unisolated_failures
-        return stats
+        return dataclasses.replace(self._stats, num_unstarted=len(self._unstarted),
+                                   num_stalled_streams=self.num_stalled_streams,
+                                   num_step_failures=self._stats.num_step_failures + self.num_unisolated_failures)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -18,6 +18,7 @@ import torch
 from pagellm.core.kv import KVManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
+from pagellm.core.stats import EngineStats, KVCacheStats, KVOffloadStats, PrefixCacheStats, SchedulerStats
 from pagellm.core.step_plan import PlannedSeq, StepPlan
 from pagellm.engine.pooling import PooledPrompts
 from pagellm.engine.swap_cost import SwapCost
@@ -30,7 +31,7 @@ from pagellm.worker.sampler import ROW_ERRORS, SamplerOutput
 
 logger = logging.getLogger("pagellm.engine")
 
-Failure = tuple[Exception, str]  # (the error, its cause as counted in stats()["request_failures"])
+Failure = tuple[Exception, str]  # (the error, its cause as counted in stats().request_failures)
 
 
 @dataclass
@@ -218,27 +219,18 @@ class EngineCore:
             logger.error("request %s failed on its own and is dropped: %s: %s", gid, type(e).__name__, e)
         return StepResult.concat(clean), culprits
 
-    def stats(self) -> dict:
-        kv = self.kv
-        return {
-            "total_blocks": kv.num_blocks,
-            "free_blocks": kv.num_free_blocks,
-            "used_blocks": kv.num_used_blocks,
-            "block_size": kv.block_size,
-            "kv_cache_usage": kv.usage(),
-            "kv_groups": kv.group_stats(),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swaps": self.scheduler.num_swaps,
-            "cached_blocks": kv.num_cached_free_blocks,
-            "prefix_cache_queries": kv.prefix_queries,
-            "prefix_cache_hits": kv.prefix_hits,
-            "prompt_tokens_computed": self.num_prompt_tokens_computed,
-            "tokens_computed": self.num_tokens_computed,
-            "generation_tokens": self.num_generation_tokens,
-            "num_step_failures": self.num_step_failures,
-            "spec_decode": None if self.scheduler.speculative is None else self.scheduler.spec_stats.as_dict(),
-            "kv_offload": None if self.kv_tier is None else {
-                **self.kv_tier.stats(), **kv.tier_stats()},
-        }
+    def stats(self) -> EngineStats:
+        kv, sched = self.kv, self.scheduler
+        spec = sched.spec_stats
+        return EngineStats(
+            kv=KVCacheStats(kv.num_blocks, kv.num_free_blocks, kv.num_used_blocks, kv.block_size, kv.usage(),
+                            kv.group_stats()),
+            scheduler=SchedulerStats(len(sched.running), len(sched.waiting), sched.num_preemptions, sched.num_swaps),
+            prefix_cache=PrefixCacheStats(kv.num_cached_free_blocks, kv.prefix_queries, kv.prefix_hits),
+            prompt_tokens_computed=self.num_prompt_tokens_computed,
+            tokens_computed=self.num_tokens_computed,
+            generation_tokens=self.num_generation_tokens,
+            num_step_failures=self.num_step_failures,
+            spec_decode=None if sched.speculative is None else
+            replace(spec, accepted_per_position=list(spec.accepted_per_position)),
+            kv_offload=None if self.kv_tier is None else KVOffloadStats(self.kv_tier.stats(), kv.tier_stats()))

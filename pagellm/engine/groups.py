@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagellm.beam_search import BeamState
 from pagellm.core.request import Request
+from pagellm.engine.beams import BeamRound
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.outputs import Logprob
 from pagellm.sampling_params import SamplingParams
@@ -22,14 +22,6 @@ class SeqText:
 
 
 @dataclass
-class BeamRound:
-    """A beam search's live beams and the candidates they have reported this round."""
-
-    state: BeamState
-    pending: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-
-
-@dataclass
 class SequenceGroup:
     """One user request. Its sequences are `<id>`, `<id>#1`, ...: the n (or best_of)
     samples, whose text `texts` follows by index; or, with `beams`, the live beams, which
@@ -41,13 +33,11 @@ class SequenceGroup:
     num_seqs: int              # samples (n or best_of); 1 for a beam search (its beams fork)
     texts: dict[int, SeqText] = field(default_factory=dict)
     beams: BeamRound | None = None
-    live: dict[str, Request] = field(default_factory=dict)  # a beam search's live beams
-    next_seq: int = 1          # the suffix of the next sequence forked
 
     def seq_ids(self) -> list[str]:
         """Every sequence id the request holds or will hold (forks pending included)."""
         if self.beams is not None:
-            return list(self.live)
+            return list(self.beams.live)
         return [self.request_id] + [f"{self.request_id}#{i}" for i in range(1, self.num_seqs)]
 
     @property

@@ -16,13 +16,14 @@ from collections import Counter
 import numpy as np
 
 from pagellm import envs
-from pagellm.beam_search import Beam, BeamSearchParams, BeamState
+from pagellm.beam_search import BeamSearchParams
 from pagellm.config import EngineConfig, structured_outputs_backend
 from pagellm.core.request import Request, RequestStatus
-from pagellm.engine import beams
+from pagellm.core.stats import EngineStats
+from pagellm.engine.beams import Beam, BeamRound, BeamState
 from pagellm.engine.builder import build_engine_parts
 from pagellm.engine.core import CoreStep
-from pagellm.engine.groups import BeamRound, SequenceGroup
+from pagellm.engine.groups import SequenceGroup
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.structured_outputs import GrammarCompiler, xgrammar_available
@@ -144,7 +145,7 @@ class LLMEngine:
     def add_beam_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
                          arrival_time: float | None = None) -> Request:
         """Queue a beam search. Its beams are sequences like any other; between core steps
-        `beams.advance` forks the chosen ones and drops the rest."""
+        `BeamRound.advance` forks the chosen ones and drops the rest."""
         self._check_request_id(request_id)
         self._check_generates()
         text, ids = self.inputs.tokenize(prompt)
@@ -157,7 +158,7 @@ class LLMEngine:
                       eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time or time.time(),
                       max_model_len=self.max_model_len, caller_appends=True)
         state = BeamState(params, self.eos_token_ids, [Beam(request_id, [], np.float32(0))])
-        self._start(SequenceGroup(request_id, req, seq_params, 1, beams=BeamRound(state), live={request_id: req}))
+        self._start(SequenceGroup(request_id, req, seq_params, 1, beams=BeamRound(request_id, state, {request_id: req})))
         return req
 
     def _start(self, group: SequenceGroup) -> None:
@@ -248,11 +249,11 @@ class LLMEngine:
         failed: dict[str, Exception] = {}
         for sid in out.held:
             group = self._groups[self.scheduler.requests[sid].group_id]
-            if group.request_id in failed or not beams.report(group, sid, out.sampled.top_logprobs[out.rows[sid][0]]):
+            if group.request_id in failed or not group.beams.report(sid, out.sampled.top_logprobs[out.rows[sid][0]]):
                 continue
             touched[group.request_id] = group
             try:
-                created, dropped = beams.advance(self.core, group)
+                created, dropped = group.beams.advance(self.core)
             except Exception as e:  # one request's failure must not take down the others
                 failed[group.request_id] = e
                 continue
@@ -343,7 +344,7 @@ class LLMEngine:
                 "computed_tokens": req.num_computed_tokens, "preemptions": req.num_preemptions,
                 "arrival_time": req.arrival_time, "prompt_head": head[:PROMPT_HEAD_CHARS]}
 
-    def stats(self) -> dict:
-        return {**self.core.stats(), "request_failures": dict(self.request_failures),
-                "max_model_len": self.max_model_len}
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.core.stats(), request_failures=dict(self.request_failures),
+                                   max_model_len=self.max_model_len)
 

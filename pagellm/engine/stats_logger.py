@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pagellm.core.stats import EngineStats
 from pagellm.outputs import RequestOutput
 
 request_logger = logging.getLogger("pagellm.requests")
@@ -28,9 +29,9 @@ class StatsLogger:
 
     def __init__(self, interval: float = 5.0) -> None:
         self.interval = interval
-        self._last: tuple[float, dict] | None = None
+        self._last: tuple[float, EngineStats] | None = None
 
-    def maybe_log(self, stats: dict, now: float | None = None) -> bool:
+    def maybe_log(self, stats: EngineStats, now: float | None = None) -> bool:
         """Log a line if `interval` has passed since the last one and the engine did work or holds
         requests; True when it did."""
         now = time.monotonic() if now is None else now
@@ -41,17 +42,18 @@ class StatsLogger:
         elapsed = now - then
         if elapsed < self.interval:
             return False
-        prompt = stats["prompt_tokens_computed"] - before["prompt_tokens_computed"]
-        generated = stats["generation_tokens"] - before["generation_tokens"]
+        prompt = stats.prompt_tokens_computed - before.prompt_tokens_computed
+        generated = stats.generation_tokens - before.generation_tokens
+        sched = stats.scheduler
         self._last = (now, stats)
-        if not (prompt or generated or stats["num_running"] or stats["num_waiting"]):
+        if not (prompt or generated or sched.num_running or sched.num_waiting):
             return False
-        queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
-        hits = stats["prefix_cache_hits"] - before["prefix_cache_hits"]
+        queries = stats.prefix_cache.queries - before.prefix_cache.queries
+        hits = stats.prefix_cache.hits - before.prefix_cache.hits
         stats_logger.info(
             "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s; running %d, waiting %d, "
             "preemptions %d (%d since start); KV cache %.1f%% used; prefix cache hit rate %s",
-            prompt / elapsed, generated / elapsed, stats["num_running"], stats["num_waiting"],
-            stats["num_preemptions"] - before["num_preemptions"], stats["num_preemptions"],
-            100 * stats["kv_cache_usage"], f"{100 * hits / queries:.1f}%" if queries else "-")
+            prompt / elapsed, generated / elapsed, sched.num_running, sched.num_waiting,
+            sched.num_preemptions - before.scheduler.num_preemptions, sched.num_preemptions,
+            100 * stats.kv.usage, f"{100 * hits / queries:.1f}%" if queries else "-")
         return True

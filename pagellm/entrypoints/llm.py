@@ -130,7 +130,9 @@ class LLM:
         return results
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """The engine's counters as a plain dict (docs/python.md lists the keys); the typed form
+        is `self.engine.stats()`."""
+        return self.engine.stats().to_dict()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done at exit)."""

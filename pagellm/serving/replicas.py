@@ -23,18 +23,15 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
+from pagellm.core.stats import EngineStats, ReplicaStats, summed
 from pagellm.engine.async_engine import EngineDeadError
 from pagellm.serving.router import NoReplicaError, Router
 from pagellm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-# Stats that add up over replicas; the others are taken from the first replica that reports them.
-_SUMMED = ("total_blocks", "free_blocks", "used_blocks", "num_running", "num_waiting", "num_preemptions", "num_swaps",
-           "cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "tokens_computed",
-           "generation_tokens", "num_step_failures", "num_unstarted")
 
 
 class ReplicaDiedError(EngineDeadError):
@@ -83,7 +80,7 @@ def _replica_class():
             if self._started:
                 self.engine.abort_all(reason)
 
-        async def stats(self) -> dict:
+        async def stats(self) -> EngineStats:
             return self.engine.stats()
 
         def cache_config(self) -> dict:
@@ -207,7 +204,7 @@ class ReplicaSet:
         self.pids: list[int] = []
         try:
             self.pids = ray.get([r.ready.remote() for r in self.replicas])
-            self._replica_stats: list[dict | None] = ray.get([r.stats.remote() for r in self.replicas])
+            self._replica_stats: list[EngineStats | None] = ray.get([r.stats.remote() for r in self.replicas])
             self.cache_config: dict = ray.get(self.replicas[0].cache_config.remote())  # each replica's the same
         except BaseException:
             self.close()
@@ -308,7 +305,7 @@ class ReplicaSet:
         for i in list(self.router.alive):
             try:
                 self._replica_stats[i] = await self.replicas[i].stats.remote()
-                self.router.report_kv_usage(i, self._replica_stats[i].get("kv_cache_usage", 0.0))
+                self.router.report_kv_usage(i, self._replica_stats[i].kv.usage)
             except ray.exceptions.RayActorError as e:
                 self._died(i, e)
 
@@ -324,23 +321,12 @@ class ReplicaSet:
     def num_unstarted(self) -> int:
         return sum(1 for s in self._streams if not s.streamed)
 
-    def stats(self) -> dict:
-        """The replicas' stats summed (as of their last poll), each one's under "replicas"."""
-        live = [s for s in self._replica_stats if s is not None]
-        total: dict = {}
-        for s in live:
-            for k, v in s.items():
-                if k in _SUMMED and isinstance(v, (int, float)):
-                    total[k] = total.get(k, 0) + v
-                else:
-                    total.setdefault(k, v)
-        if total.get("total_blocks"):
-            total["kv_cache_usage"] = total.get("used_blocks", 0) / total["total_blocks"]
-        total["replicas"] = [{"replica": i, "alive": i in self.router.alive, "pid": self.pids[i],
-                              "in_flight": self.router.in_flight[i], "stats": s}
-                             for i, s in enumerate(self._replica_stats)]
-        total["router"] = self.router.stats()
-        return total
+    def stats(self) -> EngineStats:
+        """The replicas' stats summed (as of their last poll), each one's in `replicas`."""
+        total = summed([s for s in self._replica_stats if s is not None])
+        each = [ReplicaStats(i, i in self.router.alive, self.pids[i], self.router.in_flight[i], s)
+                for i, s in enumerate(self._replica_stats)]
+        return replace(total, replicas=each, router=self.router.stats())
 
     async def call(self, fn: Callable) -> Any:
         """`fn(engine)` on the first live replica's engine (the dashboard's view is that replica's)."""

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from pagellm.config import ROUTER_POLICIES
 from pagellm.core.kv.block_hash import hash_block
+from pagellm.core.stats import RouterStats
 from pagellm.engine.async_engine import EngineDeadError
 
 
@@ -118,7 +119,6 @@ class Router:
             seen.popitem(last=False)
         return chosen
 
-    def stats(self) -> dict:
-        return {"policy": self.policy, "alive": list(self.alive), "in_flight": list(self.in_flight),
-                "kv_usage": list(self.kv_usage),
-                "routed": list(self.num_routed), "prefix_routed": self.num_prefix_routed}
+    def stats(self) -> RouterStats:
+        return RouterStats(self.policy, list(self.alive), list(self.in_flight), list(self.kv_usage),
+                           list(self.num_routed), self.num_prefix_routed)

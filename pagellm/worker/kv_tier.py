@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from pagellm.core.stats import TierStoreStats
+
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"PGLMKV01"
@@ -166,14 +168,14 @@ class DiskKVTier:
         with self._lock:
             return len(self._index) + len(self._pending)
 
-    def stats(self) -> dict:
+    def stats(self) -> TierStoreStats:
         with self._lock:
-            return {"path": str(self.path), "blocks": len(self._index), "pending_writes": len(self._pending),
-                    "capacity_blocks": self.num_slots, "block_bytes": self.block_bytes, "hits": self.hits,
-                    "misses": self.misses, "corrupt": self.corrupt, "dropped": self.dropped,
-                    "write_errors": self.write_errors,
-                    "write_errors_by_cause": dict(self.write_errors_by_cause), "bytes_written": self.bytes_written,
-                    "bytes_read": self.bytes_read, "persist": self.persist}
+            return TierStoreStats(path=str(self.path), blocks=len(self._index), pending_writes=len(self._pending),
+                                  capacity_blocks=self.num_slots, block_bytes=self.block_bytes, hits=self.hits,
+                                  misses=self.misses, corrupt=self.corrupt, dropped=self.dropped,
+                                  write_errors=self.write_errors,
+                                  write_errors_by_cause=dict(self.write_errors_by_cause),
+                                  bytes_written=self.bytes_written, bytes_read=self.bytes_read, persist=self.persist)
 
     @property
     def is_open(self) -> bool:

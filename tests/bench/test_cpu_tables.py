@@ -3,7 +3,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pagellm.bench import cpu_tables, doc_tables
+from pagellm.bench import cpu_tables, doc_sections
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_a_system_counts_under_the_mode_it_ran(tmp_path):
     results.mkdir()
     shutil.copy(src, results / src.name)
     page = tmp_path / "page.md"
-    page.write_text(f"before\n{doc_tables.wrap(cpu_tables.NAME, cpu_tables.SOURCE, 'stale')}\nafter\n")
+    page.write_text(f"before\n{doc_sections.wrap(cpu_tables.NAME, cpu_tables.SOURCE, 'stale')}\nafter\n")
     assert cpu_tables.update_page(page, results)
     assert "latency-llama-1b-Q8_0-2026-12-04-intel.json" in page.read_text()
     assert not cpu_tables.update_page(page, results)

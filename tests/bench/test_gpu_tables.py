@@ -5,7 +5,7 @@ import copy
 import json
 from pathlib import Path
 
-from pagellm.bench import doc_tables, gpu_tables
+from pagellm.bench import doc_sections, gpu_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_update_page_rewrites_only_the_generated_section(tmp_path):
     smoke["meta"]["mode"] = "cpu-smoke"  # not a GPU figure: left out
     (results / "gpu_check-2000-01-01-cpu-smoke.json").write_text(json.dumps(smoke))
     page = tmp_path / "gpu.md"
-    page.write_text(f"before\n{doc_tables.wrap(gpu_tables.NAME, gpu_tables.SOURCE, 'stale')}\nafter\n")
+    page.write_text(f"before\n{doc_sections.wrap(gpu_tables.NAME, gpu_tables.SOURCE, 'stale')}\nafter\n")
     assert gpu_tables.update_page(page, results)
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("\nafter\n") and "stale" not in text

@@ -311,12 +311,12 @@ def test_a_prefix_resumes_from_the_state_checkpoint_at_its_end():
     second = Request("b", [5, 6, 7, 8, 9, 10, 12, 13], SamplingParams())
     blocks, cached = kv.get_computed_blocks(second)
     assert cached == 6 and blocks[1] == kv._checkpoint(1, second.block_hashes[2])
-    assert kv.group_stats()[1]["checkpoints_taken"] == 3
+    assert kv.group_stats()[1].checkpoints_taken == 3
     second.num_computed_tokens = cached
     assert kv.allocate_slots(second, 2, blocks)
     assert not set(kv.group_tables("b")[1]) & set(blocks[1])  # restored into its own blocks
     shadow.run_step(second, 2)  # reads the state of [5 .. 10], as its own
-    assert kv.group_stats()[1]["checkpoints_restored"] == 1
+    assert kv.group_stats()[1].checkpoints_restored == 1
     _check(kv, {"b": second}, shadow)
     # A prompt that ends inside the prefix: the state must be restored where it resumes, one block back.
     third = Request("c", [5, 6, 7, 8, 9], SamplingParams())
@@ -363,11 +363,11 @@ def test_a_sliding_prefix_comes_back_from_the_tier_as_far_as_a_hit_needs():
     shadow.run_step(other, 48)
     kv.free(other)
     shadow.apply_tier_ops()
-    assert kv.tier_stats()["demoted_blocks"] == 20 and not any(len(k) <= 17 and k[:16] in a.block_hashes
+    assert kv.tier_stats().demoted_blocks == 20 and not any(len(k) <= 17 and k[:16] in a.block_hashes
                                                                for k in kv.pool.cached)
     b = Request("b", list(range(40)) + [99], SamplingParams())
     blocks, cached = kv.get_computed_blocks(b)
-    assert cached == 40 and kv.tier_stats()["promoted_blocks"] == 10 + 2
+    assert cached == 40 and kv.tier_stats().promoted_blocks == 10 + 2
     assert blocks[1][:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in blocks[1][8:]
     b.num_computed_tokens = cached
     assert kv.allocate_slots(b, 1, blocks)

@@ -65,7 +65,7 @@ def test_moves_in_order_keep_every_block_true_to_its_hash(tmp_path):
     assert _serve(kv, blocks, tier, "b2", b) == 7
     assert _serve(kv, blocks, tier, "c1", c) == 0
     assert _serve(kv, blocks, tier, "a3", a) == 7
-    assert kv.tier_stats()["promoted_blocks"] == 12 and tier.stats()["corrupt"] == 0
+    assert kv.tier_stats().promoted_blocks == 12 and tier.stats().corrupt == 0
     tier.close()
 
 
@@ -86,7 +86,7 @@ def test_a_swapped_request_gets_every_computed_block_back(tmp_path):
     req.num_computed_tokens = 7
     kv.cache_full_blocks(req)
     req.append_token(17)
-    assert kv.swap_out(req) and kv.tier_stats()["swapped_out_requests"] == 1
+    assert kv.swap_out(req) and kv.tier_stats().swapped_out_requests == 1
     kv.free(req)
     req.num_computed_tokens = 0
     blocks.apply(kv.take_tier_ops(), tier)

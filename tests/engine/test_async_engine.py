@@ -34,7 +34,7 @@ def run(llm_engine, body, **kwargs):
         finally:
             await engine.shutdown()
             assert not llm_engine.has_unfinished_requests()
-            assert llm_engine.stats()["used_blocks"] == 0
+            assert llm_engine.stats().kv.used_blocks == 0
 
     return asyncio.run(main())
 
@@ -52,7 +52,7 @@ def test_generate_streams_cumulative_outputs(llm_engine):
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     assert lengths == sorted(lengths) and lengths[-1] == 6
-    assert stats["num_unstarted"] == 0
+    assert stats.num_unstarted == 0
 
 
 def test_concurrent_requests_match_sequential(llm_engine):
@@ -89,7 +89,7 @@ def test_bad_input_raises_and_leaves_nothing(llm_engine):
         return engine.stats()
 
     stats = run(llm_engine, body)
-    assert stats["num_unstarted"] == 0
+    assert stats.num_unstarted == 0
 
 
 def test_queue_bound(llm_engine):
@@ -115,13 +115,13 @@ def test_consumer_leaving_aborts(llm_engine):
                 pass
 
         task = asyncio.ensure_future(consume())
-        while engine.stats()["used_blocks"] == 0:
+        while engine.stats().kv.used_blocks == 0:
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # The abort reaches the engine thread before this call does.
-        return await engine.call(lambda e: (e.has_unfinished_requests(), e.stats()["used_blocks"]))
+        return await engine.call(lambda e: (e.has_unfinished_requests(), e.stats().kv.used_blocks))
 
     assert run(llm_engine, body) == (False, 0)
 
@@ -182,9 +182,9 @@ def test_a_stream_nobody_reads_is_aborted_once_its_buffer_is_full(llm_engine):
     async def body(engine):
         stalled = await engine.add_request("stalled", "hello", params(400))
         other = [o async for o in engine.generate("other", "world", params(30))]
-        while engine.stats()["num_stalled_streams"] == 0:
+        while engine.stats().num_stalled_streams == 0:
             await asyncio.sleep(0.01)
-        used = await engine.call(lambda e: e.stats()["used_blocks"])
+        used = await engine.call(lambda e: e.stats().kv.used_blocks)
         outs = [o async for o in stalled]
         return other, outs, used
 
@@ -245,7 +245,7 @@ def test_step_failure_fails_its_requests_then_serves(llm_engine, monkeypatch):
 
     after, stats = run(llm_engine, body)
     assert after.finished and len(after.outputs[0].token_ids) == 3
-    assert stats["num_step_failures"] == 1
+    assert stats.num_step_failures == 1
 
 
 def test_shutdown_fails_open_streams(llm_engine):
@@ -289,7 +289,7 @@ def test_a_request_that_breaks_its_step_fails_alone(llm_engine, monkeypatch):
     outs, stats = run(llm_engine, body)
     assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 4
     assert all(o.error is None for o in outs)
-    assert stats["request_failures"]["step_error"] >= 1
+    assert stats.request_failures["step_error"] >= 1
 
 
 # Run in a fresh interpreter: OpenMP's thread teams live as long as the threads that made them.

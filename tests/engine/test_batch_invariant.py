@@ -40,7 +40,7 @@ def batched(smollm2_gguf):
     together = samples(llm.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))], use_tqdm=False))
     # Then each alone (the first block of each prompt is now a prefix-cache hit).
     alone = [samples(llm.generate([p], [params(i)], use_tqdm=False))[0] for i, p in enumerate(PROMPTS)]
-    assert llm.engine.stats()["prefix_cache_hits"] > 0
+    assert llm.engine.stats().prefix_cache.hits > 0
     return together, alone
 
 
@@ -56,7 +56,7 @@ def test_seeded_samples_survive_chunked_prefill_and_preemption(smollm2_gguf, bat
     # first block is one shared prefix) but not their 24 new tokens, so the latest are preempted.
     tight = LLM(smollm2_gguf, batch_invariant=True, max_model_len=256, num_kv_blocks=16, max_num_batched_tokens=16)
     got = samples(tight.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))], use_tqdm=False))
-    assert tight.engine.stats()["num_preemptions"] > 0
+    assert tight.engine.stats().scheduler.num_preemptions > 0
     assert got == together
 
 

@@ -76,9 +76,9 @@ def test_a_request_that_breaks_the_batch_fails_alone(llm, clean, monkeypatch, cu
         else:  # every other request, greedy or seeded, gives exactly what it gives in a clean run
             assert out.error is None and tokens(out) == clean[rid], rid
     after = eng.stats()
-    assert after["request_failures"].get("step_error", 0) - before["request_failures"].get("step_error", 0) \
+    assert after.request_failures.get("step_error", 0) - before.request_failures.get("step_error", 0) \
         == len(culprits)
-    assert after["num_step_failures"] > before["num_step_failures"]
+    assert after.num_step_failures > before.num_step_failures
     assert max(sizes) == len(PROMPTS)  # the batch really ran whole before the fault was found
 
 

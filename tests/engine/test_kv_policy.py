@@ -25,7 +25,7 @@ def test_contiguous_policies_give_the_paged_tokens_with_fewer_requests_at_once(t
                     outs[int(o.request_id)] = o.outputs[0].token_ids
             peak = max(peak, len(engine.scheduler.running))
         results[policy], peaks[policy] = outs, peak
-        assert engine.stats()["free_blocks"] == 40  # everything returned
+        assert engine.stats().kv.free_blocks == 40  # everything returned
         assert len(engine.kv_snapshot()["ref_cnt"]) == 40  # the dashboard's block map reads either pool
     assert results["contiguous-max"] == results["paged"] == results["contiguous-oracle"]
     # 160 slots, 64 reserved per request under max: two at a time, where pages fit all six.

@@ -133,7 +133,7 @@ def test_quantized_engine_through_chunks_preemption_prefix_hits_and_forks(tiny_l
     expected = roomy.generate(inputs, params, use_tqdm=False)
     got = tight.generate(inputs, params, use_tqdm=False)
     stats = tight.engine.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats.scheduler.num_preemptions > 0 and stats.prefix_cache.hits > 0
     for a, b in zip(got, expected):
         for ca, cb in zip(a.outputs, b.outputs):
             assert ca.token_ids == cb.token_ids

@@ -53,10 +53,10 @@ def test_two_replicas_give_one_engine_s_outputs_and_keep_prefixes_together(repli
     got = asyncio.run(_serve(replicas, prompts[:4])) + asyncio.run(_serve(replicas, prompts[4:], prefix="s"))
     assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
     stats = replicas.router.stats()
-    assert sorted(stats["routed"]) == [6, 6]  # the 4 prefixes spread 2 and 2
-    assert stats["prefix_routed"] == 8  # every later user of a prefix went where it was seen
+    assert sorted(stats.routed) == [6, 6]  # the 4 prefixes spread 2 and 2
+    assert stats.prefix_routed == 8  # every later user of a prefix went where it was seen
     asyncio.run(replicas.poll_stats())
-    hits = sum(r["stats"]["prefix_cache_hits"] for r in replicas.stats()["replicas"])
+    hits = sum(r.stats.prefix_cache.hits for r in replicas.stats().replicas)
     assert hits >= 8 * 24 - 8 * 4  # each of those found its system prompt's full blocks cached
 
 

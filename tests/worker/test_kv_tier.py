@@ -43,7 +43,7 @@ def test_blocks_come_back_byte_for_byte_and_the_oldest_go_first(tmp_path):
     for i in (0, 3, 4, 5):
         assert torch.equal(tier.load(_key(i)), _payload(i))
     s = tier.stats()
-    assert s["blocks"] == 4 and s["capacity_blocks"] == 4 and s["corrupt"] == 0 and s["bytes_written"] == 6 * BLOCK
+    assert s.blocks == 4 and s.capacity_blocks == 4 and s.corrupt == 0 and s.bytes_written == 6 * BLOCK
     path = tier.path
     tier.close()
     assert not path.exists()  # not persisted: removed at shutdown
@@ -67,7 +67,7 @@ def test_corrupt_and_truncated_entries_are_misses(tmp_path):
         f.seek(4096 + 17)
         f.write(bytes([b[0] ^ 0xFF]))
     got = [tier.load(_key(i)) for i in range(3)]
-    assert sum(g is None for g in got) == 1 and tier.stats()["corrupt"] == 1
+    assert sum(g is None for g in got) == 1 and tier.stats().corrupt == 1
     assert all(torch.equal(g, _payload(i)) for i, g in enumerate(got) if g is not None)
     os.truncate(tier.path, tier.slot_bytes + 10)  # the file cut short while the tier runs
     assert [tier.load(_key(i)) for i in range(3)].count(None) == 3
@@ -91,7 +91,7 @@ def test_persisted_blocks_survive_a_restart_and_other_models_do_not_see_them(tmp
     # ... and a foreign file put in its place is read as nothing.
     os.replace(tier.path, other.path)
     other = _tier(tmp_path, persist=True, fingerprint=bytes(16))
-    assert other.load(_key(1)) is None and other.stats()["blocks"] == 0
+    assert other.load(_key(1)) is None and other.stats().blocks == 0
     other.close()
 
 
@@ -154,8 +154,8 @@ def test_failed_writes_are_skipped_and_counted_by_cause_and_logged_once_each(tmp
         tier.store(_key(i), _payload(i))
     tier.flush()
     s = tier.stats()
-    assert s["write_errors_by_cause"] == {"EBADF": 2, "ENOSPC": 3} and s["write_errors"] == 5
-    assert s["blocks"] == 1 and s["pending_writes"] == 0 and s["bytes_written"] == BLOCK
+    assert s.write_errors_by_cause == {"EBADF": 2, "ENOSPC": 3} and s.write_errors == 5
+    assert s.blocks == 1 and s.pending_writes == 0 and s.bytes_written == BLOCK
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "write failed" in r.getMessage()]
     assert len(warnings) == 2 and "EBADF" in warnings[0] and "ENOSPC" in warnings[1]
     assert tier.load(_key(0)) is None  # zeros read back: refused by its checks, not served
@@ -172,11 +172,11 @@ def test_a_persisted_file_cut_short_keeps_its_whole_slots(tmp_path):
     assert again.path.stat().st_size == 4 * again.slot_bytes  # extended again to the budget
     assert torch.equal(again.load(_key(0)), _payload(0)) and torch.equal(again.load(_key(1)), _payload(1))
     assert again.load(_key(2)) is None and again.load(_key(3)) is None
-    assert again.stats()["corrupt"] == 1  # slot 2's header survived, its bytes did not
+    assert again.stats().corrupt == 1  # slot 2's header survived, its bytes did not
     for i in (4, 5):  # the two slots lost take new blocks
         again.store(_key(i), _payload(i))
     again.flush()
-    assert again.stats()["blocks"] == 4
+    assert again.stats().blocks == 4
     again.close()
     # A smaller budget keeps the slots within it.
     small = _tier(tmp_path, slots=2, persist=True)

@@ -53,6 +53,7 @@ from pagellm.core.kv.groups import STATE, kind_name
 from pagellm.core.kv.interface import KVManager, cdiv
 from pagellm.core.kv.tiered import BlockTier, TierHook, TierOp
 from pagellm.core.request import Request
+from pagellm.core.stats import KVGroupStats, TierMoveStats
 
 # The block that released and skipped sliding-table entries point at; allocated at start, never freed.
 NULL_BLOCK = 0
@@ -172,12 +173,11 @@ class KVCoordinator(KVManager):
     def cached_flags(self) -> list[bool]:
         return [c == 0 and h is not None for c, h in zip(self.pool.ref_cnt, self.pool.block_hash)]
 
-    def group_stats(self) -> list[dict]:
-        groups = [{"kind": kind_name(w), "window": None if w == STATE else w, "used_blocks": n}
-                  for w, n in zip(self.windows, self._held)]
-        for g in self._state_groups:
-            groups[g].update(checkpoints_taken=self.num_checkpoints, checkpoints_restored=self.num_restores)
-        return groups
+    def group_stats(self) -> list[KVGroupStats]:
+        state = set(self._state_groups)
+        return [KVGroupStats(kind_name(w), None if w == STATE else w, n,
+                             *((self.num_checkpoints, self.num_restores) if g in state else ()))
+                for g, (w, n) in enumerate(zip(self.windows, self._held))]
 
     def snapshot(self) -> dict:
         """The block map's data, every pool block drawn (the null block among them, held)."""
@@ -467,8 +467,8 @@ class KVCoordinator(KVManager):
             return []
         return [(b, self.tier.tier_key(k)) for k, b in self.pool.cached.items() if len(k) != CHECKPOINT_KEY_BYTES]
 
-    def tier_stats(self) -> dict:
-        return {} if self.tier is None else self.tier.stats()
+    def tier_stats(self) -> TierMoveStats | None:
+        return None if self.tier is None else self.tier.stats()
 
     # ---- growth, sliding, sharing, release ------------------------------------------------------------
     def _take(self, group: int, n: int) -> list[int]:

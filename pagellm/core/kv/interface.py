@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
 from pagellm.core.request import Request
+from pagellm.core.stats import KVGroupStats, TierMoveStats
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,10 +48,10 @@ class KVManager(ABC):
         """Free blocks that still hold a reusable cached prefix."""
         return 0
 
-    def group_stats(self) -> list[dict]:
+    def group_stats(self) -> list[KVGroupStats]:
         """Per KV group: its kind ("full", "sliding" or "state"), window (None unless sliding) and the
         blocks it holds."""
-        return [{"kind": "full", "window": None, "used_blocks": self.num_used_blocks}]
+        return [KVGroupStats("full", None, self.num_used_blocks)]
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
@@ -138,10 +139,9 @@ class KVManager(ABC):
         (what a persisted tier writes out at shutdown); none without a tier."""
         return []
 
-    def tier_stats(self) -> dict:
-        """The second tier's moves: demoted_blocks, promoted_blocks, swapped_out_requests (empty
-        without a tier)."""
-        return {}
+    def tier_stats(self) -> TierMoveStats | None:
+        """The second tier's moves (None without a tier)."""
+        return None
 
     # ---- inspection ------------------------------------------------------------------------------
     @abstractmethod

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagellm.core.block_pool import BlockPool
+from pagellm.core.stats import TierMoveStats
 
 KEY_BYTES = 16  # what the tier stores a block under
 
@@ -88,6 +89,5 @@ class TierHook:
         ops, self.pending_ops = self.pending_ops, []
         return ops
 
-    def stats(self) -> dict:
-        return {"demoted_blocks": self.num_demoted, "promoted_blocks": self.num_promoted,
-                "swapped_out_requests": self.num_swapped_out}
+    def stats(self) -> TierMoveStats:
+        return TierMoveStats(self.num_demoted, self.num_promoted, self.num_swapped_out)

@@ -11,52 +11,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Callable, Protocol
 
+from pagellm.engine.grammars import guidance_backend, xgrammar_backend  # noqa: F401  (they register)
+# The interface, re-exported for the engine's structured outputs.
+from pagellm.engine.grammars.base import BACKENDS, GrammarBackend, Matcher  # noqa: F401
 from pagellm.engine.grammars.json_schema import normalize_schema, unenforced_keywords
 from pagellm.sampling_params import StructuredOutputsParams
 
 BACKEND_NAMES = ("auto", "xgrammar", "guidance")
-
-
-class Matcher(Protocol):
-    """One sequence's position in its grammar."""
-
-    def accept(self, token_id: int) -> bool:
-        """Advance past `token_id`; False if the grammar does not allow it."""
-
-    def fork(self) -> Matcher:
-        """An independent copy at the same position (n > 1, beams)."""
-
-    @property
-    def is_terminated(self) -> bool:
-        """The output is complete and the stop token was accepted."""
-
-
-class GrammarBackend(Protocol):
-    name: str
-    # JSON-schema keywords the backend compiles but does not enforce (they would be dropped).
-    unenforced: frozenset[str]
-
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar; ValueError naming the field when the backend refuses it."""
-
-    def matcher(self, compiled: Any) -> Matcher:
-        """A fresh matcher at the grammar's start."""
-
-    def fill(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
-        """Write each matcher's allowed tokens into its row of the int32 `bitmask` [rows, ceil(V / 32)]."""
-
-
-# name -> factory(tokenizer, vocab_size, eos_token_ids); filled by the backend modules below.
-BACKENDS: dict[str, Callable[..., GrammarBackend]] = {}
-
-
-def register(name: str) -> Callable:
-    def add(factory: Callable[..., GrammarBackend]) -> Callable[..., GrammarBackend]:
-        BACKENDS[name] = factory
-        return factory
-    return add
 
 
 def choose_backend(spec: StructuredOutputsParams, requested: str, available: dict[str, frozenset[str]]) -> str:
@@ -88,5 +50,3 @@ def prepare(spec: StructuredOutputsParams) -> StructuredOutputsParams:
     normalized = normalize_schema(json.loads(spec.json))
     return replace(spec, json=json.dumps(normalized))
 
-
-from pagellm.engine.grammars import guidance_backend, xgrammar_backend  # noqa: E402,F401  (they register)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagellm.engine.grammars import register
+from pagellm.engine.grammars.base import register
 from pagellm.engine.grammars.json_schema import closed_by_default
 from pagellm.sampling_params import StructuredOutputsParams
 

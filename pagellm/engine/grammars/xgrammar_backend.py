@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pagellm.engine.grammars import register
+from pagellm.engine.grammars.base import register
 from pagellm.sampling_params import StructuredOutputsParams
 
 # xgrammar <= 0.2.9 writes one character of a string with minLength/maxLength as [^"\\\r\n], which

@@ -132,12 +132,12 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, config: ServerConf
             error = engine.dead_error
             raise OpenAIError(503, f"the engine is not running{f': {error!r}' if error else ''}",
                               code="engine_unavailable")
-        replicas = engine.stats().get("replicas")
+        replicas = engine.stats().replicas
         if replicas is not None:  # --data-parallel-size: which replicas serve
             from fastapi.responses import JSONResponse
 
-            return JSONResponse({"replicas": [{k: r[k] for k in ("replica", "alive", "pid", "in_flight")}
-                                              for r in replicas]})
+            return JSONResponse({"replicas": [{"replica": r.replica, "alive": r.alive, "pid": r.pid,
+                                               "in_flight": r.in_flight} for r in replicas]})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -348,7 +348,7 @@ def run_server(args: argparse.Namespace) -> int:
                 f"{args.data_parallel_size} replicas on Ray, router {args.router_policy}"
                 if args.data_parallel_size > 1 else
                 f"{str(engine.engine.dtype).removeprefix('torch.')} on {engine.engine.device}",
-                stats["total_blocks"], stats["block_size"], engine.max_model_len)
+                stats.kv.total_blocks, stats.kv.block_size, engine.max_model_len)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=not args.disable_access_log, timeout_graceful_shutdown=5),
                             drain)

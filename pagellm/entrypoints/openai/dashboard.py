@@ -12,12 +12,13 @@ from importlib import resources
 from fastapi import FastAPI
 from starlette.responses import HTMLResponse, JSONResponse
 
+from pagellm.core.stats import EngineStats, KVOffloadStats
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 
 
-def _snapshot(engine: LLMEngine) -> tuple[dict, dict]:
+def _snapshot(engine: LLMEngine) -> tuple[dict, EngineStats]:
     return engine.kv_snapshot(), engine.stats()
 
 
@@ -41,9 +42,16 @@ def cached_flags(snapshot: dict) -> list[int]:
     return [f if ref[i] == 0 else 0 for i, f in enumerate(flags)]
 
 
-def build_state(snapshot: dict, stats: dict, metrics: ServerMetrics, model_name: str, num_unstarted: int) -> dict:
-    queries = stats.get("prefix_cache_queries", 0) or 0
-    hits = stats.get("prefix_cache_hits", 0) or 0
+def _tier_state(tier: KVOffloadStats) -> dict:
+    store, moves = tier.store, tier.moves
+    return {"blocks": store.blocks, "capacity_blocks": store.capacity_blocks, "demoted_blocks": moves.demoted_blocks,
+            "promoted_blocks": moves.promoted_blocks, "corrupt": store.corrupt, "bytes_written": store.bytes_written,
+            "bytes_read": store.bytes_read}
+
+
+def build_state(snapshot: dict, stats: EngineStats, metrics: ServerMetrics, model_name: str,
+                num_unstarted: int) -> dict:
+    queries, hits = stats.prefix_cache.queries, stats.prefix_cache.hits
     flags = cached_flags(snapshot)
     return {
         "model": model_name,
@@ -59,25 +67,23 @@ def build_state(snapshot: dict, stats: dict, metrics: ServerMetrics, model_name:
         "sequences": snapshot.get("sequences", []),
         "recent_preemptions": snapshot.get("recent_preemptions", []),
         "stats": {
-            "total_blocks": stats.get("total_blocks", snapshot["num_blocks"]),
-            "free_blocks": stats.get("free_blocks", 0),
-            "used_blocks": stats.get("used_blocks", 0),
-            "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
-            "kv_groups": stats.get("kv_groups", []),
-            "num_running": stats.get("num_running", 0),
-            "num_waiting": stats.get("num_waiting", 0),
+            "total_blocks": stats.kv.total_blocks,
+            "free_blocks": stats.kv.free_blocks,
+            "used_blocks": stats.kv.used_blocks,
+            "kv_cache_usage": stats.kv.usage,
+            "kv_groups": [g.to_dict() for g in stats.kv.groups],
+            "num_running": stats.scheduler.num_running,
+            "num_waiting": stats.scheduler.num_waiting,
             "num_unstarted": num_unstarted,
-            "num_preemptions": stats.get("num_preemptions", 0),
+            "num_preemptions": stats.scheduler.num_preemptions,
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "cached_blocks": stats.get("cached_blocks", sum(flags)),
+            "cached_blocks": stats.prefix_cache.cached_blocks,
             "shared_blocks": sum(1 for r in snapshot["ref_cnt"] if r > 1),
-            "max_model_len": stats.get("max_model_len"),
+            "max_model_len": stats.max_model_len,
             # The second tier, if any: blocks held and moved (--kv-offload-dir).
-            "kv_offload": None if not stats.get("kv_offload") else {
-                k: stats["kv_offload"][k] for k in ("blocks", "capacity_blocks", "demoted_blocks", "promoted_blocks",
-                                                    "corrupt", "bytes_written", "bytes_read")},
+            "kv_offload": None if stats.kv_offload is None else _tier_state(stats.kv_offload),
         },
         "counters": {
             "prompt_tokens": metrics.total_prompt_tokens,

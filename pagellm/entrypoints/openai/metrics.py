@@ -15,6 +15,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagellm.core.stats import NO_ENGINE, EngineStats
 from pagellm.engine.async_engine import max_new_tokens, num_sequences
 from pagellm.outputs import RequestOutput
 
@@ -64,7 +65,7 @@ class _Progress:
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's stats when Prometheus scrapes."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self.model_name = model_name
         self.stats = stats
 
@@ -78,51 +79,51 @@ class _EngineCollector(Collector):
             return f
 
         yield family(GaugeMetricFamily, "pagellm:num_requests_running", "Number of requests in the running batch.",
-                     s.get("num_running", 0))
+                     s.scheduler.num_running)
         yield family(GaugeMetricFamily, "pagellm:num_requests_waiting", "Number of requests waiting to be scheduled.",
-                     s.get("num_waiting", 0))
+                     s.scheduler.num_waiting)
         yield family(GaugeMetricFamily, "pagellm:kv_cache_usage_perc",
-                     "Fraction of KV cache blocks in use (1 means 100 percent).", s.get("kv_cache_usage", 0.0))
+                     "Fraction of KV cache blocks in use (1 means 100 percent).", s.kv.usage)
         yield family(GaugeMetricFamily, "pagellm:kv_cache_total_blocks", "Number of physical KV cache blocks.",
-                     s.get("total_blocks", 0))
+                     s.kv.total_blocks)
         yield family(GaugeMetricFamily, "pagellm:kv_cache_free_blocks", "Number of free KV cache blocks.",
-                     s.get("free_blocks", 0))
+                     s.kv.free_blocks)
         groups = GaugeMetricFamily("pagellm:kv_cache_group_used_blocks",
                                    "KV blocks held per group of layers (kind: full, sliding or state, the "
                                    "recurrent layers' per-sequence state; window: none, else the sliding window; "
                                    "a block holds one group's layers).",
                                    labels=["model_name", "group", "kind", "window"])
-        for g, group in enumerate(s.get("kv_groups", [])):
-            window = "none" if group["window"] is None else str(group["window"])
-            groups.add_metric(labels + [str(g), group["kind"], window], group["used_blocks"])
+        for g, group in enumerate(s.kv.groups):
+            window = "none" if group.window is None else str(group.window)
+            groups.add_metric(labels + [str(g), group.kind, window], group.used_blocks)
         yield groups
-        state = next((g for g in s.get("kv_groups", []) if g["kind"] == "state"), None)
+        state = next((g for g in s.kv.groups if g.kind == "state"), None)
         if state is not None:  # recurrent models: prefix caching by state checkpoints (core/kv/coordinator.py)
             yield family(CounterMetricFamily, "pagellm:state_checkpoints_taken",
-                         "State checkpoints taken at block boundaries of prompts.", state["checkpoints_taken"])
+                         "State checkpoints taken at block boundaries of prompts.", state.checkpoints_taken)
             yield family(CounterMetricFamily, "pagellm:state_checkpoints_restored",
-                         "Prefix-cache hits resumed from a state checkpoint.", state["checkpoints_restored"])
-        spec = s.get("spec_decode")
+                         "Prefix-cache hits resumed from a state checkpoint.", state.checkpoints_restored)
+        spec = s.spec_decode
         if spec is not None:  # --speculative-config: vLLM's spec_decode_* counters
             for name, key, doc in (("spec_decode_num_drafts", "num_drafts", "Proposals verified (one per sequence "
                                                                             "and step)."),
                                    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
                                    ("spec_decode_num_accepted_tokens", "num_accepted_tokens",
                                     "Proposed tokens accepted.")):
-                yield family(CounterMetricFamily, f"pagellm:{name}", doc, spec[key])
+                yield family(CounterMetricFamily, f"pagellm:{name}", doc, getattr(spec, key))
             per_pos = CounterMetricFamily("pagellm:spec_decode_num_accepted_tokens_per_pos",
                                           "Proposed tokens accepted, by their position in the proposal.",
                                           labels=["model_name", "position"])
-            for position, count in enumerate(spec["accepted_per_position"]):
+            for position, count in enumerate(spec.accepted_per_position):
                 per_pos.add_metric(labels + [str(position)], count)
             yield per_pos
         yield family(CounterMetricFamily, "pagellm:num_preemptions", "Cumulative number of preemptions.",
-                     s.get("num_preemptions", 0))
+                     s.scheduler.num_preemptions)
         yield family(CounterMetricFamily, "pagellm:prefix_cache_queries",
-                     "Prefix cache queries (as the engine counts them).", s.get("prefix_cache_queries", 0))
+                     "Prefix cache queries (as the engine counts them).", s.prefix_cache.queries)
         yield family(CounterMetricFamily, "pagellm:prefix_cache_hits",
-                     "Prefix cache hits (as the engine counts them).", s.get("prefix_cache_hits", 0))
-        replicas = s.get("replicas")
+                     "Prefix cache hits (as the engine counts them).", s.prefix_cache.hits)
+        replicas = s.replicas
         if replicas is not None:  # --data-parallel-size: each replica's own, beside the totals above
             per = {name: GaugeMetricFamily(f"pagellm:replica_{name}", doc, labels=["model_name", "replica"])
                    for name, doc in (("up", "1 while the engine replica serves, 0 once it died."),
@@ -132,55 +133,56 @@ class _EngineCollector(Collector):
                                      ("num_requests_waiting", "Requests waiting in the replica's queue."),
                                      ("kv_cache_usage_perc", "Fraction of the replica's KV cache blocks in use."),
                                      ("prefix_cache_hits", "The replica's prefix cache hits (tokens)."))}
-            routed_counts = s["router"]["routed"]  # ReplicaSet.stats() gives both
+            routed_counts = s.router.routed  # ReplicaSet.stats() gives both
             routed = CounterMetricFamily("pagellm:replica_requests_routed", "Requests the router sent to the "
                                          "replica (retries included).", labels=["model_name", "replica"])
             for r in replicas:
-                label = labels + [str(r["replica"])]
-                routed.add_metric(label, routed_counts[r["replica"]])
-                st = r["stats"] or {}
-                per["up"].add_metric(label, 1 if r["alive"] else 0)
-                per["requests_in_flight"].add_metric(label, r["in_flight"])
-                per["num_requests_running"].add_metric(label, st.get("num_running", 0))
-                per["num_requests_waiting"].add_metric(label, st.get("num_waiting", 0))
-                per["kv_cache_usage_perc"].add_metric(label, st.get("kv_cache_usage", 0.0))
-                per["prefix_cache_hits"].add_metric(label, st.get("prefix_cache_hits", 0))
+                label = labels + [str(r.replica)]
+                routed.add_metric(label, routed_counts[r.replica])
+                st = r.stats or NO_ENGINE
+                per["up"].add_metric(label, 1 if r.alive else 0)
+                per["requests_in_flight"].add_metric(label, r.in_flight)
+                per["num_requests_running"].add_metric(label, st.scheduler.num_running)
+                per["num_requests_waiting"].add_metric(label, st.scheduler.num_waiting)
+                per["kv_cache_usage_perc"].add_metric(label, st.kv.usage)
+                per["prefix_cache_hits"].add_metric(label, st.prefix_cache.hits)
             yield from per.values()
             yield routed
             yield family(CounterMetricFamily, "pagellm:router_prefix_routed",
                          "Requests the cache-aware router sent to a replica that had seen their prefix.",
-                         s["router"]["prefix_routed"])
-        tier = s.get("kv_offload")
-        if tier:  # the prefix cache's second tier (--kv-offload-dir)
+                         s.router.prefix_routed)
+        if s.kv_offload is not None:  # the prefix cache's second tier (--kv-offload-dir)
+            store, moves = s.kv_offload.store, s.kv_offload.moves
             yield family(GaugeMetricFamily, "pagellm:kv_offload_blocks", "KV blocks held by the second tier.",
-                         tier["blocks"])
+                         store.blocks)
             yield family(GaugeMetricFamily, "pagellm:kv_offload_capacity_blocks",
-                         "KV blocks the second tier can hold.", tier["capacity_blocks"])
-            for name, key, doc in (
-                    ("kv_offload_demoted_blocks", "demoted_blocks", "Blocks evicted from the pool to the second tier."),
-                    ("kv_offload_promoted_blocks", "promoted_blocks",
+                         "KV blocks the second tier can hold.", store.capacity_blocks)
+            for name, value, doc in (
+                    ("kv_offload_demoted_blocks", moves.demoted_blocks,
+                     "Blocks evicted from the pool to the second tier."),
+                    ("kv_offload_promoted_blocks", moves.promoted_blocks,
                      "Blocks brought back from the second tier on a prefix hit instead of recomputed."),
-                    ("kv_offload_misses", "misses", "Second-tier lookups that found nothing usable."),
-                    ("kv_offload_corrupt_entries", "corrupt",
+                    ("kv_offload_misses", store.misses, "Second-tier lookups that found nothing usable."),
+                    ("kv_offload_corrupt_entries", store.corrupt,
                      "Second-tier entries refused on load (checksum, key or model fingerprint wrong, file cut short)."),
-                    ("kv_offload_bytes_written", "bytes_written", "Bytes written to the second tier."),
-                    ("kv_offload_bytes_read", "bytes_read", "Bytes read back from the second tier.")):
-                yield family(CounterMetricFamily, f"pagellm:{name}", doc, tier[key])
+                    ("kv_offload_bytes_written", store.bytes_written, "Bytes written to the second tier."),
+                    ("kv_offload_bytes_read", store.bytes_read, "Bytes read back from the second tier.")):
+                yield family(CounterMetricFamily, f"pagellm:{name}", doc, value)
             yield family(CounterMetricFamily, "pagellm:kv_offload_dropped_blocks",
-                         "Blocks the second tier skipped because its writer was too far behind.", tier["dropped"])
+                         "Blocks the second tier skipped because its writer was too far behind.", store.dropped)
             write_errors = CounterMetricFamily("pagellm:kv_offload_write_errors",
                                                "Blocks the second tier failed to write and skipped, by cause (the "
                                                "errno name: ENOSPC the volume full, EROFS read-only, EIO, ...); "
                                                "serving goes on without them.", labels=["model_name", "cause"])
-            for cause, count in sorted(tier.get("write_errors_by_cause", {}).items()):
+            for cause, count in sorted(store.write_errors_by_cause.items()):
                 write_errors.add_metric(labels + [cause], count)
             yield write_errors
         yield family(CounterMetricFamily, "pagellm:stalled_streams",
                      "Streamed requests aborted because their client stopped reading (--max-stream-buffer).",
-                     s.get("num_stalled_streams", 0))
+                     s.num_stalled_streams or 0)
         yield family(CounterMetricFamily, "pagellm:engine_step_failures",
                      "Engine steps whose batch raised; the requests that caused it failed, the others carried on.",
-                     s.get("num_step_failures", 0))
+                     s.num_step_failures)
         failures = CounterMetricFamily("pagellm:request_failures",
                                        "Requests that failed while generating, by cause (step_error: raised in "
                                        "the forward pass or sampling when run alone; non_finite_logits; "
@@ -188,7 +190,7 @@ class _EngineCollector(Collector):
                                        "rejected; "
                                        "output_error: detokenizing or formatting).",
                                        labels=["model_name", "cause"])
-        for cause, count in sorted(s.get("request_failures", {}).items()):
+        for cause, count in sorted(s.request_failures.items()):
             failures.add_metric(labels + [cause], count)
         yield failures
 
@@ -202,7 +204,7 @@ class ServerMetrics:
         disable_created_metrics()
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._stats: Callable[[], dict] = dict
+        self._stats: Callable[[], EngineStats] = lambda: NO_ENGINE
         self.registry.register(_EngineCollector(model_name, lambda: self._stats()))
         reg, name = self.registry, ["model_name"]
         self.prompt_tokens = Counter("pagellm:prompt_tokens", "Number of prefill tokens processed.", name,
@@ -274,7 +276,7 @@ class ServerMetrics:
     def count_api_request(self, api: str, status: int) -> None:
         self.api_requests.labels(self.model_name, api, str(status)).inc()
 
-    def bind(self, stats: Callable[[], dict]) -> None:
+    def bind(self, stats: Callable[[], EngineStats]) -> None:
         self._stats = stats
 
     def render(self) -> bytes:

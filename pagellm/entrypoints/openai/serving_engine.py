@@ -89,8 +89,8 @@ class OpenAIServing:
         self.model_name = served_model_names[0]
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        stats = engine.stats()
-        self.pool_tokens = stats["total_blocks"] * stats["block_size"]
+        kv = engine.stats().kv
+        self.pool_tokens = kv.total_blocks * kv.block_size
 
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

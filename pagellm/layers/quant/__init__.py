@@ -4,57 +4,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pagellm.layers.linear import LinearMethod, linear_method_for_new_layers
+from pagellm.layers.quant.formats import WEIGHT_FORMATS, WeightFormat, register
 
-# Dense values widened at a time by tiled_product (4 MiB of float32; the dense matrix never exists).
-TILE_VALUES = 1 << 20
-
-
-def tiled_product(x: torch.Tensor, rows: int, cols: int,
-                  widen: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
-    """x [M, cols] @ W^T for a W [rows, cols] kept compressed: `widen(start, end)` gives rows
-    [start, end) of W dense in x's dtype, TILE_VALUES values at a time, each multiplied by torch's
-    GEMM while it is in cache (compute-bound batches, where widening a tile costs little)."""
-    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
-    step = max(16, TILE_VALUES // cols)
-    for start in range(0, rows, step):
-        end = min(rows, start + step)
-        out[:, start:end] = F.linear(x, widen(start, end))
-    return out
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """One way linear layers keep their weights, registered by the module that implements it
-    (`register`); `linear_methods` builds a model's layers with it."""
-
-    name: str
-    # (model dtype, batch_invariant, activation_quantization) -> a factory of each new layer's
-    # LinearMethod, or None for the layers' own dense method.
-    factory: Callable[[torch.dtype, bool, str], Callable[[], LinearMethod] | None]
-    # Batch-invariant mode covers it; else `why_not_invariant` says why not.
-    batch_invariant: bool = True
-    why_not_invariant: str = ""
-    # `--quantization NAME`: a safetensors checkpoint quantized as it loads.
-    quantizes_on_load: bool = False
-    devices: tuple[str, ...] = ("cpu", "cuda")
-
-
-WEIGHT_FORMATS: dict[str, WeightFormat] = {}
 # The modules that register the formats besides dense: imported on first use (they load kernels).
 _FORMAT_MODULES = ("pagellm.layers.quant.gguf", "pagellm.layers.quant.int_weights")
-
-
-def register(fmt: WeightFormat) -> WeightFormat:
-    if fmt.name in WEIGHT_FORMATS and WEIGHT_FORMATS[fmt.name] != fmt:
-        raise ValueError(f"weight format {fmt.name!r} is registered twice")
-    WEIGHT_FORMATS[fmt.name] = fmt
-    return fmt
 
 
 def weight_format(name: str) -> WeightFormat:

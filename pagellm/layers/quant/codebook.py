@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 
 from pagellm.kernels import cpu
+from pagellm.layers.quant.gguf_types import CODEBOOK, served_by
 
 # GGML type id -> name.
-CODEBOOK_TYPES = {20: "IQ4_NL", 23: "IQ4_XS", 39: "MXFP4"}
-# (values, bytes) per block.
-BLOCKS = {20: (32, 18), 23: (256, 136), 39: (32, 17)}
+CODEBOOK_TYPES = {i: t.name for i, t in served_by(CODEBOOK).items()}
 FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 INT8_MAX_ROWS = {"int8": 32, "int8x2": 8}
 

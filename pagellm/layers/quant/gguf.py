@@ -37,12 +37,15 @@ from torch import nn
 from pagellm.kernels import cpu
 from pagellm.layers import invariant
 from pagellm.layers.linear import LinearMethod
-from pagellm.layers.quant import WeightFormat, codebook, register, tiled_product
+from pagellm.layers.quant import codebook
+from pagellm.layers.quant.formats import WeightFormat, register
+from pagellm.layers.quant.gguf_types import BLOCK_TYPES
+from pagellm.layers.quant.tiled import tiled_product
 
-# GGML type id -> name, for the types with a kernel.
-NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", **codebook.CODEBOOK_TYPES}
+# GGML type id -> name, for the types with a kernel (gguf_types.py's table).
+NATIVE_TYPES = {i: t.name for i, t in BLOCK_TYPES.items()}
 # (values, bytes) per block.
-_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), **codebook.BLOCKS}
+_BLOCK = {i: (t.values, t.bytes) for i, t in BLOCK_TYPES.items()}
 # Batches up to this many rows use the fused kernel, by activation dtype: past it, widened tiles
 # through torch's GEMM win (measured per batch size: benchmarks/quant_matmul.py).
 FUSED_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
@@ -63,7 +66,7 @@ INT8_MAX_ROWS = {"int8": 16, "int8x2": 8}
 # float32 kernel's 7.0, Q6_K down 2.4 against 3.7), and against every type in AVX2 builds, whose
 # float32 kernel (8 lanes, 16 registers) loses to two codes at every batch up to 32 on every shape
 # (quant-matmul-2026-12-04-avx2.json: 1.1-1.9x at 16 rows).
-K_QUANTS = frozenset(t for t, name in NATIVE_TYPES.items() if name.endswith("_K"))
+K_QUANTS = frozenset(i for i, t in BLOCK_TYPES.items() if t.k_quant)
 WIDE_INT8_MAX_ROWS = 32
 # Past INT8_MAX_ROWS, mode "int8" rounds the activations to bfloat16 for bfloat16 tiles, where the
 # CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX); "int8x2" keeps float32 products, since its

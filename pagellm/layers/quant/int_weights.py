@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from pagellm.layers.linear import LinearMethod, UnquantizedLinearMethod
-from pagellm.layers.quant import WeightFormat, register, tiled_product
+from pagellm.layers.quant.formats import WeightFormat, register
+from pagellm.layers.quant.tiled import tiled_product
 
 logger = logging.getLogger("pagellm.quant")
 

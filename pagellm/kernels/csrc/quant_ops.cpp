@@ -1550,6 +1550,7 @@ void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
   const bool fetch = K > 4096;  // see prefetch_tile
   const XI low = xi_bytes(0x0F);
   XF acc[kXVecs];
+  __m256 mins = _mm256_setzero_ps();
   for (int h = 0; h < kXVecs; ++h) {
     const XI first = scale_controls(h, false, 0), second = scale_controls(h, true, 0);
     acc[h] = xf_zero();
@@ -1581,18 +1582,17 @@ void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
       const XI total = kTwo ? xi_add32(xi_slli32(sums, 7), second_sums) : sums;
       const float dx = kTwo ? a.scale[b] / 128.f : a.scale[b];
       acc[h] = xf_fmadd(xf_cvt(total), xf_mul(xf_row_halves(tiles + b * kQ4Tile + kQ4D, h), xf_set1(dx)), acc[h]);
+      if (h == 0) {  // the mins' term while the tile is in L1 (a pass of its own read the group again from L2)
+        const uint8_t* tm = tiles + b * kQ4Tile;
+        __m256 m = _mm256_setzero_ps();
+        for (int s = 0; s < 8; ++s)
+          m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tm + kQ4M + 8 * s)))),
+                              _mm256_set1_ps(a.block_sum[8 * b + s]), m);
+        mins = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + kQ4Dmin))), mins);
+      }
     }
   }
   row_sums(acc, y);
-  __m256 mins = _mm256_setzero_ps();
-  for (int64_t b = 0; b < supers; ++b) {
-    const uint8_t* t = tiles + b * kQ4Tile;
-    __m256 m = _mm256_setzero_ps();
-    for (int s = 0; s < 8; ++s)
-      m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + kQ4M + 8 * s)))),
-                          _mm256_set1_ps(a.block_sum[8 * b + s]), m);
-    mins = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ4Dmin))), mins);
-  }
   alignas(32) float mv[8];
   _mm256_store_ps(mv, mins);
   for (int r = 0; r < kX8Rows; ++r) y[r] += mv[r];

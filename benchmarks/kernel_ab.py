@@ -7,7 +7,8 @@ over copies totalling > 128 MB, so every call reads them from memory as a decode
 
 A side whose build repacks weights at load (tiles of 8 rows: layers/quant/gguf.py, REPACKED)
 multiplies them repacked, as a model load gives them; --repack all repacks every type its kernels
-can (Q6_K too), --repack none keeps GGUF's blocks on both sides.
+can (Q6_K too), --repack none keeps GGUF's blocks on both sides; --base-repack gives the A side
+its own (a layout against another in one build: --base HEAD --base-repack none --repack all).
 PAGELLM_CPU_MARCH=x86-64-v3 builds both sides for AVX2 (the AVX2 kernels on an AVX-512 machine).
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ from pagellm.kernels import cpu  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 from tests.kernels.gguf_blocks import random_blocks  # noqa: E402
 
-SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+          "lm_head": (128256, 2048)}
 
 
 def base_module(rev: str):
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--repack", default="load", choices=["load", "all", "none"],
                     help="weights in tiles of 8 rows where a side's build repacks them: as a model load does, "
                          "every type the kernels can (Q6_K too), or none")
+    ap.add_argument("--base-repack", choices=["load", "all", "none"], help="the A side's --repack (default: the same)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     two = args.activations == "int8x2"
@@ -79,7 +82,8 @@ def main() -> None:
             n, k = SHAPES[shape]
             w = torch.from_numpy(random_blocks(T[name], n, k, seed=1))
             # each side's weights in the form its load would give them (repacked where it repacks the type)
-            weights = {side: weight_form(module, w, qtype, k, args.repack) for side, module in sides.items()}
+            repack = {"base": args.base_repack or args.repack, "new": args.repack}
+            weights = {side: weight_form(module, w, qtype, k, repack[side]) for side, module in sides.items()}
             copies = {side: [form[0].clone() for _ in range(int(128e6 // w.numel()) + 1)]
                       for side, form in weights.items()}
             for m in map(int, args.rows.split(",")):

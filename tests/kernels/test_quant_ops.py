@@ -110,10 +110,10 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_repacked_k_quants_multiply_as_their_blocks(qtype):
-    """Q4_K / Q6_K weights repacked into tiles of 8 rows (a layer's Q4_K in the integer modes): the
-    same bytes back; rows and float32 products equal to the blocks'; integer products of the rows
-    of x that the tiles' kernel takes (Q4_K: all, Q6_K: one; x rounded alike) within float32
-    summation order of the blocks', of more rows (each tile widened back) equal."""
+    """Q4_K / Q6_K weights repacked into tiles of 8 rows (a layer's Q4_K and Q6_K in the integer modes):
+    the same bytes back; rows and float32 products equal to the blocks'; integer products (of 1, 3
+    and 5 rows of x: Q6_K's kernel takes up to 4 together; x rounded alike) within float32 summation
+    order of the blocks'."""
     kernels, cols = cpu.quant_kernels(), 1280  # 5 super-blocks
     raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=6))
     packed_id = kernels.repacked_types[int(qtype)]
@@ -124,40 +124,42 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     assert torch.equal(q.dequantize_rows(packed, packed_id, cols, rows, torch.bfloat16),
                        reference(raw.numpy(), qtype, cols)[rows].bfloat16())
     for activations in ("none", "int8", "int8x2"):
-        for m in (1, 3):
+        for m in (1, 3, 5):
             x = torch.randn(m, cols)
             x[0, 256:512] = 0  # an all-zero super-block: scale 0
             ours = q.gguf_matmul(x, packed, packed_id, cols, activations=activations)
             blocks = q.gguf_matmul(x, raw, int(qtype), cols, activations=activations)
-            if activations != "none" and (m == 1 or qtype == T.Q4_K):
-                assert (ours - blocks).abs().max() <= RTOL * blocks.abs().max(), activations
+            if activations == "none":
+                assert torch.equal(ours, blocks), m
             else:
-                assert torch.equal(ours, blocks), (activations, m)
+                assert (ours - blocks).abs().max() <= RTOL * blocks.abs().max(), (activations, m)
         x = torch.randn(1, cols)
         x[0, 700] = float("nan")
         assert q.gguf_matmul(x, packed, packed_id, cols, activations=activations).isnan().all()
     assert q.repacked_type(int(T.Q4_K), 24, "int8x2", batch_invariant=False) == kernels.repacked_types[int(T.Q4_K)]
     assert q.repacked_type(int(T.Q4_K), 24, "none", batch_invariant=False) is None  # mode none keeps the blocks
     assert q.repacked_type(int(T.Q4_K), 20, "int8x2", batch_invariant=False) is None  # not whole tiles
-    assert q.repacked_type(int(T.Q6_K), 24, "int8x2", batch_invariant=False) is None  # see gguf.REPACKED
+    assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False) == kernels.repacked_types[int(T.Q6_K)]
 
 
 def test_a_layer_repacks_its_k_quant_segments_in_the_integer_modes():
-    """gate in Q4_K (repacked), up in Q6_K (kept in blocks: gguf.REPACKED); products as the layer kept in blocks."""
+    """q in Q4_K and k in Q6_K (repacked), v in Q8_0 (kept in blocks: gguf.REPACKED); products as the layer kept in blocks."""
     if q.repacked_type(int(T.Q4_K), 8, "int8x2", batch_invariant=False) is None:
         pytest.skip("no repacking kernels in this build")
-    parts = [random_blocks(T.Q4_K, 8, 512, seed=7), random_blocks(T.Q6_K, 16, 512, seed=8)]
+    types = (T.Q4_K, T.Q6_K, T.Q8_0)
+    parts = [random_blocks(t, rows, 512, seed=7 + i) for i, (t, rows) in enumerate(zip(types, (8, 16, 16)))]
     layers = {}
     for activations in ("int8x2", "none"):
-        layer = MergedColumnParallelLinear(512, [8, 16], method=GGUFLinearMethod(torch.float32, activations=activations))
-        for i, (part, qtype) in enumerate(zip(parts, (T.Q4_K, T.Q6_K))):
+        layer = MergedColumnParallelLinear(512, [8, 16, 16], method=GGUFLinearMethod(torch.float32,
+                                                                                    activations=activations))
+        for i, (part, qtype) in enumerate(zip(parts, types)):
             layer.weight_loader(layer.weight, GGUFBlocks(torch.from_numpy(part), int(qtype), 512), i)
         layer.method.finish(layer)
-        assert layer.segment_types == [int(T.Q4_K), int(T.Q6_K)]  # the file's types, whatever the layout
+        assert layer.segment_types == [int(t) for t in types]  # the file's types, whatever the layout
         layers[activations] = layer
     packed, blocks = layers["int8x2"], layers["none"]
-    assert [kind for kind, _ in packed.gguf_products] == [cpu.quant_kernels().repacked_types[int(T.Q4_K)],
-                                                            int(T.Q6_K)]
+    repacked = cpu.quant_kernels().repacked_types
+    assert [kind for kind, _ in packed.gguf_products] == [repacked[int(T.Q4_K)], repacked[int(T.Q6_K)], int(T.Q8_0)]
     for m in (1, 5):
         x = torch.randn(m, 512)
         packed.method.activations = blocks.method.activations = "int8x2"  # the same products on both

@@ -1550,6 +1550,7 @@ void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
   const bool fetch = K > 4096;  // see prefetch_tile
   const XI low = xi_bytes(0x0F);
   XF acc[kXVecs];
+  __m256 mins = _mm256_setzero_ps();
   for (int h = 0; h < kXVecs; ++h) {
     const XI first = scale_controls(h, false, 0), second = scale_controls(h, true, 0);
     acc[h] = xf_zero();
@@ -1581,25 +1582,24 @@ void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
       const XI total = kTwo ? xi_add32(xi_slli32(sums, 7), second_sums) : sums;
       const float dx = kTwo ? a.scale[b] / 128.f : a.scale[b];
       acc[h] = xf_fmadd(xf_cvt(total), xf_mul(xf_row_halves(tiles + b * kQ4Tile + kQ4D, h), xf_set1(dx)), acc[h]);
+      if (h == 0) {  // the mins' term while the tile is in L1 (a pass of its own read the group again from L2)
+        const uint8_t* tm = tiles + b * kQ4Tile;
+        __m256 m = _mm256_setzero_ps();
+        for (int s = 0; s < 8; ++s)
+          m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tm + kQ4M + 8 * s)))),
+                              _mm256_set1_ps(a.block_sum[8 * b + s]), m);
+        mins = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + kQ4Dmin))), mins);
+      }
     }
   }
   row_sums(acc, y);
-  __m256 mins = _mm256_setzero_ps();
-  for (int64_t b = 0; b < supers; ++b) {
-    const uint8_t* t = tiles + b * kQ4Tile;
-    __m256 m = _mm256_setzero_ps();
-    for (int s = 0; s < 8; ++s)
-      m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + kQ4M + 8 * s)))),
-                          _mm256_set1_ps(a.block_sum[8 * b + s]), m);
-    mins = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ4Dmin))), mins);
-  }
   alignas(32) float mv[8];
   _mm256_store_ps(mv, mins);
   for (int r = 0; r < kX8Rows; ++r) y[r] += mv[r];
 }
 
 // Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
-// q6_k_x8_row takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
+// q6_k_x8_rows takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
 // 128 c + r): the offset term of the codes stored + 32, subtracted in integers per group.
 std::vector<int32_t> q6_k_x8_offsets(const ActRows& a, int64_t m, int64_t K, bool two_terms) {
   std::vector<int32_t> o(K / 8);
@@ -1611,56 +1611,74 @@ std::vector<int32_t> q6_k_x8_offsets(const ActRows& a, int64_t m, int64_t K, boo
   return o;
 }
 
-// 8 rows of a Q6_K_X8 weight times one row of x: with two codes x per 32 values (quantize_activations,
-// the same rounding as int8_rows; a.scale one per 32 values), with one per 256 (quantize_super, as
-// int8_super_rows). One load
-// of ql's units p and p + 4 and of qh's unit p (per 128-value half) gives 4 vectors of codes (values
-// 8p, 32 + 8p, 64 + 8p and 96 + 8p of the half, as dequant_q6_k); per 16-value group a lane's sum
-// (at most 8 * 63 * 16320 before the offset, 8 * 32 * 16320 after) converts to float once, times
-// its scale and d * dx.
-template <bool kTwo>
-void q6_k_x8_row(ActView a, const int32_t* offsets, int64_t K, const uint8_t* tiles, float* y) {
+// 8 rows of a Q6_K_X8 weight times M (1..4) rows of x, rounded as the blocks' kernels round them
+// (kPer32: two codes per 32 values, quantize_activations, as int8_rows; else per 256 values,
+// quantize_super, as int8_super_rows and wide_super_rows). One load of ql's units p and p + 4 and of qh's unit p (per
+// 128-value half) gives 4 vectors of codes (values 8p, 32 + 8p, 64 + 8p and 96 + 8p of the half, as
+// dequant_q6_k), unpacked once for the M rows of x, as are the groups' scales; per 16-value group a
+// lane's sum (at most 8 * 63 * 16320 before the offset, 8 * 32 * 16320 after) converts to float
+// once, times its scale and d * dx. Row m of x: a[m], offsets[m], its 8 sums at y[m].
+template <int M, bool kTwo, bool kPer32>
+void q6_k_x8_rows(const ActView* a, const int32_t* const* offsets, int64_t K, const uint8_t* tiles, float* const* y) {
   const int64_t supers = K / QK_K;
   const XI low = xi_bytes(0x0F), top = xi_bytes(0x30);
-  XF acc[kXVecs];
+  XF acc[M][kXVecs];
   for (int h = 0; h < kXVecs; ++h) {
     const XI first = scale_controls(h, false, 3), second = scale_controls(h, true, 3);
-    acc[h] = xf_zero();
+    for (int m = 0; m < M; ++m) acc[m][h] = xf_zero();
     for (int64_t b = 0; b < supers; ++b) {
       const uint8_t* t = tiles + b * kQ6Tile + h * kXBytes;
       const XF d = xf_row_halves(tiles + b * kQ6Tile + kQ6D, h);
       for (int n = 0; n < 2; ++n) {
         for (int gp = 0; gp < 2; ++gp) {  // groups 8n + 2i + gp of the super-block, i = 0..3
           if (h == 0) prefetch_tile(tiles + b * kQ6Tile, kQ6Tile, 8 * (2 * n + gp), 8 * (2 * n + gp) + 8);
-          XI c[4], r[4];
-          for (int i = 0; i < 4; ++i) c[i] = r[i] = xi_zero();
-          for (int p = 2 * gp; p < 2 * gp + 2; ++p) {
-            const XI A = xi_load(t + (8 * n + p) * 64), B = xi_load(t + (8 * n + 4 + p) * 64);
-            const XI H = xi_load(t + kQ6Qh + (4 * n + p) * 64);
-            const XI v[4] = {xi_or(xi_and(A, low), xi_and(xi_slli16(H, 4), top)),
-                             xi_or(xi_and(B, low), xi_and(xi_slli16(H, 2), top)),
-                             xi_or(xi_and(xi_srli16(A, 4), low), xi_and(H, top)),
-                             xi_or(xi_and(xi_srli16(B, 4), low), xi_and(xi_srli16(H, 2), top))};
-            for (int i = 0; i < 4; ++i) {
-              const int64_t at = QK_K * b + 128 * n + 32 * i + 8 * p;
-              c[i] = xi_dot4(c[i], v[i], xi_bcast64(a.codes + at));
-              if constexpr (kTwo) r[i] = xi_dot4(r[i], v[i], xi_bcast64(a.residual + at));
-            }
+          XI v[2][4];
+          for (int p = 0; p < 2; ++p) {
+            const int u = 2 * gp + p;
+            const XI A = xi_load(t + (8 * n + u) * 64), B = xi_load(t + (8 * n + 4 + u) * 64);
+            const XI H = xi_load(t + kQ6Qh + (4 * n + u) * 64);
+            v[p][0] = xi_or(xi_and(A, low), xi_and(xi_slli16(H, 4), top));
+            v[p][1] = xi_or(xi_and(B, low), xi_and(xi_slli16(H, 2), top));
+            v[p][2] = xi_or(xi_and(xi_srli16(A, 4), low), xi_and(H, top));
+            v[p][3] = xi_or(xi_and(xi_srli16(B, 4), low), xi_and(xi_srli16(H, 2), top));
           }
-          for (int i = 0; i < 4; ++i) {
-            const int64_t g = 16 * b + 8 * n + 2 * i + gp;
-            XI total = kTwo ? xi_add32(xi_slli32(c[i], 7), r[i]) : c[i];
-            total = xi_sub32(total, xi_bcast64(reinterpret_cast<const int8_t*>(offsets + 2 * g)));
-            const XI sc = xi_srai32(xi_shuffle(xi_bcast128(tiles + b * kQ6Tile + kQ6Sc + 16 * (4 * n + i)),
-                                               gp ? second : first), 24);
-            const float dx = a.scale[kTwo ? (QK_K * b + 128 * n + 32 * i) / 32 : b];
-            acc[h] = xf_fmadd(xf_mul(xf_cvt(total), xf_cvt(sc)), xf_mul(d, xf_set1(dx)), acc[h]);
+          XF sc[4];
+          for (int i = 0; i < 4; ++i)
+            sc[i] = xf_cvt(xi_srai32(xi_shuffle(xi_bcast128(tiles + b * kQ6Tile + kQ6Sc + 16 * (4 * n + i)),
+                                                gp ? second : first), 24));
+          for (int m = 0; m < M; ++m) {
+            for (int i = 0; i < 4; ++i) {
+              const int64_t at = QK_K * b + 128 * n + 32 * i + 16 * gp;
+              const int64_t g = 16 * b + 8 * n + 2 * i + gp;
+              XI total = xi_dot4(xi_dot4(xi_zero(), v[0][i], xi_bcast64(a[m].codes + at)), v[1][i],
+                                 xi_bcast64(a[m].codes + at + 8));
+              if constexpr (kTwo) {
+                const XI r = xi_dot4(xi_dot4(xi_zero(), v[0][i], xi_bcast64(a[m].residual + at)), v[1][i],
+                                     xi_bcast64(a[m].residual + at + 8));
+                total = xi_add32(xi_slli32(total, 7), r);
+              }
+              total = xi_sub32(total, xi_bcast64(reinterpret_cast<const int8_t*>(offsets[m] + 2 * g)));
+              // quantize_activations' scales take two codes' 1/128 in, quantize_super's do not
+              const float dx = kPer32 ? a[m].scale[(QK_K * b + 128 * n + 32 * i) / 32]
+                                      : kTwo ? a[m].scale[b] / 128.f : a[m].scale[b];
+              acc[m][h] = xf_fmadd(xf_mul(xf_cvt(total), sc[i]), xf_mul(d, xf_set1(dx)), acc[m][h]);
+            }
           }
         }
       }
     }
   }
-  row_sums(acc, y);
+  for (int m = 0; m < M; ++m) row_sums(acc[m], y[m]);
+}
+
+// Rows of x that q6_k_x8_rows takes together: each tile's codes unpacked once for them.
+constexpr int64_t kQ6TileRows = 4;
+template <int M>
+void q6_k_x8_dispatch(bool two_terms, bool per32, const ActView* a, const int32_t* const* o, int64_t K,
+                      const uint8_t* tiles, float* const* y) {
+  if (!two_terms) q6_k_x8_rows<M, false, false>(a, o, K, tiles, y);
+  else if (per32) q6_k_x8_rows<M, true, true>(a, o, K, tiles, y);
+  else q6_k_x8_rows<M, true, false>(a, o, K, tiles, y);
 }
 #endif  // PAGELLM_INT8_ACTIVATIONS
 
@@ -1817,19 +1835,29 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 }
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
-// Rows of x that take the tiles' one-row kernels (q4_k_x8_row, q6_k_x8_row) one after the other, each
-// group of 8 rows of W read from memory once and from cache by the next rows of x; more take each
-// group back in GGUF's layout for the kernels above, which share a chunk's unpacking among the rows.
-// Q4_K's row loop beats widening back at every batch the integer kernels take (32 rows), so it takes
-// them all; from two rows Q6_K's layout kernels share far more (16-bit codes times scales,
-// wide_super_rows), so its loop takes one (ratios: docs/quantization.md, "Repacked Q4_K").
-constexpr int64_t x8_max_row_loop(int64_t qtype) { return qtype == Q4_K ? 32 : 1; }
+// With two codes per value, the K-quants' products of at least this many rows of x take the 16-bit
+// kernel (wide_super_rows), whose per-chunk widening the rows share; fewer take int8_super_rows
+// (Q4_K, Q5_K) or int8_rows (Q6_K, x per 32 values). 1B shapes, ms at 1 / 2 / 4 / 16 rows, int8
+// codes against 16 bits: Q4_K 0.55 / 0.81 / 1.29 / 5.24 against 0.71 / 0.93 / 1.16 / 3.74, Q6_K
+// 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41.
+constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 4 : 0; }
 
-// Up to x8_max_row_loop rows of x times a repacked weight, x rounded as the GGUF layout's kernels
+// Rows of x that take the tiles' kernels (q4_k_x8_row one row after the other, q6_k_x8_rows up to 4
+// rows at once), each group of 8 rows of W read from memory once and from cache by the next rows of
+// x: every batch the integer kernels take (32 rows; ratios against the blocks: docs/quantization.md,
+// "Repacked Q4_K and Q6_K"). More take each group back in GGUF's layout for the kernels above.
+constexpr int64_t kX8MaxRowLoop = 32;
+
+// Up to kX8MaxRowLoop rows of x times a repacked weight, x rounded as the GGUF layout's kernels
 // round it for these rows: the same codes, so the same sums up to float32 summation order.
 void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
                  float* y) {
-  const bool per_super = qtype == Q4_K || !two_terms;
+#if defined(PAGELLM_INT8_VNNI)
+  const bool wide = two_terms && M >= wide_min_rows(qtype);  // the blocks' wide_super_rows: x per 256 values
+#else
+  const bool wide = false;
+#endif
+  const bool per_super = qtype == Q4_K || !two_terms || wide;
 #if defined(PAGELLM_INT8_VNNI)
   const ActRows a = per_super ? quantize_super(x, M, K, two_terms, false) : quantize_activations(x, M, K, two_terms);
 #else
@@ -1848,29 +1876,39 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
       for (int64_t i = 0; i < M * K; i += 32) scale32.push_back(a.lane_scale[i / 4]);
   }
   const int64_t group_bytes = K / QK_K * (qtype == Q4_K ? kQ4Tile : kQ6Tile);
+  std::vector<ActView> views;
+  for (int64_t m = 0; m < M; ++m)
+    views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr,
+                     per_super ? a.super_scale.data() + m * K / QK_K : scale32.data() + m * K / 32, nullptr,
+                     per_super ? a.block_sum.data() + m * K / 32 : nullptr, nullptr, nullptr});
   at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
-      for (int64_t m = 0; m < M; ++m) {
-        const ActView v{a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr,
-                        per_super ? a.super_scale.data() + m * K / QK_K : scale32.data() + m * K / 32, nullptr,
-                        per_super ? a.block_sum.data() + m * K / 32 : nullptr, nullptr, nullptr};
-        float* yg = y + m * N + kX8Rows * g;
-        const int32_t* o = offsets.data() + m * K / 8;
-        if (qtype == Q4_K) two_terms ? q4_k_x8_row<true>(v, K, tiles, yg) : q4_k_x8_row<false>(v, K, tiles, yg);
-        else two_terms ? q6_k_x8_row<true>(v, o, K, tiles, yg) : q6_k_x8_row<false>(v, o, K, tiles, yg);
+      if (qtype == Q4_K) {
+        for (int64_t m = 0; m < M; ++m) {
+          float* yg = y + m * N + kX8Rows * g;
+          two_terms ? q4_k_x8_row<true>(views[m], K, tiles, yg) : q4_k_x8_row<false>(views[m], K, tiles, yg);
+        }
+        continue;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kQ6TileRows) {
+        const int32_t* o[kQ6TileRows];
+        float* yg[kQ6TileRows];
+        for (int64_t m = m0; m < std::min(M, m0 + kQ6TileRows); ++m)
+          o[m - m0] = offsets.data() + m * K / 8, yg[m - m0] = y + m * N + kX8Rows * g;
+        const ActView* v = views.data() + m0;
+        switch (std::min(M - m0, kQ6TileRows)) {
+          case 1: q6_k_x8_dispatch<1>(two_terms, !per_super, v, o, K, tiles, yg); break;
+          case 2: q6_k_x8_dispatch<2>(two_terms, !per_super, v, o, K, tiles, yg); break;
+          case 3: q6_k_x8_dispatch<3>(two_terms, !per_super, v, o, K, tiles, yg); break;
+          default: q6_k_x8_dispatch<4>(two_terms, !per_super, v, o, K, tiles, yg); break;
+        }
       }
     }
   });
 }
 #endif
 
-// With two codes per value, the K-quants' products of at least this many rows of x take the 16-bit
-// kernel (wide_super_rows), whose per-chunk widening the rows share; fewer take int8_super_rows
-// (Q4_K, Q5_K) or int8_rows (Q6_K, x per 32 values). 1B shapes, ms at 1 / 2 / 4 / 16 rows, int8
-// codes against 16 bits: Q4_K 0.55 / 0.81 / 1.29 / 5.24 against 0.71 / 0.93 / 1.16 / 3.74, Q6_K
-// 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41.
-constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 4 : 0; }
 // x @ W^T with x rounded to int8 per 32 values (the int8-activation mode; see above). K a
 // multiple of 64. Not summed in a batch-invariant order: each row's sums do not depend on M, but
 // the mode is not the exact product the invariant mode promises.
@@ -1885,7 +1923,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  if (x8 && M <= x8_max_row_loop(qtype)) {
+  if (x8 && M <= kX8MaxRowLoop) {
     x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }

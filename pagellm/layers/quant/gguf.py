@@ -249,19 +249,19 @@ def wide_int8_types(activations: str) -> frozenset[int]:
     return K_QUANTS if kernels.int8_kernel == "avx512_vnni" else frozenset()
 
 
-# The types repacked at load: Q4_K. The kernels repack Q6_K too (kernels.repacked_types), whose tiles
-# speed up a product of one row of x, but products of several rows then widen each tile back to
-# GGUF's layout and run slower than on the blocks, so a server's batched decode steps would pay for a
-# single stream's gain (the measured ratios: docs/quantization.md, "Repacked Q4_K").
-REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name == "Q4_K")
+# The types repacked at load: the ones whose tiles' kernels (csrc/quant_ops.cpp, "Q4_K / Q6_K
+# repacked") beat the blocks' at one row of x (a decode step of one sequence) and keep up with them
+# at every batch the integer kernels take (the measured ratios: docs/quantization.md, "Repacked Q4_K
+# and Q6_K"). Q6_K carries a Q4_K_M file's output matrix, a quarter of the bytes a 1B decode step reads.
+REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_K", "Q6_K"))
 
 
 def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool) -> int | None:
     """The id of the layout the kernels repack a weight of `qtype` with `rows` rows into at load,
-    or None to keep GGUF's blocks. The types of REPACKED, in the integer modes, whose one-row products
-    (a decode step of one sequence) read tiles of 8 rows without unpacking scales per token
-    (csrc/quant_ops.cpp, "Q4_K / Q6_K repacked"); products of other row counts widen each tile back
-    in cache, so mode none, whose products never take the integer kernels, keeps the blocks."""
+    or None to keep GGUF's blocks. The types of REPACKED, in the integer modes, whose products of up
+    to 32 rows read tiles of 8 rows without unpacking scales per token (csrc/quant_ops.cpp, "Q4_K /
+    Q6_K repacked"); larger products widen each tile back in cache, so mode none, whose products
+    never take the integer kernels, keeps the blocks."""
     kernels = cpu.quant_kernels()
     if (activations not in INT8_MAX_ROWS or batch_invariant or kernels is None or not kernels.has_int8_activations
             or rows % 8 or qtype not in REPACKED):

@@ -9,7 +9,10 @@ S [dk, dv]:
 
 where q, k, v come out of a short causal convolution (SiLU) over the projected q/k/v, key heads
 serve num_v_heads / num_k_heads consecutive value heads, and the output is RMS-normalised per
-head, gated by silu(z_t) and projected out.
+head, gated by silu(z_t) and projected out. A GGUF file's out_proj takes the value heads tiled
+across key heads instead ([v0 of every key head, v1 of every key head, ...], llama.cpp's order;
+`linear_out_proj_tiled` in the config): its columns stay so, in their quantized blocks, and the
+heads are handed to it in that order.
 
 State per sequence: "conv" [conv channels, K - 1] (the convolution's last inputs) and "ssm"
 [value heads, dk, dv] (S), both on this rank's heads. A step's decodes are advanced one token
@@ -22,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagellm.layers.linear import RowParallelLinear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.layers.recurrent import RecurrentMixer
-from pagellm.layers.sharded_parts import Part, PartsColumnParallelLinear, PartsConv1d, leading_decodes, sharded_vector
+from pagellm.layers.sharded_parts import (Part, PartsColumnParallelLinear, PartsConv1d, PartsRowParallelLinear,
+                                          leading_decodes, sharded_vector)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +113,12 @@ class GatedDeltaNet(RecurrentMixer):
         self.dt_bias = sharded_vector(heads)
         self.A_log = sharded_vector(heads)
         self.norm = RMSNorm(self.dv, hf.rms_norm_eps)
-        self.out_proj = RowParallelLinear(hf.linear_num_value_heads * self.dv, hf.hidden_size, tp=tp)
+        group = self.num_v_heads // self.num_k_heads
+        self.tiled = bool(getattr(hf, "linear_out_proj_tiled", False)) and group > 1
+        # Tiled: one part of out_proj's columns per value head of a key head, each over every key head.
+        columns = ([Part.split(hf.linear_num_key_heads * self.dv, rank, size, "value rows")] * group if self.tiled
+                   else [value])
+        self.out_proj = PartsRowParallelLinear(columns, hf.hidden_size, tp=tp)
         conv_channels = 2 * key.local + value.local
         self.splits = [conv_channels, value.local, heads.local, heads.local]
         self.qkv_splits = [key.local, key.local, value.local]
@@ -142,5 +150,7 @@ class GatedDeltaNet(RecurrentMixer):
             start = end
 
         # The gated norm: normalised in float32, scaled by the weight in the model's dtype, then gated.
-        out = self.norm(out.to(x.dtype)).float() * F.silu(z.float().view(t, -1, self.dv))
-        return self.out_proj(out.to(x.dtype).reshape(t, -1))
+        out = (self.norm(out.to(x.dtype)).float() * F.silu(z.float().view(t, -1, self.dv))).to(x.dtype)
+        if self.tiled:  # [t, key heads, value heads of each, dv] -> [t, value heads of each, key heads, dv]
+            out = out.view(t, self.num_k_heads, group, self.dv).transpose(1, 2)
+        return self.out_proj(out.reshape(t, -1))

@@ -4,6 +4,8 @@ a batch of decodes, the states left behind, the layer split over two ranks, and 
 GGUF file stores it (quantized blocks, value heads tiled)."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -87,9 +89,10 @@ def test_out_proj_kept_in_a_gguf_files_blocks_and_tiled_order():
         module.out_proj.weight.copy_(blocks.dequantize().view(-1, per_key, key_heads, dv).transpose(1, 2)
                                      .reshape(out.shape))
     gguf_config = Qwen3_5TextConfig(**{**config.to_dict(), "linear_out_proj_tiled": True})
+    building = threading.Lock()  # linear_methods sets a process-wide default; the ranks are threads
 
     def gguf_layer(tp: TensorParallelGroup | None) -> GatedDeltaNet:
-        with linear_methods("gguf", torch.float32):
+        with building, linear_methods("gguf", torch.float32):
             layer = GatedDeltaNet(gguf_config, tp)
         load_tensors(layer, ((n, blocks if n == "out_proj.weight" else p.detach())
                              for n, p in module.named_parameters()))

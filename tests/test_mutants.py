@@ -68,7 +68,7 @@ MUTANTS = [
            ("tests/core/test_hybrid_kv.py::test_a_fork_copies_the_state_before_either_sequence_writes_it",)),
     Mutant("a new sequence starts from the state its blocks last held",
            "pagellm/layers/recurrent.py",
-           "        rows.mul_(meta.has_state.view(-1, 1))",
+           "        rows.index_fill_(0, meta.fresh_states, 0)",
            "        pass",
            ("tests/layers/test_recurrent_state.py::"
             "test_cached_forward_carries_state_across_steps_and_restarts_fresh_sequences",)),

@@ -39,11 +39,15 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> torch.Tensor:
     """One token of N sequences: q, k [N, H, dk], v [N, H, dv], g, beta [N, H]; state [N, H, dk, dv]
-    (updated in place) -> [N, H, dv]."""
-    state.mul_(g.exp()[..., None, None])
-    delta = (v - torch.einsum("nhk,nhkv->nhv", k, state)) * beta[..., None]
-    state.add_(k[..., None] * delta[..., None, :])
-    return torch.einsum("nhk,nhkv->nhv", q, state)
+    (updated in place) -> [N, H, dv]. The state is the bulk of the memory traffic: it is read
+    once for both products (k^T S and q^T S, before the step's decay and write, which the
+    output then adds: q^T S' = e^g q^T S + (q.k) delta) and updated in two in-place passes."""
+    decay = g.exp()[..., None]
+    k_s, q_s = (torch.stack([k, q], dim=2) @ state).unbind(2)
+    delta = (v - decay * k_s) * beta[..., None]
+    out = decay * q_s + (q * k).sum(-1, keepdim=True) * delta
+    state.mul_(decay[..., None]).addcmul_(k[..., None], delta[..., None, :])
+    return out
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

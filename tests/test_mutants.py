@@ -72,6 +72,11 @@ MUTANTS = [
            "        pass",
            ("tests/layers/test_recurrent_state.py::"
             "test_cached_forward_carries_state_across_steps_and_restarts_fresh_sequences",)),
+    Mutant("a GGUF file's delta-rule out_proj multiplied as if its value heads were grouped, not tiled",
+           "pagellm/layers/gated_delta_net.py",
+           "        if self.tiled:  # [t, key heads",
+           "        if False:  # [t, key heads",
+           ("tests/layers/test_gated_delta_net.py::test_out_proj_kept_in_a_gguf_files_blocks_and_tiled_order",)),
     Mutant("a prefix hit resumes without restoring the state checkpoint",
            "pagellm/core/kv/coordinator.py",
            "                self.pending_copies.extend(zip(computed_blocks[g], tables[g]))",

@@ -55,8 +55,11 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """L tokens of one sequence: q, k [L, H, dk], v [L, H, dv], g, beta [L, H]; state [H, dk, dv]
     (updated in place) -> [L, H, dv]. Within a chunk the delta rule's updates are one triangular
     solve (the UT transform, as in transformers' torch_chunk_gated_delta_rule); across chunks
-    the state is carried one chunk at a time."""
+    the state is carried one chunk at a time. Fewer than `chunk` tokens are one chunk of their
+    own length: padded to a whole chunk, a short prefill (a prompt's tail after a cached prefix)
+    would cost as much as 64 tokens."""
     length, heads = g.shape
+    chunk = min(chunk, length)
     pad = -length % chunk
     n = (length + pad) // chunk
 

@@ -32,10 +32,10 @@ class AttentionMetadata:
     group_slot_mappings: torch.Tensor | None = None
     group_block_tables: torch.Tensor | None = None
     # With recurrent layers (layers/recurrent.py): per group, each sequence's state blocks
-    # [groups, num_seqs, state_blocks] (zeros in attention groups), and whether each sequence
-    # computed tokens before this step [num_seqs] (float: 0 makes its state start from zeros).
+    # [groups, num_seqs, state_blocks] (zeros in attention groups), and the sequences that
+    # computed no tokens before this step (their rows; their states start from zeros).
     state_block_ids: torch.Tensor | None = None
-    has_state: torch.Tensor | None = None
+    fresh_states: torch.Tensor | None = None
 
     # for_group()'s results, built once per step rather than once per layer.
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)

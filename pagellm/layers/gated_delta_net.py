@@ -9,7 +9,10 @@ S [dk, dv]:
 
 where q, k, v come out of a short causal convolution (SiLU) over the projected q/k/v, key heads
 serve num_v_heads / num_k_heads consecutive value heads, and the output is RMS-normalised per
-head, gated by silu(z_t) and projected out.
+head, gated by silu(z_t) and projected out. A GGUF file's out_proj takes the value heads tiled
+across key heads instead ([v0 of every key head, v1 of every key head, ...], llama.cpp's order;
+`linear_out_proj_tiled` in the config): its columns stay so, in their quantized blocks, and the
+heads are handed to it in that order.
 
 State per sequence: "conv" [conv channels, K - 1] (the convolution's last inputs) and "ssm"
 [value heads, dk, dv] (S), both on this rank's heads. A step's decodes are advanced one token
@@ -22,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagellm.layers.linear import RowParallelLinear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.layers.recurrent import RecurrentMixer
-from pagellm.layers.sharded_parts import Part, PartsColumnParallelLinear, PartsConv1d, leading_decodes, sharded_vector
+from pagellm.layers.sharded_parts import (Part, PartsColumnParallelLinear, PartsConv1d, PartsRowParallelLinear,
+                                          leading_decodes, sharded_vector)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -36,11 +39,15 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> torch.Tensor:
     """One token of N sequences: q, k [N, H, dk], v [N, H, dv], g, beta [N, H]; state [N, H, dk, dv]
-    (updated in place) -> [N, H, dv]."""
-    state.mul_(g.exp()[..., None, None])
-    delta = (v - torch.einsum("nhk,nhkv->nhv", k, state)) * beta[..., None]
-    state.add_(k[..., None] * delta[..., None, :])
-    return torch.einsum("nhk,nhkv->nhv", q, state)
+    (updated in place) -> [N, H, dv]. The state is the bulk of the memory traffic: it is read
+    once for both products (k^T S and q^T S, before the step's decay and write, which the
+    output then adds: q^T S' = e^g q^T S + (q.k) delta) and updated in two in-place passes."""
+    decay = g.exp()[..., None]
+    k_s, q_s = (torch.stack([k, q], dim=2) @ state).unbind(2)
+    delta = (v - decay * k_s) * beta[..., None]
+    out = decay * q_s + (q * k).sum(-1, keepdim=True) * delta
+    state.mul_(decay[..., None]).addcmul_(k[..., None], delta[..., None, :])
+    return out
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -48,8 +55,11 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """L tokens of one sequence: q, k [L, H, dk], v [L, H, dv], g, beta [L, H]; state [H, dk, dv]
     (updated in place) -> [L, H, dv]. Within a chunk the delta rule's updates are one triangular
     solve (the UT transform, as in transformers' torch_chunk_gated_delta_rule); across chunks
-    the state is carried one chunk at a time."""
+    the state is carried one chunk at a time. Fewer than `chunk` tokens are one chunk of their
+    own length: padded to a whole chunk, a short prefill (a prompt's tail after a cached prefix)
+    would cost as much as 64 tokens."""
     length, heads = g.shape
+    chunk = min(chunk, length)
     pad = -length % chunk
     n = (length + pad) // chunk
 
@@ -110,7 +120,12 @@ class GatedDeltaNet(RecurrentMixer):
         self.dt_bias = sharded_vector(heads)
         self.A_log = sharded_vector(heads)
         self.norm = RMSNorm(self.dv, hf.rms_norm_eps)
-        self.out_proj = RowParallelLinear(hf.linear_num_value_heads * self.dv, hf.hidden_size, tp=tp)
+        group = self.num_v_heads // self.num_k_heads
+        self.tiled = bool(getattr(hf, "linear_out_proj_tiled", False)) and group > 1
+        # Tiled: one part of out_proj's columns per value head of a key head, each over every key head.
+        columns = ([Part.split(hf.linear_num_key_heads * self.dv, rank, size, "value rows")] * group if self.tiled
+                   else [value])
+        self.out_proj = PartsRowParallelLinear(columns, hf.hidden_size, tp=tp)
         conv_channels = 2 * key.local + value.local
         self.splits = [conv_channels, value.local, heads.local, heads.local]
         self.qkv_splits = [key.local, key.local, value.local]
@@ -142,5 +157,7 @@ class GatedDeltaNet(RecurrentMixer):
             start = end
 
         # The gated norm: normalised in float32, scaled by the weight in the model's dtype, then gated.
-        out = self.norm(out.to(x.dtype)).float() * F.silu(z.float().view(t, -1, self.dv))
-        return self.out_proj(out.to(x.dtype).reshape(t, -1))
+        out = (self.norm(out.to(x.dtype)).float() * F.silu(z.float().view(t, -1, self.dv))).to(x.dtype)
+        if self.tiled:  # [t, key heads, value heads of each, dv] -> [t, value heads of each, key heads, dv]
+            out = out.view(t, self.num_k_heads, group, self.dv).transpose(1, 2)
+        return self.out_proj(out.reshape(t, -1))

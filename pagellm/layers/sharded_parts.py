@@ -1,8 +1,9 @@
-"""Weights whose rows are several parts that tensor parallelism cuts each on its own: Gated
-DeltaNet's fused q/k/v/z/b/a projection, Mamba-2's gate/x/B/C/dt projection, and the two
-layers' depthwise convolutions over q/k/v or x/B/C. A rank keeps, of each part, the rows of
-its heads (or, for Mamba-2 groups shared by several ranks, the rows of its group), side by
-side in part order.
+"""Weights whose rows (or columns) are several parts that tensor parallelism cuts each on its
+own: Gated DeltaNet's fused q/k/v/z/b/a projection, Mamba-2's gate/x/B/C/dt projection, the two
+layers' depthwise convolutions over q/k/v or x/B/C, and Gated DeltaNet's out_proj with its value
+heads tiled (a GGUF file's order). A rank keeps, of each part, the rows (columns) of its heads
+(or, for Mamba-2 groups shared by several ranks, the rows of its group), side by side in part
+order.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 from torch import nn
 
 from pagellm.layers.causal_conv import causal_conv1d
-from pagellm.layers.linear import LinearBase, LinearMethod
+from pagellm.layers.linear import LinearBase, LinearMethod, RowParallelLinear
 from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import TensorParallelGroup, divide, load_whole
+from pagellm.layers.quant.gguf import GGUFBlocks
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,36 @@ class PartsColumnParallelLinear(LinearBase):
             offset += sum(p.local for p in parts)
         for row, rows in part_rows(loaded, self.pieces[shard_id]):
             self.store(param, rows, offset + row)
+
+
+class PartsRowParallelLinear(RowParallelLinear):
+    """A row-parallel layer whose input columns are `parts` in order (Gated DeltaNet's out_proj
+    in a GGUF file: one part per value head of a key head, each over all key heads): a rank
+    keeps, of each part, the columns of its heads, side by side."""
+
+    def __init__(self, parts: list[Part], out_features: int, tp: TensorParallelGroup | None = None) -> None:
+        self.parts = parts
+        super().__init__(sum(p.total for p in parts), out_features, tp=tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        total = sum(p.total for p in self.parts)
+        if loaded.shape[1] != total:
+            raise ValueError(f"{loaded.shape[1]} columns, expected {total}")
+        columns, src = [], 0
+        for p in self.parts:
+            columns.append(loaded.narrow(1, src + p.first, p.local))
+            src += p.total
+        self.store(param, _side_by_side(columns))
+
+
+def _side_by_side(columns: list) -> object:
+    """Column pieces of one weight (tensors, or GGUF blocks cut at block boundaries) joined."""
+    if len(columns) == 1:
+        return columns[0]
+    if isinstance(columns[0], GGUFBlocks):
+        return GGUFBlocks(torch.cat([c.data for c in columns], dim=1), columns[0].qtype,
+                          sum(c.shape[1] for c in columns))
+    return torch.cat(columns, dim=1)
 
 
 class PartsConv1d(HotModule):

@@ -97,6 +97,9 @@ def _qwen35_fields(value: Callable[[str], Any], per_layer: dict[str, list], fiel
     fields.update(linear_conv_kernel_dim=value("ssm.conv_kernel"), linear_key_head_dim=value("ssm.state_size"),
                   linear_num_key_heads=value("ssm.group_count"), linear_num_value_heads=value_heads,
                   linear_value_head_dim=value("ssm.inner_size") // value_heads)
+    # The converter tiles the value heads across key heads; the loader groups them back in every
+    # tensor but out_proj, whose columns stay tiled (_qwen35_grouped_value_heads).
+    fields["linear_out_proj_tiled"] = value_heads != fields["linear_num_key_heads"]
     if value("expert_shared_feed_forward_length") is not None:  # Qwen3.5-MoE's gated shared expert
         fields["shared_expert_intermediate_size"] = value("expert_shared_feed_forward_length")
 
@@ -436,7 +439,7 @@ def _weights(reader: GGUFFile, names: dict[str, str], shapes: dict[str, torch.Si
         name = names.get(tensor.name)
         if name is None:
             continue
-        if keep_blocks and _as_blocks(tensor) and not _columns_reordered(arch, name, cfg.hf_config):
+        if keep_blocks and _as_blocks(tensor):
             # A copy out of the read-only mmap: [rows, row_bytes] as the file lays them out.
             rows = [int(d) for d in reversed(tensor.shape[1:])]  # [experts,] rows
             data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(*rows, -1))
@@ -679,18 +682,13 @@ def _to_torch(tensor: Any, path: str) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def _columns_reordered(arch: str, name: str, hf: dict) -> bool:
-    """Whether the loader reorders a matrix's columns (which cuts through quantized blocks, so the
-    matrix is dequantized first): Qwen3.5's delta-rule out_proj, when its value heads were tiled."""
-    return (arch in _QWEN35_ARCHS and name.endswith(".linear_attn.out_proj.weight")
-            and hf["linear_num_key_heads"] != hf["linear_num_value_heads"])
-
-
 def _qwen35_grouped_value_heads(weight: torch.Tensor | GGUFBlocks, name: str,
                                 hf: dict) -> torch.Tensor | GGUFBlocks:
     """Undo the converter's reordering of Qwen3.5's delta-rule value heads: it stores them tiled
     across key heads ([v0 of every key head, v1 of every key head, ...]) where the checkpoint
-    groups them by key head; rows (or out_proj's columns) of value heads go back to grouped."""
+    groups them by key head; rows of value heads go back to grouped. out_proj's columns stay
+    tiled (moving them would cut through its quantized blocks): the layer hands it its heads in
+    that order (linear_out_proj_tiled, _qwen35_fields)."""
     key_heads, value_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
     if key_heads == value_heads:
         return weight
@@ -709,8 +707,6 @@ def _qwen35_grouped_value_heads(weight: torch.Tensor | GGUFBlocks, name: str,
         return grouped(weight, head_dim)
     if name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
         return grouped(weight, 1)
-    if name.endswith(".out_proj.weight"):
-        return grouped(weight.t(), head_dim).t().contiguous()
     return weight
 
 

@@ -458,7 +458,7 @@ class ModelRunner:
         groups = self.kv_groups.num_groups
         state_groups = self.state_groups
         state_tables: list[list[list[int]]] = [[] for _ in range(groups)]
-        has_state: list[float] = []
+        fresh_states: list[int] = []
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(groups)]
@@ -481,7 +481,8 @@ class ModelRunner:
                     continue
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 tables[g].append(table)
-            has_state.append(float(start > 0))
+            if start == 0:
+                fresh_states.append(len(query_lens))
             query_lens.append(n)
             seq_lens.append(end)
             if s.draft_token_ids:  # the position before the drafts and each draft's: one sampler, k + 1 rows
@@ -514,7 +515,7 @@ class ModelRunner:
             m = max(len(t) for g in state_groups for t in state_tables[g])
             rows_of = [state_tables[g] if g in state_groups else [[0] * m] * len(seqs) for g in range(groups)]
             meta.state_block_ids = torch.tensor(rows_of, dtype=torch.long, device=dev)
-            meta.has_state = torch.tensor(has_state, dtype=torch.float32, device=dev)
+            meta.fresh_states = torch.tensor(fresh_states, dtype=torch.long, device=dev)
         return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows, pool_rows)
 

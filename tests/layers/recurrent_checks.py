@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +33,12 @@ class _Holder(CausalLM):
 
 def load(layer: RecurrentMixer, ref: nn.Module) -> RecurrentMixer:
     """Copy `ref`'s parameters into `layer` by their names, through the checkpoint load path."""
-    _Holder(layer).load_weights((f"model.layer.{n}", p.detach()) for n, p in ref.named_parameters())
+    return load_tensors(layer, ((n, p.detach()) for n, p in ref.named_parameters()))
+
+
+def load_tensors(layer: RecurrentMixer, tensors: Iterable[tuple[str, Any]]) -> RecurrentMixer:
+    """Load (name in the layer's checkpoint, tensor or GGUF blocks) pairs into `layer`."""
+    _Holder(layer).load_weights((f"model.layer.{n}", t) for n, t in tensors)
     return layer
 
 

@@ -20,8 +20,11 @@ def test_state_round_trips_through_blocks(dtype):
     order = torch.randperm(15, generator=torch.Generator().manual_seed(0)) + 1
     ids = order[:2 * blocks].view(2, blocks)
     rows = torch.randn(2, 20)
-    write_state((k, v), ids, rows)
-    assert torch.equal(read_state((k, v), ids, state_bytes), rows)
+    raw = read_state((k, v), ids)
+    assert raw.shape == (2, blocks * block_bytes)
+    raw.view(torch.float32)[:, :20] = rows
+    write_state((k, v), ids, raw)
+    assert torch.equal(read_state((k, v), ids).view(torch.float32)[:, :20], rows)
     untouched = [b for b in range(16) if b not in ids.flatten().tolist()]
     assert not k[untouched].any() and not v[untouched].any()
 
@@ -46,11 +49,11 @@ def test_cached_forward_carries_state_across_steps_and_restarts_fresh_sequences(
     k, v = torch.zeros(4, 1, 1, 2), torch.zeros(4, 1, 1, 2)  # 16 bytes a block id: one block holds 3 floats
     layer = _Sum()
     x = torch.arange(12, dtype=torch.float32).view(4, 3)
-    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), has_state=torch.tensor([False, False]),
+    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), fresh_states=torch.tensor([0, 1]),
                            query_lens=[3, 1])
     first = layer.cached_forward(x, (k, v), meta)
     torch.testing.assert_close(first[2], x[:3].sum(0))
-    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), has_state=torch.tensor([True, False]),
+    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), fresh_states=torch.tensor([1]),
                            query_lens=[1, 1])
     nxt = layer.cached_forward(torch.ones(2, 3), (k, v), meta)
     torch.testing.assert_close(nxt[0], x[:3].sum(0) + 1)  # carried on

@@ -240,16 +240,19 @@ def test_gpt_oss_mxfp4_experts_are_served_in_blocks(conversions, tmp_path, caplo
 
 def test_qwen35_quantized_delta_rule_layers(conversions, tmp_path):
     """A Qwen3.5 file whose delta-rule matrices are Q8_0: the value-head rows go back to the
-    checkpoint's order block row by block row (out_proj, whose columns move, is dequantized first),
-    and the engine serves what it serves from the same file dequantized (summation order aside)."""
+    checkpoint's order block row by block row, out_proj (whose columns take the value heads in the
+    converter's tiled order) stays in its blocks with its columns as they are, and the engine serves
+    what it serves from the same file dequantized (summation order aside)."""
     _, gguf_path, vocab = conversions["qwen3_5"]
     if isinstance(gguf_path, str):
         raise AssertionError(f"convert_hf_to_gguf.py failed on qwen3_5:\n{gguf_path}")
     delta_rule = ("attn_qkv", "attn_gate", "ssm_out")
     q8 = requantize(gguf_path, tmp_path / "q8.gguf", lambda name: T.Q8_0 if name.split(".")[-2] in delta_rule else None)
     llm = LLM(str(q8), num_kv_blocks=64, block_size=8)
-    in_proj = llm.engine.runner.model.layers[1].linear_attn.in_proj
-    assert int(T.Q8_0) in in_proj.segment_types  # served in its blocks
+    delta_rule = llm.engine.runner.model.layers[1].linear_attn
+    assert delta_rule.tiled  # 4 value heads over 2 key heads
+    assert int(T.Q8_0) in delta_rule.in_proj.segment_types  # served in their blocks
+    assert delta_rule.out_proj.segment_types == [int(T.Q8_0)]
     _assert_serves_as_dequantized(llm, q8, vocab, seed=3)
 
 

@@ -172,6 +172,16 @@ def pyplot():
     return plt
 
 
+def label_axes(panels, xlabel: str) -> None:
+    """Each (axes, title, ylabel) of `panels` titled and labelled, with a legend where it plotted labelled lines."""
+    for ax, title, ylabel in panels:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+
+
 def save_figure(fig, path, dpi: int = 110) -> None:
     """Lay the figure out, write it to `path` and free it (pyplot keeps every open figure)."""
     fig.tight_layout()

@@ -528,13 +528,10 @@ def plot(results: dict, path) -> None:
         if hits:
             axes[3].plot(rates, [100 * (r.get("prefix_cache_hit_rate") or 0.0) for r in t["rates"]], marker="o",
                          color=color, label=label)
-    for ax, title, ylabel in ((axes[0], "normalized latency vs rate", "s / output token"),
-                              (axes[1], "time to first token", "s"), (axes[2], "throughput", "output tokens/s"),
-                              *(((axes[3], "prefix cache hit rate", "% of prompt tokens"),) if hits else ())):
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.legend(fontsize=7)
+    report.label_axes(((axes[0], "normalized latency vs rate", "s / output token"),
+                       (axes[1], "time to first token", "s"), (axes[2], "throughput", "output tokens/s"),
+                       *(((axes[3], "prefix cache hit rate", "% of prompt tokens"),) if hits else ())),
+                      "request rate (req/s)")
     report.save_figure(fig, path)
 
 

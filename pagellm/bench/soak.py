@@ -251,13 +251,8 @@ def plot(results: dict, path) -> None:
     for key, style in (("ttft_s", "-"), ("tpot_s", "--")):
         for q in ("p50", "p99"):
             axes[3].plot(ts, [s[key][q] for s in samples], ls=style, marker=".", label=f"{key[:4].upper()} {q}")
-    for ax, title, ylabel in ((axes[0], "server RSS (with children)", "MiB"), (axes[1], "fds and threads", "count"),
-                              (axes[2], "KV blocks held, failures", "count"), (axes[3], "latency", "s")):
-        ax.set_xlabel("minutes")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    report.label_axes(((axes[0], "server RSS (with children)", "MiB"), (axes[1], "fds and threads", "count"),
+                       (axes[2], "KV blocks held, failures", "count"), (axes[3], "latency", "s")), "minutes")
     report.save_figure(fig, path)
 
 

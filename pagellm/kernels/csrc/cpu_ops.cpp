@@ -455,8 +455,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   // verification step's 1 + k tokens, a short prefill) are attended together, block by block;
   // not in batch-invariant mode, where a query's sums may depend on nothing but its own keys.
   constexpr int64_t kMaxGroup = 16;
-  std::vector<int64_t> group_len;  // tokens b .. b + group_len - 1 form one group, by first token
-  int64_t total = 0;               // keys read, each group's once
+  struct Group {
+    int64_t first, n, longest;  // tokens first .. first + n - 1; the most keys one of them reads
+  };
+  std::vector<Group> groups;
+  int64_t total = 0;  // keys read, each group's once
   for (int64_t b = 0; b < B;) {
     int64_t n = 1, longest = sl[b];
     while (fixed_run == 0 && token_seq != nullptr && n < kMaxGroup && b + n < B &&
@@ -464,7 +467,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       longest = std::max(longest, sl[b + n]);
       ++n;
     }
-    group_len.push_back(n);
+    groups.push_back({b, n, longest});
     total += longest - first_key(b);
     b += n;
   }
@@ -476,10 +479,8 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   // A split query's partial results: rows first_part[b] + r * part_stride[b] for its runs r.
   std::vector<int64_t> first_part(B, -1), part_stride(B, 0), group_end(B, 0);
   int64_t parts = 0;
-  for (int64_t b = 0, gi = 0; b < B; b += group_len[gi++]) {
-    const int64_t n = group_len[gi], start = first_key(b);
-    int64_t longest = 0;
-    for (int64_t i = b; i < b + n; ++i) longest = std::max(longest, sl[i]);
+  for (const Group& g : groups) {
+    const int64_t b = g.first, n = g.n, longest = g.longest, start = first_key(b);
     if (longest - start <= run) {
       items.push_back({b, n, start, longest, -1});
       continue;

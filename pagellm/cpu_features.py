@@ -6,16 +6,32 @@ import functools
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where /proc/cpuinfo is not."""
+def _first_cpu() -> dict[str, str]:
+    """The first processor's `key: value` lines of /proc/cpuinfo; empty where there is none."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where /proc/cpuinfo is not."""
+    info = _first_cpu()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as /proc/cpuinfo says it, or None where it does not."""
+    return _first_cpu().get("model name")
 
 
 def has_bf16() -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from pagellm import envs
-from pagellm.cpu_features import cpu_flags
+from pagellm.cpu_features import cpu_flags, cpu_model
 
 RESULTS_DIR = Path("benchmarks") / "results"
 
@@ -58,12 +58,7 @@ SIMD_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "vnni", "bmi")
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_model() or platform.processor() or platform.machine()
     mem = None
     try:
         with open("/proc/meminfo") as f:

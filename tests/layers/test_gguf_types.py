@@ -45,3 +45,17 @@ def _line(path: str, anchor: str) -> str:
 ], ids=["README-models", "README-gguf", "quantization.md-auto", "--quantization-help"])
 def test_prose_lists_name_the_tables_types(text):
     assert set(TYPE_NAME.findall(text)) == SERVED
+
+
+def test_the_cpp_enums_number_the_types_as_the_table():
+    """The kernels switch on the GGML type id; an enum that drifted from the table would send a
+    type's blocks to another type's decoder."""
+    by_name = {t.name: t.id for t in BLOCK_TYPES.values()}
+    for kernels, source in KERNEL_SOURCES.items():
+        text = (ROOT / "pagellm" / source).read_text()
+        enums = [dict((n, int(v)) for n, v in re.findall(r"\b(\w+) = (\d+)", body))
+                 for body in re.findall(r"enum[^{]*\{([^}]*)\}", text)]
+        numbered = {n: v for e in enums for n, v in e.items() if n in by_name}
+        served = {n for n, i in by_name.items() if BLOCK_TYPES[i].kernels == kernels}
+        assert served <= set(numbered), (source, served - set(numbered))
+        assert all(by_name[n] == v for n, v in numbered.items()), (source, numbered)

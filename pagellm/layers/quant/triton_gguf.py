@@ -18,9 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.layers.quant.gguf_types import BLOCK_TYPES
+
+# The kernel's FORMAT code of each type it decodes; sizes and ids come from the one table.
+KERNEL_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
 # ggml type id -> (code in the kernel, bytes per block, values per block)
-TYPES = {8: (0, 34, 32), 2: (1, 18, 32), 3: (2, 20, 32),  # Q8_0, Q4_0, Q4_1
-         12: (3, 144, 256), 14: (4, 210, 256)}  # Q4_K, Q6_K
+TYPES = {t.id: (KERNEL_CODES[t.name], t.bytes, t.values) for t in BLOCK_TYPES.values() if t.name in KERNEL_CODES}
 
 
 @triton.jit
@@ -96,7 +99,8 @@ def supported(qtype: int) -> bool:
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """x [M, cols] @ W^T for W in blocks of `qtype` (TYPES): [M, rows] in x's dtype."""
     if not supported(qtype):
-        raise ValueError(f"GGUF type {qtype} has no Triton kernel (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K do)")
+        name = BLOCK_TYPES[int(qtype)].name if int(qtype) in BLOCK_TYPES else f"type {qtype}"
+        raise ValueError(f"GGUF {name} has no Triton kernel ({', '.join(KERNEL_CODES)} do)")
     code, block_bytes, block_values = TYPES[int(qtype)]
     if cols % block_values or data.shape[1] != cols // block_values * block_bytes:
         raise ValueError(f"{data.shape[1]} bytes per row do not hold {cols} values of type {qtype}")

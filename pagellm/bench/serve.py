@@ -256,7 +256,8 @@ LLAMA_SERVER = "llama-server"
 
 def launch(policy: str, engine_args: list[str], log_path: str, llama: dict | None = None) -> tuple[subprocess.Popen, str]:
     """Start `pagellm serve --kv-policy POLICY ENGINE_ARGS`, or llama.cpp's server for policy
-    "llama-server" with `llama` = {"model", "threads", "parallel", "ctx_per_slot"}."""
+    "llama-server" with `llama` = {"model", "threads", "parallel", "ctx_per_slot"} and optionally
+    "extra", more llama-server flags."""
     port = free_port()
     if policy == LLAMA_SERVER:
         binary = os.path.join(envs.llama_cpp_bin(), "llama-server")
@@ -265,7 +266,7 @@ def launch(policy: str, engine_args: list[str], log_path: str, llama: dict | Non
                                     "(or set PAGELLM_LLAMA_CPP_BIN)")
         cmd = [binary, "-m", llama["model"], "-t", str(llama["threads"]), "--parallel", str(llama["parallel"]),
                "-c", str(llama["parallel"] * llama["ctx_per_slot"]), "--host", "127.0.0.1", "--port", str(port),
-               "--cont-batching", "--no-webui", "--metrics"]
+               "--cont-batching", "--no-webui", "--metrics", *llama.get("extra", ())]
     else:
         cmd = [sys.executable, "-m", "pagellm", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--disable-access-log", "--kv-policy", policy, *engine_args]

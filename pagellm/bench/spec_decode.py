@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagellm.bench import report
+from pagellm.bench import report, spec_decode_peer
 
 # The code-edit workload's file: this package's own scheduler, a real ~300-line Python module.
 CODE_FILE = Path(__file__).resolve().parent.parent / "core" / "scheduler.py"
@@ -37,6 +37,8 @@ class SpecBenchConfig:
     max_tokens: int = 256
     repeat: int = 3
     threads: int = 2
+    # llama-server's --spec-type values to run beside (bench/spec_decode_peer.py); none: no peer.
+    peer_types: list[str] = field(default_factory=list)
 
 
 def code_edit_prompt(lines: int) -> str:
@@ -77,17 +79,28 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
     systems = {"plain": {}, "speculative": {"speculative_config": cfg.speculative_config}}
     llms = {name: LLM(cfg.model, device="cpu", **options) for name, options in systems.items()}
     runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in cfg.workloads}
+    peer_runs: dict[str, dict[str, list[dict]]] = {w: {t: [] for t in cfg.peer_types} for w in cfg.workloads}
+    peers: dict = {}
     try:
+        model_path = llms["plain"].engine.model_path
+        if cfg.peer_types:
+            context = len(llms["plain"].get_tokenizer().encode(code_edit_prompt(cfg.code_lines))) + cfg.max_tokens + 256
+            peers = spec_decode_peer.start(model_path, cfg.peer_types, cfg.threads, context)
         for name, llm in llms.items():  # warm-up: kernels built, allocators grown
             _one_run(llm, "chat", SpecBenchConfig(**{**asdict(cfg), "max_tokens": 8}))
+        for _, url in peers.values():
+            spec_decode_peer.one_run(url, _messages("chat", cfg), 8)
         for _ in range(cfg.repeat):
             for workload in cfg.workloads:
                 for name, llm in llms.items():
                     runs[workload][name].append(_one_run(llm, workload, cfg))
-        model_path = llms["plain"].engine.model_path
+                for kind, (_, url) in peers.items():
+                    peer_runs[workload][kind].append(spec_decode_peer.one_run(url, _messages(workload, cfg),
+                                                                              cfg.max_tokens))
     finally:
         for llm in llms.values():
             llm.shutdown()
+        spec_decode_peer.stop(peers)
     results = {}
     for workload, by_system in runs.items():
         entry = {}
@@ -103,9 +116,26 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
         entry["outputs_equal"] = all(a["token_ids"] == b["token_ids"]
                                      for a, b in zip(by_system["plain"], by_system["speculative"]))
         entry["output_tokens"] = by_system["plain"][0]["tokens"]
+        if cfg.peer_types:
+            entry["llama-server"] = _summarize_peer(peer_runs[workload])
         results[workload] = entry
     return {"config": asdict(cfg), "model": model_path, "code_file": str(CODE_FILE.relative_to(CODE_FILE.parents[2])),
             "load": {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}, "workloads": results}
+
+
+def _summarize_peer(by_type: dict[str, list[dict]]) -> dict:
+    """llama-server's medians per --spec-type, and each one's speedup over its own plain decoding."""
+    out = {}
+    for kind, rs in by_type.items():
+        rates = [r["decode_tokens_per_s"] for r in rs if r["decode_tokens_per_s"]]
+        drafts = sum(r["draft_tokens"] for r in rs)
+        out[kind] = {"decode_tokens_per_s": statistics.median(rates) if rates else None,
+                     "acceptance_rate": sum(r["accepted_tokens"] for r in rs) / drafts if drafts else None,
+                     "output_tokens": rs[0]["tokens"] if rs else None, "runs": rs}
+    plain = (out.get("none") or {}).get("decode_tokens_per_s")
+    for kind, e in out.items():
+        e["speedup"] = e["decode_tokens_per_s"] / plain if plain and e["decode_tokens_per_s"] else None
+    return out
 
 
 def print_tables(results: dict) -> None:
@@ -116,6 +146,11 @@ def print_tables(results: dict) -> None:
     print(f"\n{results['model']}: one stream, greedy, {results['config']['speculative_config']}")
     print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "acceptance", "tokens",
                                "same output"], rows))
+    peer_rows = [[workload, kind, p["decode_tokens_per_s"], p["speedup"], p["acceptance_rate"], p["output_tokens"]]
+                 for workload, e in results["workloads"].items() for kind, p in e.get("llama-server", {}).items()]
+    if peer_rows:
+        print("\nllama-server on the same file, by --spec-type")
+        print(report.format_table(["workload", "spec type", "decode tok/s", "speedup", "acceptance", "tokens"], peer_rows))
     print(f"load average: {results['load']['loadavg_start']} at start, {results['load']['loadavg_end']} at end")
 
 
@@ -130,6 +165,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens decoded per request")
     p.add_argument("--repeat", type=int, default=3, help="rounds (medians reported)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peer", nargs="?", const=",".join(spec_decode_peer.DEFAULT_TYPES), default="",
+                   metavar="TYPES", help="also run llama-server on the same GGUF file once per --spec-type "
+                   f"(comma-separated; default {','.join(spec_decode_peer.DEFAULT_TYPES)}; none is plain decoding)")
     p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/spec-decode-<date>)")
     p.set_defaults(func=main)
 
@@ -142,9 +180,14 @@ def main(args: argparse.Namespace) -> int:
     for name in ("code_lines", "max_tokens", "repeat", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    peer_types = [t.strip() for t in args.peer.split(",") if t.strip()]
+    spec_decode_peer.check_types(peer_types)
+    if peer_types and args.model and not args.model.endswith(".gguf"):
+        raise ValueError(f"--peer: llama-server serves GGUF files; --model {args.model} is not one")
     cfg = SpecBenchConfig(model=args.model, speculative_config=json.loads(args.speculative_config),
                           workloads=workloads, code_lines=args.code_lines, max_tokens=args.max_tokens,
-                          repeat=args.repeat, threads=args.threads)
+                          repeat=args.repeat, threads=args.threads,
+                          peer_types=peer_types)
     started = time.time()
     results = {**report.metadata("spec-decode"), **run_spec_decode_bench(cfg), "wall_s": time.time() - started}
     json_path, _ = report.output_paths("spec-decode", args.out)

@@ -21,3 +21,13 @@ def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
             assert len(runs) == 2 and all(r["tokens"] == entry["output_tokens"] and r["loadavg"] for r in runs)
             assert entry[system]["decode_tokens_per_s"] > 0
         assert entry["speedup"] > 0
+
+
+def test_the_llama_server_peer_is_refused_where_it_cannot_run(tmp_path, tiny_llama_dir, capsys):
+    """An unknown --spec-type is named before anything loads; an HF folder has no file for llama-server."""
+    assert main(["bench", "spec-decode", "--model", tiny_llama_dir, "--peer", "none,ngram-fancy",
+                 "--out", str(tmp_path / "a")]) != 0
+    assert "unknown llama-server --spec-type ngram-fancy" in capsys.readouterr().err
+    assert main(["bench", "spec-decode", "--model", tiny_llama_dir, "--peer", "--code-lines", "2", "--max-tokens", "4",
+                 "--repeat", "1", "--out", str(tmp_path / "b")]) != 0
+    assert "llama-server serves GGUF files" in capsys.readouterr().err

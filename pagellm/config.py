@@ -215,7 +215,7 @@ class EngineConfig:
     kv_offload_dir: str | None = option(None, "a directory on local disk for the prefix cache's second tier: "
                                               "blocks evicted from the pool are written there (checksummed) and "
                                               "read back on a later prefix hit instead of recomputed (paged "
-                                              "policy, prefix caching on, no recurrent layers; each "
+                                              "policy, prefix caching on; recurrent layers' state checkpoints too; each "
                                               "tensor-parallel rank keeps its shard in its own file)")
     kv_offload_size: int = option(4 << 30, "bytes of --kv-offload-dir the tier may fill (e.g. 8G; all ranks "
                                            "together); past that it drops its least recently used blocks", check=lambda v: v > 1,

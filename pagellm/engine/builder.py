@@ -157,9 +157,7 @@ def _open_kv_tier(config: EngineConfig, executor: Executor, model_path: str, arc
     runner = executor.driver
     unsupported = [why for why, bad in (
         ("kv_policy 'paged'", config.kv_policy != "paged"),
-        ("enable_prefix_caching (the tier keeps blocks by their prefix hash)", not config.enable_prefix_caching),
-        ("a model without recurrent layers (their state checkpoints stay in the pool)",
-         runner.kv_groups.has_state)) if bad]
+        ("enable_prefix_caching (the tier keeps blocks by their prefix hash)", not config.enable_prefix_caching)) if bad]
     if unsupported:
         raise ValueError(f"kv_offload_dir needs {', '.join(unsupported)}")
     block_bytes = runner.bytes_per_block(config.block_size)

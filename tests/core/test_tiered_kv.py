@@ -100,3 +100,92 @@ def test_a_swapped_request_gets_every_computed_block_back(tmp_path):
     assert sum(1 for b in computed[0] if kv.pool.block_hash[b] is None) == 1  # the partial block
     kv.check_integrity()
     tier.close()
+
+
+def _state_coordinator(tmp_path, num_blocks: int):
+    from pagellm.core.kv.groups import STATE
+
+    tmp_path.mkdir(exist_ok=True)
+    tier = DiskKVTier(str(tmp_path), DiskKVTier.slot_size(16) * 64, 16, bytes(16))
+    return tier, KVCoordinator(num_blocks=num_blocks, block_size=BS, windows=[None, STATE], state_blocks=1, tier=tier)
+
+
+def _copy(blocks: Blocks, kv) -> None:
+    for src, dst in kv.take_copies():
+        blocks.held[dst] = blocks.held[src]
+
+
+def _run_and_swap(kv, blocks, tier, tokens: list[int]) -> tuple[Request, dict, bytes]:
+    """Compute `tokens`, sample one more, swap out: what its blocks and its state held."""
+    req = Request("a", tokens, SamplingParams())
+    assert kv.allocate_slots(req, len(tokens))
+    blocks.apply(kv.take_tier_ops(), tier)
+    full, state = kv.group_tables("a")
+    held = {b: bytes([i]) * 16 for i, b in enumerate(full)}
+    for b, content in held.items():
+        blocks.held[b] = content
+    blocks.held[state[0]] = b"state after %03d" % len(tokens)
+    req.num_computed_tokens = len(tokens)
+    kv.cache_full_blocks(req)
+    _copy(blocks, kv)
+    req.append_token(99)
+    assert kv.swap_out(req)
+    kv.free(req)
+    req.num_computed_tokens = 0
+    blocks.apply(kv.take_tier_ops(), tier)
+    return req, held, blocks.held[state[0]]
+
+
+def test_a_swapped_recurrent_request_resumes_with_its_state(tmp_path):
+    """With a recurrent group, swapping sends the state too, as a checkpoint after exactly the
+    computed tokens (mid-block: under the partial block's key; at a boundary: the last full
+    block's). Pushed out of the pool, the request resumes with every block and its state back
+    and only its sampled token to compute."""
+    for length in (7, 8):
+        tier, kv = _state_coordinator(tmp_path / str(length), 8)
+        blocks = Blocks(8)
+        req, held, state = _run_and_swap(kv, blocks, tier, list(range(10, 10 + length)))
+        for i in range(3):  # other prompts take every block, cached ones too
+            _serve(kv, blocks, tier, f"other{i}", list(range(40 + 20 * i, 46 + 20 * i)))
+            _copy(blocks, kv)  # their checkpoints, as the next step hands them out
+        computed, skipped = kv.get_computed_blocks(req)
+        assert skipped == length, (length, skipped)
+        req.num_computed_tokens = skipped
+        assert kv.allocate_slots(req, 1, computed)
+        blocks.apply(kv.take_tier_ops(), tier)
+        _copy(blocks, kv)  # the checkpoint restored into the request's own state block
+        full, own_state = kv.group_tables("a")
+        assert [blocks.held[b] for b in full[:len(held)]] == list(held.values())
+        assert blocks.held[own_state[0]] == state
+        kv.check_integrity()
+        tier.close()
+
+
+def test_an_evicted_state_checkpoint_comes_back_from_the_tier(tmp_path):
+    """A prompt's checkpoint (the state after its last full block before the final token),
+    evicted with its blocks, is promoted with them: the same prompt again skips all but its
+    last token and restores that state."""
+    tier, kv = _state_coordinator(tmp_path, 8)  # 7 blocks and the null block
+    blocks = Blocks(8)
+    prompt = list(range(10, 15))  # 5 tokens: a checkpoint after 4
+    req = Request("a", prompt, SamplingParams())
+    assert kv.allocate_slots(req, 4)  # the prefill stops at the boundary, as chunk_tokens says
+    full, state = kv.group_tables("a")
+    blocks.held[state[0]] = b"state after 004"
+    req.num_computed_tokens = 4
+    kv.cache_full_blocks(req)  # takes the checkpoint: a copy of the state block
+    _copy(blocks, kv)
+    kv.free(req)
+    _serve(kv, blocks, tier, "other", list(range(40, 52)))  # 6 blocks and its state: evicts all of a's
+    _copy(blocks, kv)
+    assert kv.tier_stats().demoted_blocks >= 3
+    again = Request("b", prompt, SamplingParams())
+    computed, skipped = kv.get_computed_blocks(again)
+    assert skipped == 4
+    again.num_computed_tokens = 4
+    assert kv.allocate_slots(again, 1, computed)
+    blocks.apply(kv.take_tier_ops(), tier)
+    _copy(blocks, kv)
+    assert blocks.held[kv.group_tables("b")[1][0]] == b"state after 004"
+    kv.check_integrity()
+    tier.close()

@@ -189,6 +189,49 @@ def test_a_sliding_window_model_gets_the_tokens_of_a_run_without_the_tier(tmp_pa
     assert stats["prompt_tokens_computed"] <= without["prompt_tokens_computed"] - 4 * 36
 
 
+# Qwen3.5's state is the same kind of blocks as LFM2's: the slow sweep adds it.
+@pytest.mark.parametrize("family", ["lfm2", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_a_recurrent_model_swaps_and_offloads_its_state(family, tmp_path_factory):
+    """LFM2 (short convolutions) and Qwen3.5 (Gated DeltaNet) keep a state per sequence in the pool.
+    Swapped, a victim's state goes to the tier with its attention blocks and comes back with them:
+    the tokens of a run that never preempts. LFM2's state is one block a group, so a victim always
+    finds room to bring it back and computes no token twice; Qwen3.5's takes several, and a victim
+    admitted while the pool cannot hold its checkpoint beside its own state blocks resumes from an
+    earlier checkpoint, recomputing less than preemption by recomputation would. Then the same
+    prompts again after others pushed them out: their blocks and the checkpoints at their ends come
+    back from the tier."""
+    from tests.models.families import build
+
+    path = str(build(family, tmp_path_factory.mktemp(family)))
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(rng.randrange(9, 20))]} for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+
+    def run(rounds: int = 1, **kw):
+        llm = LLM(path, **{**ENGINE, "num_kv_blocks": 16, **kw})  # block ids a group: 16 of the pool's 48
+        outs = []
+        for _ in range(rounds):
+            outs += llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        llm.shutdown()
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)])
+                for o in outs], stats
+
+    want, roomy = run(num_kv_blocks=256)
+    got, swap = run(kv_offload_dir=str(tmp_path_factory.mktemp("tier")), preemption_mode="swap")
+    _assert_same(want, got)
+    assert roomy["num_preemptions"] == 0 and swap["num_swaps"] == swap["num_preemptions"] > 0
+    if family == "lfm2":
+        assert swap["tokens_computed"] == roomy["tokens_computed"]
+    else:
+        _, recompute = run(kv_offload_dir=str(tmp_path_factory.mktemp("tier-r")))
+        assert roomy["tokens_computed"] <= swap["tokens_computed"] < recompute["tokens_computed"]
+    again, stats = run(rounds=2, kv_offload_dir=str(tmp_path_factory.mktemp("tier2")))
+    _assert_same(want + want, again)
+    assert stats["kv_offload"]["promoted_blocks"] > 0 and stats["kv_offload"]["corrupt"] == 0
+
+
 def test_what_the_tier_cannot_serve_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_offload_dir needs enable_prefix_caching"):
         LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), enable_prefix_caching=False)

@@ -32,8 +32,9 @@ them, and memory pressure evicts them first-cached first. A request whose prompt
 cached blocks and a checkpoint after block k restores it (copied into its own state blocks) and
 computes from token k * block_size. Where its cached attention blocks reach further than any
 checkpoint (a shared system prompt ending mid-prompt), its prefill also stops there, leaving a
-checkpoint for the prompts after it. Each checkpoint costs state_blocks blocks per state group;
-checkpoints stay in the pool (the second tier does not keep them).
+checkpoint for the prompts after it. Each checkpoint costs state_blocks blocks per state group.
+A checkpoint's key says which tokens its state follows, so the second tier keeps it like any
+cached block: evicted, it is demoted; a lookup brings back the latest one the prefix reaches.
 
 Prefix caching: a group's cached blocks are found by the chained block hash qualified with the
 group (group 0's key is the block hash itself); a prefix of k blocks is a hit only if every full
@@ -41,7 +42,10 @@ group holds all k and every sliding group holds the ones inside the window of th
 
 The second tier (core/kv/tiered.py) hooks into the pool: an evicted cached block is demoted under
 its group-qualified key, and a lookup that the pool misses asks the tier for exactly the blocks a
-hit needs (full groups' blocks, sliding groups' blocks inside the window) before the pool's answer.
+hit needs (full groups' blocks, sliding groups' blocks inside the window, the latest checkpoint the
+prefix reaches) before the pool's answer. A request preempted by swapping sends its blocks there,
+its last partial block and, with recurrent layers, its state as a checkpoint after exactly its
+computed tokens: when it is admitted again, it resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -236,7 +240,7 @@ class KVCoordinator(KVManager):
         if self.tier is not None:
             self._promote_prefix(request, hashes)
         blocks, computed = self._cached_prefix(request, hashes)
-        if self.tier is not None and not self._state_groups:
+        if self.tier is not None:
             return self._promote_partial(request, hashes, blocks, computed)
         return blocks, computed
 
@@ -364,13 +368,14 @@ class KVCoordinator(KVManager):
 
     # ---- the second tier ------------------------------------------------------------------------------
     def _on_evict(self, block: int, key: bytes) -> None:
-        if len(key) != CHECKPOINT_KEY_BYTES:  # checkpoints stay in the pool (see the module docstring)
-            self.tier.demote(block, key)
+        self.tier.demote(block, key)
 
     def _hold_or_promote(self, group: int, block_hash: bytes, held: list[int]) -> int | None:
         """The pool's block for `group`'s block hashed `block_hash`, or one promoted from the tier
         into the pool's index; held (in `held`) so that later promotions do not evict it."""
-        key = self._key(group, block_hash)
+        return self._hold_or_promote_key(self._key(group, block_hash), held)
+
+    def _hold_or_promote_key(self, key: bytes, held: list[int]) -> int | None:
         b = self.pool.lookup(key)
         if b is None:
             b = self.tier.promote(key)
@@ -400,47 +405,102 @@ class KVCoordinator(KVManager):
                 for i in range(self._first_needed(g, computed), k):
                     if self._hold_or_promote(g, hashes[i], held) is None:
                         break
+            if self._state_groups:  # the latest checkpoint the chain reaches, whole or not at all
+                for j in range(k, 0, -1):
+                    if self._hold_checkpoint(hashes[j - 1], held):
+                        break
         finally:
             self.pool.free(reversed(held))  # back to ref 0: free and cached, as the pool's hits are
+
+    def _hold_checkpoint(self, state_hash: bytes, held: list[int], cache: bool = True) -> list[list[int]] | None:
+        """Every state group's checkpoint after the tokens hashed `state_hash`, from the pool or
+        promoted from the tier (indexed in the pool only if `cache`), held in `held`; None if a
+        part is in neither (the parts found stay held: the caller frees `held`)."""
+        out = []
+        for g in self._state_groups:
+            parts = []
+            for j in range(self.state_blocks):
+                key = self._checkpoint_key(g, state_hash, j)
+                if cache:
+                    b = self._hold_or_promote_key(key, held)
+                else:
+                    b = self.pool.lookup(key)
+                    if b is None:
+                        b = self.tier.promote(key)
+                    else:
+                        self.pool.incref([b])
+                    if b is not None:
+                        held.append(b)
+                if b is None:
+                    return None
+                parts.append(b)
+            out.append(parts)
+        return out
 
     def _promote_partial(self, request: Request, hashes: list[bytes], blocks: list[list[int]],
                          computed: int) -> tuple[list[list[int]], int]:
         """A request swapped out mid-block (swap_out) finds its last, partial block in the tier under
-        the key of the tokens it held (all but the last, which was still to be computed)."""
+        the key of the tokens it held (all but the last, which was still to be computed), and with
+        recurrent layers its state after those tokens, as a checkpoint under the same key."""
         bs, n = self.block_size, request.num_tokens
-        k = len(blocks[0]) if blocks else 0
-        if k != (n - 1) // bs or not (n - 1) % bs:
+        k = (n - 1) // bs
+        if not (n - 1) % bs:
+            return blocks, computed
+        attention = blocks if not self._state_groups else self._attention_chain(request, hashes, k)
+        if attention is None or (attention and len(attention[self._attention_groups[0]]) != k) or (not attention and k):
             return blocks, computed
         tokens = request.all_token_ids[k * bs:n - 1]
         partial = hash_block(hashes[k - 1] if k else None, tokens, request.cache_salt)
-        held = [b for g, t in enumerate(blocks) for b in self._real(g, t)]
+        held = [b for g, t in enumerate(attention) if g not in self._state_groups for b in self._real(g, t)]
         self.pool.incref(held)  # the prefix's blocks, while promotions allocate
         got: list[int] = []
+        state = None
         try:
             for g in self._attention_groups:
                 b = self.tier.promote(self._key(g, partial))
                 if b is None:
                     return blocks, computed
                 got.append(b)
+            if self._state_groups:
+                state = self._hold_checkpoint(partial, got, cache=False)
+                if state is None:
+                    return blocks, computed
         finally:
             self.pool.free(reversed(held + got))  # promoted but not taken: plain free blocks again
-        blocks = [list(t) for t in blocks] if blocks else [[] for _ in self.windows]
+        out = [list(t) for t in attention] if attention else [[] for _ in self.windows]
         for g, b in zip(self._attention_groups, got):
-            blocks[g].append(b)
+            out[g].append(b)
+        for g, parts in zip(self._state_groups, state or ()):
+            out[g] = parts
         for g in self._sliding_groups:  # the window of the last token moved on past the partial block's start
             first = self._first_needed(g, n - 1)
-            blocks[g][:first] = [NULL_BLOCK] * first
-        return blocks, n - 1
+            out[g][:first] = [NULL_BLOCK] * first
+        return out, n - 1
+
+    def _attention_chain(self, request: Request, hashes: list[bytes], k: int) -> list[list[int]] | None:
+        """Every attention group's first k blocks from the pool's index (a sliding group's inside
+        the window of the request's last token, null before it), or None if one is missing."""
+        lookup = self.pool.cached.get
+        n = request.num_tokens
+        out: list[list[int]] = [[] for _ in self.windows]
+        for g in self._attention_groups:
+            first = self._first_needed(g, n - 1) if g in self._sliding_groups else 0
+            chain = [lookup(self._key(g, h)) for h in hashes[first:k]]
+            if None in chain:
+                return None
+            out[g] = [NULL_BLOCK] * first + chain
+        return out
 
     def swap_out(self, request: Request) -> bool:
         """Preemption by swapping (before `free`): every block the request has computed goes to
         the tier now, so that when it is admitted again get_computed_blocks brings all of its K/V
         back. A last block that is not full goes under hash_block of the tokens it holds: fewer
-        than a full block's, so its key is never a full block's. Not with recurrent layers (their
-        state is not kept in the tier): False, and the request is recomputed."""
+        than a full block's, so its key is never a full block's. Recurrent groups' state goes as
+        the checkpoint after exactly those tokens (under the last full block's hash, or the
+        partial block's)."""
         tables = self._tables.get(request.request_id)
         done = request.num_computed_tokens
-        if self.tier is None or self._state_groups or not tables or not done:
+        if self.tier is None or not tables or not done:
             return False
         bs = self.block_size
         hashes = request_block_hashes(request, bs, done // bs)
@@ -455,6 +515,10 @@ class KVCoordinator(KVManager):
                     self.tier.demote(table[i], self._key(g, h))
             if partial is not None:
                 self.tier.demote(table[len(hashes)], self._key(g, partial))
+        state_hash = partial if partial is not None else hashes[-1]
+        for g in self._state_groups:
+            for j, b in enumerate(tables[g]):
+                self.tier.demote(b, self._checkpoint_key(g, state_hash, j))
         self.tier.num_swapped_out += 1
         return True
 
@@ -462,10 +526,10 @@ class KVCoordinator(KVManager):
         return [] if self.tier is None else self.tier.take_ops()
 
     def cached_blocks(self) -> list[tuple[int, bytes]]:
-        """(block, tier key) of every attention block the pool's prefix cache indexes now."""
+        """(block, tier key) of every block the pool's prefix cache indexes now, checkpoints too."""
         if self.tier is None:
             return []
-        return [(b, self.tier.tier_key(k)) for k, b in self.pool.cached.items() if len(k) != CHECKPOINT_KEY_BYTES]
+        return [(b, self.tier.tier_key(k)) for k, b in self.pool.cached.items()]
 
     def tier_stats(self) -> TierMoveStats | None:
         return None if self.tier is None else self.tier.stats()

@@ -20,11 +20,14 @@ from pagellm.attention.triton_latent import LatentConfig, latent_decode
 from pagellm.kv_format import resolve_kv_format
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = dict(atol=1e-4, rtol=1e-4)
+# fp32 everywhere; bf16 only where it is compiled (the interpreter's numpy has no bf16), against the
+# reference in fp32 on the same bf16 inputs.
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 def pool(shapes: list[tuple[int, int]], heads: int, lora: int, rope: int, block_size: int, seed: int,
-         num_blocks: int = 48):
+         num_blocks: int = 48, dtype: torch.dtype = torch.float32):
     """Sequences (rows already cached, rows computed this step), decodes first, their blocks
     scattered over a pool holding garbage elsewhere: (q, this step's rows, cache, metadata)."""
     rng = random.Random(seed)
@@ -49,17 +52,20 @@ def pool(shapes: list[tuple[int, int]], heads: int, lora: int, rope: int, block_
     seq_lens = [c + n for c, n in shapes]
     meta = AttentionMetadata(torch.tensor(slots, device=DEVICE), block_tables, [n for _, n in shapes], seq_lens,
                              torch.tensor(seq_lens, device=DEVICE), sum(n == 1 for _, n in shapes), block_size)
-    return torch.cat(qs).to(DEVICE), torch.cat(new_rows).to(DEVICE), cache.to(DEVICE), meta
+    return (torch.cat(qs).to(DEVICE, dtype), torch.cat(new_rows).to(DEVICE, dtype), cache.to(DEVICE, dtype),
+            meta)
 
 
-def run_both(shapes, heads, lora, rope, block_size, seed=0, **backend_args):
-    q, rows, cache, meta = pool(shapes, heads, lora, rope, block_size, seed)
+def run_both(shapes, heads, lora, rope, block_size, seed=0, dtype=torch.float32, **backend_args):
+    """(Triton's output, the reference's), both as float32."""
+    q, rows, cache, meta = pool(shapes, heads, lora, rope, block_size, seed, dtype=dtype)
     scale = (lora + rope) ** -0.5
-    want_cache, got_cache = cache.clone(), cache.clone()
-    want = latent.latent_attention(q, rows, want_cache, meta, scale, lora)
+    want_cache, got_cache = cache.float(), cache.clone()
+    want = latent.latent_attention(q.float(), rows.float(), want_cache, meta, scale, lora)
     got = TritonAttentionBackend(**backend_args).forward_latent(q, rows, got_cache, meta, scale, lora)
-    assert torch.equal(got_cache, want_cache)  # the rows went to their slots, nothing else moved
-    return got, want
+    assert got.dtype == dtype
+    assert torch.equal(got_cache.float(), want_cache)  # the rows went to their slots, nothing else moved
+    return got.float(), want
 
 
 # Decodes whose contexts end inside a block, on its last slot, and one past it; then a fresh prompt,
@@ -67,13 +73,14 @@ def run_both(shapes, heads, lora, rope, block_size, seed=0, **backend_args):
 MIXED = [(4, 1), (7, 1), (8, 1), (0, 9), (13, 7), (16, 5)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,lora,rope", [(4, 32, 8), (20, 24, 8)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_mixed_batch_matches_reference(heads, lora, rope, num_splits):
+def test_mixed_batch_matches_reference(heads, lora, rope, num_splits, dtype):
     """Block size 4 so every tile of rows spans several pages; 20 heads are two head blocks, the
     second mostly padding; 24 latent features pad to 32 (the padding masked)."""
-    got, want = run_both(MIXED, heads, lora, rope, block_size=4, num_splits=num_splits)
-    torch.testing.assert_close(got, want, **TOL)
+    got, want = run_both(MIXED, heads, lora, rope, block_size=4, num_splits=num_splits, dtype=dtype)
+    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 def test_prefill_tiles_of_several_tokens_and_long_decodes():
@@ -82,7 +89,7 @@ def test_prefill_tiles_of_several_tokens_and_long_decodes():
     shapes = [(39, 1), (40, 1), (0, 2), (3, 3), (30, 17), (1, 6)]
     got, want = run_both(shapes, 4, 32, 8, block_size=8, seed=1, num_splits=2,
                          latent_config=LatentConfig(block_n=16, block_h=4, rows=16))
-    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
 def test_decode_of_empty_context_is_zero_and_bad_inputs_are_refused():

@@ -55,8 +55,9 @@ class LatentConfig:
 def default_latent_config(device: torch.device, lora: int) -> LatentConfig:
     if device.type != "cuda":
         return LatentConfig(block_n=16, block_h=16, rows=16)  # the interpreter: small tiles, few programs
-    # A tile of c_kv is block_n x LORA 16-bit values, loaded once for both products; DeepSeek's 512
-    # features take 32 rows a tile so that two stages fit in shared memory beside the queries.
+    # A tile of c_kv is block_n x LORA 16-bit values, loaded once for both products, and each program
+    # keeps a rows x LORA float32 accumulator: wide rows (DeepSeek's 512) take the shorter tile. A first
+    # choice that compiles for sm_90 (tests/attention/compile_for_hopper.py), not yet timed on a GPU.
     return LatentConfig(block_n=32 if lora > 256 else 64)
 
 

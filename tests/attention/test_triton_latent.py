@@ -15,6 +15,7 @@ import triton  # noqa: F401  (a test dependency on Linux: missing, these tests m
 
 from pagellm.attention import latent
 from pagellm.attention.metadata import AttentionMetadata
+from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_backend import TritonAttentionBackend
 from pagellm.attention.triton_latent import LatentConfig, latent_decode
 from pagellm.kv_format import resolve_kv_format
@@ -122,7 +123,7 @@ def test_deepseek_v3_through_the_triton_backend_equals_the_torch_backend(tmp_pat
     first = [[5, 17, 42, 9, 100, 3, 77, 12, 8, 61, 2, 19, 33]]
     then = [[5, 17, 42, 9, 250, 6], [7, 300, 11]]
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, ignore_eos=True)
-    args = dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=8, enforce_eager=True)
+    args = dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=8, enforce_eager=True, dtype="float32")
 
     def run(llm):
         outs = [o for prompts in (first, then)
@@ -130,12 +131,16 @@ def test_deepseek_v3_through_the_triton_backend_equals_the_torch_backend(tmp_pat
         assert llm.stats()["prefix_cache_hits"] > 0
         return [o.outputs[0] for o in outs]
 
-    want = run(LLM(path, **args))
     served = []
-    monkeypatch.setattr(model_runner, "select_backend",
-                        lambda *a, **k: served.append(TritonAttentionBackend(num_splits=2)) or served[-1])
-    got = run(LLM(path, **args))
-    assert len(served) == 1
+
+    def served_with(make_backend):
+        # Each engine gets the backend named here (on a GPU "auto" would pick Triton for both).
+        monkeypatch.setattr(model_runner, "select_backend", lambda *a, **k: served.append(make_backend()) or served[-1])
+        return run(LLM(path, **args))
+
+    want = served_with(TorchAttentionBackend)
+    got = served_with(lambda: TritonAttentionBackend(num_splits=2))
+    assert [type(b).__name__ for b in served] == ["TorchAttentionBackend", "TritonAttentionBackend"]
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         for lg, lw in zip(g.logprobs, w.logprobs):

@@ -239,6 +239,7 @@ def machine_name(device: torch.device, cpu_smoke: bool) -> str:
 # ---- 1. kernel tests ---------------------------------------------------------------------------------
 def kernel_tests(budget: float, cpu_smoke: bool,
                  paths: tuple[str, ...] = ("tests/attention/test_triton_kernels.py", "tests/test_kv_format.py",
+                                           "tests/attention/test_triton_latent.py",
                                            "tests/attention/test_triton_compile.py",
                                            "tests/worker/test_cuda_graphs.py"),
                  smoke_filter: str | None = "choose_num_splits or batch_size_ladder") -> dict:

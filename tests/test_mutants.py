@@ -103,6 +103,12 @@ MUTANTS = [
            "output_token_ids=output + list(draft_token_ids[:j])",
            "output_token_ids=output",
            ("tests/engine/test_spec_decode.py::test_seeded_sampling_and_logits_processors_equal_plain_decoding",)),
+    Mutant("the Triton latent prefill lets each query see the row after its own",
+           "pagellm/attention/triton_latent.py",
+           "keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])",
+           "keep = valid[None, :] & (pos[None, :] <= q_pos[:, None] + 1)",
+           ("tests/attention/test_triton_latent.py::test_mixed_batch_matches_reference",
+            "tests/attention/test_triton_latent.py::test_prefill_tiles_of_several_tokens_and_long_decodes")),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

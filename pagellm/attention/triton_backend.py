@@ -7,12 +7,23 @@ prefill launch. A layer's options (sliding window, attention chunk, soft-cap) an
 kernels. The decode path touches only tensors and shapes (the options are per-layer constants,
 the sinks a tensor), so a decode-only step can be captured in a CUDA graph
 (`supports_cuda_graphs`), whatever the layers' options.
+
+Latent layers (layers/mla.py) go through their own kernels (triton_latent.py), which read the
+cached latent rows in place for decodes and prefills alike.
 """
 from __future__ import annotations
 
 import torch
 
+from pagellm.attention import latent
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from pagellm.attention.triton_latent import (
+    LatentConfig,
+    default_latent_config,
+    latent_decode,
+    latent_prefill,
+    latent_prefill_block_m,
+)
 from pagellm.attention.triton_kernels import (
     KernelConfig,
     default_prefill_config,
@@ -28,15 +39,19 @@ class TritonAttentionBackend(AttentionBackend):
     reads_8bit_kv = True
 
     def __init__(self, decode_config: KernelConfig | None = None, prefill_config: KernelConfig | None = None,
-                 num_splits: int | None = None) -> None:
+                 num_splits: int | None = None, latent_config: LatentConfig | None = None) -> None:
         """Configs None take each device's defaults; `num_splits` None lets the decode kernel choose."""
         self.decode_config = decode_config
         self.prefill_config = prefill_config
+        self.latent_config = latent_config
         self.num_splits = num_splits
         # Every layer gets the same metadata object in one step: build the prefill work list
-        # for the first layer and reuse it in the others.
+        # for the first layer and reuse it in the others (latent layers cut theirs into tiles of
+        # another height, kept apart).
         self._tiles_for: AttentionMetadata | None = None
         self._tiles: torch.Tensor | None = None
+        self._latent_tiles_for: tuple[AttentionMetadata, int] | None = None
+        self._latent_tiles: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, options: AttentionOptions | None = None,
@@ -58,6 +73,31 @@ class TritonAttentionBackend(AttentionBackend):
             paged_prefill(q[nd:], k_cache, v_cache, meta.block_tables, self._prefill_tiles(meta, cfg, q.device),
                           scale, out=out[nd:], config=cfg, sliding_window=window, softcap=softcap, sinks=sinks,
                           kv_format=fmt, attention_chunk=chunk)
+        return out
+
+    def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, v_dim: int) -> torch.Tensor:
+        """The rows stored through the slot mapping, then the decodes through `latent_decode` and
+        the prefills through one `latent_prefill` launch, both reading the rows in place."""
+        if self.kv_format is not None and self.kv_format.quantized:
+            raise ValueError(f"kv_cache_dtype {self.kv_format.name!r} is not read by latent attention layers; "
+                             f"use kv_cache_dtype 'auto'")
+        latent.write_rows(rows, cache, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+        nd = meta.num_decodes
+        cfg = self.latent_config or default_latent_config(q.device, v_dim)
+        if nd:
+            latent_decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale, v_dim,
+                          out=out[:nd], num_splits=self.num_splits, config=cfg)
+        if meta.num_seqs > nd:
+            block_m = latent_prefill_block_m(q.shape[1], cfg)
+            if self._latent_tiles_for is None or self._latent_tiles_for[0] is not meta \
+                    or self._latent_tiles_for[1] != block_m:
+                self._latent_tiles = prefill_tiles(list(range(nd, meta.num_seqs)), meta.query_lens[nd:],
+                                                   meta.seq_lens[nd:], block_m, q.device)
+                self._latent_tiles_for = (meta, block_m)
+            latent_prefill(q[nd:], cache, meta.block_tables, self._latent_tiles, scale, v_dim, out=out[nd:],
+                           config=cfg)
         return out
 
     def _prefill_tiles(self, meta: AttentionMetadata, cfg: KernelConfig, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,8 @@ from pagellm.core.spec_decode import SpecDecodeStats
 
 @dataclass(frozen=True)
 class KVGroupStats:
-    """One group of layers sharing a cache kind (full, sliding, state)."""
+    """One group of layers sharing a cache kind (full, sliding, state; latent or chunked where
+    every layer of the group is: core/kv/groups.group_names)."""
 
     kind: str
     window: int | None  # None: not sliding

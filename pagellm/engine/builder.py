@@ -99,7 +99,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         kv = make_kv_manager(config.kv_policy, num_blocks, config.block_size, max_model_len,
                              enable_prefix_caching=config.enable_prefix_caching, windows=runner.kv_groups.windows,
                              max_chunk_tokens=config.max_num_batched_tokens,
-                             state_blocks=runner.state_blocks(config.block_size),
+                             state_blocks=runner.state_blocks(config.block_size), group_names=runner.kv_group_names,
                              tier=None if kv_tier is None else RunnerTier(executor))
         if config.preemption_mode != "recompute" and kv_tier is None:
             raise ValueError(f"preemption_mode {config.preemption_mode!r} moves KV blocks to the second tier: it "

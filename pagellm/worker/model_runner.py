@@ -18,7 +18,7 @@ from pagellm import cpu_features
 from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.kv_format import resolve_kv_format
-from pagellm.core.kv.groups import STATE, plan_kv_groups
+from pagellm.core.kv.groups import STATE, group_names, plan_kv_groups
 from pagellm.core.step_plan import PlannedSeq, PromptLogprobs, StepPlan
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.kernels import cpu as cpu_kernels
@@ -162,6 +162,11 @@ class ModelRunner:
         windows = [STATE if isinstance(m, RecurrentMixer) else m.options.sliding_window if sliding_kv else None
                    for m in layers]
         self.kv_groups = plan_kv_groups(windows, max_model_len)
+        # How stats name each group: latent rows and chunked attention beside the window kinds.
+        self.kv_group_names = group_names(self.kv_groups, [
+            "latent" if getattr(m, "latent", False) else
+            "chunked" if isinstance(m, Attention) and m.options.attention_chunk is not None else None
+            for m in layers])
         # (heads, K row, V row) of each caching layer's tokens: one shape for most models.
         self.layer_rows = [self.model.layer_kv_rows(m) for m in layers]
         self.state_groups = frozenset(g for g, w in enumerate(self.kv_groups.windows) if w == STATE)

@@ -12,11 +12,13 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pagellm.attention import triton_kernels as K  # noqa: E402
+from pagellm.attention import triton_latent as LK  # noqa: E402
 from pagellm.layers.quant import triton_gguf  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -90,6 +92,24 @@ def cases(full: bool):
                      "sinks_ptr": "*fp32", **u8}, OPTION_SCALARS, \
                     dict(GROUP=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_M=64, BLOCK_N=64, PRECISION=prec, **OPTIONS[0],
                          **flags), 4, 2
+        # Latent attention with the GPU defaults: DeepSeek-V3's rows (512 latent + 64 rotary) in bf16,
+        # the tests' small rows (24 latent pad to 32, 8 rotary to 16) in fp32.
+        for lora, rope in [(512, 64)] if dt == "bf16" else [(24, 8)]:
+            lcfg = LK.default_latent_config(torch.device("cuda"), lora)
+            lat = dict(LORA=lora, LORA_PAD=K.dot_pad(lora), ROPE=rope, ROPE_PAD=K.dot_pad(rope),
+                       BLOCK_N=lcfg.block_n, PRECISION=prec)
+            for direct in (True, False):
+                part = f"*{dt}" if direct else "*fp32"
+                yield (f"latent decode lora={lora} rope={rope} direct={direct}", dt), LK._latent_decode_kernel, \
+                    {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "block_tables_ptr": "*i64", "seq_lens_ptr": "*i64",
+                     "out_ptr": f"*{dt}", "part_out_ptr": part, "part_lse_ptr": part}, {"qk_scale": "fp32"}, \
+                    dict(BLOCK_H=lcfg.block_h, DIRECT=direct, **lat), lcfg.num_warps, lcfg.num_stages
+            block_h = LK.latent_heads_block(128, lcfg)
+            yield (f"latent prefill lora={lora} rope={rope}", dt), LK._latent_prefill_kernel, \
+                {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "block_tables_ptr": "*i64", "tiles_ptr": "*i32",
+                 "out_ptr": f"*{dt}"}, {"qk_scale": "fp32"}, \
+                dict(BLOCK_M=LK.latent_prefill_block_m(128, lcfg), BLOCK_H=block_h, **lat), lcfg.num_warps, \
+                lcfg.num_stages
         for qtype, (code, block_bytes, block_values) in triton_gguf.TYPES.items():
             yield (f"gguf matmul type={qtype}", dt), triton_gguf._gguf_matmul_kernel, \
                 {"x_ptr": f"*{dt}", "w_ptr": "*u8", "y_ptr": f"*{dt}"}, {}, \

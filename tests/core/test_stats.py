@@ -42,3 +42,18 @@ def test_replicas_sum_what_adds_and_keep_the_first_for_the_rest():
     assert total.prefix_cache.hits == 8 and total.scheduler.num_running == 4 and total.generation_tokens == 40
     assert total.kv.groups == a.kv.groups and total.kv_offload is a.kv_offload and total.max_model_len == 512
     assert summed([]) is NO_ENGINE and NO_ENGINE.to_dict()["num_running"] == 0
+
+
+def test_groups_are_named_by_what_all_their_layers_hold():
+    from pagellm.core.kv.coordinator import KVCoordinator
+    from pagellm.core.kv.groups import STATE, group_names, plan_kv_groups
+
+    # Latent layers alone: one group, named latent; recurrent layers beside them keep "state".
+    plan = plan_kv_groups([None, None, STATE, STATE], 64)
+    assert group_names(plan, ["latent", "latent", None, None]) == ("latent", "state")
+    # A group whose layers differ (chunked beside full attention, Llama 4) keeps its window kind.
+    assert group_names(plan_kv_groups([None, None], 64), ["chunked", None]) == ("full",)
+    assert group_names(plan_kv_groups([8, None], 64), [None, "chunked"]) == ("chunked", "sliding")
+    kv = KVCoordinator(8, 4, plan.windows, state_blocks=1, group_names=("latent", "state"))
+    assert [g.kind for g in kv.group_stats()] == ["latent", "state"]
+    assert [g.kind for g in KVCoordinator(8, 4, (None, 8)).group_stats()] == ["full", "sliding"]

@@ -115,6 +115,9 @@ def test_dashboard_draws_every_block_when_idle(server):
     assert len(states) == n and set(states) <= {"free", "cached"}
     assert attrs["used"] == attrs["shared"] == 0
     assert MODEL_NAME in dom
+    # The table of groups of layers: one group of full attention, holding nothing.
+    assert 'id="kvGroups" data-rows="1"' in dom
+    assert '<tr data-group="0" data-kind="full" data-blocks="0">' in dom
 
 
 def test_dashboard_shows_shared_blocks_of_parallel_sampling_then_preemption(server):

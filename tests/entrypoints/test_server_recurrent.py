@@ -18,6 +18,20 @@ def model_dir(tmp_path_factory):
     return str(build("qwen3_5", tmp_path_factory.mktemp("qwen3_5")))
 
 
+def metrics_while_a_stream_holds_blocks(server: RemoteServer) -> tuple[str, dict]:
+    """/metrics and /dashboard/state read while a streamed completion is under way (after its first
+    token, before it ends); leaving the stream hangs up, which aborts the request."""
+    body = {"model": NAME, "prompt": list(range(50, 90)), "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+        metrics = httpx.get(server.url + "/metrics").text
+        return metrics, server.state()
+
+
 def test_served_recurrent_model_resumes_a_prefix_from_its_checkpoint(model_dir):
     first = list(range(3, 40))
     second = first + [41, 42, 43]
@@ -30,6 +44,7 @@ def test_served_recurrent_model_resumes_a_prefix_from_its_checkpoint(model_dir):
                for p in (first, second)]
         stats = server.wait_all_blocks_free()["stats"]
         metrics = httpx.get(server.url + "/metrics").text
+        held_metrics, held = metrics_while_a_stream_holds_blocks(server)
     finally:
         server.close()
     llm = LLM(model_dir, num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
@@ -43,3 +58,12 @@ def test_served_recurrent_model_resumes_a_prefix_from_its_checkpoint(model_dir):
     labels = {"model_name": NAME}
     assert metric_value(metrics, "pagellm:state_checkpoints_restored_total", **labels) == 1
     assert metric_value(metrics, "pagellm:kv_cache_group_used_blocks", kind="state", **labels) == 0
+    # While a request holds blocks, every group's gauge shows its own: the attention group the
+    # request's rows, each state group its state blocks; the dashboard's data lists the same groups,
+    # within the pool's count (read a moment later: the request may have ended since).
+    groups = held["stats"]["kv_groups"]
+    assert [g["kind"] for g in groups] == ["full", "state", "state"]
+    assert sum(g["used_blocks"] for g in groups) <= held["stats"]["used_blocks"]
+    gauges = [metric_value(held_metrics, "pagellm:kv_cache_group_used_blocks", group=str(i), kind=g["kind"],
+                           window="none", **labels) for i, g in enumerate(groups)]
+    assert gauges[0] >= 10 and gauges[1] > 0 and gauges[1] == gauges[2], gauges  # 40 prompt tokens: 10 blocks

@@ -63,6 +63,8 @@ def test_pool_holds_one_latent_row_per_token_per_layer_and_fp8_checkpoints_are_r
     assert runner.bytes_per_block(4) == 2 * 4 * 40 * 4  # 2 layers, 4 tokens, 40 float32s
     [report] = llm.engine.memory_report()
     assert report["kv_cache_bytes"] == 8 * runner.bytes_per_block(4) and report["num_kv_heads"] == 1
+    # Stats and /metrics name the group by what it holds.
+    assert llm.stats()["kv_groups"] == [{"kind": "latent", "window": None, "used_blocks": 0}]
     with pytest.raises(ValueError, match="q_a_proj.weight_scale_inv' is an FP8 block scale"):
         runner.model.load_weights([("model.layers.0.self_attn.q_a_proj.weight_scale_inv", torch.ones(1))])
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not read by latent attention"):

@@ -72,11 +72,12 @@ class KVCoordinator(KVManager):
 
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None | str] = (None,),
                  enable_prefix_caching: bool = True, max_chunk_tokens: int = 2048, state_blocks: int = 0,
-                 tier: BlockTier | None = None) -> None:
+                 tier: BlockTier | None = None, group_names: Sequence[str] | None = None) -> None:
         """`windows`: per group, None (full attention), its window W >= 1, or STATE (recurrent
         layers, whose state takes `state_blocks` blocks a sequence). `max_chunk_tokens`: the most
         tokens a sequence computes in one step (how far a sliding group's blocks reach). `tier`:
-        a second tier that keeps evicted prefix-cache blocks."""
+        a second tier that keeps evicted prefix-cache blocks. `group_names`: how stats name each
+        group (groups.group_names: "latent" for latent rows, say); None: by window kind."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not windows or any(w is not None and w != STATE and w < 1 for w in windows) or windows[0] == STATE:
@@ -85,6 +86,9 @@ class KVCoordinator(KVManager):
         if (STATE in windows) != (state_blocks > 0):
             raise ValueError(f"state_blocks must be > 0 exactly when a group is {STATE!r}, got {state_blocks}")
         self.windows = list(windows)
+        if group_names is not None and len(group_names) != len(self.windows):
+            raise ValueError(f"group_names must name each of the {len(self.windows)} groups, got {group_names}")
+        self.group_names = list(group_names) if group_names is not None else [kind_name(w) for w in self.windows]
         # Anything but plain full attention reserves the null block (sliding tables point at it).
         self._reserves_null = any(w is not None for w in self.windows)
         if self._reserves_null and num_blocks < 2:
@@ -179,9 +183,9 @@ class KVCoordinator(KVManager):
 
     def group_stats(self) -> list[KVGroupStats]:
         state = set(self._state_groups)
-        return [KVGroupStats(kind_name(w), None if w == STATE else w, n,
+        return [KVGroupStats(name, None if w == STATE else w, n,
                              *((self.num_checkpoints, self.num_restores) if g in state else ()))
-                for g, (w, n) in enumerate(zip(self.windows, self._held))]
+                for g, (name, w, n) in enumerate(zip(self.group_names, self.windows, self._held))]
 
     def snapshot(self) -> dict:
         """The block map's data, every pool block drawn (the null block among them, held)."""

@@ -11,6 +11,7 @@ has one group: today's single table.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The kind of a group of recurrent layers: each sequence holds a fixed number of blocks of it,
@@ -74,3 +75,16 @@ def plan_kv_groups(layer_windows: list[int | None | str], max_model_len: int) ->
                 layer_group[layer], layer_slot[layer] = len(group_windows), slot
             group_windows.append(kind)
     return KVGroupPlan(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+
+
+def group_names(plan: KVGroupPlan, layer_names: Sequence[str | None]) -> tuple[str, ...]:
+    """How stats and metrics name each group: the name its layers share where the model names
+    them (layer_names, per layer: "latent" for latent-attention layers, "chunked" for chunked
+    attention, None for nothing beyond the window kind), else its window kind (kind_name)."""
+    if len(layer_names) != len(plan.layer_group):
+        raise ValueError(f"{len(layer_names)} layer names for {len(plan.layer_group)} layers")
+    names = []
+    for g, window in enumerate(plan.windows):
+        own = {name for name, lg in zip(layer_names, plan.layer_group) if lg == g}
+        names.append(own.pop() if len(own) == 1 and None not in own else kind_name(window))
+    return tuple(names)

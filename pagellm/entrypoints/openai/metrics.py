@@ -89,9 +89,10 @@ class _EngineCollector(Collector):
         yield family(GaugeMetricFamily, "pagellm:kv_cache_free_blocks", "Number of free KV cache blocks.",
                      s.kv.free_blocks)
         groups = GaugeMetricFamily("pagellm:kv_cache_group_used_blocks",
-                                   "KV blocks held per group of layers (kind: full, sliding or state, the "
-                                   "recurrent layers' per-sequence state; window: none, else the sliding window; "
-                                   "a block holds one group's layers).",
+                                   "KV blocks held per group of layers (kind: full, sliding, state (the "
+                                   "recurrent layers' per-sequence state), latent (one latent row per token "
+                                   "read by every head) or chunked; window: none, else the sliding window; a "
+                                   "block holds one group's layers).",
                                    labels=["model_name", "group", "kind", "window"])
         for g, group in enumerate(s.kv.groups):
             window = "none" if group.window is None else str(group.window)

@@ -103,6 +103,17 @@ MUTANTS = [
            "output_token_ids=output + list(draft_token_ids[:j])",
            "output_token_ids=output",
            ("tests/engine/test_spec_decode.py::test_seeded_sampling_and_logits_processors_equal_plain_decoding",)),
+    Mutant("a draft rejected by rejection sampling is replaced by a draw from p, not from the residual max(0, p - q)",
+           "pagellm/worker/rejection_sampler.py",
+           "residual = (p[accepted] - q[accepted]).clamp_(min=0.0)",
+           "residual = p[accepted].clone()",
+           ("tests/worker/test_rejection_sampler.py::"
+            "test_rejection_sampling_with_a_real_draft_distribution_keeps_the_target_distribution",)),
+    Mutant("a finished sequence's draft-model KV blocks are never given back",
+           "pagellm/worker/proposers/draft_model.py",
+           "                self.kv.free(seq)",
+           "                pass",
+           ("tests/engine/test_spec_decode_draft.py::test_greedy_with_a_draft_model_equals_plain_decoding",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

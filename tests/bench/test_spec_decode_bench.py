@@ -21,3 +21,16 @@ def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
             assert len(runs) == 2 and all(r["tokens"] == entry["output_tokens"] and r["loadavg"] for r in runs)
             assert entry[system]["decode_tokens_per_s"] > 0
         assert entry["speedup"] > 0
+
+
+def test_spec_decode_bench_with_a_draft_model(tmp_path, tiny_llama_dir):
+    """--method draft_model with the target as its own draft: every proposal accepted, same output."""
+    stem = tmp_path / "spec"
+    rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--method", "draft_model", "--draft-model",
+               tiny_llama_dir, "--workloads", "chat", "--max-tokens", "6", "--repeat", "1", "--out", str(stem)])
+    assert rc == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["config"]["speculative_config"]["method"] == "draft_model"
+    assert data["config"]["quantization"] == "auto"
+    entry = data["workloads"]["chat"]
+    assert entry["outputs_equal"] is True and entry["speculative"]["acceptance_rate"] == 1.0

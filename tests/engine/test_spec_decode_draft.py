@@ -10,6 +10,7 @@ model of another family and other weights (most proposals wrong: rejections, rol
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 
@@ -156,3 +157,15 @@ def test_a_recurrent_draft_is_refused(models, tmp_path):
     with pytest.raises(ValueError) as e:
         LLM(models[0], num_kv_blocks=64, speculative_config=_spec(lfm2))
     assert all(w in str(e.value) for w in ("speculative_config model", "recurrent", "ShortConv"))
+
+
+def test_the_draft_cache_takes_its_share_of_the_kv_budget(models, caplog):
+    """A byte budget gives both pools as many blocks, their bytes together within it; the log says so."""
+    target, other = models[:2]
+    budget = 1 << 20
+    with caplog.at_level(logging.INFO, logger="pagellm.engine"):
+        llm = LLM(target, kv_cache_memory=budget, block_size=4, speculative_config=_spec(other))
+    runner = llm.engine.executor.driver
+    per_block = runner.bytes_per_block(4) + runner.proposer.runner.bytes_per_block(4)
+    assert llm.engine.core.kv.num_blocks == _draft_kv(llm).num_blocks == budget // per_block
+    assert any("draft model" in r.message and "split between them" in r.message for r in caplog.records)

@@ -61,7 +61,7 @@ def stream_uniforms(seed: int | None, stream: int, first_index: int, n: int,
     """n uniforms in [0, 1) for token indices first_index .. + n - 1: from the request's seed
     (a function of seed, stream and index alone), or from `generator` for an unseeded request."""
     if seed is None:
-        return torch.rand(n, generator=generator)
+        return torch.rand(n, generator=generator, device=generator.device).cpu()
     return torch.tensor([seeded_uniform(seed ^ stream, first_index + i) for i in range(n)])
 
 

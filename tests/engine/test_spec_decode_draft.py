@@ -169,3 +169,24 @@ def test_the_draft_cache_takes_its_share_of_the_kv_budget(models, caplog):
     per_block = runner.bytes_per_block(4) + runner.proposer.runner.bytes_per_block(4)
     assert llm.engine.core.kv.num_blocks == _draft_kv(llm).num_blocks == budget // per_block
     assert any("draft model" in r.message and "split between them" in r.message for r in caplog.records)
+
+
+@pytest.mark.slow  # two engines of the bundled model
+def test_the_bundled_model_with_its_own_quantized_file_as_draft(smollm2_gguf):
+    """The pair `pagellm bench spec-decode --method draft_model` measures: the bundled model served
+    dequantized, its Q4_1 file as the draft. Greedy text, tokens, a stop string and finish reasons
+    are plain decoding's, and most proposals are accepted (the same weights, quantized)."""
+    options = dict(max_model_len=512, kv_cache_memory=64 << 20, quantization="none")
+    prompts = ["Write a short poem about the sea.", "List the planets of the solar system."]
+    params = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=40,
+                                                                            stop=[" Mars"])]
+    plain = LLM(smollm2_gguf, **options)
+    want = [o.outputs[0] for o in plain.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                                             use_tqdm=False)]
+    llm = LLM(smollm2_gguf, speculative_config=_spec(smollm2_gguf), **options)
+    got = [o.outputs[0] for o in llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                                          use_tqdm=False)]
+    assert [(c.token_ids, c.text, c.finish_reason) for c in got] == [(c.token_ids, c.text, c.finish_reason)
+                                                                     for c in want]
+    assert llm.stats()["spec_decode"]["acceptance_rate"] > 0.7
+    _assert_nothing_held(llm)

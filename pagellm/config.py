@@ -73,15 +73,23 @@ def json_list(text: str) -> list:
 
 # Speculative decoding (docs/speculative-decoding.md): the proposers built so far, and vLLM's other
 # methods, named so that asking for one says it is not implemented yet rather than unknown.
-SPECULATIVE_METHODS = ("ngram",)
-SPECULATIVE_METHODS_NOT_YET = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS_NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+# vLLM's keys for a draft model that pagellm does not take (yet): named as such, not as unknown.
+SPECULATIVE_KEYS_NOT_YET = ("quantization", "max_model_len", "revision", "code_revision", "tokenizer",
+                            "speculative_token_tree", "parallel_drafting", "disable_padded_drafter_batch")
+# Keys that only one method reads: given to another, they would be silently ignored.
+_METHOD_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+                "draft_model": ("model", "draft_tensor_parallel_size")}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`speculative_config`, as vLLM spells it: propose tokens cheaply, verify them in one forward pass.
     method "ngram" is prompt lookup: the longest of the last prompt_lookup_max .. prompt_lookup_min
-    tokens found earlier in the prompt or output proposes the tokens that followed it."""
+    tokens found earlier in the prompt or output proposes the tokens that followed it. method
+    "draft_model" runs `model` (a smaller model with the target's vocabulary, an HF folder or a GGUF
+    file) for num_speculative_tokens steps from the last accepted token."""
 
     num_speculative_tokens: int  # the most tokens proposed for one step of one sequence
     method: str = "ngram"
@@ -90,6 +98,8 @@ class SpeculativeConfig:
     # Speculation is off for a step when more sequences than this are running or waiting: a large batch
     # is compute-bound, and verifying rejected tokens would cost more than the steps saved.
     disable_by_batch_size: int = 8
+    model: str | None = None  # the draft model's path (method "draft_model")
+    draft_tensor_parallel_size: int = 1  # vLLM's key; the draft runs on one rank (1 is all there is)
 
     @classmethod
     def from_dict(cls, options: dict) -> SpeculativeConfig:
@@ -97,26 +107,42 @@ class SpeculativeConfig:
         if not isinstance(options, dict):
             raise ValueError(f"must be a JSON object such as {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
                              f"got {options!r}")
+        # vLLM infers the method from a `model` given alone.
         method = options.get("method", "ngram" if "model" not in options else "draft_model")
-        if method in SPECULATIVE_METHODS_NOT_YET or "model" in options:
-            raise ValueError(f"method {method!r} is not implemented yet (a draft model or the model's own MTP heads "
-                             f"come next); the methods are {', '.join(map(repr, SPECULATIVE_METHODS))}")
+        methods = ", ".join(map(repr, SPECULATIVE_METHODS))
+        if method in SPECULATIVE_METHODS_NOT_YET:
+            raise ValueError(f"method {method!r} is not implemented yet (the model's own MTP heads come next); "
+                             f"the methods are {methods}")
         if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"method {method!r} is unknown; the methods are {', '.join(map(repr, SPECULATIVE_METHODS))}")
+            raise ValueError(f"method {method!r} is unknown; the methods are {methods}")
+        not_yet = sorted(set(options) & set(SPECULATIVE_KEYS_NOT_YET))
+        if not_yet:
+            raise ValueError(f"key{'s' if len(not_yet) > 1 else ''} {', '.join(map(repr, not_yet))} "
+                             f"{'are' if len(not_yet) > 1 else 'is'} not implemented (the draft model is read "
+                             f"from its own files, at the target's max_model_len)")
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise ValueError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; the keys "
                              f"are {', '.join(known)}")
+        for other, keys in _METHOD_KEYS.items():
+            stray = [k for k in keys if k in options and other != method]
+            if stray:
+                raise ValueError(f"{', '.join(map(repr, stray))} belong{'s' if len(stray) == 1 else ''} to method "
+                                 f"{other!r}, not {method!r}")
         if "num_speculative_tokens" not in options:
             raise ValueError("num_speculative_tokens is required (the most tokens proposed a step, e.g. 4)")
         limits = {"num_speculative_tokens": 64, "prompt_lookup_max": 64, "prompt_lookup_min": 64,
-                  "disable_by_batch_size": 1 << 20}
+                  "disable_by_batch_size": 1 << 20, "draft_tensor_parallel_size": 1}
         for key, top in limits.items():
             value = options.get(key, 1)
             if type(value) is not int or not 1 <= value <= top:
-                raise ValueError(f"{key} must be an integer in [1, {top}], got {value!r}")
-        given = dict(options)
+                why = " (the draft model runs on one rank)" if key == "draft_tensor_parallel_size" else ""
+                raise ValueError(f"{key} must be an integer in [1, {top}]{why}, got {value!r}")
+        if method == "draft_model" and (not isinstance(options.get("model"), str) or not options["model"]):
+            raise ValueError(f"method 'draft_model' needs model: the draft model's path (an HF folder or a GGUF "
+                             f"file), got {options.get('model')!r}")
+        given = dict(options, method=method)
         # One bound given alone moves the other's default out of its way (as vLLM's do).
         if "prompt_lookup_min" in given and "prompt_lookup_max" not in given:
             given["prompt_lookup_max"] = max(given["prompt_lookup_min"], cls.prompt_lookup_max)
@@ -260,8 +286,9 @@ class EngineConfig:
     speculative_config: dict | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 8}: prompt lookup "
-              "proposes tokens that the model verifies in one step, greedy and sampled outputs unchanged "
-              "(docs/speculative-decoding.md)",
+              "proposes tokens that the model verifies in one step, greedy and sampled outputs unchanged; or "
+              "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}: a smaller model "
+              "with the same vocabulary proposes them (docs/speculative-decoding.md)",
         check=lambda v: SpeculativeConfig.from_dict(v) is not None, parse=speculative_config_flag)
 
     @property

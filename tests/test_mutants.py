@@ -109,6 +109,17 @@ MUTANTS = [
            "keep = valid[None, :] & (pos[None, :] <= q_pos[:, None] + 1)",
            ("tests/attention/test_triton_latent.py::test_mixed_batch_matches_reference",
             "tests/attention/test_triton_latent.py::test_prefill_tiles_of_several_tokens_and_long_decodes")),
+    Mutant("a draft rejected by rejection sampling is replaced by a draw from p, not from the residual max(0, p - q)",
+           "pagellm/worker/rejection_sampler.py",
+           "residual = (p[accepted] - q[accepted]).clamp_(min=0.0)",
+           "residual = p[accepted].clone()",
+           ("tests/worker/test_rejection_sampler.py::"
+            "test_rejection_sampling_with_a_real_draft_distribution_keeps_the_target_distribution",)),
+    Mutant("a finished sequence's draft-model KV blocks are never given back",
+           "pagellm/worker/proposers/draft_model.py",
+           "                self.kv.free(seq)",
+           "                pass",
+           ("tests/engine/test_spec_decode_draft.py::test_greedy_with_a_draft_model_equals_plain_decoding",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

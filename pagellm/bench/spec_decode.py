@@ -9,6 +9,11 @@ drifts), and the load average is recorded at every run. Outputs with and without
 be equal (it is lossless); the JSON says whether they were.
 
     pagellm bench spec-decode --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    pagellm bench spec-decode --method draft_model
+
+The second is the draft-model pair at hand: the bundled SmolLM2-135M served dequantized (float32)
+as the target, the bundled Q4_1 GGUF itself (the same weights, quantized) as its draft: nearly
+every proposal accepted, each draft step cheaper than a target step.
 """
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ from pagellm.bench import report, spec_decode_peer
 CODE_FILE = Path(__file__).resolve().parent.parent / "core" / "scheduler.py"
 CHAT_PROMPT = "Tell me about the history of lighthouses and the people who kept them."
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass
 class SpecBenchConfig:
     model: str | None = None
     speculative_config: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
+    quantization: str = "auto"  # the target's (both systems'): "none" serves a GGUF dequantized
     workloads: list[str] = field(default_factory=lambda: ["code-edit", "chat"])
     code_lines: int = 300
     max_tokens: int = 256
@@ -77,7 +84,8 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     load_start = os.getloadavg()
     systems = {"plain": {}, "speculative": {"speculative_config": cfg.speculative_config}}
-    llms = {name: LLM(cfg.model, device="cpu", **options) for name, options in systems.items()}
+    llms = {name: LLM(cfg.model, device="cpu", quantization=cfg.quantization, **options)
+            for name, options in systems.items()}
     runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in cfg.workloads}
     peer_runs: dict[str, dict[str, list[dict]]] = {w: {t: [] for t in cfg.peer_types} for w in cfg.workloads}
     peers: dict = {}
@@ -143,7 +151,8 @@ def print_tables(results: dict) -> None:
     for workload, e in results["workloads"].items():
         rows.append([workload, e["plain"]["decode_tokens_per_s"], e["speculative"]["decode_tokens_per_s"],
                      e["speedup"], e["speculative"].get("acceptance_rate"), e["output_tokens"], e["outputs_equal"]])
-    print(f"\n{results['model']}: one stream, greedy, {results['config']['speculative_config']}")
+    print(f"\n{results['model']} (quantization {results['config'].get('quantization', 'auto')}): one stream, "
+          f"greedy, {results['config']['speculative_config']}")
     print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "acceptance", "tokens",
                                "same output"], rows))
     peer_rows = [[workload, kind, p["decode_tokens_per_s"], p["speedup"], p["acceptance_rate"], p["output_tokens"]]
@@ -158,8 +167,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("spec-decode", help="single-stream decode tok/s with and without speculative decoding, on "
                                            "a code edit and an open chat")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
-    p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC),
-                   help="the speculative system's speculative_config (vLLM's JSON)")
+    p.add_argument("--method", default="ngram", choices=METHODS,
+                   help="the proposer, when --speculative-config is not given: ngram (prompt lookup, k = 4) or "
+                        "draft_model (--draft-model, k = 4)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft model of --method draft_model (default: the bundled SmolLM2 Q4_1 GGUF)")
+    p.add_argument("--quantization", default=None,
+                   help="the target's quantization (default: none, i.e. dequantized float32, for --method "
+                        "draft_model on the bundled model, so that its Q4_1 file is the cheaper draft; else auto)")
+    p.add_argument("--speculative-config", default=None,
+                   help="the speculative system's speculative_config (vLLM's JSON; overrides --method)")
     p.add_argument("--workloads", default="code-edit,chat", help="comma-separated: code-edit, chat")
     p.add_argument("--code-lines", type=int, default=300, help="lines of the code file in the code-edit prompt")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens decoded per request")
@@ -184,7 +201,17 @@ def main(args: argparse.Namespace) -> int:
     spec_decode_peer.check_types(peer_types)
     if peer_types and args.model and not args.model.endswith(".gguf"):
         raise ValueError(f"--peer: llama-server serves GGUF files; --model {args.model} is not one")
-    cfg = SpecBenchConfig(model=args.model, speculative_config=json.loads(args.speculative_config),
+    if args.speculative_config is not None:
+        spec = json.loads(args.speculative_config)
+    elif args.method == "draft_model":
+        from pagellm.loader.bundled import default_model_path
+
+        spec = {"method": "draft_model", "model": args.draft_model or default_model_path(), "num_speculative_tokens": 4}
+    else:
+        spec = dict(DEFAULT_SPEC)
+    quantization = args.quantization or (
+        "none" if spec.get("method") == "draft_model" and args.model is None else "auto")
+    cfg = SpecBenchConfig(model=args.model, speculative_config=spec, quantization=quantization,
                           workloads=workloads, code_lines=args.code_lines, max_tokens=args.max_tokens,
                           repeat=args.repeat, threads=args.threads,
                           peer_types=peer_types)
@@ -202,10 +229,12 @@ def doc_table(doc: dict) -> str:
     from pagellm.bench import doc_sections
 
     rows = []
+    method = doc["config"]["speculative_config"].get("method", "ngram")
     for name, e in doc["workloads"].items():
         prompt = e["plain"]["runs"][0]["prompt_tokens"]
         rows.append([f"{name} ({prompt:,} prompt tokens)", f"{e['plain']['decode_tokens_per_s']:.1f}",
                      f"{e['speculative']['decode_tokens_per_s']:.1f}", f"{e['speedup']:.2f}x",
                      f"{e['speculative'].get('acceptance_rate', 0):.2f}", "yes" if e["outputs_equal"] else "no"])
-    return doc_sections.markdown_table(["workload", "plain tok/s", "with prompt lookup", "speedup (medians)",
+    column = "with prompt lookup" if method == "ngram" else "with a draft model"
+    return doc_sections.markdown_table(["workload", "plain tok/s", column, "speedup (medians)",
                                       "acceptance", "same output"], rows, "lrrrrl")

@@ -112,6 +112,9 @@ class Scheduler:
         self.kv = kv
         self.speculative = speculative
         self.spec_stats = SpecDecodeStats()
+        # Sequences that gave their blocks back since take_released (speculating only): a proposer
+        # keeping state per sequence (a draft model's own KV cache) must give its back too.
+        self.released: list[str] = []
         self.preemption_mode = preemption_mode
         self.swap_cheaper = swap_cheaper or (lambda num_tokens, num_blocks: False)
         self.num_swaps = 0
@@ -260,6 +263,7 @@ class Scheduler:
         if swap and self.kv.swap_out(req):
             self.num_swaps += 1
         self.kv.free(req)
+        self._released(req)
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.status = RequestStatus.WAITING
@@ -280,7 +284,17 @@ class Scheduler:
         if not req.is_finished:
             req.finish(status)
         self.kv.free(req)
+        self._released(req)
         return req
+
+    def _released(self, req: Request) -> None:
+        if self.speculative is not None:
+            self.released.append(req.request_id)
+
+    def take_released(self) -> list[str]:
+        """The sequences freed (finished, aborted, preempted) since the last call."""
+        released, self.released = self.released, []
+        return released
 
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                           drafts: dict[str, list[int]] | None = None) -> list[Request]:

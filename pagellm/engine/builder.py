@@ -14,6 +14,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv import KVManager, make_kv_manager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.core import EngineCore
+from pagellm.engine.draft import load_draft_proposer, split_kv_budget
 from pagellm.engine.input_processor import resolve_max_model_len
 from pagellm.engine.swap_cost import SwapCost
 from pagellm.executor.base import Executor
@@ -27,7 +28,7 @@ from pagellm.models.arch import ModelArchConfig
 from pagellm.pooling_params import PoolerConfig
 from pagellm.worker.kv_tier import DiskKVTier, RunnerTier, model_fingerprint
 from pagellm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
-from pagellm.worker.proposers import make_proposer
+from pagellm.worker.proposers import Proposer, make_proposer
 from pagellm.worker.spec import WorkerSpec
 
 logger = logging.getLogger("pagellm.engine")
@@ -72,7 +73,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
     spec = WorkerSpec.from_config(config, source, device, dtype, max_model_len, quantization, activations)
-    executor = _start_executor(config, spec, device)
+    eos = set(source.arch.eos_token_ids)
+    if source.tokenizer.eos_token_id is not None:
+        eos.add(source.tokenizer.eos_token_id)
+    eos_token_ids = frozenset(eos)
+    # Only rank 0 samples, so only its runner proposes.
+    draft = proposer = None
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        proposer = draft = load_draft_proposer(config, source, device, dtype, max_model_len, set(eos_token_ids))
+    elif config.speculative is not None:
+        proposer = make_proposer(config.speculative)
+    executor = _start_executor(config, spec, device, proposer)
     try:
         if source.weights is None:
             executor.collective_rpc("init_dummy_weights", (config.seed,))
@@ -89,6 +100,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             num_blocks = executor.num_blocks_for_budget(config.block_size, config.kv_cache_memory)
             asked_by = "the default KV budget" if config.kv_cache_memory is None else \
                 f"kv_cache_memory={config.kv_cache_memory}"
+        if draft is not None:  # the draft model's cache takes its share of the same budget
+            num_blocks = split_kv_budget(config, runner, draft, num_blocks)
         executor.collective_rpc("allocate_kv_cache", (num_blocks, config.block_size, asked_by))
         if not config.enforce_eager:
             executor.capture_cuda_graphs(config.max_num_seqs)
@@ -112,10 +125,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     costs = SwapCost(kv_tier)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode,
                           config.speculative, swap_cheaper=costs)
-    eos = set(source.arch.eos_token_ids)
-    if source.tokenizer.eos_token_id is not None:
-        eos.add(source.tokenizer.eos_token_id)
-    eos_token_ids = frozenset(eos)
     core = EngineCore(executor, kv, scheduler, eos_token_ids, kv_tier=kv_tier, costs=costs)
     logger.info("ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d", time.monotonic() - started,
                 num_blocks, config.block_size, max_model_len)
@@ -123,9 +132,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        activations, executor, kv, kv_tier, scheduler, core, eos_token_ids)
 
 
-def _start_executor(config: EngineConfig, spec: WorkerSpec, device: torch.device) -> Executor:
-    # Only rank 0 samples, so only its runner proposes.
-    proposer = None if config.speculative is None else make_proposer(config.speculative)
+def _start_executor(config: EngineConfig, spec: WorkerSpec, device: torch.device,
+                    proposer: Proposer | None) -> Executor:
     if config.tensor_parallel_size > 1:
         if config.batch_invariant:
             raise ValueError("batch_invariant does not cover tensor parallelism yet (its all-reduce adds the "

@@ -80,6 +80,13 @@ class EngineCore:
         """Finish a sequence wherever it is; its blocks return to the pool at once."""
         self.scheduler.finish_request(seq_id, status)
         self.pooled.drop(seq_id)
+        self._release()
+
+    def _release(self) -> None:
+        """Tell the runner which sequences are gone, so its proposer frees what it kept for them."""
+        released = self.scheduler.take_released()
+        if released:
+            self.executor.release_sequences(released)
 
     def fork(self, parent_id: str, child_id: str, index: int) -> Request:
         """A new sequence continuing `parent_id` from where it is, sharing its blocks."""
@@ -96,6 +103,12 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> CoreStep:
+        try:
+            return self._step()
+        finally:
+            self._release()
+
+    def _step(self) -> CoreStep:
         with phase(self.timer, "schedule"):
             sched = self.scheduler.schedule()
         if sched.tier_ops:  # even when nothing runs: promoted blocks are in the pool's index now

@@ -27,6 +27,10 @@ class Executor(ABC):
         """Run one step; only rank 0 samples, so its result is the step's."""
         return self.driver.execute(plan, eos_token_ids)
 
+    def release_sequences(self, request_ids: list[str]) -> None:
+        """Sequences that gave back their blocks: rank 0's proposer (the only one) frees its state."""
+        self.driver.release_sequences(request_ids)
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release what outlives the engine (the ranks' processes); idempotent."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -19,7 +19,7 @@ from pagellm.attention import select_backend
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.kv_format import resolve_kv_format
 from pagellm.core.kv.groups import STATE, group_names, plan_kv_groups
-from pagellm.core.step_plan import PlannedSeq, PromptLogprobs, StepPlan
+from pagellm.core.step_plan import PlannedSeq, PromptLogprobs, SampleSpec, StepPlan
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
@@ -31,8 +31,8 @@ from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
 from pagellm.worker.cuda_graphs import CUDAGraphRunner
 from pagellm.worker.kv_tier import DiskKVTier
-from pagellm.worker.proposers import Proposer
-from pagellm.worker.rejection_sampler import num_accepted, verification_specs
+from pagellm.worker.proposers import Proposal, ProposalQuery, Proposer
+from pagellm.worker.rejection_sampler import num_accepted, verification_specs, verify_with_draft_probs
 from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 # With no budget given, the CPU path takes this much for KV, or half the free memory if less.
@@ -176,6 +176,8 @@ class ModelRunner:
             cpu_kernels.available()  # built (once) at start-up, not on the first request
         self.sampler = Sampler(seed=seed, device=device)
         self.proposer = proposer
+        # The draft distributions of the proposals made last step, by sequence, for their verification.
+        self._draft_probs: dict[str, Proposal] = {}
         self.mirror = mirror
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -402,6 +404,8 @@ class ModelRunner:
         )
         with phase(self.timer, "sampler"):
             sampled = self.sampler(logits, sampling)
+            if self._draft_probs:
+                self._verify_with_draft_probs(seqs, logits, samplers, sampled, eos_token_ids)
         kept = _kept_rows(seqs, sampled)
         result = StepResult([samplers[i].request_id for i in kept], sampled.select(kept), prompt, pooled)
         if any(s.num_proposals for s in seqs):
@@ -409,19 +413,43 @@ class ModelRunner:
                 result.drafts = self._propose(seqs, result)
         return result
 
+    def _verify_with_draft_probs(self, seqs: list[PlannedSeq], logits: torch.Tensor, samplers: list[SampleSpec],
+                                 sampled: SamplerOutput, eos_token_ids: set[int]) -> None:
+        """Sampled requests whose drafts came with their draft distribution: rejection sampling
+        against it replaces the point-mass comparison (rejection_sampler.py)."""
+        row = 0
+        for s in seqs:
+            k = len(s.draft_token_ids)
+            # Taken whatever this step does: a distribution is only ever for the step after its proposal.
+            proposal = self._draft_probs.pop(s.request_id, None)
+            if (proposal is not None and proposal.probs is not None and not s.samplers[0].params.greedy
+                    and proposal.token_ids[:k] == list(s.draft_token_ids)):
+                verify_with_draft_probs(sampled, logits, row, samplers[row:row + k + 1], s.draft_token_ids,
+                                        proposal.probs, eos_token_ids, self.arch.vocab_size, self.sampler.generator)
+            row += k + 1 if k else len(s.samplers)
+
     def _propose(self, seqs: list[PlannedSeq], result: StepResult) -> dict[str, list[int]]:
         """Proposals for the next step of the sequences that asked for them, from their tokens
-        with what this step gave them."""
+        with what this step gave them (a draft distribution is kept for that step's verification)."""
         new: dict[str, list[int]] = {}
         errors = result.sampled.errors or {}
         for i, (rid, token) in enumerate(zip(result.request_ids, result.sampled.token_ids)):
             if i not in errors:
                 new.setdefault(rid, []).append(token)
         asking = [s for s in seqs if s.num_proposals and s.request_id in new]
-        contexts = [[*s.samplers[0].prompt_token_ids, *s.samplers[0].output_token_ids, *new[s.request_id]]
-                    for s in asking]
-        proposals = self.proposer.propose(contexts, [s.num_proposals for s in asking])
-        return {s.request_id: p for s, p in zip(asking, proposals) if p}
+        queries = []
+        for s in asking:
+            spec = s.samplers[0]
+            output = [*spec.output_token_ids, *new[s.request_id]]
+            queries.append(ProposalQuery(s.request_id, [*spec.prompt_token_ids, *output], s.num_proposals,
+                                         replace(spec, output_token_ids=output)))
+        proposals = self.proposer.propose_for(queries)
+        for s, p in zip(asking, proposals):
+            if p.probs is not None and p.token_ids:
+                self._draft_probs[s.request_id] = p
+            else:
+                self._draft_probs.pop(s.request_id, None)
+        return {s.request_id: p.token_ids for s, p in zip(asking, proposals) if p.token_ids}
 
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -442,6 +470,21 @@ class ModelRunner:
             return None, pooled
         with phase(self.timer, "logits"):
             return self.model.compute_logits(hidden[torch.tensor(inputs.rows, device=self.device)]), pooled
+
+    @torch.inference_mode()
+    def last_logits(self, seqs: list[PlannedSeq]) -> torch.Tensor:
+        """A forward pass over `seqs` (one sampler each) without sampling: the logits of each one's
+        last position, [len(seqs), vocab], in their order (a draft model's step)."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)  # decodes first
+        logits, _ = self.run_step(self._prepare([seqs[i] for i in order], []))
+        return logits[torch.tensor(order, device=logits.device).argsort()]
+
+    def release_sequences(self, request_ids: list[str]) -> None:
+        """Sequences that finished or were preempted: the proposer gives back what it kept for them."""
+        for rid in request_ids:
+            self._draft_probs.pop(rid, None)
+        if self.proposer is not None:
+            self.proposer.release(request_ids)
 
     def memory_report(self) -> dict:
         """What this rank holds: its weight and KV cache bytes, and its peak memory so far (the

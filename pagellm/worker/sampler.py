@@ -276,6 +276,46 @@ def _sample_logits(s: torch.Tensor, group: _SampleGroup, u: torch.Tensor) -> tor
     return tokens
 
 
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[B, V] float32: the distribution each row of `logits` is sampled from, by the same rules as
+    Sampler: the logits processors, temperature, then top-k, top-p and min-p, renormalized (a greedy
+    row: one-hot at its argmax). Speculative decoding's rejection sampling compares these."""
+    x = logits.float().clone()
+    apply_logits_processors_(x, meta)
+    probs = torch.zeros_like(x)
+    g = meta.greedy_rows
+    if g.numel():
+        probs[g, x[g].argmax(-1)] = 1.0
+    for group in meta.groups:
+        s = x[group.rows]
+        if group.temperature is not None:
+            s.div_(group.temperature)
+        probs[group.rows] = _group_probs(s, group)
+    return probs
+
+
+def _group_probs(s: torch.Tensor, group: _SampleGroup) -> torch.Tensor:
+    """The normalized weights `_sample_logits` draws each row of scaled logits `s` [n, V] from."""
+    m = s.amax(-1, keepdim=True)
+    floor = None if group.min_p is None else m + torch.log(group.min_p)[:, None]
+    out = _exp_(s - m)
+    if floor is not None:
+        out.masked_fill_(s < floor, 0.0)
+    t = group.truncated
+    if t.numel():
+        vals, idx = s[t].sort(-1, descending=True)
+        weights = _exp_(vals - m[t])
+        weights.masked_fill_(torch.arange(s.shape[1], device=s.device) >= group.top_k[t][:, None], 0.0)
+        csum = weights.cumsum(-1)
+        top_p = group.top_p[t]
+        keep = ((csum - weights) < (top_p * csum[:, -1])[:, None]) | (top_p >= 1.0)[:, None]
+        weights.masked_fill_(~keep, 0.0)
+        if floor is not None:
+            weights.masked_fill_(vals < floor[t], 0.0)
+        out[t] = torch.zeros_like(weights).scatter_(1, idx, weights)
+    return out / out.sum(-1, keepdim=True)
+
+
 @dataclass
 class SamplerOutput:
     """One entry per row of the step's logits."""

@@ -31,3 +31,16 @@ def test_the_llama_server_peer_is_refused_where_it_cannot_run(tmp_path, tiny_lla
     assert main(["bench", "spec-decode", "--model", tiny_llama_dir, "--peer", "--code-lines", "2", "--max-tokens", "4",
                  "--repeat", "1", "--out", str(tmp_path / "b")]) != 0
     assert "llama-server serves GGUF files" in capsys.readouterr().err
+
+
+def test_spec_decode_bench_with_a_draft_model(tmp_path, tiny_llama_dir):
+    """--method draft_model with the target as its own draft: every proposal accepted, same output."""
+    stem = tmp_path / "spec"
+    rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--method", "draft_model", "--draft-model",
+               tiny_llama_dir, "--workloads", "chat", "--max-tokens", "6", "--repeat", "1", "--out", str(stem)])
+    assert rc == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["config"]["speculative_config"]["method"] == "draft_model"
+    assert data["config"]["quantization"] == "auto"
+    entry = data["workloads"]["chat"]
+    assert entry["outputs_equal"] is True and entry["speculative"]["acceptance_rate"] == 1.0

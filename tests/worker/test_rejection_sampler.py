@@ -8,8 +8,8 @@ import torch
 from pagellm.core.step_plan import SampleSpec
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.proposers.ngram import NgramProposer, lookup
-from pagellm.worker.rejection_sampler import num_accepted, verification_specs
-from pagellm.worker.sampler import Sampler, SamplingMetadata
+from pagellm.worker.rejection_sampler import accept_drafts, num_accepted, verification_specs
+from pagellm.worker.sampler import Sampler, SamplingMetadata, sampling_probs
 
 
 @pytest.mark.parametrize("tokens, k, expected", [
@@ -57,3 +57,60 @@ def test_rejection_sampling_keeps_the_target_distribution():
     biased = {o: 0.5 * float(p1[o[1]]) if len(o) == 2 else 0.5 * p / (1 - float(p0[draft]))
               for o, p in expected.items()}
     assert sum((n * biased[o] - n * p) ** 2 / (n * p) for o, p in expected.items()) > 26.12
+
+
+def _chi2(counts: dict, expected: dict, n: int) -> float:
+    return sum((counts.get(o, 0) - n * p) ** 2 / (n * p) for o, p in expected.items() if p > 0)
+
+
+def test_rejection_sampling_with_a_real_draft_distribution_keeps_the_target_distribution():
+    """A draft d drawn from q at position 0, then accepted with probability min(1, p0(d)/q0(d)) or
+    replaced by a draw from the residual max(0, p0 - q0); accepted, the bonus comes from p1. Over
+    thousands of seeded draws the outcomes are the target's: x alone (rejected, corrected) with
+    probability p0(x) - min(p0, q0)(x), x then y with min(p0, q0)(x) * p1(y), so the first token is
+    distributed as p0 (and accepted more often than a point-mass comparison would: sum min(p, q))."""
+    vocab, n = 5, 6000
+    p = torch.softmax(torch.tensor([[0.5, 1.2, -0.3, 0.9, 0.0], [1.0, -1.0, 0.3, 0.2, 0.6]]), -1)
+    q0 = torch.tensor([0.05, 0.5, 0.1, 0.15, 0.2])  # wrong where it matters: too sure of token 1
+    both = torch.minimum(p[0], q0)
+    expected = {(x,): float(p[0, x] - both[x]) for x in range(vocab)}
+    expected.update({(x, y): float(both[x] * p[1, y]) for x in range(vocab) for y in range(vocab)})
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q0, n, replacement=True, generator=gen).tolist()
+    bonus = torch.multinomial(p[1], n, replacement=True, generator=gen).tolist()
+    counts: dict = {}
+    for d, y in zip(drafts, bonus):
+        accepted, token = accept_drafts(p, q0[None], [d], torch.rand(1, generator=gen), torch.rand(1, generator=gen))
+        outcome = (d, y) if accepted else (token,)
+        counts[outcome] = counts.get(outcome, 0) + 1
+    # 27 possible outcomes (two tokens alone, where p0 > q0; 25 pairs): 26 degrees of freedom,
+    # P(chi2 > 54.05) = 0.001 for a sampler that keeps the distribution.
+    assert sum(1 for v in expected.values() if v > 0) == 27
+    assert _chi2(counts, expected, n) < 54.05, (counts, expected)
+    # The test can fail: drawing the correction from p itself (not the residual) is far outside it.
+    wrong = {(x,): float((1 - both.sum()) * p[0, x]) for x in range(vocab)}
+    wrong.update({o: v for o, v in expected.items() if len(o) == 2})
+    assert _chi2({o: n * v for o, v in wrong.items()}, expected, n) > 54.05
+
+
+def test_sampling_probs_are_what_the_sampler_draws_from():
+    """The distribution rejection sampling compares (temperature, penalties, top-k, top-p, min-p) is the
+    one the sampler draws from: a chi-square bound on seeded draws, per row."""
+    vocab, n = 8, 4000
+    logits = torch.tensor([[0.3, 1.5, -0.2, 0.9, 0.1, 1.4, -1.0, 0.6]])
+    rows = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9), SamplingParams(temperature=1.3, min_p=0.2),
+            SamplingParams(temperature=1.0, presence_penalty=0.8), SamplingParams(temperature=0.0)]
+    outputs = [[1, 5], [], [1, 1, 3], []]
+    meta = SamplingMetadata.build(rows, [[2]] * len(rows), outputs, set(), vocab)
+    probs = sampling_probs(logits.repeat(len(rows), 1), meta)
+    assert torch.allclose(probs.sum(-1), torch.ones(len(rows)))
+    assert probs[0].count_nonzero() <= 5 and probs[1, 6] == 0 and probs[3].tolist() == [0, 1, 0, 0, 0, 0, 0, 0]
+    big = [r for r in rows for _ in range(n)]
+    meta = SamplingMetadata.build(big, [[2]] * len(big), [o for o in outputs for _ in range(n)], set(), vocab)
+    tokens = Sampler(seed=1)(logits.repeat(len(big), 1), meta).token_ids
+    for i in range(3):
+        counts = torch.bincount(torch.tensor(tokens[i * n:(i + 1) * n]), minlength=vocab)
+        expected = {t: float(probs[i, t]) for t in range(vocab)}
+        assert all(counts[t] == 0 for t, v in expected.items() if v == 0)
+        # <= 7 degrees of freedom: P(chi2 > 24.3) = 0.001.
+        assert _chi2({t: int(counts[t]) for t in range(vocab)}, expected, n) < 24.3, (i, counts, probs[i])

@@ -9,14 +9,16 @@ verification keeps exactly the tokens the target model would have produced.
 from __future__ import annotations
 
 from pagellm.config import SpeculativeConfig
-from pagellm.worker.proposers.base import Proposer
+from pagellm.worker.proposers.base import Proposal, ProposalQuery, Proposer
 
-__all__ = ["Proposer", "make_proposer"]
+__all__ = ["Proposal", "ProposalQuery", "Proposer", "make_proposer"]
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of a method without weights (a draft model's is built with its model by the
+    engine builder: pagellm/engine/draft.py)."""
     if config.method == "ngram":
         from pagellm.worker.proposers.ngram import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config method {config.method!r} has no proposer")
+    raise ValueError(f"speculative_config method {config.method!r} has no proposer without a model")

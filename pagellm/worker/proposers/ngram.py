@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
-from pagellm.worker.proposers.base import Proposer
+from pagellm.worker.proposers.base import Proposal, ProposalQuery, Proposer
 
 # Tokens are searched as 4-byte integers with bytes.rfind: a C loop, not a Python one, over contexts
 # of thousands of tokens every step.
@@ -43,3 +43,6 @@ class NgramProposer(Proposer):
 
     def propose(self, contexts: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> list[list[int]]:
         return [lookup(c, k, self.min_n, self.max_n) for c, k in zip(contexts, num_tokens)]
+
+    def propose_for(self, queries: Sequence[ProposalQuery]) -> list[Proposal]:
+        return [Proposal(p) for p in self.propose([q.context for q in queries], [q.num_tokens for q in queries])]

@@ -33,6 +33,12 @@ GPT_OSS = REASONING_PARSERS["gpt_oss"]()
     (GRANITE, "Here is my thought process: sum it Here is my response: 4", False, Split("sum it", "4")),
     (GRANITE, "Here's my thought process: x\nHere's my response: y", False, Split("x", "y")),
     (GRANITE, "Just 4.", False, Split(None, "Just 4.")),
+    # Granite 3.2's own layout: each phrase on its line, the answer after a blank line.
+    (GRANITE, "Here is my thought process:\nadd them\n\nHere is my response:\n4", False, Split("add them", "4")),
+    (GRANITE, "Here is my response:\n4", False, Split(None, "4")),  # the thought skipped: no marker leaks
+    (GRANITE, " add them\nHere's my response: 4", True, Split("add them", "4")),  # the prompt opened the thought
+    (GRANITE, "Here is my thought process: cut short", False, Split("cut short", None)),
+    (GRANITE, "Here is the answer: 4", False, Split(None, "Here is the answer: 4")),  # shares the markers' lead
     (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>",
      False, Split("think", "Hi")),
     (GPT_OSS, "<|channel|>final<|message|>Hi", False, Split(None, "Hi")),
@@ -82,6 +88,53 @@ def test_auto_reads_the_chat_template():
     assert parser_for_template("{{ '<｜Assistant｜><think>\\n' }}") == "deepseek_r1"
     assert parser_for_template("Here is my thought process: ...") == "granite"
     assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
+
+
+# Granite 3.2's chat template, reduced to what the parser depends on (written here, not copied): the
+# switch is the template variable `thinking` (off unless set), and it only asks, in the system
+# prompt, for the two phrases, which the reply then writes itself; that prose says "thinking".
+GRANITE_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set system = \"You are Granite.\" %}"
+    "{%- if thinking %}{%- set system = system + \" Use a thinking process: write your thoughts after "
+    "'Here is my thought process:' and write your response after 'Here is my response:'.\" %}{%- endif %}"
+    "{%- set rest = messages %}{%- endif %}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system + '<|end_of_text|>\\n' }}"
+    "{%- for m in rest %}{{- '<|start_of_role|>' + m['role'] + '<|end_of_role|>' + m['content'] }}"
+    "{%- if loop.last and add_generation_prompt %}{{- '<|end_of_text|>\\n<|start_of_role|>assistant<|end_of_role|>' }}"
+    "{%- else %}{{- '<|end_of_text|>\\n' }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_granites_template_and_switch():
+    """Granite's switch is `thinking` (read in the template's code, not in its prose), reached by
+    Ollama's think, reasoning efforts and Anthropic's thinking; its rendered prompt quotes both
+    phrases, yet neither opens nor closes the reply's reasoning."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pagellm.entrypoints.anthropic.protocol import MessagesRequest, to_chat
+    from pagellm.entrypoints.openai.reasoning import effort_switch, switch_variable, thinking_switch
+
+    assert parser_for_template(GRANITE_TEMPLATE) == "granite"
+    assert switch_variable(GRANITE_TEMPLATE) == "thinking"
+    assert switch_variable(THINKING_TEMPLATE) == "enable_thinking"
+    assert switch_variable("{{ 'a thinking process' }}{{ message.thinking }}") is None
+    assert thinking_switch(GRANITE_TEMPLATE, True, "think", True) == {"thinking": True}
+    assert thinking_switch(GRANITE_TEMPLATE, False, "think", True) == {"thinking": False}
+    assert effort_switch(GRANITE_TEMPLATE, "none", "reasoning_effort", True) == {"thinking": False}
+
+    def anthropic(thinking: dict) -> dict | None:
+        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": ASK, "thinking": thinking})
+        return to_chat(req, GRANITE_TEMPLATE, True).chat_template_kwargs
+    assert anthropic({"type": "enabled", "budget_tokens": 4}) == {"thinking": True}
+    assert anthropic({"type": "disabled"}) == {"thinking": False}
+
+    template = ImmutableSandboxedEnvironment().from_string(GRANITE_TEMPLATE)
+    on = template.render(messages=ASK, add_generation_prompt=True, thinking=True)
+    off = template.render(messages=ASK, add_generation_prompt=True)
+    assert "Here is my thought process:" in on and "thought process" not in off
+    for prompt in (on, off):
+        assert not GRANITE.opens_in(prompt) and not GRANITE.closes(prompt)
 
 
 def test_the_cli_offers_every_parser():
@@ -428,3 +481,55 @@ def test_reasoning_effort_reaches_the_template_or_is_refused(answer_server):
         got = httpx.post(answer_server.url + path, json={"model": "thinker", **body}, timeout=60)
         assert got.status_code == 400 and value in got.json()["error"]["message"], got.text
         assert got.json()["error"]["param"] == field
+
+
+@pytest.fixture(scope="module")
+def granite_server(tmp_path_factory):
+    from pagellm.loader.synthetic import write_byte_tokenizer, write_dummy_model_dir
+    from server_utils import RemoteServer
+
+    path = write_dummy_model_dir(tmp_path_factory.mktemp("granite"), "tiny")
+    write_byte_tokenizer(path, 320, GRANITE_TEMPLATE)
+    server = RemoteServer([path, "--load-format", "dummy", "--served-model-name", "granite",
+                           "--kv-cache-memory", "16M", "--max-model-len", "512", "--reasoning-parser", "auto",
+                           "--structured-outputs-config", '{"enable_in_reasoning": true}'])
+    yield server
+    server.close()
+
+
+def test_granite_end_to_end(granite_server):
+    """A Granite-shaped model served with --reasoning-parser auto: the thinking switch through
+    chat_template_kwargs and Ollama's think, the two phrases split out whole and streamed, no
+    phrases at all, the response's phrase alone, and a prompt that already opened the thought."""
+    import httpx
+
+    client = granite_server.client(timeout=120)
+    reply = "Here is my thought process:\nadd them\n\nHere is my response:\n4"
+
+    def chat(regex: str, stream: bool = False, **extra) -> tuple[object, tuple]:
+        kwargs = dict(model="granite", messages=extra.pop("messages", ASK), max_tokens=64, temperature=0,
+                      extra_body={**forced(regex), **extra})
+        whole = client.chat.completions.create(**kwargs)
+        message = whole.choices[0].message
+        if stream:  # the phrases cut across chunks (one byte a token) come out the same
+            chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+            streamed = ("".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) or None,
+                        "".join(c.delta.content or "" for c in chunks) or None)
+            assert streamed == (message.reasoning_content, message.content)
+        return whole, (message.reasoning_content, message.content)
+
+    on, split = chat(reply, stream=True, chat_template_kwargs={"thinking": True})
+    assert split == ("add them", "4")
+    off, split = chat("4")
+    assert split == (None, "4") and off.usage.prompt_tokens < on.usage.prompt_tokens  # the switch reached it
+    assert chat("Here is my response:\n4", stream=True)[1] == (None, "4")
+    opened = ASK + [{"role": "assistant", "content": "Here is my thought process:"}]
+    assert chat(" add them\nHere is my response: 4", messages=opened, add_generation_prompt=False,
+                continue_final_message=True)[1] == ("add them", "4")
+
+    r = httpx.post(granite_server.url + "/api/chat", timeout=120, json={
+        "model": "granite", "messages": ASK, "think": True, "stream": False,
+        "options": {"temperature": 0, "num_predict": 64}, "structured_outputs": {"regex": reply}})
+    assert r.status_code == 200, r.text
+    assert (r.json()["message"]["thinking"], r.json()["message"]["content"]) == ("add them", "4")
+    assert r.json()["prompt_eval_count"] == on.usage.prompt_tokens

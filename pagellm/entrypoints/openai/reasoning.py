@@ -5,7 +5,9 @@ and its answer, as vLLM's parsers of the same names split it.
   switch off);
 - `deepseek_r1`: the same tags, but an R1 distill may start without `<think>` (its template
   opens it), so text before `</think>` is reasoning even when no `<think>` was written;
-- `granite`: "Here is my thought process:" ... "Here is my response:" (Granite 3.x's `thinking`);
+- `granite`: "Here is my thought process:" ... "Here is my response:" (Granite 3.2's `thinking`:
+  its template only asks for the two phrases in the system prompt, so the reply writes both;
+  a reply that writes only the response's phrase has no reasoning, and the phrase is not answer);
 - `gpt_oss`: the harmony channels: `<|channel|>analysis<|message|>` ... `<|end|>`, then the
   `final` channel's message.
 
@@ -16,6 +18,7 @@ Qwen3's thinking mode and R1 distills do) is passed as `opened`.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,6 +126,18 @@ class GraniteReasoningParser(ReasoningParser):
     ends = ("Here is my response:", "Here's my response:")
     close = "\nHere is my response:\n"
 
+    def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
+        # Granite may skip the thought and open with the response's phrase alone: that phrase is
+        # a marker, not part of the answer (while it may still be forming, it is held back).
+        lead = text.lstrip()
+        if not opened:
+            begin, after = _find(lead[:max(len(m) for m in self.ends)], self.ends)
+            if begin == 0:
+                return Split(None, self._content(lead[after:], final, answer=True))
+            if not final and lead and any(m.startswith(lead) for m in self.ends):
+                return Split(None, None)
+        return super().split(text, opened, final)
+
 
 class GptOssReasoningParser(ReasoningParser):
     starts = ("<|channel|>analysis<|message|>",)
@@ -176,11 +191,30 @@ def parser_for_template(chat_template: str | None) -> str | None:
     return None
 
 
+# The chat-template variables that switch thinking, as templates read them: Qwen3's (and most since)
+# `enable_thinking`, on unless set false; Granite 3.2's `thinking`, off unless set true.
+SWITCHES = ("enable_thinking", "thinking")
+
+
+def _template_code(template: str) -> str:
+    """The Jinja code of a template ({% ... %} and {{ ... }}) without its string literals, so that a
+    variable is found where the template reads it, not in the prose it writes (Granite's system
+    prompt says "thinking process")."""
+    blocks = re.findall(r"\{[%{](.*?)[%}]\}", template, re.S)
+    return " ".join(re.sub(r"'[^']*'|\"[^\"]*\"", "", b) for b in blocks)
+
+
+def switch_variable(chat_template: str | None) -> str | None:
+    """The variable this template's thinking switch reads (one of SWITCHES), or None: it has none."""
+    code = _template_code(chat_template or "")
+    return next((name for name in SWITCHES if re.search(rf"(?<![\w.]){name}\b", code)), None)
+
+
 def thinking_switch(chat_template: str | None, think: bool | str | None, field: str,
                     splits_reasoning: bool) -> dict | None:
     """The chat-template arguments that do what a client's thinking switch asks (Ollama's `think`,
     the Responses API's `reasoning.effort`): True or False through the template's
-    `enable_thinking`, an effort ("low", "high"...) through its `reasoning_effort` (gpt-oss reads
+    switch (`enable_thinking`, or Granite's `thinking`), an effort ("low", "high"...) through its `reasoning_effort` (gpt-oss reads
     it). None: the template's own default. What this model's template cannot do is a 400 naming
     `field`, never a switch passed to a template that does not read it."""
     template = chat_template or ""
@@ -191,8 +225,8 @@ def thinking_switch(chat_template: str | None, think: bool | str | None, field: 
                           f"marks its reasoning), so that the reasoning comes back apart from the answer",
                           param=field)
     if isinstance(think, bool):
-        if "enable_thinking" in template:
-            return {"enable_thinking": think}
+        if (switch := switch_variable(template)) is not None:
+            return {switch: think}
         if think or not splits_reasoning:
             return None  # it thinks by itself; or it does not think, and is asked not to
         raise bad_request(f"{field} false is not supported by this model: its chat template has no switch "
@@ -217,9 +251,10 @@ def effort_switch(chat_template: str | None, effort: str | None, field: str, spl
     if effort not in EFFORTS:
         raise bad_request(f"{field} must be one of {', '.join(EFFORTS)}, got {effort!r}", param=field)
     template = chat_template or ""
+    switch = switch_variable(template)
     if effort in ("none", "minimal"):
-        if "enable_thinking" in template:
-            return {"enable_thinking": False}
+        if switch is not None:
+            return {switch: False}
         if not splits_reasoning:
             return None  # a model that does not think, asked not to
         raise bad_request(f"{field} {effort!r} is not supported by this model: its chat template has no switch "
@@ -229,8 +264,7 @@ def effort_switch(chat_template: str | None, effort: str | None, field: str, spl
                           f"marks its reasoning), so that the reasoning comes back apart from the answer",
                           param=field)
     if "reasoning_effort" not in template:
-        levels = " (this model's template only switches thinking off: send 'none')" \
-            if "enable_thinking" in template else ""
+        levels = " (this model's template only switches thinking off: send 'none')" if switch else ""
         raise bad_request(f"{field} {effort!r} is not supported by this model: its chat template takes no reasoning "
                           f"effort{levels}", param=field)
     return {"reasoning_effort": effort}

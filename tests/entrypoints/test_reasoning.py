@@ -533,3 +533,68 @@ def test_granite_end_to_end(granite_server):
     assert r.status_code == 200, r.text
     assert (r.json()["message"]["thinking"], r.json()["message"]["content"]) == ("add them", "4")
     assert r.json()["prompt_eval_count"] == on.usage.prompt_tokens
+
+
+# ---- gpt-oss: harmony's channels -------------------------------------------------------------------
+
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
+# The harmony format's shape, reduced (written here): a system turn that reads reasoning_effort, each
+# turn `<|start|>ROLE ... <|message|>TEXT<|end|>`, an assistant's answer in its final channel, and a
+# generation prompt that leaves the channel to the reply (it writes analysis first, then final).
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    """A small random gpt-oss model (sinks, clamped SwiGLU experts) with harmony's markers as single tokens."""
+    from pagellm.loader.synthetic import write_byte_tokenizer
+    from server_utils import RemoteServer
+    from tests.models.families import build
+
+    path = build("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
+    write_byte_tokenizer(path, 320, HARMONY_TEMPLATE, HARMONY_TOKENS)
+    server = RemoteServer([str(path), "--served-model-name", "oss", "--kv-cache-memory", "16M",
+                           "--max-model-len", "512", "--reasoning-parser", "auto"])
+    yield server
+    server.close()
+
+
+@pytest.mark.slow  # builds and serves a real gpt-oss model: about 25 s
+def test_gpt_oss_grammar_starts_after_the_final_channel(harmony_server):
+    """On gpt-oss a structured output and a forced tool call hold the final channel's message only:
+    the analysis channel is free text, the header `<|end|><|start|>assistant<|channel|>final<|message|>`
+    (forced here by the reasoning budget) is not the grammar's, the answer after it is. logit_bias
+    makes the random model open the analysis channel and think in 'a's (neither is JSON)."""
+    import httpx
+    import jsonschema
+
+    client = harmony_server.client(timeout=120)
+    tokens = httpx.post(harmony_server.url + "/tokenize", json={"prompt": "<|channel|>a"}).json()["tokens"]
+    assert len(tokens) == 2  # the marker is one token
+    bias = {str(tokens[0]): 20, str(tokens[1]): 30}
+    kwargs = dict(model="oss", messages=ASK, max_tokens=60, temperature=0, logit_bias=bias,
+                  extra_body={"thinking_token_budget": 4, **TIGHT_VERDICT})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert (choice.message.reasoning_content, choice.finish_reason) == ("aaaa", "stop"), choice
+    jsonschema.validate(json.loads(choice.message.content), VERDICT)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) == "aaaa"
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+
+    tool = {"type": "function", "function": {"name": "judge", "parameters": VERDICT}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "judge"}}):
+        called = client.chat.completions.create(**{**kwargs, "max_tokens": 100,
+                                                   "extra_body": {"thinking_token_budget": 4}},
+                                                tools=[tool], tool_choice=tool_choice,
+                                                parallel_tool_calls=False).choices[0]
+        assert called.message.reasoning_content == "aaaa", called
+        assert called.message.tool_calls, called
+        (tc,) = called.message.tool_calls
+        assert tc.function.name == "judge"
+        jsonschema.validate(json.loads(tc.function.arguments), VERDICT)

@@ -39,6 +39,10 @@ GPT_OSS = REASONING_PARSERS["gpt_oss"]()
     (GRANITE, " add them\nHere's my response: 4", True, Split("add them", "4")),  # the prompt opened the thought
     (GRANITE, "Here is my thought process: cut short", False, Split("cut short", None)),
     (GRANITE, "Here is the answer: 4", False, Split(None, "Here is the answer: 4")),  # shares the markers' lead
+    # Granite 3.3's tags, asked for by the same template switch.
+    (GRANITE, "<think>add them</think>\n<response>4</response>", False, Split("add them", "4")),
+    (GRANITE, "<response>4</response>", False, Split(None, "4")),
+    (GRANITE, "<think>add them</think>4", False, Split("add them", "4")),
     (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>",
      False, Split("think", "Hi")),
     (GPT_OSS, "<|channel|>final<|message|>Hi", False, Split(None, "Hi")),

@@ -7,7 +7,8 @@ and its answer, as vLLM's parsers of the same names split it.
   opens it), so text before `</think>` is reasoning even when no `<think>` was written;
 - `granite`: "Here is my thought process:" ... "Here is my response:" (Granite 3.2's `thinking`:
   its template only asks for the two phrases in the system prompt, so the reply writes both;
-  a reply that writes only the response's phrase has no reasoning, and the phrase is not answer);
+  a reply that writes only the response's phrase has no reasoning, and the phrase is not answer),
+  or Granite 3.3's `<think>...</think><response>...</response>`, asked for the same way;
 - `gpt_oss`: the harmony channels: `<|channel|>analysis<|message|>` ... `<|end|>`, then the
   `final` channel's message.
 
@@ -122,21 +123,43 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
 
 class GraniteReasoningParser(ReasoningParser):
-    starts = ("Here is my thought process:", "Here's my thought process:")
-    ends = ("Here is my response:", "Here's my response:")
+    """Granite 3.2's phrases, and Granite 3.3's tags (`<think>...</think><response>...</response>`,
+    which its template asks for in the same words): `auto` picks this parser for either template."""
+
+    starts = ("Here is my thought process:", "Here's my thought process:", "<think>")
+    ends = ("Here is my response:", "Here's my response:", "</think>")
     close = "\nHere is my response:\n"
+    # What opens the answer without a thought before it: a marker, not part of the answer.
+    answer_opens = ("Here is my response:", "Here's my response:", "<response>")
 
     def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
-        # Granite may skip the thought and open with the response's phrase alone: that phrase is
-        # a marker, not part of the answer (while it may still be forming, it is held back).
+        # Granite may skip the thought and open with the response's phrase (or tag) alone: that
+        # phrase is a marker, not part of the answer (while it may still be forming, it is held back).
         lead = text.lstrip()
         if not opened:
-            begin, after = _find(lead[:max(len(m) for m in self.ends)], self.ends)
+            begin, after = _find(lead[:max(len(m) for m in self.answer_opens)], self.answer_opens)
             if begin == 0:
-                return Split(None, self._content(lead[after:], final, answer=True))
-            if not final and lead and any(m.startswith(lead) for m in self.ends):
+                answer = self._content(lead[after:], final, answer=True)
+                return Split(None, self._untag(answer, final) if lead.startswith("<response>") else answer)
+            if not final and lead and any(m.startswith(lead) for m in self.answer_opens):
                 return Split(None, None)
-        return super().split(text, opened, final)
+        out = super().split(text, opened, final)
+        if out.reasoning is None or out.content is None:
+            return out
+        content = out.content
+        if content.startswith("<response>"):
+            content = self._untag(content[len("<response>"):], final)
+        elif not final and "<response>".startswith(content):
+            content = None  # the tag may be forming
+        return Split(out.reasoning, content)
+
+    @staticmethod
+    def _untag(answer: str | None, final: bool) -> str | None:
+        """Granite 3.3's answer after its `<response>`: without the closing tag (held while it may be forming)."""
+        if answer is None:
+            return None
+        answer = answer.removesuffix("</response>")
+        return answer if final else answer[:len(answer) - _partial_suffix(answer, ("</response>",))]
 
 
 class GptOssReasoningParser(ReasoningParser):

@@ -17,6 +17,7 @@ QWEN3 = REASONING_PARSERS["qwen3"]()
 R1 = REASONING_PARSERS["deepseek_r1"]()
 GRANITE = REASONING_PARSERS["granite"]()
 GPT_OSS = REASONING_PARSERS["gpt_oss"]()
+GEMMA4 = REASONING_PARSERS["gemma4"]()
 
 
 @pytest.mark.parametrize("parser, text, opened, want", [
@@ -46,6 +47,10 @@ GPT_OSS = REASONING_PARSERS["gpt_oss"]()
     (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>",
      False, Split("think", "Hi")),
     (GPT_OSS, "<|channel|>final<|message|>Hi", False, Split(None, "Hi")),
+    (GEMMA4, "<|channel>thought\nadd them<channel|>4", False, Split("add them", "4")),
+    (GEMMA4, "4<|channel>thought\n<channel|>", False, Split(None, "4")),  # a trailing empty channel dropped
+    (GEMMA4, "\nadd them<channel|>4<channel|>", True, Split("add them", "4")),
+    (GEMMA4, "4", False, Split(None, "4")),
 ])
 def test_split_whole_and_in_every_pair_of_chunks(parser, text, opened, want):
     assert parser.split(text, opened) == want
@@ -501,6 +506,7 @@ def granite_server(tmp_path_factory):
     server.close()
 
 
+@pytest.mark.slow  # its own server: about 10 s
 def test_granite_end_to_end(granite_server):
     """A Granite-shaped model served with --reasoning-parser auto: the thinking switch through
     chat_template_kwargs and Ollama's think, the two phrases split out whole and streamed, no
@@ -602,3 +608,69 @@ def test_gpt_oss_grammar_starts_after_the_final_channel(harmony_server):
         (tc,) = called.message.tool_calls
         assert tc.function.name == "judge"
         jsonschema.validate(json.loads(tc.function.arguments), VERDICT)
+
+
+# ---- the real chat templates of 2025-26 families (llama.cpp's vendored copies, where built) ----------
+
+def _vendored_templates():
+    from pathlib import Path
+
+    from pagellm.envs import llama_cpp_bin
+    return Path(llama_cpp_bin()).parents[1] / "src" / "models" / "templates"
+
+
+@pytest.mark.parametrize("name, parser, switch, tools_shown", [
+    ("openai-gpt-oss-120b.jinja", "gpt_oss", None, "namespace functions"),
+    ("Qwen3.5-4B.jinja", "qwen3", "enable_thinking", "<tools>"),
+    ("google-gemma-4-31B-it.jinja", "gemma4", "enable_thinking", "add"),
+    ("ibm-granite-granite-3.3-2B-Instruct.jinja", "granite", "thinking", "add"),
+])
+def test_real_templates_pick_their_parser_and_switch(tmp_path, name, parser, switch, tools_shown):
+    """Each family's own template (as the model ships it; llama.cpp vendors them, read here where
+    its source was fetched): `auto` picks the parser for its markers, the thinking switch is the
+    variable the template reads, it renders in pagellm's sandbox with tools and a reasoning sent
+    back, and the rendered prompt opens the reasoning or closes it as the switch asks."""
+    from pagellm.entrypoints.openai.reasoning import switch_variable
+    from pagellm.loader.synthetic import write_byte_tokenizer
+    from pagellm.loader.tokenizer import Tokenizer
+
+    path = _vendored_templates() / name
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's source with its vendored templates is not here ({path})")
+    template = path.read_text()
+    assert parser_for_template(template) == parser
+    assert switch_variable(template) == switch
+    write_byte_tokenizer(tmp_path, 400, template, HARMONY_TOKENS)
+    tok = Tokenizer.from_hf_dir(str(tmp_path))
+    reasoning = REASONING_PARSERS[parser]()
+    convo = ASK + [{"role": "assistant", "content": "4", "reasoning_content": "add them"},
+                   {"role": "user", "content": "and 3+3?"}]
+    tools = [{"type": "function", "function": {"name": "add", "description": "Adds two numbers.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    shown = tok.apply_chat_template(convo, tools=tools, **({switch: True} if switch else {}))
+    assert tools_shown in shown and "and 3+3?" in shown
+    prompts = {}
+    for on in (True, False):  # without tools: Granite's template asks for thoughts only then
+        kwargs = {switch: on} if switch else {"reasoning_effort": "low" if on else "high"}
+        prompts[on] = tok.apply_chat_template(convo, **kwargs)
+        assert not reasoning.opens_in(prompts[on]) or parser == "qwen3"
+    assert prompts[True] != prompts[False]
+    if parser == "qwen3":  # Qwen3.5's template opens <think> itself when thinking is on
+        assert reasoning.opens_in(prompts[True]) and reasoning.closes(prompts[False])
+    if parser == "gemma4":  # Gemma 4's writes the thought channel empty when thinking is off
+        assert reasoning.closes(prompts[False]) and not reasoning.closes(prompts[True])
+
+    # An agent's turn sent back (reasoning, then a call, then its result) as the chat endpoint
+    # hands it to the template: the reasoning shows in the family's own markers.
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    turn = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK + [
+        {"role": "assistant", "content": None, "reasoning_content": "add them",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"}]})
+    convo = [OpenAIServingChat.message_dict(m, i) for i, m in enumerate(turn.messages)]
+    text = tok.apply_chat_template(convo, tools=tools, **({switch: True} if switch else {}))
+    marked = {"gpt_oss": "<|channel|>analysis<|message|>add them<|end|>", "gemma4": "<|channel>thought\nadd them",
+              "qwen3": "<think>\nadd them\n</think>", "granite": None}[parser]
+    assert marked is None or marked in text, text[-400:]

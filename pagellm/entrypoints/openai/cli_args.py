@@ -62,7 +62,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="split a thinking model's replies into reasoning_content and content: qwen3 "
                         "(<think>...</think>), deepseek_r1 (the same, <think> possibly opened by the template), "
                         "gpt_oss (harmony's analysis "
-                        "channel), granite (\"Here is my thought process:\"), auto (from the chat template) "
+                        "channel), granite (\"Here is my thought process:\", or Granite 3.3's <think>), gemma4 "
+                        "(<|channel>thought...<channel|>), auto (from the chat template) "
                         "(default: not split)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each a whole engine in its own Ray actor, behind a router (default: 1, "

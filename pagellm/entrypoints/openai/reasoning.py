@@ -9,6 +9,7 @@ and its answer, as vLLM's parsers of the same names split it.
   its template only asks for the two phrases in the system prompt, so the reply writes both;
   a reply that writes only the response's phrase has no reasoning, and the phrase is not answer),
   or Granite 3.3's `<think>...</think><response>...</response>`, asked for the same way;
+- `gemma4`: Gemma 4's thought channel, `<|channel>thought` ... `<channel|>` (special tokens);
 - `gpt_oss`: the harmony channels: `<|channel|>analysis<|message|>` ... `<|end|>`, then the
   `final` channel's message.
 
@@ -192,11 +193,36 @@ class GptOssReasoningParser(ReasoningParser):
         return out
 
 
+class Gemma4ReasoningParser(ReasoningParser):
+    """Gemma 4 thinks in its thought channel when its template's enable_thinking is on; off (the
+    default), the template writes the channel empty itself, so the answer starts at once."""
+
+    starts = ("<|channel>thought",)
+    ends = ("<channel|>",)
+    close = "\n<channel|>"
+    keeps_special_tokens = True
+    # Gemma 4 may end its answer with an empty thought channel or a lone channel close (llama.cpp's
+    # parser drops them too): markers, not answer.
+    trailers = ("<|channel>thought\n<channel|>", "<channel|>")
+
+    def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
+        out = super().split(text, opened, final)
+        if out.content is None:
+            return out
+        content = out.content
+        for tail in self.trailers:
+            content = content.removesuffix(tail)
+        if not final:
+            content = content[:len(content) - _partial_suffix(content, self.trailers)]
+        return Split(out.reasoning, content)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "gpt_oss": GptOssReasoningParser,
     "granite": GraniteReasoningParser,
+    "gemma4": Gemma4ReasoningParser,
 }
 
 
@@ -206,6 +232,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
     template = chat_template or ""
     if "<|channel|>" in template:
         return "gpt_oss"
+    if "<|channel>thought" in template:
+        return "gemma4"
     if "thought process" in template:
         return "granite"
     if "<think>" in template:

@@ -215,6 +215,9 @@ class OpenAIServingChat(OpenAIServing):
             # content as text and a call's arguments as a mapping (OpenAI sends them as JSON text).
             d.setdefault("content", "")
             d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if "reasoning_content" in d:
+            # gpt-oss's template (and Ollama-style ones) read an assistant's reasoning as `thinking`.
+            d.setdefault("thinking", d["reasoning_content"])
         return d
 
     def logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:

@@ -47,6 +47,12 @@ GEMMA4 = REASONING_PARSERS["gemma4"]()
     (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>",
      False, Split("think", "Hi")),
     (GPT_OSS, "<|channel|>final<|message|>Hi", False, Split(None, "Hi")),
+    # A tool call after the analysis: its commentary header goes with the answer, to the tool parser.
+    (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.add "
+     "<|constrain|>json<|message|>{}<|call|>", False,
+     Split("think", "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{}<|call|>")),
+    (GPT_OSS, "think<|end|><|start|>assistant to=functions.add<|channel|>commentary json<|message|>{}", True,
+     Split("think", " to=functions.add<|channel|>commentary json<|message|>{}")),
     (GEMMA4, "<|channel>thought\nadd them<channel|>4", False, Split("add them", "4")),
     (GEMMA4, "4<|channel>thought\n<channel|>", False, Split(None, "4")),  # a trailing empty channel dropped
     (GEMMA4, "\nadd them<channel|>4<channel|>", True, Split("add them", "4")),
@@ -674,3 +680,33 @@ def test_real_templates_pick_their_parser_and_switch(tmp_path, name, parser, swi
     marked = {"gpt_oss": "<|channel|>analysis<|message|>add them<|end|>", "gemma4": "<|channel>thought\nadd them",
               "qwen3": "<think>\nadd them\n</think>", "granite": None}[parser]
     assert marked is None or marked in text, text[-400:]
+
+
+def test_gpt_oss_tool_calls_after_the_analysis_whole_and_streamed():
+    """--reasoning-parser gpt_oss with --tool-call-parser openai: the analysis is the reasoning, the
+    commentary message addressed to=functions.add is the call (not reasoning, not content), whole
+    and streamed a character at a time; a final answer without a call is plain content."""
+    from pagellm.entrypoints.openai.serving_chat import ChoiceDeltas, OpenAIServingChat, ToolDeltas
+    from pagellm.entrypoints.openai.tool_calls import PARSERS, plan_tools
+
+    chat = object.__new__(OpenAIServingChat)
+    chat.tool_call_parser = "openai"
+    plan = plan_tools(TOOLS, "auto", True, True)
+    call = ("<|channel|>analysis<|message|>Need add.<|end|><|start|>assistant<|channel|>commentary to=functions.add "
+            "<|constrain|>json<|message|>{\"a\": 2}<|call|>")
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>"
+    for text, reasoning, content, args in [(call, "Need add.", None, {"a": 2}), (answer, "Easy.", "4", None)]:
+        message, finish = chat.reply(plan, text, "stop", ReasoningStream(GPT_OSS, False))
+        assert (message["reasoning_content"], message["content"]) == (reasoning, content), message
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+        assert got == ([("add", args)] if args else []) and finish == ("tool_calls" if args else "stop")
+        deltas = ChoiceDeltas(ToolDeltas(plan, PARSERS["openai"]()), ReasoningStream(GPT_OSS, False))
+        sent = {"reasoning_content": "", "content": "", "tool_calls": []}
+        for i in range(1, len(text) + 1):
+            delta, streamed_finish = deltas.advance(text[:i], i == len(text), "stop" if i == len(text) else None)
+            for key in ("reasoning_content", "content"):
+                sent[key] += delta.get(key) or ""
+            sent["tool_calls"] += delta.get("tool_calls", [])
+        assert (sent["reasoning_content"], sent["content"] or None) == (reasoning, content)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent["tool_calls"]] == got
+        assert streamed_finish == finish

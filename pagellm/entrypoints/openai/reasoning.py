@@ -61,6 +61,8 @@ class ReasoningParser:
 
     starts: tuple[str, ...] = ("<think>",)
     ends: tuple[str, ...] = ("</think>",)
+    # The ends after which a structured output's grammar starts (None: all of `ends`).
+    grammar_ends: tuple[str, ...] | None = None
     implicit_start = False
     keeps_special_tokens = False
     # What a reasoning budget forces once spent: the end marker as the chat template writes it.
@@ -165,9 +167,16 @@ class GraniteReasoningParser(ReasoningParser):
 
 class GptOssReasoningParser(ReasoningParser):
     starts = ("<|channel|>analysis<|message|>",)
-    ends = ("<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
+    # The analysis ends where the final channel begins, or where a tool call's commentary message
+    # does (`<|channel|>commentary to=functions.NAME ...` or `to=functions.NAME<|channel|>...`): that
+    # header stays with the answer, for the tool-call parser (`--tool-call-parser openai`).
+    ends = ("<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>",
+            "<|end|><|start|>assistant<|channel|>commentary", "<|end|><|start|>assistant to=")
+    # A forced tool call or structured output is written in the final channel, under the grammar.
+    grammar_ends = ends[:2]
     close = ends[0]
     keeps_special_tokens = True
+    call_header = "<|end|><|start|>assistant"
 
     def opens_in(self, prompt: str) -> bool:
         # Earlier turns keep their analysis closed by a bare <|end|> (then a commentary call, say),
@@ -185,6 +194,9 @@ class GptOssReasoningParser(ReasoningParser):
         out = super().split(text, opened, final)
         if out.content is not None:  # harmony ends a reply with <|return|> (or <|end|> mid-conversation)
             content = out.content
+            at, _ = _find(text, self.ends)
+            if at >= 0 and text.startswith(self.ends[2:], at):  # a tool call: its header is the tool parser's
+                content = text[at + len(self.call_header):]
             for tail in ("<|return|>", "<|end|>"):
                 content = content.removesuffix(tail)
             if not final:

@@ -119,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def encode(marker: str) -> tuple[int, ...]:
             return tuple(self.tokenizer.encode(marker, add_special_tokens=False))
-        return ReasoningSection(tuple(encode(m) for m in parser.ends),
+        return ReasoningSection(tuple(encode(m) for m in parser.grammar_ends or parser.ends),
                                 () if parser.opens_in(prompt) else encode(parser.starts[0]))
 
     def render_request(self, req: ChatCompletionRequest) -> str:

@@ -31,14 +31,27 @@ class OutputProcessor:
         speculating sequence receives several at once) are dropped from its output."""
         req = seq.request
         tokens = req.output_token_ids[len(req.output_token_ids) - len(rows):]
+        ends_on_stop_token = bool(tokens) and self.ends_on_stop_token(req)
         for i, (token, row) in enumerate(zip(tokens, rows)):
             req.cumulative_logprob += sampled.logprobs[row]
             if seq.logprobs is not None:
                 seq.logprobs.append(self.logprob_entry(token, sampled, row))
+            if ends_on_stop_token and i == len(tokens) - 1:
+                break  # the token that stopped it is not text, as in vLLM, even with skip_special_tokens false
             if seq.detokenizer.update([token]) is not None:
                 del req.output_token_ids[len(req.output_token_ids) - (len(rows) - i - 1):]
                 return True
         return False
+
+    def ends_on_stop_token(self, req: Request) -> bool:
+        """Whether the request's last token is the EOS or stop token that finished it. Its text is
+        left out (unless include_stop_str_in_output): kept special tokens (skip_special_tokens false,
+        as a harmony reply needs for its channel markers) would put `</s>` at the end of the answer."""
+        params = req.sampling_params
+        if not req.is_finished or req.status != RequestStatus.FINISHED_STOPPED or params.include_stop_str_in_output:
+            return False
+        last = req.output_token_ids[-1]
+        return (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids
 
     def release_text(self, seq: SeqText) -> None:
         """Move the text that can be shown now into `seq.text` (all of it once the sequence finished)."""

@@ -12,20 +12,25 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def write_byte_tokenizer(path: str | Path, vocab_size: int, chat_template: str = DEFAULT_CHAT_TEMPLATE) -> None:
-    """A byte-level BPE with no merges: <s>, </s>, <unk> (ids 0, 1, 2) and the 256 bytes.
-    Ids above 258 exist in the model but never come out of encode."""
+def write_byte_tokenizer(path: str | Path, vocab_size: int, chat_template: str = DEFAULT_CHAT_TEMPLATE,
+                         special_tokens: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE with no merges: <s>, </s>, <unk> (ids 0, 1, 2) and the 256 bytes, then
+    `special_tokens` (ids 259 on, each one token, as a chat format's markers are: harmony's
+    `<|channel|>`). Ids above those exist in the model but never come out of encode."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(["<s>", "</s>", "<unk>"] + sorted(ByteLevel.alphabet()))}
-    if len(vocab) > vocab_size:
-        raise ValueError(f"vocab_size must be >= {len(vocab)} for a byte-level tokenizer, got {vocab_size}")
+    if len(vocab) + len(special_tokens) > vocab_size:
+        raise ValueError(f"vocab_size must be >= {len(vocab) + len(special_tokens)} for a byte-level tokenizer "
+                         f"with {len(special_tokens)} special tokens, got {vocab_size}")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     fast.chat_template = chat_template
     fast.save_pretrained(str(path))
 

@@ -111,6 +111,8 @@ def family_for_hf(config: dict, where: str) -> Family:
             raise ValueError(f"{where}: {names[0]} is served as its text model, but its text_config's model_type "
                              f"{text_type!r} is not a supported family (supported: {', '.join(_BY_MODEL_TYPE)})")
         return family
+    if names and names[0].endswith("ForSequenceClassification"):
+        raise ValueError(classification_head_refusal(names[0], config, where))
     # A config saved from a config object alone lists no architectures; model_type still says which.
     if names:
         family = HF_ARCHITECTURES.get(names[0]) or HF_ARCHITECTURES.get(causal_lm_of_base(names[0]))
@@ -121,6 +123,19 @@ def family_for_hf(config: dict, where: str) -> Family:
         raise ValueError(f"{where}: architecture {shown!r} is not supported "
                          f"(supported: {', '.join([*HF_ARCHITECTURES, *MULTIMODAL])})")
     return family
+
+
+def classification_head_refusal(architecture: str, config: dict, where: str) -> str:
+    """Why a sequence-classification checkpoint (a cross-encoder reranker: the decoder, then a
+    `score` head of num_labels outputs on the last token) is refused: its head is not loaded, and
+    serving its decoder as a language model or an embedding model would give scores that are not
+    the model's. What to serve instead for /v1/rerank and /score."""
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+    return (f"{where}: {architecture} is a sequence-classification model (a cross-encoder, {labels} label"
+            f"{'s' if labels != 1 else ''} from a score head on the last token); pagellm does not load "
+            f"classification heads, so it cannot serve its scores. For /v1/rerank and /score serve a causal LM "
+            f"used as a yes/no reranker (Qwen3-Reranker, with classifier_from_token) or an embedding model "
+            f"(cosine scores); see docs/embeddings.md")
 
 
 def causal_lm_of_base(architecture: str) -> str | None:

@@ -131,3 +131,20 @@ def test_stop_string_found_on_the_last_allowed_token_is_the_finish_reason(llm):
                        use_tqdm=False)[0].outputs[0]
     assert out.text == text[:-1]
     assert out.finish_reason == "stop" and out.stop_reason == last
+
+
+def test_the_stopping_token_is_not_text_even_when_special_tokens_are_kept(llm):
+    """EOS or a stop token ends the output's token ids but not its text (vLLM's rule), also with
+    skip_special_tokens false, which a format with special markers (harmony) needs: otherwise the
+    answer would end in '</s>'. include_stop_str_in_output keeps it."""
+    tok = llm.get_tokenizer()
+    for stop_ids in ([], [2]):  # EOS (</s>, id 1), then a stop token (<unk>, id 2)
+        token = stop_ids[0] if stop_ids else 1
+        params = dict(temperature=0, max_tokens=8, min_tokens=3, logit_bias={token: 100.0}, stop_token_ids=stop_ids,
+                      skip_special_tokens=False)
+        out = llm.generate(PROMPTS[0], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) == 4 and out.token_ids[-1] == token
+        assert out.text == tok.decode(out.token_ids[:3], skip_special_tokens=False)
+        kept = llm.generate(PROMPTS[0], SamplingParams(**params, include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
+        assert kept.text == tok.decode(out.token_ids, skip_special_tokens=False) != out.text

@@ -17,6 +17,7 @@ QWEN3 = REASONING_PARSERS["qwen3"]()
 R1 = REASONING_PARSERS["deepseek_r1"]()
 GRANITE = REASONING_PARSERS["granite"]()
 GPT_OSS = REASONING_PARSERS["gpt_oss"]()
+GEMMA4 = REASONING_PARSERS["gemma4"]()
 
 
 @pytest.mark.parametrize("parser, text, opened, want", [
@@ -33,9 +34,29 @@ GPT_OSS = REASONING_PARSERS["gpt_oss"]()
     (GRANITE, "Here is my thought process: sum it Here is my response: 4", False, Split("sum it", "4")),
     (GRANITE, "Here's my thought process: x\nHere's my response: y", False, Split("x", "y")),
     (GRANITE, "Just 4.", False, Split(None, "Just 4.")),
+    # Granite 3.2's own layout: each phrase on its line, the answer after a blank line.
+    (GRANITE, "Here is my thought process:\nadd them\n\nHere is my response:\n4", False, Split("add them", "4")),
+    (GRANITE, "Here is my response:\n4", False, Split(None, "4")),  # the thought skipped: no marker leaks
+    (GRANITE, " add them\nHere's my response: 4", True, Split("add them", "4")),  # the prompt opened the thought
+    (GRANITE, "Here is my thought process: cut short", False, Split("cut short", None)),
+    (GRANITE, "Here is the answer: 4", False, Split(None, "Here is the answer: 4")),  # shares the markers' lead
+    # Granite 3.3's tags, asked for by the same template switch.
+    (GRANITE, "<think>add them</think>\n<response>4</response>", False, Split("add them", "4")),
+    (GRANITE, "<response>4</response>", False, Split(None, "4")),
+    (GRANITE, "<think>add them</think>4", False, Split("add them", "4")),
     (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>",
      False, Split("think", "Hi")),
     (GPT_OSS, "<|channel|>final<|message|>Hi", False, Split(None, "Hi")),
+    # A tool call after the analysis: its commentary header goes with the answer, to the tool parser.
+    (GPT_OSS, "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.add "
+     "<|constrain|>json<|message|>{}<|call|>", False,
+     Split("think", "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{}<|call|>")),
+    (GPT_OSS, "think<|end|><|start|>assistant to=functions.add<|channel|>commentary json<|message|>{}", True,
+     Split("think", " to=functions.add<|channel|>commentary json<|message|>{}")),
+    (GEMMA4, "<|channel>thought\nadd them<channel|>4", False, Split("add them", "4")),
+    (GEMMA4, "4<|channel>thought\n<channel|>", False, Split(None, "4")),  # a trailing empty channel dropped
+    (GEMMA4, "\nadd them<channel|>4<channel|>", True, Split("add them", "4")),
+    (GEMMA4, "4", False, Split(None, "4")),
 ])
 def test_split_whole_and_in_every_pair_of_chunks(parser, text, opened, want):
     assert parser.split(text, opened) == want
@@ -82,6 +103,53 @@ def test_auto_reads_the_chat_template():
     assert parser_for_template("{{ '<｜Assistant｜><think>\\n' }}") == "deepseek_r1"
     assert parser_for_template("Here is my thought process: ...") == "granite"
     assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
+
+
+# Granite 3.2's chat template, reduced to what the parser depends on (written here, not copied): the
+# switch is the template variable `thinking` (off unless set), and it only asks, in the system
+# prompt, for the two phrases, which the reply then writes itself; that prose says "thinking".
+GRANITE_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set system = \"You are Granite.\" %}"
+    "{%- if thinking %}{%- set system = system + \" Use a thinking process: write your thoughts after "
+    "'Here is my thought process:' and write your response after 'Here is my response:'.\" %}{%- endif %}"
+    "{%- set rest = messages %}{%- endif %}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system + '<|end_of_text|>\\n' }}"
+    "{%- for m in rest %}{{- '<|start_of_role|>' + m['role'] + '<|end_of_role|>' + m['content'] }}"
+    "{%- if loop.last and add_generation_prompt %}{{- '<|end_of_text|>\\n<|start_of_role|>assistant<|end_of_role|>' }}"
+    "{%- else %}{{- '<|end_of_text|>\\n' }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_granites_template_and_switch():
+    """Granite's switch is `thinking` (read in the template's code, not in its prose), reached by
+    Ollama's think, reasoning efforts and Anthropic's thinking; its rendered prompt quotes both
+    phrases, yet neither opens nor closes the reply's reasoning."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pagellm.entrypoints.anthropic.protocol import MessagesRequest, to_chat
+    from pagellm.entrypoints.openai.reasoning import effort_switch, switch_variable, thinking_switch
+
+    assert parser_for_template(GRANITE_TEMPLATE) == "granite"
+    assert switch_variable(GRANITE_TEMPLATE) == "thinking"
+    assert switch_variable(THINKING_TEMPLATE) == "enable_thinking"
+    assert switch_variable("{{ 'a thinking process' }}{{ message.thinking }}") is None
+    assert thinking_switch(GRANITE_TEMPLATE, True, "think", True) == {"thinking": True}
+    assert thinking_switch(GRANITE_TEMPLATE, False, "think", True) == {"thinking": False}
+    assert effort_switch(GRANITE_TEMPLATE, "none", "reasoning_effort", True) == {"thinking": False}
+
+    def anthropic(thinking: dict) -> dict | None:
+        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": ASK, "thinking": thinking})
+        return to_chat(req, GRANITE_TEMPLATE, True).chat_template_kwargs
+    assert anthropic({"type": "enabled", "budget_tokens": 4}) == {"thinking": True}
+    assert anthropic({"type": "disabled"}) == {"thinking": False}
+
+    template = ImmutableSandboxedEnvironment().from_string(GRANITE_TEMPLATE)
+    on = template.render(messages=ASK, add_generation_prompt=True, thinking=True)
+    off = template.render(messages=ASK, add_generation_prompt=True)
+    assert "Here is my thought process:" in on and "thought process" not in off
+    for prompt in (on, off):
+        assert not GRANITE.opens_in(prompt) and not GRANITE.closes(prompt)
 
 
 def test_the_cli_offers_every_parser():
@@ -428,3 +496,217 @@ def test_reasoning_effort_reaches_the_template_or_is_refused(answer_server):
         got = httpx.post(answer_server.url + path, json={"model": "thinker", **body}, timeout=60)
         assert got.status_code == 400 and value in got.json()["error"]["message"], got.text
         assert got.json()["error"]["param"] == field
+
+
+@pytest.fixture(scope="module")
+def granite_server(tmp_path_factory):
+    from pagellm.loader.synthetic import write_byte_tokenizer, write_dummy_model_dir
+    from server_utils import RemoteServer
+
+    path = write_dummy_model_dir(tmp_path_factory.mktemp("granite"), "tiny")
+    write_byte_tokenizer(path, 320, GRANITE_TEMPLATE)
+    server = RemoteServer([path, "--load-format", "dummy", "--served-model-name", "granite",
+                           "--kv-cache-memory", "16M", "--max-model-len", "512", "--reasoning-parser", "auto",
+                           "--structured-outputs-config", '{"enable_in_reasoning": true}'])
+    yield server
+    server.close()
+
+
+@pytest.mark.slow  # its own server: about 10 s
+def test_granite_end_to_end(granite_server):
+    """A Granite-shaped model served with --reasoning-parser auto: the thinking switch through
+    chat_template_kwargs and Ollama's think, the two phrases split out whole and streamed, no
+    phrases at all, the response's phrase alone, and a prompt that already opened the thought."""
+    import httpx
+
+    client = granite_server.client(timeout=120)
+    reply = "Here is my thought process:\nadd them\n\nHere is my response:\n4"
+
+    def chat(regex: str, stream: bool = False, **extra) -> tuple[object, tuple]:
+        kwargs = dict(model="granite", messages=extra.pop("messages", ASK), max_tokens=64, temperature=0,
+                      extra_body={**forced(regex), **extra})
+        whole = client.chat.completions.create(**kwargs)
+        message = whole.choices[0].message
+        if stream:  # the phrases cut across chunks (one byte a token) come out the same
+            chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+            streamed = ("".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) or None,
+                        "".join(c.delta.content or "" for c in chunks) or None)
+            assert streamed == (message.reasoning_content, message.content)
+        return whole, (message.reasoning_content, message.content)
+
+    on, split = chat(reply, stream=True, chat_template_kwargs={"thinking": True})
+    assert split == ("add them", "4")
+    off, split = chat("4")
+    assert split == (None, "4") and off.usage.prompt_tokens < on.usage.prompt_tokens  # the switch reached it
+    assert chat("Here is my response:\n4", stream=True)[1] == (None, "4")
+    opened = ASK + [{"role": "assistant", "content": "Here is my thought process:"}]
+    assert chat(" add them\nHere is my response: 4", messages=opened, add_generation_prompt=False,
+                continue_final_message=True)[1] == ("add them", "4")
+
+    r = httpx.post(granite_server.url + "/api/chat", timeout=120, json={
+        "model": "granite", "messages": ASK, "think": True, "stream": False,
+        "options": {"temperature": 0, "num_predict": 64}, "structured_outputs": {"regex": reply}})
+    assert r.status_code == 200, r.text
+    assert (r.json()["message"]["thinking"], r.json()["message"]["content"]) == ("add them", "4")
+    assert r.json()["prompt_eval_count"] == on.usage.prompt_tokens
+
+
+# ---- gpt-oss: harmony's channels -------------------------------------------------------------------
+
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
+# The harmony format's shape, reduced (written here): a system turn that reads reasoning_effort, each
+# turn `<|start|>ROLE ... <|message|>TEXT<|end|>`, an assistant's answer in its final channel, and a
+# generation prompt that leaves the channel to the reply (it writes analysis first, then final).
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    """A small random gpt-oss model (sinks, clamped SwiGLU experts) with harmony's markers as single tokens."""
+    from pagellm.loader.synthetic import write_byte_tokenizer
+    from server_utils import RemoteServer
+    from tests.models.families import build
+
+    path = build("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
+    write_byte_tokenizer(path, 320, HARMONY_TEMPLATE, HARMONY_TOKENS)
+    server = RemoteServer([str(path), "--served-model-name", "oss", "--kv-cache-memory", "16M",
+                           "--max-model-len", "512", "--reasoning-parser", "auto"])
+    yield server
+    server.close()
+
+
+@pytest.mark.slow  # builds and serves a real gpt-oss model: about 25 s
+def test_gpt_oss_grammar_starts_after_the_final_channel(harmony_server):
+    """On gpt-oss a structured output and a forced tool call hold the final channel's message only:
+    the analysis channel is free text, the header `<|end|><|start|>assistant<|channel|>final<|message|>`
+    (forced here by the reasoning budget) is not the grammar's, the answer after it is. logit_bias
+    makes the random model open the analysis channel and think in 'a's (neither is JSON)."""
+    import httpx
+    import jsonschema
+
+    client = harmony_server.client(timeout=120)
+    tokens = httpx.post(harmony_server.url + "/tokenize", json={"prompt": "<|channel|>a"}).json()["tokens"]
+    assert len(tokens) == 2  # the marker is one token
+    bias = {str(tokens[0]): 20, str(tokens[1]): 30}
+    kwargs = dict(model="oss", messages=ASK, max_tokens=60, temperature=0, logit_bias=bias,
+                  extra_body={"thinking_token_budget": 4, **TIGHT_VERDICT})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert (choice.message.reasoning_content, choice.finish_reason) == ("aaaa", "stop"), choice
+    jsonschema.validate(json.loads(choice.message.content), VERDICT)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) == "aaaa"
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+
+    tool = {"type": "function", "function": {"name": "judge", "parameters": VERDICT}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "judge"}}):
+        called = client.chat.completions.create(**{**kwargs, "max_tokens": 100,
+                                                   "extra_body": {"thinking_token_budget": 4}},
+                                                tools=[tool], tool_choice=tool_choice,
+                                                parallel_tool_calls=False).choices[0]
+        assert called.message.reasoning_content == "aaaa", called
+        assert called.message.tool_calls, called
+        (tc,) = called.message.tool_calls
+        assert tc.function.name == "judge"
+        jsonschema.validate(json.loads(tc.function.arguments), VERDICT)
+
+
+# ---- the real chat templates of 2025-26 families (llama.cpp's vendored copies, where built) ----------
+
+def _vendored_templates():
+    from pathlib import Path
+
+    from pagellm.envs import llama_cpp_bin
+    return Path(llama_cpp_bin()).parents[1] / "src" / "models" / "templates"
+
+
+@pytest.mark.parametrize("name, parser, switch, tools_shown", [
+    ("openai-gpt-oss-120b.jinja", "gpt_oss", None, "namespace functions"),
+    ("Qwen3.5-4B.jinja", "qwen3", "enable_thinking", "<tools>"),
+    ("google-gemma-4-31B-it.jinja", "gemma4", "enable_thinking", "add"),
+    ("ibm-granite-granite-3.3-2B-Instruct.jinja", "granite", "thinking", "add"),
+])
+def test_real_templates_pick_their_parser_and_switch(tmp_path, name, parser, switch, tools_shown):
+    """Each family's own template (as the model ships it; llama.cpp vendors them, read here where
+    its source was fetched): `auto` picks the parser for its markers, the thinking switch is the
+    variable the template reads, it renders in pagellm's sandbox with tools and a reasoning sent
+    back, and the rendered prompt opens the reasoning or closes it as the switch asks."""
+    from pagellm.entrypoints.openai.reasoning import switch_variable
+    from pagellm.loader.synthetic import write_byte_tokenizer
+    from pagellm.loader.tokenizer import Tokenizer
+
+    path = _vendored_templates() / name
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's source with its vendored templates is not here ({path})")
+    template = path.read_text()
+    assert parser_for_template(template) == parser
+    assert switch_variable(template) == switch
+    write_byte_tokenizer(tmp_path, 400, template, HARMONY_TOKENS)
+    tok = Tokenizer.from_hf_dir(str(tmp_path))
+    reasoning = REASONING_PARSERS[parser]()
+    convo = ASK + [{"role": "assistant", "content": "4", "reasoning_content": "add them"},
+                   {"role": "user", "content": "and 3+3?"}]
+    tools = [{"type": "function", "function": {"name": "add", "description": "Adds two numbers.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    shown = tok.apply_chat_template(convo, tools=tools, **({switch: True} if switch else {}))
+    assert tools_shown in shown and "and 3+3?" in shown
+    prompts = {}
+    for on in (True, False):  # without tools: Granite's template asks for thoughts only then
+        kwargs = {switch: on} if switch else {"reasoning_effort": "low" if on else "high"}
+        prompts[on] = tok.apply_chat_template(convo, **kwargs)
+        assert not reasoning.opens_in(prompts[on]) or parser == "qwen3"
+    assert prompts[True] != prompts[False]
+    if parser == "qwen3":  # Qwen3.5's template opens <think> itself when thinking is on
+        assert reasoning.opens_in(prompts[True]) and reasoning.closes(prompts[False])
+    if parser == "gemma4":  # Gemma 4's writes the thought channel empty when thinking is off
+        assert reasoning.closes(prompts[False]) and not reasoning.closes(prompts[True])
+
+    # An agent's turn sent back (reasoning, then a call, then its result) as the chat endpoint
+    # hands it to the template: the reasoning shows in the family's own markers.
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    turn = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK + [
+        {"role": "assistant", "content": None, "reasoning_content": "add them",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"}]})
+    convo = [OpenAIServingChat.message_dict(m, i) for i, m in enumerate(turn.messages)]
+    text = tok.apply_chat_template(convo, tools=tools, **({switch: True} if switch else {}))
+    marked = {"gpt_oss": "<|channel|>analysis<|message|>add them<|end|>", "gemma4": "<|channel>thought\nadd them",
+              "qwen3": "<think>\nadd them\n</think>", "granite": None}[parser]
+    assert marked is None or marked in text, text[-400:]
+
+
+def test_gpt_oss_tool_calls_after_the_analysis_whole_and_streamed():
+    """--reasoning-parser gpt_oss with --tool-call-parser openai: the analysis is the reasoning, the
+    commentary message addressed to=functions.add is the call (not reasoning, not content), whole
+    and streamed a character at a time; a final answer without a call is plain content."""
+    from pagellm.entrypoints.openai.serving_chat import ChoiceDeltas, OpenAIServingChat, ToolDeltas
+    from pagellm.entrypoints.openai.tool_calls import PARSERS, plan_tools
+
+    chat = object.__new__(OpenAIServingChat)
+    chat.tool_call_parser = "openai"
+    plan = plan_tools(TOOLS, "auto", True, True)
+    call = ("<|channel|>analysis<|message|>Need add.<|end|><|start|>assistant<|channel|>commentary to=functions.add "
+            "<|constrain|>json<|message|>{\"a\": 2}<|call|>")
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>"
+    for text, reasoning, content, args in [(call, "Need add.", None, {"a": 2}), (answer, "Easy.", "4", None)]:
+        message, finish = chat.reply(plan, text, "stop", ReasoningStream(GPT_OSS, False))
+        assert (message["reasoning_content"], message["content"]) == (reasoning, content), message
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+        assert got == ([("add", args)] if args else []) and finish == ("tool_calls" if args else "stop")
+        deltas = ChoiceDeltas(ToolDeltas(plan, PARSERS["openai"]()), ReasoningStream(GPT_OSS, False))
+        sent = {"reasoning_content": "", "content": "", "tool_calls": []}
+        for i in range(1, len(text) + 1):
+            delta, streamed_finish = deltas.advance(text[:i], i == len(text), "stop" if i == len(text) else None)
+            for key in ("reasoning_content", "content"):
+                sent[key] += delta.get(key) or ""
+            sent["tool_calls"] += delta.get("tool_calls", [])
+        assert (sent["reasoning_content"], sent["content"] or None) == (reasoning, content)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent["tool_calls"]] == got
+        assert streamed_finish == finish

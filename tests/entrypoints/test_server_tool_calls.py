@@ -152,6 +152,16 @@ def test_parsers():
     assert llama.extract("Paris is sunny.") == ("Paris is sunny.", [])
     assert llama.held("  ") == 2 and llama.held("<|pyth") == len("<|pyth")
 
+    openai = PARSERS["openai"]()  # gpt-oss's harmony calls, both header orders, after any text
+    content, calls = openai.extract('Checking.<|start|>assistant<|channel|>commentary to=functions.a <|constrain|>json'
+                                    '<|message|>{"x": 1}<|call|><|start|>assistant to=functions.b<|channel|>commentary'
+                                    ' json<|message|>{}')
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert openai.extract("<|channel|>commentary to=functions.a <|message|>{") == \
+        ("<|channel|>commentary to=functions.a <|message|>{", [])  # cut short: left as text
+    assert openai.held("Sure<|channel|>commentary to=fun") == len("<|channel|>commentary to=fun")
+    assert openai.held("Sure<|chan") == len("<|chan") and openai.held("Sure") == 0
+
     mistral = MistralParser()
     content, calls = mistral.extract('[TOOL_CALLS][{"name": "a", "arguments": {"q": "w"}}]')
     assert content is None and calls[0].name == "a" and json.loads(calls[0].arguments) == {"q": "w"}

@@ -39,6 +39,19 @@ def test_every_family_has_its_class():
         assert model_class(family.name).__name__ == family.cls
 
 
+def test_cross_encoders_with_a_score_head_are_refused_naming_why(tmp_path):
+    """A Qwen3 sequence-classification checkpoint (a cross-encoder reranker, one label) as
+    transformers saves its config: refused at load, naming the architecture, the head and what to
+    serve for rerank instead, not served as a causal LM (its bare decoder would load and score wrongly)."""
+    import transformers
+
+    transformers.Qwen3Config(num_labels=1, architectures=["Qwen3ForSequenceClassification"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"Qwen3ForSequenceClassification is a sequence-classification model "
+                                         r"\(a cross-encoder, 1 label from a score head.*does not load "
+                                         r"classification heads.*classifier_from_token"):
+        read_hf_config(str(tmp_path))
+
+
 def test_unknown_architectures_name_what_is_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ValueError, match=r"'FalconForCausalLM' is not supported \(supported: LlamaForCausalLM, .*"

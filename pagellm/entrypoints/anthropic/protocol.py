@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pagellm.entrypoints.openai.errors import bad_request, refuse_unknown
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagellm.entrypoints.openai.reasoning import effort_switch
+from pagellm.entrypoints.openai.reasoning import effort_switch, switch_variable
 
 # A 400 naming a field sent that is not one of Anthropic's Messages API this server implements.
 _unknown = functools.partial(refuse_unknown, "Anthropic's Messages API")
@@ -182,14 +182,15 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict] | None, Any, bool]:
     return tools, mapped, parallel
 
 
-def _thinking(req: CountTokensRequest) -> tuple[dict | None, int | None]:
+def _thinking(req: CountTokensRequest, chat_template: str | None) -> tuple[dict | None, int | None]:
     """The request's `thinking` as chat-template arguments and a reasoning budget (thinking_token_budget)."""
     if req.thinking is None:
         return None, None
     kind = req.thinking.get("type")
+    switch = switch_variable(chat_template)
     if kind == "disabled":
         _unknown("thinking.", req.thinking.keys() - {"type"})
-        return {"enable_thinking": False}, None
+        return {switch or "enable_thinking": False}, None
     if kind == "enabled":  # the model thinks as its template lets it, for at most budget_tokens
         _unknown("thinking.", req.thinking.keys() - {"type", "budget_tokens"})
         budget = req.thinking.get("budget_tokens")
@@ -200,7 +201,8 @@ def _thinking(req: CountTokensRequest) -> tuple[dict | None, int | None]:
         if max_tokens is not None and budget >= max_tokens:  # as Anthropic's API: the answer needs room
             raise bad_request(f"thinking.budget_tokens must be less than max_tokens ({max_tokens}), got {budget}",
                               param="thinking.budget_tokens")
-        return None, budget
+        # A switch that is off unless set (Granite's `thinking`) is turned on; enable_thinking is on already.
+        return ({"thinking": True} if switch == "thinking" else None), budget
     if kind == "adaptive":  # the model decides how much to think: what it does here anyway
         _unknown("thinking.", req.thinking.keys() - {"type"})
         return None, None
@@ -253,7 +255,7 @@ def to_chat(req: CountTokensRequest, chat_template: str | None = None,
     if not req.messages:
         raise bad_request("messages must hold at least one message", param="messages")
     tools, tool_choice, parallel = _tools(req)
-    template_kwargs, budget = _thinking(req)
+    template_kwargs, budget = _thinking(req, chat_template)
     effort = _effort(getattr(req, "output_config", None), chat_template, splits_reasoning)
     if effort:
         template_kwargs = {**(template_kwargs or {}), **effort}

@@ -55,14 +55,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides whether to call a tool, and its output is '
                         "parsed for calls by --tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "openai"],
                    help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: Qwen, "
-                        "Hermes, SmolLM3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS][...])")
+                        "Hermes, SmolLM3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS][...]), openai (gpt-oss's "
+                        "harmony commentary calls, with --reasoning-parser gpt_oss)")
     g.add_argument("--reasoning-parser", default=None, choices=["auto", *REASONING_PARSERS],
                    help="split a thinking model's replies into reasoning_content and content: qwen3 "
                         "(<think>...</think>), deepseek_r1 (the same, <think> possibly opened by the template), "
                         "gpt_oss (harmony's analysis "
-                        "channel), granite (\"Here is my thought process:\"), auto (from the chat template) "
+                        "channel), granite (\"Here is my thought process:\", or Granite 3.3's <think>), gemma4 "
+                        "(<|channel>thought...<channel|>), auto (from the chat template) "
                         "(default: not split)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each a whole engine in its own Ray actor, behind a router (default: 1, "

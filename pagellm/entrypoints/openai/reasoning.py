@@ -5,7 +5,11 @@ and its answer, as vLLM's parsers of the same names split it.
   switch off);
 - `deepseek_r1`: the same tags, but an R1 distill may start without `<think>` (its template
   opens it), so text before `</think>` is reasoning even when no `<think>` was written;
-- `granite`: "Here is my thought process:" ... "Here is my response:" (Granite 3.x's `thinking`);
+- `granite`: "Here is my thought process:" ... "Here is my response:" (Granite 3.2's `thinking`:
+  its template only asks for the two phrases in the system prompt, so the reply writes both;
+  a reply that writes only the response's phrase has no reasoning, and the phrase is not answer),
+  or Granite 3.3's `<think>...</think><response>...</response>`, asked for the same way;
+- `gemma4`: Gemma 4's thought channel, `<|channel>thought` ... `<channel|>` (special tokens);
 - `gpt_oss`: the harmony channels: `<|channel|>analysis<|message|>` ... `<|end|>`, then the
   `final` channel's message.
 
@@ -16,6 +20,7 @@ Qwen3's thinking mode and R1 distills do) is passed as `opened`.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +61,8 @@ class ReasoningParser:
 
     starts: tuple[str, ...] = ("<think>",)
     ends: tuple[str, ...] = ("</think>",)
+    # The ends after which a structured output's grammar starts (None: all of `ends`).
+    grammar_ends: tuple[str, ...] | None = None
     implicit_start = False
     keeps_special_tokens = False
     # What a reasoning budget forces once spent: the end marker as the chat template writes it.
@@ -119,16 +126,57 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
 
 class GraniteReasoningParser(ReasoningParser):
-    starts = ("Here is my thought process:", "Here's my thought process:")
-    ends = ("Here is my response:", "Here's my response:")
+    """Granite 3.2's phrases, and Granite 3.3's tags (`<think>...</think><response>...</response>`,
+    which its template asks for in the same words): `auto` picks this parser for either template."""
+
+    starts = ("Here is my thought process:", "Here's my thought process:", "<think>")
+    ends = ("Here is my response:", "Here's my response:", "</think>")
     close = "\nHere is my response:\n"
+    # What opens the answer without a thought before it: a marker, not part of the answer.
+    answer_opens = ("Here is my response:", "Here's my response:", "<response>")
+
+    def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
+        # Granite may skip the thought and open with the response's phrase (or tag) alone: that
+        # phrase is a marker, not part of the answer (while it may still be forming, it is held back).
+        lead = text.lstrip()
+        if not opened:
+            begin, after = _find(lead[:max(len(m) for m in self.answer_opens)], self.answer_opens)
+            if begin == 0:
+                answer = self._content(lead[after:], final, answer=True)
+                return Split(None, self._untag(answer, final) if lead.startswith("<response>") else answer)
+            if not final and lead and any(m.startswith(lead) for m in self.answer_opens):
+                return Split(None, None)
+        out = super().split(text, opened, final)
+        if out.reasoning is None or out.content is None:
+            return out
+        content = out.content
+        if content.startswith("<response>"):
+            content = self._untag(content[len("<response>"):], final)
+        elif not final and "<response>".startswith(content):
+            content = None  # the tag may be forming
+        return Split(out.reasoning, content)
+
+    @staticmethod
+    def _untag(answer: str | None, final: bool) -> str | None:
+        """Granite 3.3's answer after its `<response>`: without the closing tag (held while it may be forming)."""
+        if answer is None:
+            return None
+        answer = answer.removesuffix("</response>")
+        return answer if final else answer[:len(answer) - _partial_suffix(answer, ("</response>",))]
 
 
 class GptOssReasoningParser(ReasoningParser):
     starts = ("<|channel|>analysis<|message|>",)
-    ends = ("<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
+    # The analysis ends where the final channel begins, or where a tool call's commentary message
+    # does (`<|channel|>commentary to=functions.NAME ...` or `to=functions.NAME<|channel|>...`): that
+    # header stays with the answer, for the tool-call parser (`--tool-call-parser openai`).
+    ends = ("<|end|><|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>",
+            "<|end|><|start|>assistant<|channel|>commentary", "<|end|><|start|>assistant to=")
+    # A forced tool call or structured output is written in the final channel, under the grammar.
+    grammar_ends = ends[:2]
     close = ends[0]
     keeps_special_tokens = True
+    call_header = "<|end|><|start|>assistant"
 
     def opens_in(self, prompt: str) -> bool:
         # Earlier turns keep their analysis closed by a bare <|end|> (then a commentary call, say),
@@ -146,6 +194,9 @@ class GptOssReasoningParser(ReasoningParser):
         out = super().split(text, opened, final)
         if out.content is not None:  # harmony ends a reply with <|return|> (or <|end|> mid-conversation)
             content = out.content
+            at, _ = _find(text, self.ends)
+            if at >= 0 and text.startswith(self.ends[2:], at):  # a tool call: its header is the tool parser's
+                content = text[at + len(self.call_header):]
             for tail in ("<|return|>", "<|end|>"):
                 content = content.removesuffix(tail)
             if not final:
@@ -154,11 +205,36 @@ class GptOssReasoningParser(ReasoningParser):
         return out
 
 
+class Gemma4ReasoningParser(ReasoningParser):
+    """Gemma 4 thinks in its thought channel when its template's enable_thinking is on; off (the
+    default), the template writes the channel empty itself, so the answer starts at once."""
+
+    starts = ("<|channel>thought",)
+    ends = ("<channel|>",)
+    close = "\n<channel|>"
+    keeps_special_tokens = True
+    # Gemma 4 may end its answer with an empty thought channel or a lone channel close (llama.cpp's
+    # parser drops them too): markers, not answer.
+    trailers = ("<|channel>thought\n<channel|>", "<channel|>")
+
+    def split(self, text: str, opened: bool = False, final: bool = True) -> Split:
+        out = super().split(text, opened, final)
+        if out.content is None:
+            return out
+        content = out.content
+        for tail in self.trailers:
+            content = content.removesuffix(tail)
+        if not final:
+            content = content[:len(content) - _partial_suffix(content, self.trailers)]
+        return Split(out.reasoning, content)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "gpt_oss": GptOssReasoningParser,
     "granite": GraniteReasoningParser,
+    "gemma4": Gemma4ReasoningParser,
 }
 
 
@@ -168,6 +244,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
     template = chat_template or ""
     if "<|channel|>" in template:
         return "gpt_oss"
+    if "<|channel>thought" in template:
+        return "gemma4"
     if "thought process" in template:
         return "granite"
     if "<think>" in template:
@@ -176,11 +254,30 @@ def parser_for_template(chat_template: str | None) -> str | None:
     return None
 
 
+# The chat-template variables that switch thinking, as templates read them: Qwen3's (and most since)
+# `enable_thinking`, on unless set false; Granite 3.2's `thinking`, off unless set true.
+SWITCHES = ("enable_thinking", "thinking")
+
+
+def _template_code(template: str) -> str:
+    """The Jinja code of a template ({% ... %} and {{ ... }}) without its string literals, so that a
+    variable is found where the template reads it, not in the prose it writes (Granite's system
+    prompt says "thinking process")."""
+    blocks = re.findall(r"\{[%{](.*?)[%}]\}", template, re.S)
+    return " ".join(re.sub(r"'[^']*'|\"[^\"]*\"", "", b) for b in blocks)
+
+
+def switch_variable(chat_template: str | None) -> str | None:
+    """The variable this template's thinking switch reads (one of SWITCHES), or None: it has none."""
+    code = _template_code(chat_template or "")
+    return next((name for name in SWITCHES if re.search(rf"(?<![\w.]){name}\b", code)), None)
+
+
 def thinking_switch(chat_template: str | None, think: bool | str | None, field: str,
                     splits_reasoning: bool) -> dict | None:
     """The chat-template arguments that do what a client's thinking switch asks (Ollama's `think`,
     the Responses API's `reasoning.effort`): True or False through the template's
-    `enable_thinking`, an effort ("low", "high"...) through its `reasoning_effort` (gpt-oss reads
+    switch (`enable_thinking`, or Granite's `thinking`), an effort ("low", "high"...) through its `reasoning_effort` (gpt-oss reads
     it). None: the template's own default. What this model's template cannot do is a 400 naming
     `field`, never a switch passed to a template that does not read it."""
     template = chat_template or ""
@@ -191,8 +288,8 @@ def thinking_switch(chat_template: str | None, think: bool | str | None, field: 
                           f"marks its reasoning), so that the reasoning comes back apart from the answer",
                           param=field)
     if isinstance(think, bool):
-        if "enable_thinking" in template:
-            return {"enable_thinking": think}
+        if (switch := switch_variable(template)) is not None:
+            return {switch: think}
         if think or not splits_reasoning:
             return None  # it thinks by itself; or it does not think, and is asked not to
         raise bad_request(f"{field} false is not supported by this model: its chat template has no switch "
@@ -217,9 +314,10 @@ def effort_switch(chat_template: str | None, effort: str | None, field: str, spl
     if effort not in EFFORTS:
         raise bad_request(f"{field} must be one of {', '.join(EFFORTS)}, got {effort!r}", param=field)
     template = chat_template or ""
+    switch = switch_variable(template)
     if effort in ("none", "minimal"):
-        if "enable_thinking" in template:
-            return {"enable_thinking": False}
+        if switch is not None:
+            return {switch: False}
         if not splits_reasoning:
             return None  # a model that does not think, asked not to
         raise bad_request(f"{field} {effort!r} is not supported by this model: its chat template has no switch "
@@ -229,8 +327,7 @@ def effort_switch(chat_template: str | None, effort: str | None, field: str, spl
                           f"marks its reasoning), so that the reasoning comes back apart from the answer",
                           param=field)
     if "reasoning_effort" not in template:
-        levels = " (this model's template only switches thinking off: send 'none')" \
-            if "enable_thinking" in template else ""
+        levels = " (this model's template only switches thinking off: send 'none')" if switch else ""
         raise bad_request(f"{field} {effort!r} is not supported by this model: its chat template takes no reasoning "
                           f"effort{levels}", param=field)
     return {"reasoning_effort": effort}

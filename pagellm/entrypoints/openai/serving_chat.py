@@ -119,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def encode(marker: str) -> tuple[int, ...]:
             return tuple(self.tokenizer.encode(marker, add_special_tokens=False))
-        return ReasoningSection(tuple(encode(m) for m in parser.ends),
+        return ReasoningSection(tuple(encode(m) for m in parser.grammar_ends or parser.ends),
                                 () if parser.opens_in(prompt) else encode(parser.starts[0]))
 
     def render_request(self, req: ChatCompletionRequest) -> str:
@@ -215,6 +215,9 @@ class OpenAIServingChat(OpenAIServing):
             # content as text and a call's arguments as a mapping (OpenAI sends them as JSON text).
             d.setdefault("content", "")
             d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if "reasoning_content" in d:
+            # gpt-oss's template (and Ollama-style ones) read an assistant's reasoning as `thinking`.
+            d.setdefault("thinking", d["reasoning_content"])
         return d
 
     def logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:

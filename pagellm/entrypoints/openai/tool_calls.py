@@ -8,12 +8,14 @@ wrote on its own (`auto`).
 - `auto` (with `--enable-auto-tool-choice --tool-call-parser NAME`): the model writes text and
   tool calls in its own format, which the parser takes apart: `hermes` (`<tool_call>{...}</tool_call>`,
   as Qwen, Hermes and SmolLM3 write), `llama3_json` (a bare `{"name": ..., "parameters": ...}`,
-  optionally after `<|python_tag|>`, several joined by `;`), `mistral` (`[TOOL_CALLS][{...}]`);
+  optionally after `<|python_tag|>`, several joined by `;`), `mistral` (`[TOOL_CALLS][{...}]`),
+  `openai` (gpt-oss's harmony: `<|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>`);
 - `none`: no tool calls; the tools still reach the chat template.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,7 +217,47 @@ class MistralParser(ToolParser):
         return [_call(obj) for obj in (value if isinstance(value, list) else [value])]
 
 
+class OpenAIParser(ToolParser):
+    """gpt-oss's harmony calls: each a commentary message addressed `to=functions.NAME`, its JSON
+    arguments after `<|message|>`, ended by `<|call|>`; the header may put the recipient before
+    the channel or after it. (Its analysis before the call is the reasoning parser's: gpt_oss.)"""
+
+    marker = "to=functions."
+    headers = ("<|channel|>", "<|start|>")
+
+    def start(self, text: str) -> int | None:
+        i = text.find(self.marker)
+        if i < 0:
+            return None
+        # Back to where the call's header begins: its <|start|> or <|channel|>, whichever comes first
+        # after the last message.
+        begins = [j for j in (text.rfind(h, 0, i) for h in self.headers) if j >= 0 and "<|message|>" not in text[j:i]]
+        return min(begins, default=i)
+
+    def held(self, text: str) -> int:
+        # A header may be forming: from its last <|channel|> or <|start|> on, while no message began after it.
+        begins = [j for j in (text.rfind(h) for h in self.headers) if j >= 0 and "<|message|>" not in text[j:]]
+        if begins:
+            return len(text) - min(begins)
+        for k in range(min(max(len(h) for h in self.headers) - 1, len(text)), 0, -1):
+            if any(h.startswith(text[-k:]) for h in self.headers):
+                return k
+        return 0
+
+    def calls(self, tail: str) -> list[ToolCall]:
+        out = []
+        for block in tail.split(self.marker)[1:]:
+            name = re.match(r"[^\s<]+", block)
+            header, sep, body = block.partition("<|message|>")
+            if name is None or not sep:
+                raise ValueError(f"a harmony tool call without its name or message: {block[:80]!r}")
+            for end in ("<|call|>", "<|end|>", "<|start|>"):
+                body = body.split(end, 1)[0]
+            out.append(ToolCall(name.group(0), json.dumps(json.loads(body), ensure_ascii=False)))
+        return out
+
+
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                         "mistral": MistralParser}
+                                         "mistral": MistralParser, "openai": OpenAIParser}
 # Their markers are special tokens in the models that use them: they must stay in the text.
-KEEPS_SPECIAL_TOKENS = {"mistral"}
+KEEPS_SPECIAL_TOKENS = {"mistral", "openai"}

@@ -236,5 +236,21 @@ def doc_table(doc: dict) -> str:
                      f"{e['speculative']['decode_tokens_per_s']:.1f}", f"{e['speedup']:.2f}x",
                      f"{e['speculative'].get('acceptance_rate', 0):.2f}", "yes" if e["outputs_equal"] else "no"])
     column = "with prompt lookup" if method == "ngram" else "with a draft model"
-    return doc_sections.markdown_table(["workload", "plain tok/s", column, "speedup (medians)",
-                                      "acceptance", "same output"], rows, "lrrrrl")
+    table = doc_sections.markdown_table(["workload", "plain tok/s", column, "speedup (medians)",
+                                       "acceptance", "same output"], rows, "lrrrrl")
+    peers = [(name, e["llama-server"]) for name, e in doc["workloads"].items() if e.get("llama-server")]
+    if not peers:
+        return table
+    rows = []
+    for name, by_type in peers:
+        plain = by_type.get("none", {}).get("decode_tokens_per_s")
+        spec = {k: v for k, v in by_type.items() if k != "none" and v.get("decode_tokens_per_s")}
+        best = max(spec, key=lambda k: spec[k]["decode_tokens_per_s"]) if spec else None
+        ours = doc["workloads"][name]["speculative"]["decode_tokens_per_s"]
+        rows.append([name, f"{plain:.1f}" if plain else "-",
+                     f"{spec[best]['decode_tokens_per_s']:.1f} ({best})" if best else "-",
+                     f"{spec[best]['speedup']:.2f}x" if best and spec[best].get("speedup") else "-",
+                     f"{ours / spec[best]['decode_tokens_per_s']:.2f}x" if best else "-"])
+    return table + "\n\n" + doc_sections.markdown_table(
+        ["workload", "llama-server plain tok/s", "its best n-gram mode, tok/s", "its speedup",
+         "pagellm speculative / its best"], rows, "lrrrr")

@@ -120,6 +120,11 @@ MUTANTS = [
            "                self.kv.free(seq)",
            "                pass",
            ("tests/engine/test_spec_decode_draft.py::test_greedy_with_a_draft_model_equals_plain_decoding",)),
+    Mutant("a cross-encoder's score head reads the trailing padding token, not the last real one",
+           "pagellm/loader/score_head.py",
+           "        while len(ids) > 1 and ids[-1] == self.pad_token_id:",
+           "        while False:",
+           ("tests/engine/test_cross_encoder.py::test_scores_match_sentence_transformers_cross_encoder",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

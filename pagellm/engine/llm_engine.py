@@ -120,9 +120,11 @@ class LLMEngine:
 
     def _check_generates(self) -> None:
         if not self.arch.has_lm_head:
+            name = self.arch.hf_config.get('architectures', ['?'])[0]
+            what = "scores (rerank, score) and embeddings" if name.endswith("ForSequenceClassification") \
+                else "embeddings"
             raise ValueError(f"{os.path.basename(self.model_path)} has no language-model head (its config.json "
-                             f"names a bare decoder, {self.arch.hf_config.get('architectures', ['?'])[0]}): it "
-                             f"serves embeddings only")
+                             f"names {name}, a decoder without one): it serves {what} only")
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -7,8 +7,9 @@ from typing import Any, Sequence
 from pagellm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.config import make_config, signature_with_options
 from pagellm.engine.llm_engine import LLMEngine, PromptType
-from pagellm.entrypoints.scoring import (classifier_params, classifier_score, classifier_token_ids, cosine,
-                                         pair_token_ids, pair_up)
+from pagellm.entrypoints.scoring import (HEAD_POOLING, classifier_params, classifier_score, classifier_token_ids,
+                                         cosine, pair_token_ids, pair_up)
+from pagellm.loader.score_head import read_score_head
 from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -25,6 +26,8 @@ class LLM:
         config = make_config(model=model, **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        # A cross-encoder's score head (None for any other model): what LLM.score applies.
+        self.score_head = read_score_head(self.engine.model_path)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -68,13 +71,21 @@ class LLM:
         """Each pair's score (`.outputs.score`), paired as vLLM's `LLM.score` pairs them: 1:1, one
         against each of N, or N:N in order. The cosine of the texts' embeddings (each distinct
         text embedded once, by the model's own pooling); with the classifier_from_token option,
-        the yes/no reranker's probability after the pair's tokens (entrypoints/scoring.py)."""
+        the yes/no reranker's probability after the pair's tokens (entrypoints/scoring.py); for a
+        cross-encoder, its score head's output after the pair (loader/score_head.py)."""
         side_1, side_2 = ([t] if isinstance(t, str) else list(t) for t in (text_1, text_2))
         pairs = [(side_1[i], side_2[j]) for i, j in pair_up(len(side_1), len(side_2)) or ()]
         if not pairs:
             raise ValueError(f"text_1 and text_2 must pair 1:1, 1:N or N:N, got {len(side_1)}:{len(side_2)}")
         words = self.engine.config.classifier_from_token
-        if words is not None:
+        head = self.score_head
+        if head is not None:
+            head.check_scores()
+            tok = self.engine.tokenizer
+            prompts = [head.pair_ids(tok, a, b) for a, b in pairs]
+            outs = self.embed([{"prompt_token_ids": ids} for ids in prompts], HEAD_POOLING, use_tqdm=use_tqdm)
+            scores = [head.score(o.outputs.embedding) for o in outs]
+        elif words is not None:
             tok = self.engine.tokenizer
             token_ids = classifier_token_ids(words, lambda w: tok.encode(w, add_special_tokens=False))
             prompts = [pair_token_ids(tok, a, b) for a, b in pairs]

@@ -2,6 +2,9 @@
 score is either
 
 - the cosine of the two texts' embeddings (the model's own pooling): the default, for any model;
+- for a cross-encoder (a *ForSequenceClassification checkpoint), its score head on the final
+  hidden state of the pair's last token, the pair joined as its tokenizer joins two texts
+  (loader/score_head.py);
 - with `classifier_from_token` (two words, e.g. ["no", "yes"]), a causal LM used as a yes/no
   reranker, as Qwen3-Reranker is: after the query's tokens then the document's, the probability
   of the second word against the first, softmax over the two logits. The client formats the
@@ -18,7 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
+
+# What a cross-encoder's score head reads: the last token's final hidden state, as it is.
+HEAD_POOLING = PoolingParams(pooling_type="LAST", normalize=False)
 
 # The most documents one rerank or score request may hold (as Cohere's rerank API).
 MAX_SCORE_DOCUMENTS = 1000

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from pagellm.layers.quant.gguf import ExpertBlocks
 from pagellm.loader.mxfp4 import join_mxfp4
 from pagellm.models.arch import ModelArchConfig, arch_from_hf
-from pagellm.models.registry import HF_ARCHITECTURES, Multimodal, causal_lm_of_base, family_for_hf, multimodal_for_hf
+from pagellm.models.registry import (HF_ARCHITECTURES, SEQUENCE_CLASSIFIERS, Multimodal, causal_lm_of_base,
+                                     family_for_hf, multimodal_for_hf)
 
 logger = logging.getLogger(__name__)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -48,7 +49,8 @@ def read_hf_config(model_dir: str) -> ModelArchConfig:
     names = raw.get("architectures") or [""]
     return arch_from_hf(hf, family.name, bos_token_id=raw.get("bos_token_id"),
                         eos_token_ids=_eos_ids(raw, model_dir), model_name=model_dir,
-                        has_lm_head=causal_lm_of_base(names[0]) not in HF_ARCHITECTURES)
+                        has_lm_head=(causal_lm_of_base(names[0]) not in HF_ARCHITECTURES
+                                     and names[0] not in SEQUENCE_CLASSIFIERS))
 
 
 def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type: str):
@@ -72,15 +74,21 @@ def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor | Expert
     The weight files are found before this returns, so a directory without usable weights fails here.
     """
     config_path = os.path.join(model_dir, "config.json")
-    multimodal = multimodal_for_hf(_read_json(config_path)) if os.path.isfile(config_path) else None
+    config = _read_json(config_path) if os.path.isfile(config_path) else {}
+    multimodal = multimodal_for_hf(config)
+    # A cross-encoder's score head is not the decoder's: loader/score_head.py reads it.
+    head = (config.get("architectures") or [""])[0] in SEQUENCE_CLASSIFIERS
     # OpenAI's MXFP4 experts (gpt-oss) come as GGUF MXFP4 blocks, which FusedMoE keeps.
-    return join_mxfp4(_tensors(_safetensors_files(model_dir, multimodal), multimodal))
+    return join_mxfp4(_tensors(_safetensors_files(model_dir, multimodal), multimodal, head))
 
 
-def _tensors(files: list[str], multimodal: Multimodal | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(files: list[str], multimodal: Multimodal | None,
+             skip_score_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt") as handle:
             for stored in handle.keys():
+                if skip_score_head and stored.startswith("score."):
+                    continue
                 name = stored if multimodal is None else multimodal.text_name(stored)
                 if name is not None:
                     yield name, handle.get_tensor(stored)

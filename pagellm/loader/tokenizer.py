@@ -109,6 +109,11 @@ class Tokenizer:
         """Token ids of `text`; BOS/EOS are added exactly when transformers would add them."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Token ids of two texts joined as one input, with the special tokens the tokenizer puts
+        around and between them (transformers' `tokenizer(text, pair)`, what cross-encoders read)."""
+        return self._backend.encode(text, pair, add_special_tokens=True).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._cleanup(text) if self._cleanup else text

@@ -89,6 +89,10 @@ MULTIMODAL: dict[str, Multimodal] = {
 }
 
 HF_ARCHITECTURES = {a: f for f in FAMILIES for a in f.hf_architectures}
+# Cross-encoders served with their score head (loader/score_head.py), by the causal LM whose
+# decoder they are: their weights are that decoder's (`model.*`) and `score.weight`.
+SEQUENCE_CLASSIFIERS = {"Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+                        "LlamaForSequenceClassification": "LlamaForCausalLM"}
 GGUF_ARCHITECTURES = {(a, f.moe, f.gguf_sliding): f for f in FAMILIES for a in f.gguf_architectures}
 _BY_NAME = {f.name: f for f in FAMILIES}
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -111,6 +115,8 @@ def family_for_hf(config: dict, where: str) -> Family:
             raise ValueError(f"{where}: {names[0]} is served as its text model, but its text_config's model_type "
                              f"{text_type!r} is not a supported family (supported: {', '.join(_BY_MODEL_TYPE)})")
         return family
+    if names and names[0] in SEQUENCE_CLASSIFIERS:
+        return HF_ARCHITECTURES[SEQUENCE_CLASSIFIERS[names[0]]]
     if names and names[0].endswith("ForSequenceClassification"):
         raise ValueError(classification_head_refusal(names[0], config, where))
     # A config saved from a config object alone lists no architectures; model_type still says which.
@@ -127,15 +133,15 @@ def family_for_hf(config: dict, where: str) -> Family:
 
 def classification_head_refusal(architecture: str, config: dict, where: str) -> str:
     """Why a sequence-classification checkpoint (a cross-encoder reranker: the decoder, then a
-    `score` head of num_labels outputs on the last token) is refused: its head is not loaded, and
-    serving its decoder as a language model or an embedding model would give scores that are not
-    the model's. What to serve instead for /v1/rerank and /score."""
+    `score` head of num_labels outputs on the last token) of a family not in SEQUENCE_CLASSIFIERS
+    is refused: serving its decoder as a language model or an embedding model would give scores
+    that are not the model's. What to serve instead for /v1/rerank and /score."""
     labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
     return (f"{where}: {architecture} is a sequence-classification model (a cross-encoder, {labels} label"
-            f"{'s' if labels != 1 else ''} from a score head on the last token); pagellm does not load "
-            f"classification heads, so it cannot serve its scores. For /v1/rerank and /score serve a causal LM "
-            f"used as a yes/no reranker (Qwen3-Reranker, with classifier_from_token) or an embedding model "
-            f"(cosine scores); see docs/embeddings.md")
+            f"{'s' if labels != 1 else ''} from a score head on the last token); pagellm loads classification "
+            f"heads only for {', '.join(SEQUENCE_CLASSIFIERS)}, so it cannot serve its scores. For /v1/rerank and "
+            f"/score serve one of those, a causal LM used as a yes/no reranker (Qwen3-Reranker, with "
+            f"classifier_from_token) or an embedding model (cosine scores); see docs/embeddings.md")
 
 
 def causal_lm_of_base(architecture: str) -> str | None:

@@ -12,7 +12,8 @@ import pytest
 
 from pagellm.entrypoints.openai.cli_args import add_serve_parser
 from pagellm.entrypoints.openai.errors import OpenAIError
-from pagellm.entrypoints.openai.tool_calls import PARSERS, HermesParser, Llama3JsonParser, MistralParser, plan_tools
+from pagellm.entrypoints.openai.tool_calls import (PARSERS, HermesParser, Llama3JsonParser, MistralParser,
+                                                   calls_before_cut, plan_tools)
 from server_utils import MODEL_NAME
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -24,6 +25,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "description": "Time in a timezone",
                                            "parameters": TIME}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Asked this with get_weather alone, the bundled model (greedy, `required`, parallel calls allowed)
+# repeats its call until max_tokens; CUT_TOKENS holds two whole calls and stops inside the third.
+REPEATS = [{"role": "user", "content": "Weather and time in Tokyo?"}]
+CUT_TOKENS = 100
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
@@ -78,6 +83,38 @@ def test_named_arguments_stream_as_deltas(client):
     assert len(deltas) > 2  # arguments come as they are generated
     assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow  # ~200 generated tokens; the parsing itself is test_calls_before_cut's
+def test_required_cut_by_max_tokens_returns_the_complete_calls(client):
+    """Parallel calls allowed, the model repeats its call until max_tokens: the calls it completed
+    come back, the one cut off dropped, finish_reason "length" kept; streamed alike. Cut before
+    its first call is complete, the reply is the text, as before."""
+    kwargs = dict(model=MODEL_NAME, messages=REPEATS, tools=TOOLS[:1], tool_choice="required",
+                  max_tokens=CUT_TOKENS, temperature=0)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    check_calls(choice.message.tool_calls)
+    assert len(choice.message.tool_calls) >= 2  # several whole calls before the cut
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(choice.message.tool_calls)]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    short = client.chat.completions.create(**{**kwargs, "max_tokens": 5}).choices[0]
+    assert short.finish_reason == "length" and short.message.tool_calls is None and short.message.content
+
+
+def test_calls_before_cut():
+    plan = plan_tools(TOOLS, "required", True, False)
+    whole = '{"name": "get_time", "arguments": {"timezone": "UTC"}}'
+    got = calls_before_cut(plan, f'[{whole}, {whole},{{"name": "get_weather", "arguments": {{"city": "Pa')
+    assert [(c.name, json.loads(c.arguments)) for c in got] == [("get_time", {"timezone": "UTC"})] * 2
+    assert calls_before_cut(plan, '[{"name": "get_time", "argum') == []
+    assert calls_before_cut(plan, "") == [] and calls_before_cut(plan, "[") == []
+    assert len(calls_before_cut(plan, f"[{whole}]")) == 1
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, True, False)
+    assert calls_before_cut(named, f"[{whole},") == []  # a named call is its arguments: nothing whole
 
 
 HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "celsius"\}\}'

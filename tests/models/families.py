@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.conftest import INIT_STD, _save
+from tests.conftest import CHAT_TEMPLATE, INIT_STD, _save, write_byte_tokenizer
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
@@ -233,3 +233,33 @@ def build_sentence_transformer(family: str, path: Path, pooling_mode: str, norma
     model = SentenceTransformer(modules=modules + ([Normalize()] if normalize else []), device="cpu")
     model.save(str(path / "st"))
     return SentenceTransformer(str(path / "st"), device="cpu")
+
+
+def build_cross_encoder(family: str, path: Path, seed: int = 0, num_labels: int = 1, pair_template: bool = False,
+                        **changes) -> Path:
+    """Family `family`'s test decoder as a cross-encoder (`<Family>ForSequenceClassification`, a
+    score head of `num_labels` on the last token that is not padding), saved in `path`, its
+    padding token </s> (id 1). `pair_template`: the tokenizer joins a pair as `<s> A </s> B </s>`
+    (BERT-like special tokens, the trailing </s> being padding the head must look past); else it
+    concatenates the two texts' bytes."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    config_cls, model_cls, overrides = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **overrides, "num_labels": num_labels, "pad_token_id": 1,
+                                               **changes})
+    model = getattr(transformers, model_cls.replace("ForCausalLM", "ForSequenceClassification"))(cfg).eval()
+    _perturb(model, family)
+    model.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path, cfg.vocab_size, CHAT_TEMPLATE)
+    # No chat template: sentence-transformers 6 would render the pair through it (query and document
+    # roles) instead of joining the two texts as the tokenizer does (docs/embeddings.md).
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    tok.chat_template, tok.pad_token = None, "</s>"
+    if pair_template:
+        tok.backend_tokenizer.post_processor = TemplateProcessing(
+            single="<s> $A", pair="<s> $A </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    tok.save_pretrained(str(path))
+    return path

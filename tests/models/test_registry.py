@@ -40,15 +40,18 @@ def test_every_family_has_its_class():
 
 
 def test_cross_encoders_with_a_score_head_are_refused_naming_why(tmp_path):
-    """A Qwen3 sequence-classification checkpoint (a cross-encoder reranker, one label) as
-    transformers saves its config: refused at load, naming the architecture, the head and what to
-    serve for rerank instead, not served as a causal LM (its bare decoder would load and score wrongly)."""
+    """A Mistral sequence-classification checkpoint (a cross-encoder reranker, one label; its head is
+    loaded for Qwen3 and Llama only) as transformers saves its config: refused at load, naming the
+    architecture, the head and what to serve for rerank instead, not served as a causal LM (its bare
+    decoder would load and score wrongly)."""
     import transformers
 
-    transformers.Qwen3Config(num_labels=1, architectures=["Qwen3ForSequenceClassification"]).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"Qwen3ForSequenceClassification is a sequence-classification model "
-                                         r"\(a cross-encoder, 1 label from a score head.*does not load "
-                                         r"classification heads.*classifier_from_token"):
+    transformers.MistralConfig(num_labels=1, architectures=["MistralForSequenceClassification"]).save_pretrained(
+        tmp_path)
+    with pytest.raises(ValueError, match=r"MistralForSequenceClassification is a sequence-classification model "
+                                         r"\(a cross-encoder, 1 label from a score head.*loads classification "
+                                         r"heads only for Qwen3ForSequenceClassification, "
+                                         r"LlamaForSequenceClassification.*classifier_from_token"):
         read_hf_config(str(tmp_path))
 
 

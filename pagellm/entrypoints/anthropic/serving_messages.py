@@ -83,7 +83,7 @@ class AnthropicServingMessages:
             fn = call["function"]
             content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": fn["name"],
                             "input": json.loads(fn["arguments"])})
-        if reply.get("tool_calls"):
+        if reply.get("tool_calls") and finish_reason != "length":  # cut by max_tokens: max_tokens
             finish_reason = "tool_calls"  # a named tool too: Anthropic's stop_reason is tool_use
         cached = getattr(final, "num_cached_tokens", 0) or 0
         return self.message(req, run, content, stop_reason(c, finish_reason, req.stop_sequences),
@@ -106,7 +106,7 @@ class AnthropicServingMessages:
             if finished:
                 for e in blocks.close():
                     yield e
-                if blocks.tool_calls:
+                if blocks.tool_calls and finish_reason != "length":
                     finish_reason = "tool_calls"
                 reason, sequence = stop_reason(c, finish_reason, req.stop_sequences)
                 cached = getattr(out, "num_cached_tokens", 0) or 0

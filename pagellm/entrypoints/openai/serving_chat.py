@@ -15,7 +15,7 @@ from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningPar
 from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, guarded_sse, merge_streams,
                                                        random_id, sse)
 from pagellm.entrypoints.openai.tool_calls import (KEEPS_SPECIAL_TOKENS, PARSERS, ToolCall, ToolParser, ToolPlan,
-                                                   forced_calls, plan_tools)
+                                                   calls_before_cut, forced_calls, plan_tools)
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import ReasoningBudget, ReasoningSection
 
@@ -168,7 +168,9 @@ class OpenAIServingChat(OpenAIServing):
         content, calls = text, None
         if tools.mode in ("required", "named"):
             calls = forced_calls(tools, text)
-            content = None if calls else text  # cut short: the client gets the text
+            if calls is None and finish_reason == "length":  # cut short: the calls it completed, if any
+                calls = calls_before_cut(tools, text) or None
+            content = None if calls else text  # cut short before a whole call: the client gets the text
         elif tools.mode == "auto":
             content, calls = tools.parse_auto(self.parser(), text)
         message: dict = {"role": "assistant", "content": content}
@@ -177,8 +179,9 @@ class OpenAIServingChat(OpenAIServing):
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [c.to_json() for c in calls]
-            # OpenAI: "tool_calls" when the model chose to call; a named function was not its choice.
-            if tools.mode != "named":
+            # OpenAI: "tool_calls" when the model chose to call; a named function was not its choice;
+            # a reply cut by max_tokens stays "length" (its last call was dropped).
+            if tools.mode != "named" and finish_reason != "length":
                 finish_reason = "tool_calls"
         return message, finish_reason
 
@@ -353,7 +356,7 @@ class ToolDeltas:
     which go out as `tool_calls` deltas in OpenAI's shape.
 
     A named function streams its arguments as they come; `required` sends its calls when the
-    JSON array is complete; `auto` streams text until the parser's marker could begin and sends
+    JSON array is complete (cut by max_tokens: the calls completed before the cut); `auto` streams text until the parser's marker could begin and sends
     the calls at the end.
     """
 
@@ -383,7 +386,11 @@ class ToolDeltas:
             if not finished:
                 return {}, None
             calls = forced_calls(self.tools, text)
-            if calls is None:  # cut short: not a complete call; the client gets the text
+            if calls is None and finish_reason == "length":  # cut short: the calls it completed, if any
+                calls = calls_before_cut(self.tools, text) or None
+                if calls:
+                    return {"tool_calls": [c.to_json(index=i) for i, c in enumerate(calls)]}, finish_reason
+            if calls is None:  # cut short before a whole call: the client gets the text
                 return {"content": text}, finish_reason
             return {"tool_calls": [c.to_json(index=i) for i, c in enumerate(calls)]}, "tool_calls"
         if mode == "none" or self.parser is None:

@@ -35,9 +35,11 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def embed(self, request_id: str, prompts: list[tuple[str | None, list[int]]], raw_request: Request,
                     field: str, truncate_prompt_tokens: int | None = None,
-                    dimensions: int | None = None) -> tuple[list[list[float]], int]:
+                    dimensions: int | None = None,
+                    pooling: PoolingParams | None = None) -> tuple[list[list[float]], int]:
         """The embedding of each prompt (text, token ids), and the tokens they took; a 400 names
-        `field` (the API's name for its inputs) for a prompt too long or refused."""
+        `field` (the API's name for its inputs) for a prompt too long or refused. `pooling`: the
+        request's params in place of the model's default (and of `dimensions`)."""
         prompts = [(text, self.truncate(ids, truncate_prompt_tokens)) for text, ids in prompts]
         for i, (_, ids) in enumerate(prompts):
             if len(ids) > self.max_model_len:
@@ -46,7 +48,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                                   f"truncate_prompt_tokens to keep its last tokens.", param=field,
                                   code="context_length_exceeded")
         try:
-            params = PoolingParams(dimensions=dimensions)
+            params = pooling or PoolingParams(dimensions=dimensions)
         except ValueError as e:
             raise bad_request(str(e), param="dimensions") from None
         try:

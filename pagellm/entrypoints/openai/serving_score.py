@@ -1,7 +1,8 @@
 """POST /score and /rerank (vLLM's shapes; /rerank is also Jina's and Cohere's): text pairs scored
 by the cosine of their embeddings, made by the embeddings endpoint's pooling requests, each
-distinct text embedded once (a rerank's query once for all its documents); or, with
---classifier-from-token, by a causal LM's yes/no logits after each pair (entrypoints/scoring.py)."""
+distinct text embedded once (a rerank's query once for all its documents); for a cross-encoder
+(a *ForSequenceClassification checkpoint), by its score head after each pair (loader/score_head.py);
+or, with --classifier-from-token, by a causal LM's yes/no logits after each pair (entrypoints/scoring.py)."""
 from __future__ import annotations
 
 from starlette.requests import Request
@@ -10,8 +11,9 @@ from pagellm.entrypoints.openai.errors import bad_request, check_request_text
 from pagellm.entrypoints.openai.protocol import RerankRequest, ScoreRequest
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import random_id
-from pagellm.entrypoints.scoring import (MAX_SCORE_DOCUMENTS, classifier_params, classifier_score,
+from pagellm.entrypoints.scoring import (HEAD_POOLING, MAX_SCORE_DOCUMENTS, classifier_params, classifier_score,
                                          classifier_token_ids, cosine, pair_token_ids, pair_up)
+from pagellm.loader.score_head import read_score_head
 
 
 class OpenAIServingScore:
@@ -21,6 +23,8 @@ class OpenAIServingScore:
         # --classifier-from-token's words as token ids (None: pairs are scored by cosine).
         self.classifier = None if classifier_from_token is None else \
             classifier_token_ids(classifier_from_token, lambda w: tokenizer.encode(w, add_special_tokens=False))
+        # A cross-encoder's score head (None for any other model).
+        self.head = read_score_head(embeddings.engine.model_path)
 
     async def create_score(self, req: ScoreRequest, raw_request: Request) -> dict:
         self._check(req)
@@ -61,6 +65,8 @@ class OpenAIServingScore:
     async def _scores(self, request_id: str, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None,
                       raw_request: Request, field: str) -> tuple[list[float], int]:
         """Each pair's score, and the prompt tokens it took (`field`: the texts' name, for errors)."""
+        if self.head is not None:
+            return await self._headed(request_id, pairs, truncate_prompt_tokens, raw_request, field)
         if self.classifier is not None:
             return await self._classified(request_id, pairs, truncate_prompt_tokens, raw_request, field)
         distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
@@ -69,6 +75,22 @@ class OpenAIServingScore:
                                                       truncate_prompt_tokens)
         of = dict(zip(distinct, vectors))
         return [cosine(of[a], of[b]) for a, b in pairs], tokens
+
+    async def _headed(self, request_id: str, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None,
+                      raw_request: Request, field: str) -> tuple[list[float], int]:
+        """Each pair's cross-encoder score: its score head on the pair's last hidden state."""
+        try:
+            self.head.check_scores()
+        except ValueError as e:
+            raise bad_request(f"{self.embeddings.model_name}: {e}", param="model") from None
+        serving = self.embeddings
+        prompts = []
+        for query, document in pairs:
+            check_request_text(field, query + document)
+            prompts.append((None, self.head.pair_ids(serving.tokenizer, query, document)))
+        vectors, tokens = await serving.embed(request_id, prompts, raw_request, field, truncate_prompt_tokens,
+                                              pooling=HEAD_POOLING)
+        return [self.head.score(v) for v in vectors], tokens
 
     async def _classified(self, request_id: str, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None,
                           raw_request: Request, field: str) -> tuple[list[float], int]:

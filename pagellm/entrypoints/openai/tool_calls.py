@@ -134,6 +134,39 @@ def forced_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
     return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
 
 
+def calls_before_cut(plan: ToolPlan, text: str) -> list[ToolCall]:
+    """The complete calls at the front of a `required` reply that max_tokens cut short: the
+    array's items that are whole JSON, the one it stopped inside dropped (the grammar made the text
+    a prefix of a valid array, so an item that parses is the model's call as it meant it); [] for
+    none, or for another mode (a named call is one set of arguments: cut, there is no whole call)."""
+    if plan.mode != "required":
+        return []
+    decoder = json.JSONDecoder()
+    i = _skip_space(text, 0)
+    if not text.startswith("[", i):
+        return []
+    calls: list[ToolCall] = []
+    i += 1
+    while True:
+        try:
+            item, i = decoder.raw_decode(text, _skip_space(text, i))
+        except json.JSONDecodeError:
+            return calls
+        if not isinstance(item, dict) or "name" not in item or "arguments" not in item:
+            return calls
+        calls.append(ToolCall(item["name"], json.dumps(item["arguments"], ensure_ascii=False)))
+        i = _skip_space(text, i)
+        if not text.startswith(",", i):  # "]": the array was whole after all; the end: nothing follows
+            return calls
+        i += 1
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
 class ToolParser:
     """Finds tool calls in free text. `start(text)`: where tool calls begin (None: nowhere yet);
     `held(text)`: how many trailing characters could still turn into the start (kept back when

@@ -49,8 +49,8 @@ def load_mtp_proposer(config: EngineConfig, target: ModelSource, device: torch.d
                          f"would run on rank 0 alone, outside the ranks' step); use tensor_parallel_size 1")
     layers = int(getattr(arch.hf, "num_nextn_predict_layers", 0) or 0)
     if layers < 1:
-        raise ValueError(f"{where}: config.json sets no num_nextn_predict_layers (got {layers}): this "
-                         f"checkpoint has no MTP layer")
+        raise ValueError(f"{where}: its config's num_nextn_predict_layers is {layers}: this checkpoint has no MTP "
+                         f"layer")
     prefix = f"model.layers.{arch.num_hidden_layers}."
     names = set(hf_weight_names(target.path))
     missing = [prefix + t for t in _MTP_TENSORS if prefix + t not in names]

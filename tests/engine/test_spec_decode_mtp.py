@@ -15,6 +15,7 @@ pagellm uses the target's).
 """
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -61,16 +62,36 @@ def add_mtp_layer(model_dir) -> dict[str, torch.Tensor]:
     return {**weights, **state}
 
 
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(5)
+    return [([rng.randrange(3, 320) for _ in range(n)],
+             SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)) for n in [1, 6, 19, 33, 9]]
+
+
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
-    """(checkpoint dir with an MTP layer, its tensors, requests, plain greedy outputs)."""
+    """(checkpoint dir with an MTP layer, its tensors, requests, plain greedy outputs). Its random MTP
+    layer's proposals are all rejected (every proposal rolled back)."""
     path = build("deepseek_v3", tmp_path_factory.mktemp("ds_mtp"), num_nextn_predict_layers=1)
     weights = add_mtp_layer(path)
-    rng = random.Random(5)
-    requests = [([rng.randrange(3, 320) for _ in range(n)],
-                 SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)) for n in [1, 6, 19, 33, 9]]
+    requests = _requests()
     plain = _run(LLM(str(path), num_kv_blocks=256, block_size=4), requests)
     return path, weights, requests, plain
+
+
+@pytest.fixture(scope="module")
+def coin(ds, tmp_path_factory):
+    """(the same checkpoint with a head of two tokens, requests, plain greedy outputs): every row of
+    lm_head zero but token 5's, so the target and its MTP layer (which shares the head) both pick 5
+    or 0 by the sign of one product, and agree about half the time: proposals accepted whole, in
+    part and not at all."""
+    path, weights, requests, _ = ds
+    coin = tmp_path_factory.mktemp("ds_mtp_coin")
+    shutil.copytree(path, coin, dirs_exist_ok=True)
+    head = torch.zeros_like(weights["lm_head.weight"])
+    head[5] = weights["lm_head.weight"][5]
+    save_file({**weights, "lm_head.weight": head}, str(coin / "model.safetensors"), metadata={"format": "pt"})
+    return coin, requests, _run(LLM(str(coin), num_kv_blocks=256, block_size=4), requests)
 
 
 def _run(llm: LLM, requests) -> list[list[int]]:
@@ -144,17 +165,26 @@ def test_first_proposal_is_the_reference_prediction_from_the_targets_hidden_stat
     assert proposals[0][0].token_ids == [int(logits[-1].argmax())]
 
 
-@pytest.mark.parametrize("setup", [
-    pytest.param(dict(num_kv_blocks=256, block_size=4), id="batched"),
-    pytest.param(dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=8), id="chunked"),
-    pytest.param(dict(num_kv_blocks=24, block_size=4), id="preempted"),
-])
-def test_greedy_with_mtp_equals_plain_decoding(ds, setup):
-    path, _, requests, plain = ds
-    llm = LLM(str(path), speculative_config=MTP, **setup)
+SETUPS = {
+    "batched": dict(num_kv_blocks=256, block_size=4),
+    "chunked": dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=8),  # prompts prefilled in chunks
+    "preempted": dict(num_kv_blocks=24, block_size=4),  # too few blocks for all at once: preemption by recompute
+}
+FAST = {("coin", "batched"), ("coin", "chunked"), ("coin", "preempted"), ("random", "batched")}
+
+
+@pytest.mark.parametrize("which, name", [
+    pytest.param(which, name, id=f"{which}-{name}", marks=() if (which, name) in FAST else pytest.mark.slow)
+    for which in ("coin", "random") for name in SETUPS])
+def test_greedy_with_mtp_equals_plain_decoding(ds, coin, which, name):
+    path, requests, plain = coin if which == "coin" else (ds[0], ds[2], ds[3])
+    llm = LLM(str(path), speculative_config=MTP, **SETUPS[name])
     assert _run(llm, requests) == plain
     stats = llm.stats()["spec_decode"]
     assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] > stats["num_accepted_tokens"]
+    if which == "coin":  # runs accepted in part, some past a chained proposal
+        accepted = stats["accepted_per_position"]
+        assert accepted[0] > accepted[1] > 0
     proposer = _proposer(llm)
     assert proposer.seqs == {}
     proposer.kv.check_integrity()
@@ -169,6 +199,22 @@ def test_checkpoints_without_mtp_layers_are_refused(ds, tmp_path, tiny_llama_dir
               str(bare / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"weights lack model\.layers\.2\.enorm\.weight.*transformers saves"):
         LLM(str(bare), num_kv_blocks=16, speculative_config=MTP)
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
+    with pytest.raises(ValueError, match="num_nextn_predict_layers is 0: this checkpoint has no MTP layer"):
+        LLM(str(bare), num_kv_blocks=16, speculative_config=MTP)
+    with pytest.raises(ValueError, match="not with tensor_parallel_size 2 yet"):
+        LLM(str(path), num_kv_blocks=16, speculative_config=MTP, tensor_parallel_size=2)
+    # Qwen3.5 ships an MTP layer (mtp.*), but its target is refused for its recurrent layers. Its
+    # config and tokenizer are enough to be refused.
+    qwen = tmp_path / "qwen3_5"
+    shutil.copytree(path, qwen, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    config_cls, model_cls, overrides = FAMILIES["qwen3_5"]
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **overrides, "mtp_num_hidden_layers": 1})
+    cfg.architectures = [model_cls]
+    cfg.save_pretrained(qwen)
+    with pytest.raises(ValueError, match="recurrent .*rolling that state back is not implemented"):
+        LLM(str(qwen), num_kv_blocks=16, speculative_config=MTP)
     with pytest.raises(ValueError, match="this family has no multi-token-prediction layers"):
         LLM(tiny_llama_dir, num_kv_blocks=16, speculative_config=MTP)
     with pytest.raises(ValueError, match="a GGUF file carries no MTP layer"):

@@ -191,6 +191,29 @@ def test_greedy_with_mtp_equals_plain_decoding(ds, coin, which, name):
     assert proposer.kv.num_used_blocks == 0 and llm.stats()["used_blocks"] == 0
 
 
+def test_sampled_requests_keep_the_targets_logprobs(coin):
+    """Seeded samples over three tokens, their proposals drawn from the layer's distribution and
+    verified by rejection sampling against it: some accepted, every token reported with the
+    target's logprob given the tokens before it (scored again by the plain engine as a prompt), and
+    the same text again from the same seeds (no prefix cache: a hit would silence the layer and
+    draw other proposals)."""
+    path, requests, _ = coin
+    params = [SamplingParams(seed=10 + i, temperature=1.0, max_tokens=N_NEW, allowed_token_ids=[0, 5, 7],
+                             ignore_eos=True, logprobs=0) for i in range(len(requests))]
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, enable_prefix_caching=False, speculative_config=MTP)
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == [c.token_ids for c in got]
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    scored = LLM(str(path), num_kv_blocks=256, block_size=4).generate(
+        [{"prompt_token_ids": p + c.token_ids} for (p, _), c in zip(requests, got)],
+        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    for (prompt, _), c, s in zip(requests, got, scored):
+        want = [lp[t].logprob for t, lp in zip(c.token_ids, s.prompt_logprobs[len(prompt):])]
+        assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(want, abs=1e-4)
+
+
 def test_checkpoints_without_mtp_layers_are_refused(ds, tmp_path, tiny_llama_dir):
     path, weights, _, _ = ds
     bare = tmp_path / "bare"

@@ -73,8 +73,10 @@ def json_list(text: str) -> list:
 
 # Speculative decoding (docs/speculative-decoding.md): the proposers built so far, and vLLM's other
 # methods, named so that asking for one says it is not implemented yet rather than unknown.
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-SPECULATIVE_METHODS_NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+SPECULATIVE_METHODS_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+# vLLM's model-specific names of its "mtp" method.
+SPECULATIVE_METHOD_ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
 # vLLM's keys for a draft model that pagellm does not take (yet): named as such, not as unknown.
 SPECULATIVE_KEYS_NOT_YET = ("quantization", "max_model_len", "revision", "code_revision", "tokenizer",
                             "speculative_token_tree", "parallel_drafting", "disable_padded_drafter_batch")
@@ -89,7 +91,9 @@ class SpeculativeConfig:
     method "ngram" is prompt lookup: the longest of the last prompt_lookup_max .. prompt_lookup_min
     tokens found earlier in the prompt or output proposes the tokens that followed it. method
     "draft_model" runs `model` (a smaller model with the target's vocabulary, an HF folder or a GGUF
-    file) for num_speculative_tokens steps from the last accepted token."""
+    file) for num_speculative_tokens steps from the last accepted token. method "mtp" (vLLM's
+    "deepseek_mtp" and "qwen3_next_mtp" too) runs the target's own multi-token-prediction layer,
+    chained num_speculative_tokens times."""
 
     num_speculative_tokens: int  # the most tokens proposed for one step of one sequence
     method: str = "ngram"
@@ -109,10 +113,10 @@ class SpeculativeConfig:
                              f"got {options!r}")
         # vLLM infers the method from a `model` given alone.
         method = options.get("method", "ngram" if "model" not in options else "draft_model")
+        method = SPECULATIVE_METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
         methods = ", ".join(map(repr, SPECULATIVE_METHODS))
         if method in SPECULATIVE_METHODS_NOT_YET:
-            raise ValueError(f"method {method!r} is not implemented yet (the model's own MTP heads come next); "
-                             f"the methods are {methods}")
+            raise ValueError(f"method {method!r} is not implemented yet; the methods are {methods}")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"method {method!r} is unknown; the methods are {methods}")
         not_yet = sorted(set(options) & set(SPECULATIVE_KEYS_NOT_YET))
@@ -288,7 +292,8 @@ class EngineConfig:
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 8}: prompt lookup "
               "proposes tokens that the model verifies in one step, greedy and sampled outputs unchanged; or "
               "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}: a smaller model "
-              "with the same vocabulary proposes them (docs/speculative-decoding.md)",
+              "with the same vocabulary proposes them; or {\"method\": \"mtp\", \"num_speculative_tokens\": 2}: "
+              "the model's own multi-token-prediction layer (DeepSeek-V3) does (docs/speculative-decoding.md)",
         check=lambda v: SpeculativeConfig.from_dict(v) is not None, parse=speculative_config_flag)
 
     @property

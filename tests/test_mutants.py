@@ -125,6 +125,22 @@ MUTANTS = [
            "        while len(ids) > 1 and ids[-1] == self.pad_token_id:",
            "        while False:",
            ("tests/engine/test_cross_encoder.py::test_scores_match_sentence_transformers_cross_encoder",)),
+    Mutant("the MTP layer concatenates the hidden state before the embedding",
+           "pagellm/models/deepseek_v3.py",
+           "torch.cat([self.enorm(embedded), self.hnorm(previous_hidden.to(embedded.dtype))], dim=-1)",
+           "torch.cat([self.hnorm(previous_hidden.to(embedded.dtype)), self.enorm(embedded)], dim=-1)",
+           ("tests/engine/test_spec_decode_mtp.py::test_mtp_layer_forward_equals_the_reference_in_chunks",)),
+    Mutant("the MTP layer pairs a position's hidden state with that position's token, not the next one",
+           "pagellm/worker/proposers/mtp.py",
+           "return _Read(state, state.known[state.valid + 1:state.valid + 1 + n], rows)",
+           "return _Read(state, state.known[state.valid:state.valid + n], rows)",
+           ("tests/engine/test_spec_decode_mtp.py::"
+            "test_first_proposal_is_the_reference_prediction_from_the_targets_hidden_states",)),
+    Mutant("a finished sequence's MTP-layer KV blocks are never given back",
+           "pagellm/worker/proposers/mtp.py",
+           "                self.kv.free(state.entries)",
+           "                pass",
+           ("tests/engine/test_spec_decode_mtp.py::test_greedy_with_mtp_equals_plain_decoding",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

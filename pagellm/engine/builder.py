@@ -15,6 +15,7 @@ from pagellm.core.kv import KVManager, make_kv_manager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.core import EngineCore
 from pagellm.engine.draft import load_draft_proposer, split_kv_budget
+from pagellm.engine.mtp import load_mtp_proposer
 from pagellm.engine.input_processor import resolve_max_model_len
 from pagellm.engine.swap_cost import SwapCost
 from pagellm.executor.base import Executor
@@ -81,6 +82,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     draft = proposer = None
     if config.speculative is not None and config.speculative.method == "draft_model":
         proposer = draft = load_draft_proposer(config, source, device, dtype, max_model_len, set(eos_token_ids))
+    elif config.speculative is not None and config.speculative.method == "mtp":
+        proposer = draft = load_mtp_proposer(config, source, device, dtype, max_model_len, set(eos_token_ids))
     elif config.speculative is not None:
         proposer = make_proposer(config.speculative)
     executor = _start_executor(config, spec, device, proposer)
@@ -100,7 +103,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             num_blocks = executor.num_blocks_for_budget(config.block_size, config.kv_cache_memory)
             asked_by = "the default KV budget" if config.kv_cache_memory is None else \
                 f"kv_cache_memory={config.kv_cache_memory}"
-        if draft is not None:  # the draft model's cache takes its share of the same budget
+        if draft is not None:  # the draft model's (or MTP layer's) cache takes its share of the same budget
             num_blocks = split_kv_budget(config, runner, draft, num_blocks)
         executor.collective_rpc("allocate_kv_cache", (num_blocks, config.block_size, asked_by))
         if not config.enforce_eager:

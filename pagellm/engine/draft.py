@@ -12,6 +12,7 @@ from pagellm.loader.source import ModelSource, load_model_source
 from pagellm.loader.tokenizer import Tokenizer
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.proposers.draft_model import DraftModelProposer
+from pagellm.worker.proposers.mtp import MTPProposer
 
 logger = logging.getLogger("pagellm.engine")
 
@@ -73,12 +74,12 @@ def _id_to_token(tokenizer: Tokenizer) -> list[str | None]:
     return out
 
 
-def split_kv_budget(config: EngineConfig, target: ModelRunner, draft: DraftModelProposer,
+def split_kv_budget(config: EngineConfig, target: ModelRunner, draft: DraftModelProposer | MTPProposer,
                     target_blocks: int) -> int:
-    """Give the draft its cache and return the target's block count. A byte budget (kv_cache_memory
-    or the default) is shared: both pools get the same number of blocks, the two together within
-    it, since a sequence holds about as many of each. num_kv_blocks counts the target's blocks; the
-    draft then gets as many, beside them."""
+    """Give the draft (a draft model, or the target's MTP layer) its cache and return the target's
+    block count. A byte budget (kv_cache_memory or the default) is shared: both pools get the same
+    number of blocks, the two together within it, since a sequence holds about as many of each.
+    num_kv_blocks counts the target's blocks; the draft then gets as many, beside them."""
     bs = config.block_size
     target_bytes, draft_bytes = target.bytes_per_block(bs), draft.runner.bytes_per_block(bs)
     if config.num_kv_blocks:

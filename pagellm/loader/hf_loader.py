@@ -11,7 +11,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,12 +65,14 @@ def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type
         raise ValueError(f"{config_path}: transformers cannot read this config: {exc}") from None
 
 
-def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor | ExpertBlocks]]:
+def iter_hf_weights(model_dir: str, keep: Callable[[str], bool] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor | ExpertBlocks]]:
     """Yield `(name, tensor)` from the directory's safetensors files, one tensor at a time, as stored
     (an image-text checkpoint's text weights alone, named as its text family names them; the
     others are never read, nor the shards that hold only them), but OpenAI's MXFP4 experts
     (`<name>_blocks`, `<name>_scales`) joined as `<name>` in GGUF blocks (loader/mxfp4.py).
 
+    `keep`: only the tensors whose names it accepts are read (an MTP layer's, beside the target's).
     The weight files are found before this returns, so a directory without usable weights fails here.
     """
     config_path = os.path.join(model_dir, "config.json")
@@ -79,18 +81,27 @@ def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor | Expert
     # A cross-encoder's score head is not the decoder's: loader/score_head.py reads it.
     head = (config.get("architectures") or [""])[0] in SEQUENCE_CLASSIFIERS
     # OpenAI's MXFP4 experts (gpt-oss) come as GGUF MXFP4 blocks, which FusedMoE keeps.
-    return join_mxfp4(_tensors(_safetensors_files(model_dir, multimodal), multimodal, head))
+    return join_mxfp4(_tensors(_safetensors_files(model_dir, multimodal), multimodal, head, keep))
 
 
-def _tensors(files: list[str], multimodal: Multimodal | None,
-             skip_score_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weight_names(model_dir: str) -> list[str]:
+    """The names of the tensors in the directory's safetensors files, none of them read."""
+    names = []
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def _tensors(files: list[str], multimodal: Multimodal | None, skip_score_head: bool = False,
+             keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt") as handle:
             for stored in handle.keys():
                 if skip_score_head and stored.startswith("score."):
                     continue
                 name = stored if multimodal is None else multimodal.text_name(stored)
-                if name is not None:
+                if name is not None and (keep is None or keep(name)):
                     yield name, handle.get_tensor(stored)
 
 

@@ -122,7 +122,7 @@ class ModelRunner:
                  tp: TensorParallelGroup | None = None, weight_format: str = "dense",
                  batch_invariant: bool = False, sliding_kv: bool = False, kv_cache_dtype: str = "auto",
                  activation_quantization: str = "none", proposer: Proposer | None = None,
-                 mirror: StepMirror | None = None) -> None:
+                 mirror: StepMirror | None = None, model_class: type | None = None) -> None:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
@@ -132,7 +132,9 @@ class ModelRunner:
         codes (layers/quant/gguf.py).
         `proposer`: speculative decoding's, on the rank that samples (None: no speculation).
         `mirror`: how rank 0 of a tensor-parallel engine runs a step's tensor work on every rank
-        (pagellm/executor/tensor_parallel.py); None: on this one alone."""
+        (pagellm/executor/tensor_parallel.py); None: on this one alone.
+        `model_class`: the model to build instead of `arch`'s family (an MTP layer, built as the
+        family is: `model_class(arch, backend, max_model_len, tp)`)."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -145,7 +147,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.cuda_graphs: CUDAGraphRunner | None = None
         with torch.device(device), linear_methods(weight_format, dtype, batch_invariant, activation_quantization):
-            self.model = build_model(arch, self.backend, max_model_len, tp).to(dtype)
+            model = (build_model(arch, self.backend, max_model_len, tp) if model_class is None else
+                     model_class(arch, self.backend, max_model_len, tp))
+            self.model = model.to(dtype)
         if batch_invariant and any(isinstance(m, FusedMoE) for m in self.model.modules()):
             raise ValueError(f"batch-invariant mode does not cover mixture-of-experts models yet ({arch.architecture}: "
                              f"each expert multiplies the tokens routed to it, a batch-dependent set)")
@@ -176,6 +180,8 @@ class ModelRunner:
             cpu_kernels.available()  # built (once) at start-up, not on the first request
         self.sampler = Sampler(seed=seed, device=device)
         self.proposer = proposer
+        # A proposer that reads the target's hidden states (MTP) is shown each step's (observe).
+        self._step_hidden: torch.Tensor | None = None
         # The draft distributions of the proposals made last step, by sequence, for their verification.
         self._draft_probs: dict[str, Proposal] = {}
         self.mirror = mirror
@@ -386,6 +392,10 @@ class ModelRunner:
         samplers = [spec for s in seqs for spec in
                     (verification_specs(s.samplers[0], s.draft_token_ids) if s.draft_token_ids else s.samplers)]
         logits, pooled_rows = self.run_step(inputs) if self.mirror is None else self.mirror(inputs, self.run_step)
+        if self._step_hidden is not None:
+            hidden, self._step_hidden = self._step_hidden, None
+            with phase(self.timer, "propose"):
+                self.proposer.observe(seqs, hidden)
         pooled = {} if pooled_rows is None else dict(zip([s.request_id for s in seqs if s.pool], pooled_rows))
         if logits is None:
             return StepResult([], None, pooled=pooled)
@@ -465,6 +475,8 @@ class ModelRunner:
         # A captured graph replays decode-only steps; anything else runs eagerly.
         with phase(self.timer, "model_forward"):
             hidden = (self.cuda_graphs or self.model)(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.proposer is not None and self.proposer.reads_hidden_states:
+            self._step_hidden = hidden
         pooled = _pool_chunks(hidden, inputs.pool_rows) if inputs.pool_rows else None
         if not inputs.rows:
             return None, pooled
@@ -478,6 +490,22 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)  # decodes first
         logits, _ = self.run_step(self._prepare([seqs[i] for i in order], []))
         return logits[torch.tensor(order, device=logits.device).argsort()]
+
+    @torch.inference_mode()
+    def forward_hidden(self, seqs: list[PlannedSeq], previous_hidden: torch.Tensor) -> torch.Tensor:
+        """A forward pass over `seqs` of a model that reads a row per token beside the token (an MTP
+        layer: the hidden state that predicted it, `previous_hidden`, rows in `seqs`' token order),
+        without logits: every token's output row, [tokens, hidden], in the same order."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)  # decodes first
+        offsets = [0]
+        for s in seqs:
+            offsets.append(offsets[-1] + len(s.token_ids))
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in order]).to(self.device)
+        inputs = self._prepare([seqs[i] for i in order], [])
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, previous_hidden[rows])
+        out = torch.empty_like(hidden)
+        out[rows] = hidden
+        return out
 
     def release_sequences(self, request_ids: list[str]) -> None:
         """Sequences that finished or were preempted: the proposer gives back what it kept for them."""

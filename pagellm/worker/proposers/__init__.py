@@ -15,8 +15,8 @@ __all__ = ["Proposal", "ProposalQuery", "Proposer", "make_proposer"]
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of a method without weights (a draft model's is built with its model by the
-    engine builder: pagellm/engine/draft.py)."""
+    """The proposer of a method without weights (a draft model's and an MTP layer's are built with
+    their weights by the engine builder: pagellm/engine/draft.py, pagellm/engine/mtp.py)."""
     if config.method == "ngram":
         from pagellm.worker.proposers.ngram import NgramProposer
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     import torch
 
-    from pagellm.core.step_plan import SampleSpec
+    from pagellm.core.step_plan import PlannedSeq, SampleSpec
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class Proposal:
 
 
 class Proposer(ABC):
+    # True: the runner shows it every forward pass's hidden states (observe), before sampling.
+    reads_hidden_states = False
+
     @abstractmethod
     def propose_for(self, queries: Sequence[ProposalQuery]) -> list[Proposal]:
         """For each query, up to `num_tokens` tokens to follow its context; none when it has no guess."""
@@ -41,3 +44,8 @@ class Proposer(ABC):
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget these sequences (finished, aborted or preempted): a proposer holding state per
         sequence (a draft model's KV blocks) gives it back."""
+
+    def observe(self, seqs: Sequence[PlannedSeq], hidden: torch.Tensor) -> None:
+        """A step's forward pass ran over `seqs` (their tokens concatenated in this order, drafts to
+        verify included) and gave `hidden`, the target's final hidden state of each token: a proposer
+        that reads them (reads_hidden_states) takes what it needs before the next step overwrites it."""

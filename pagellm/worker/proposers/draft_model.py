@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 
 from pagellm.core.kv import KVManager, make_kv_manager
-from pagellm.core.step_plan import PlannedSeq
+from pagellm.core.step_plan import PlannedSeq, SampleSpec
 from pagellm.worker.proposers.base import Proposal, ProposalQuery, Proposer
 from pagellm.worker.rejection_sampler import DRAFT_STREAM, stream_uniforms
 from pagellm.worker.sampler import SamplingMetadata, sampling_probs
@@ -129,22 +129,36 @@ class DraftModelProposer(Proposer):
                            self.kv.group_tables(r.seq.request_id), [spec])
                 for r, spec in zip(runs, specs)]
         logits = self.runner.last_logits(plan)
-        meta = SamplingMetadata.build([s.params for s in specs], [s.prompt_token_ids for s in specs],
-                                      [s.output_token_ids for s in specs], self.eos_token_ids, self.vocab_size,
-                                      logits.device, [s.token_bitmask for s in specs])
-        probs = sampling_probs(logits, meta).cpu()
+        tokens, probs = draw_proposals(logits, specs, self.eos_token_ids, self.vocab_size, self.generator)
         for i, r in enumerate(runs):
             r.seq.tokens.extend(r.pending)
-            params = r.query.sampler.params
-            if params.greedy:
-                token = int(probs[i].argmax())
-            else:
-                index = len(specs[i].output_token_ids)
-                u = stream_uniforms(params.seed, DRAFT_STREAM, index, 1, self.generator)
-                cdf = probs[i].cumsum(0)
-                token = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=len(cdf) - 1))
-                while probs[i, token] <= 0 and token > 0:  # rounding past the last token with mass
-                    token -= 1
+            if not specs[i].params.greedy:
                 r.probs.append(probs[i])
-            r.drafts.append(token)
-            r.pending = [token]
+            r.drafts.append(tokens[i])
+            r.pending = [tokens[i]]
+
+
+def draw_proposals(logits: torch.Tensor, specs: list[SampleSpec], eos_token_ids: set[int], vocab_size: int,
+                   generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+    """One proposed token per row of `logits` under its sequence's own rules (`specs[i]`, its output
+    so far ending in the drafts before this one): a greedy request's argmax; a sampled one's draw
+    from the distribution its logits processors, temperature and truncation make, with the
+    request's seed (rejection_sampler.DRAFT_STREAM). Returns the tokens and those distributions,
+    [rows, vocab] float32 on the CPU, which a sampled request's verification needs."""
+    meta = SamplingMetadata.build([s.params for s in specs], [s.prompt_token_ids for s in specs],
+                                  [s.output_token_ids for s in specs], eos_token_ids, vocab_size,
+                                  logits.device, [s.token_bitmask for s in specs])
+    probs = sampling_probs(logits, meta).cpu()
+    tokens = []
+    for i, spec in enumerate(specs):
+        params = spec.params
+        if params.greedy:
+            tokens.append(int(probs[i].argmax()))
+            continue
+        u = stream_uniforms(params.seed, DRAFT_STREAM, len(spec.output_token_ids), 1, generator)
+        cdf = probs[i].cumsum(0)
+        token = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=len(cdf) - 1))
+        while probs[i, token] <= 0 and token > 0:  # rounding past the last token with mass
+            token -= 1
+        tokens.append(token)
+    return tokens, probs

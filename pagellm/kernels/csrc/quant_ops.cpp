@@ -2224,8 +2224,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false);
 #if defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("has_int8_activations") = true;
+  m.attr("repacked_prefill") = true;  // x8_prefill: repacked weights times any number of rows of x
 #else
   m.attr("has_int8_activations") = false;
+  m.attr("repacked_prefill") = false;
 #endif
   // The float32 kernel's vector width: 16 lanes with AVX-512, 8 with AVX2 (0: portable loops), and
   // the integer kernels' instruction set: layers/quant/gguf.py picks each mode's row bounds by them.

@@ -219,7 +219,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost
     if activations != "none" and kernels is not None:
         bound = int8_max_rows(activations, qtype)
-        if x.shape[0] <= bound and cols % 64 == 0:
+        if (x.shape[0] <= bound or qtype in tile_prefill_types(activations)) and cols % 64 == 0:
             return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
         if activations == "int8" and BF16_TILES and x.shape[0] > bound:
             return _as(widened_product(x.to(torch.bfloat16), data, qtype, cols), x.dtype)
@@ -247,6 +247,19 @@ def wide_int8_types(activations: str) -> frozenset[int]:
     if kernels.float_lanes < 16:
         return frozenset(NATIVE_TYPES)
     return K_QUANTS if kernels.int8_kernel == "avx512_vnni" else frozenset()
+
+
+@functools.cache
+def tile_prefill_types(activations: str) -> frozenset[int]:
+    """The repacked ids whose products in mode `activations` take the integer kernel at every number
+    of rows: past the row loops, csrc x8_prefill widens each tile of 8 rows once to 16-bit values for
+    all the rows of x (x rounded per 256 values, one or two codes as the mode says), which beats
+    widening float32 tiles for torch's GEMM (docs/quantization.md, "Prefill products"). Mode int8 on
+    a CPU with bfloat16 tiles keeps those (BF16_TILES)."""
+    kernels = cpu.quant_kernels()
+    if kernels is None or not getattr(kernels, "repacked_prefill", False) or (activations == "int8" and BF16_TILES):
+        return frozenset()
+    return frozenset(_repacked_bases())
 
 
 # The types repacked at load: the ones whose tiles' kernels (csrc/quant_ops.cpp, "Q4_K / Q6_K

@@ -142,6 +142,39 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False) == kernels.repacked_types[int(T.Q6_K)]
 
 
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "repacked_prefill", False), reason="no AVX2 or VNNI")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype):
+    """Past the row loops (32 rows), a repacked weight's products (csrc x8_prefill) widen each tile once
+    for every row of x: x rounded per 256 values with two codes (int8x2) or one, times the exact weights,
+    so the float64 product of the rounded x and the dequantized W up to float32 summation order. Rows
+    33-36 and 38 leave every remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count,
+    and Q6_K's two halves each; 3 groups of 8 rows of W."""
+    kernels, cols = cpu.quant_kernels(), 1280
+    raw = random_blocks(qtype, 24, cols, seed=8)
+    dense = reference(raw, qtype, cols).double()
+    packed_id = kernels.repacked_types[int(qtype)]
+    packed = kernels.gguf_repack(torch.from_numpy(raw), int(qtype), cols)
+    torch.manual_seed(3)
+    for two in (True, False):
+        for m in (33, 34, 35, 36, 38):
+            x = torch.randn(m, cols)
+            x[0, 256:512] = 0  # an all-zero super-block: scale 0
+            x[1] *= 1e3  # rows of other magnitudes: each row its own scales
+            ours = kernels.gguf_matmul_int8(x, packed, packed_id, cols, two).double()
+            expected = rounded_to_int8(x, two, 256).double() @ dense.T
+            assert (ours - expected).abs().max(1).values.le(RTOL * expected.abs().max(1).values).all(), (two, m)
+            assert (ours - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()  # rounded: visible
+    x = torch.randn(40, cols)
+    # the dispatch of the default mode: this kernel, not the float32 tiles
+    assert torch.equal(q.gguf_matmul(x, packed, packed_id, cols, activations="int8x2"),
+                       kernels.gguf_matmul_int8(x, packed, packed_id, cols, True))
+    x[1, 5], x[2, 300] = float("nan"), float("inf")  # a row gone bad stays bad; the others are untouched
+    ours = kernels.gguf_matmul_int8(x, packed, packed_id, cols, True)
+    assert ours[1].isnan().all() and not ours[2].isfinite().any()
+    assert ours[[0, *range(3, 40)]].isfinite().all()
+
+
 def test_a_layer_repacks_its_k_quant_segments_in_the_integer_modes():
     """q in Q4_K and k in Q6_K (repacked), v in Q8_0 (kept in blocks: gguf.REPACKED); products as the layer kept in blocks."""
     if q.repacked_type(int(T.Q4_K), 8, "int8x2", batch_invariant=False) is None:

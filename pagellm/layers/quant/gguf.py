@@ -219,7 +219,8 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost
     if activations != "none" and kernels is not None:
         bound = int8_max_rows(activations, qtype)
-        if (x.shape[0] <= bound or qtype in tile_prefill_types(activations)) and cols % 64 == 0:
+        if (x.shape[0] <= bound or (x.shape[0] > WIDE_INT8_MAX_ROWS and qtype in prefill_types(activations))) \
+                and cols % 64 == 0:
             return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
         if activations == "int8" and BF16_TILES and x.shape[0] > bound:
             return _as(widened_product(x.to(torch.bfloat16), data, qtype, cols), x.dtype)
@@ -250,16 +251,18 @@ def wide_int8_types(activations: str) -> frozenset[int]:
 
 
 @functools.cache
-def tile_prefill_types(activations: str) -> frozenset[int]:
-    """The repacked ids whose products in mode `activations` take the integer kernel at every number
-    of rows: past the row loops, csrc x8_prefill widens each tile of 8 rows once to 16-bit values for
-    all the rows of x (x rounded per 256 values, one or two codes as the mode says), which beats
-    widening float32 tiles for torch's GEMM (docs/quantization.md, "Prefill products"). Mode int8 on
-    a CPU with bfloat16 tiles keeps those (BF16_TILES)."""
+def prefill_types(activations: str) -> frozenset[int]:
+    """The weight ids (repacked Q4_K and Q6_K, Q8_0's blocks) whose products in mode `activations` take
+    the integer kernel past WIDE_INT8_MAX_ROWS rows too (prefills): csrc x8_prefill widens each group of
+    8 rows of W once to 16-bit values for all the rows of x, rounded as the mode's products of fewer
+    rows round them, and beats widening float32 tiles for torch's GEMM (docs/quantization.md,
+    "Prefill products"). Mode int8 on a CPU with bfloat16 tiles keeps those (BF16_TILES)."""
     kernels = cpu.quant_kernels()
-    if kernels is None or not getattr(kernels, "repacked_prefill", False) or (activations == "int8" and BF16_TILES):
+    if kernels is None or (activations == "int8" and BF16_TILES):
         return frozenset()
-    return frozenset(_repacked_bases())
+    if getattr(kernels, "prefill_min_rows", 0) != WIDE_INT8_MAX_ROWS + 1:
+        return frozenset()  # a build whose row loops end elsewhere: its kernels past them are not these
+    return frozenset(getattr(kernels, "prefill_types", ()))
 
 
 # The types repacked at load: the ones whose tiles' kernels (csrc/quant_ops.cpp, "Q4_K / Q6_K

@@ -2069,7 +2069,7 @@ constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtyp
 // Rows of x that take the tiles' kernels (q4_k_x8_row one row after the other, q6_k_x8_rows up to 4
 // rows at once), each group of 8 rows of W read from memory once and from cache by the next rows of
 // x: every batch the integer kernels take (32 rows; ratios against the blocks: docs/quantization.md,
-// "Repacked Q4_K and Q6_K"). More take each group back in GGUF's layout for the kernels above.
+// "Repacked Q4_K and Q6_K"). More (prefills) take x8_prefill, which widens each group once for all of them.
 constexpr int64_t kX8MaxRowLoop = 32;
 
 // Up to kX8MaxRowLoop rows of x times a repacked weight, x rounded as the GGUF layout's kernels

@@ -19,7 +19,10 @@ Q6_K in AVX-512 VNNI builds from 2 rows, whose two codes then join into one 16-b
 llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode
 "int8" (prefills, and decode steps that a prefill joins) round their activations to bfloat16
 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a product is
-compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Otherwise, up to
+compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Larger
+batches against repacked Q4_K / Q6_K and Q8_0 in mode "int8x2" (and "int8" without those tiles) stay
+integer: csrc x8_prefill widens each group of 8 rows of W once to 16-bit values for all the rows of x
+(prefill_types). Otherwise, up to
 FUSED_MAX_ROWS rows of activations (decode steps) run the fused kernel, which streams the blocks
 once and multiplies in float32; larger batches are compute-bound, and widen TILE_VALUES of the
 weight at a time for torch's GEMM (AVX-512 BF16 or AMX in bfloat16, so a bfloat16 model switches

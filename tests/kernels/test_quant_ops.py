@@ -151,7 +151,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     against Q8_0) times the exact weights, so the float64 product of the rounded x and the dequantized
     W up to float32 summation order. Rows 33-36 and 38 leave every remainder of the passes of 4 rows
     (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves each; Q8_0's 21 rows end in a
-    part of a group."""
+    part of a group; 420 rows take two chunks of x."""
     kernels, cols = cpu.quant_kernels(), 1280
     rows = 21 if qtype == T.Q8_0 else 24
     raw = random_blocks(qtype, rows, cols, seed=8)
@@ -163,7 +163,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     block = 32 if qtype == T.Q8_0 else 256
     torch.manual_seed(3)
     for two in (True, False):
-        for m in (33, 34, 35, 36, 38):
+        for m in (33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
             x = torch.randn(m, cols)
             x[0, 256:512] = 0  # an all-zero super-block: scale 0
             x[1] *= 1e3  # rows of other magnitudes: each row its own scales

@@ -10,6 +10,11 @@ multiplies them repacked, as a model load gives them; --repack all repacks every
 can (Q6_K too), --repack none keeps GGUF's blocks on both sides; --base-repack gives the A side
 its own (a layout against another in one build: --base HEAD --base-repack none --repack all).
 PAGELLM_CPU_MARCH=x86-64-v3 builds both sides for AVX2 (the AVX2 kernels on an AVX-512 machine).
+--base-product widened times the A side as a prompt's products ran before they took the integer
+kernels: float32 tiles of W widened by the A side's kernels for torch's GEMM (gguf.widened_product),
+e.g. prefill-sized batches against main:
+
+    python benchmarks/kernel_ab.py --base main --base-product widened --rows 16,64,256 --threads 1
 """
 from __future__ import annotations
 
@@ -30,9 +35,10 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from pagellm.kernels import cpu  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
+from pagellm.layers.quant.tiled import tiled_product  # noqa: E402
 from tests.kernels.gguf_blocks import random_blocks  # noqa: E402
 
-SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate": (8192, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
           "lm_head": (128256, 2048)}
 
 
@@ -59,6 +65,12 @@ def weight_form(module, w: torch.Tensor, qtype: int, k: int, repack: str) -> tup
     return module.gguf_repack(w, qtype, k), packed
 
 
+def widened(module, x: torch.Tensor, w: torch.Tensor, kind: int, k: int) -> torch.Tensor:
+    """x @ W^T as gguf.widened_product multiplies: float32 tiles of W, widened by `module`, through torch's GEMM."""
+    return tiled_product(x, w.shape[0], k, lambda start, end: module.gguf_dequantize_rows(
+        w, kind, k, torch.arange(start, end), torch.float32))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="main", help="git revision of the A side; B is the working tree")
@@ -72,6 +84,8 @@ def main() -> None:
                     help="weights in tiles of 8 rows where a side's build repacks them: as a model load does, "
                          "every type the kernels can (Q6_K too), or none")
     ap.add_argument("--base-repack", choices=["load", "all", "none"], help="the A side's --repack (default: the same)")
+    ap.add_argument("--base-product", default="kernel", choices=["kernel", "widened"],
+                    help="the A side's product: its integer kernel, or float32 tiles widened for torch's GEMM")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     two = args.activations == "int8x2"
@@ -94,13 +108,17 @@ def main() -> None:
                     for side in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
                         turn = (turn + 1) % len(copies[side])
                         start = time.perf_counter()
-                        sides[side].gguf_matmul_int8(x, copies[side][turn], weights[side][1], k, two)
+                        if side == "base" and args.base_product == "widened":
+                            widened(sides[side], x, copies[side][turn], weights[side][1], k)
+                        else:
+                            sides[side].gguf_matmul_int8(x, copies[side][turn], weights[side][1], k, two)
                         times[side].append(time.perf_counter() - start)
                 gb = w.numel() / 1e9
                 row = " | ".join(f"{side} {gb / statistics.median(t):5.1f} / {gb / min(t):5.1f}"
                                  for side, t in times.items())
-                print(f"{name:5} {shape:8} rows {m} threads {args.threads}: GB/s median / fastest: {row}",
-                      flush=True)
+                speedup = statistics.median(times["base"]) / statistics.median(times["new"])
+                print(f"{name:5} {shape:8} rows {m} threads {args.threads}: GB/s median / fastest: {row} | "
+                      f"new {speedup:.2f}x base", flush=True)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,46 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False) == kernels.repacked_types[int(T.Q6_K)]
 
 
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "prefill_types", ()), reason="no AVX2 or VNNI")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype):
+    """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (csrc
+    x8_prefill) widen each group of 8 rows of W once for every row of x: x rounded as the mode's
+    products of fewer rows round it (one or two codes; per 256 values against the K-quants, per 32
+    against Q8_0) times the exact weights, so the float64 product of the rounded x and the dequantized
+    W up to float32 summation order. Rows 33-36 and 38 leave every remainder of the passes of 4 rows
+    (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves each; Q8_0's 21 rows end in a
+    part of a group; 420 rows take two chunks of x."""
+    kernels, cols = cpu.quant_kernels(), 1280
+    rows = 21 if qtype == T.Q8_0 else 24
+    raw = random_blocks(qtype, rows, cols, seed=8)
+    dense = reference(raw, qtype, cols).double()
+    w, kind = torch.from_numpy(raw), int(qtype)
+    if qtype != T.Q8_0:
+        kind = kernels.repacked_types[int(qtype)]
+        w = kernels.gguf_repack(w, int(qtype), cols)
+    block = 32 if qtype == T.Q8_0 else 256
+    torch.manual_seed(3)
+    for two in (True, False):
+        for m in (33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
+            x = torch.randn(m, cols)
+            x[0, 256:512] = 0  # an all-zero super-block: scale 0
+            x[1] *= 1e3  # rows of other magnitudes: each row its own scales
+            ours = kernels.gguf_matmul_int8(x, w, kind, cols, two).double()
+            expected = rounded_to_int8(x, two, block).double() @ dense.T
+            assert (ours - expected).abs().max(1).values.le(RTOL * expected.abs().max(1).values).all(), (two, m)
+            assert (ours - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()  # rounded: visible
+    x = torch.randn(40, cols)
+    # the dispatch of the default mode: this kernel, not the float32 tiles
+    assert kind in q.prefill_types("int8x2")
+    assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
+                       kernels.gguf_matmul_int8(x, w, kind, cols, True))
+    x[1, 5], x[2, 300] = float("nan"), float("inf")  # a row gone bad stays bad; the others are untouched
+    ours = kernels.gguf_matmul_int8(x, w, kind, cols, True)
+    assert ours[1].isnan().all() and not ours[2].isfinite().any()
+    assert ours[[0, *range(3, 40)]].isfinite().all()
+
+
 def test_a_layer_repacks_its_k_quant_segments_in_the_integer_modes():
     """q in Q4_K and k in Q6_K (repacked), v in Q8_0 (kept in blocks: gguf.REPACKED); products as the layer kept in blocks."""
     if q.repacked_type(int(T.Q4_K), 8, "int8x2", batch_invariant=False) is None:

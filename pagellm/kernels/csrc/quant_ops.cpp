@@ -1680,6 +1680,248 @@ void q6_k_x8_dispatch(bool two_terms, bool per32, const ActView* a, const int32_
   else if (per32) q6_k_x8_rows<M, true, true>(a, o, K, tiles, y);
   else q6_k_x8_rows<M, true, false>(a, o, K, tiles, y);
 }
+// ---- many rows of x times tiles of 8 rows of W (prefills) ------------------------------------
+// A prompt's products multiply each weight by tens to thousands of rows of x: compute-bound, so
+// the weight is unpacked once per group of 8 rows for all of them and the rows' arithmetic is what
+// counts. A group is widened once into 16-bit values, the integer sub-block scales folded in
+// (Q4_K: u * sc <= 15 * 63; Q6_K: (u - 32) * sc in [-4096, 4096]; Q8_0: its codes), as
+// [slice of 8 values][8 rows][8] (x8_widen_group): a vector of it holds 4 rows (AVX-512) or 2 (AVX2)
+// x 8 values. x comes rounded as the integer kernels of fewer rows round it for the type (Q4_K,
+// Q6_K: quantize_super, one scale per 256 values; Q8_0: quantize_activations, per 32), one code c or
+// two joined into one 16-bit value 128 c + r, and one VPDPWSSD (AVX2: VPMADDWD + VPADDD) per 8 values
+// x 4 (2) rows of W x one row of x sums 2 products per 32-bit lane. A row's lanes are exact integer
+// sums until a float scale changes: one convert and FMA, times d * dx, per super-block (Q4_K), per
+// 128 values (Q6_K: the most its lanes hold below 2^31, 32 * 4096 * 16320), per block (Q8_0, whose
+// float16 scale is per 32). Q4_K's mins, -dmin * m_j against x's per-32 sums, are float products
+// summed beside. Against the float32 path, which widened tiles for torch's GEMM: the same rounding
+// of x as a decode step's products, and no float32 weight tile.
+constexpr int kW16Lanes = static_cast<int>(sizeof(XF) / sizeof(float));  // 32-bit lanes per vector
+constexpr int kW16Vecs = kX8Rows * kX8Rows * 2 / static_cast<int>(sizeof(XI));  // vectors per slice
+constexpr int kSlices = QK_K / 8;
+// Rows of x per pass: AVX-512, 4 (4 x 2 int32 + 4 x 2 float accumulators); AVX2, whose slice takes 4
+// vectors, 2 against the K-quants and 1 against Q8_0, whose float scale per block spills the
+// accumulators of 2 (2048 x 2048, 64 and 256 rows, CPU time A/B on a loaded machine: 2 against 1,
+// Q4_K 1.1-1.2x faster, Q8_0 0.9x).
+#if defined(PAGELLM_INT8_VNNI)
+inline XF xf_load(const float* p) { return _mm512_loadu_ps(p); }
+constexpr int prefill_rows(int64_t) { return 4; }
+#else
+inline XF xf_load(const float* p) { return _mm256_loadu_ps(p); }
+constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 ? 1 : 2; }
+#endif
+// Slices of 8 values summed in integers between float scales, and slices per scale of x.
+constexpr int flush_slices(int64_t qtype) { return qtype == Q4_K ? 32 : qtype == Q6_K ? 16 : 4; }
+constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 ? 4 : 32; }
+
+// Group g (rows 8 g.. of W: of a repacked weight, its tiles; of Q8_0 blocks, the rows that exist, the
+// rest zero) as 16-bit values at buf [K / 8 slices][8 rows][8], the float scale of each span of
+// flush_slices at dvec [spans][8 rows][4 lanes], and Q4_K's dmin * m_j at mins [K / 32][8 rows].
+void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64_t g, int16_t* buf, float* dvec,
+                    float* mins) {
+  const __m128i low = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
+  const __m256i off = _mm256_set1_epi16(32);
+  const auto put = [&](int16_t* out, int slice, int k, __m128i codes, __m256i scale, bool centred) {
+    __m256i v = _mm256_cvtepu8_epi16(codes);
+    if (centred) v = _mm256_sub_epi16(v, off);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + slice * 64 + 16 * k), _mm256_mullo_epi16(v, scale));
+  };
+  // rows 2k, 2k + 1's scale of a sub-block (Q6_K: group), each over its row's 8 values
+  const auto pair_scale = [](int a, int b) {
+    return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(b)), _mm_set1_epi16(static_cast<int16_t>(a)));
+  };
+  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  const auto lanes = [&](int64_t span, int r, float d) {
+    for (int l = 0; l < 4; ++l) dvec[span * 32 + 4 * r + l] = d;
+  };
+  const int64_t supers = K / QK_K;
+  if (qtype == Q8_0) {
+    const int64_t blocks = K / 32, row_bytes = blocks * 34;
+    for (int r = 0; r < kX8Rows; ++r) {
+      const int64_t n = kX8Rows * g + r;
+      for (int64_t bl = 0; bl < blocks; ++bl) {
+        const uint8_t* b = w + n * row_bytes + bl * 34;
+        lanes(bl, r, n < N ? half_at(b) : 0.f);
+        for (int h = 0; h < 2; ++h) {  // values 16 h.. of the block: slices 4 bl + 2 h, + 1
+          const __m256i v = n < N ? _mm256_cvtepi8_epi16(load(b + 2 + 16 * h)) : _mm256_setzero_si256();
+          int16_t* out = buf + (4 * bl + 2 * h) * 64 + 8 * r;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(v));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm256_extracti128_si256(v, 1));
+        }
+      }
+    }
+    return;
+  }
+  const uint8_t* tiles = w + g * supers * (qtype == Q4_K ? kQ4Tile : kQ6Tile);
+  for (int64_t b = 0; b < supers; ++b) {
+    int16_t* out = buf + b * kSlices * 64;
+    if (qtype == Q4_K) {
+      const uint8_t* t = tiles + b * kQ4Tile;
+      for (int r = 0; r < kX8Rows; ++r) {
+        const float dmin = half_at(t + kQ4Dmin + 2 * r);
+        lanes(b, r, half_at(t + kQ4D + 2 * r));
+        for (int j = 0; j < 8; ++j) mins[(b * 8 + j) * 8 + r] = dmin * t[kQ4M + 8 * j + r];
+      }
+      for (int p = 0; p < 16; ++p) {  // unit p: bytes 8 (p % 4).. of sub-blocks 2 (p / 4) (low), + 1 (high)
+        const int j = p / 4, q = p % 4;
+        for (int k = 0; k < 4; ++k) {
+          const __m128i v = load(t + 64 * p + 16 * k);
+          put(out, 8 * j + q, k, _mm_and_si128(v, low),
+              pair_scale(t[kQ4Sc + 16 * j + 2 * k], t[kQ4Sc + 16 * j + 2 * k + 1]), false);
+          put(out, 8 * j + 4 + q, k, _mm_and_si128(_mm_srli_epi16(v, 4), low),
+              pair_scale(t[kQ4Sc + 16 * j + 8 + 2 * k], t[kQ4Sc + 16 * j + 8 + 2 * k + 1]), false);
+        }
+      }
+      continue;
+    }
+    const uint8_t* t = tiles + b * kQ6Tile;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(t + kQ6Sc);
+    for (int r = 0; r < kX8Rows; ++r) {
+      const float d = half_at(t + kQ6D + 2 * r);
+      lanes(2 * b, r, d), lanes(2 * b + 1, r, d);
+    }
+    for (int n = 0; n < 2; ++n) {
+      for (int u = 0; u < 4; ++u) {  // values 128 n + 32 i + 8 u.. (i = 0..3), as q6_k_x8_rows
+        for (int k = 0; k < 4; ++k) {
+          const __m128i A = load(t + 64 * (8 * n + u) + 16 * k), B = load(t + 64 * (8 * n + 4 + u) + 16 * k);
+          const __m128i H = load(t + kQ6Qh + 64 * (4 * n + u) + 16 * k);
+          const __m128i codes[4] = {
+              _mm_or_si128(_mm_and_si128(A, low), _mm_and_si128(_mm_slli_epi16(H, 4), top)),
+              _mm_or_si128(_mm_and_si128(B, low), _mm_and_si128(_mm_slli_epi16(H, 2), top)),
+              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(A, 4), low), _mm_and_si128(H, top)),
+              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(B, 4), low), _mm_and_si128(_mm_srli_epi16(H, 2), top))};
+          for (int i = 0; i < 4; ++i) {
+            const int grp = 8 * n + 2 * i + u / 2;
+            put(out, 16 * n + 4 * i + u, k, codes[i], pair_scale(sc[8 * grp + 2 * k], sc[8 * grp + 2 * k + 1]), true);
+          }
+        }
+      }
+    }
+  }
+}
+
+// MB rows of x (x16: their 16-bit values, K apart; xs: their scales, one per kXScale slices, K / 8 /
+// kXScale apart) times one widened group (x8_widen_group): part[m][0..8), Q4_K's mins apart.
+template <int MB, int kFlush, int kXScale>
+void x8_wide_rows(const int16_t* x16, const float* xs, int64_t K, const int16_t* buf, const float* dvec,
+                  float (*part)[kX8Rows]) {
+  const int64_t spans = K / 8 / kFlush, xs_stride = K / 8 / kXScale;
+  XF facc[MB][kW16Vecs];
+  for (int mi = 0; mi < MB; ++mi)
+    for (int v = 0; v < kW16Vecs; ++v) facc[mi][v] = xf_zero();
+  for (int64_t sp = 0; sp < spans; ++sp) {
+    XI iacc[MB][kW16Vecs];
+    for (int mi = 0; mi < MB; ++mi)
+      for (int v = 0; v < kW16Vecs; ++v) iacc[mi][v] = xi_zero();
+#pragma GCC unroll 4
+    for (int s = 0; s < kFlush; ++s) {
+      const int64_t slice = sp * kFlush + s;
+      XI w[kW16Vecs];
+      for (int v = 0; v < kW16Vecs; ++v)
+        w[v] = xi_load(reinterpret_cast<const uint8_t*>(buf + slice * 64 + v * 2 * kW16Lanes));
+      for (int mi = 0; mi < MB; ++mi) {
+        const XI xb = xi_bcast128(reinterpret_cast<const uint8_t*>(x16 + mi * K + 8 * slice));
+        for (int v = 0; v < kW16Vecs; ++v) iacc[mi][v] = xi_madd16(iacc[mi][v], w[v], xb);
+      }
+    }
+    for (int mi = 0; mi < MB; ++mi) {
+      const XF dx = xf_set1(xs[mi * xs_stride + sp * kFlush / kXScale]);
+      for (int v = 0; v < kW16Vecs; ++v)
+        facc[mi][v] = xf_fmadd(xf_cvt(iacc[mi][v]), xf_mul(xf_load(dvec + sp * 32 + v * kW16Lanes), dx), facc[mi][v]);
+    }
+  }
+  for (int mi = 0; mi < MB; ++mi) {
+    alignas(64) float lanes[kW16Lanes];
+    for (int v = 0; v < kW16Vecs; ++v) {
+      xf_store(lanes, facc[mi][v]);
+      for (int r = 0; r < kW16Lanes / 4; ++r)
+        part[mi][v * kW16Lanes / 4 + r] = lanes[4 * r] + lanes[4 * r + 1] + lanes[4 * r + 2] + lanes[4 * r + 3];
+    }
+  }
+}
+
+// Rows [m, m + MB) of x times widened group g, into y.
+template <int MB, int64_t T>
+void x8_prefill_rows(const int16_t* x16, const float* xs, int64_t m, int64_t K, const int16_t* buf, const float* dvec,
+                     float* y, int64_t N, int64_t g) {
+  constexpr int kXScale = x_scale_slices(T);
+  float part[MB][kX8Rows];
+  x8_wide_rows<MB, flush_slices(T), kXScale>(x16 + m * K, xs + m * (K / 8 / kXScale), K, buf, dvec, part);
+  const int64_t rows = std::min<int64_t>(kX8Rows, N - kX8Rows * g);
+  for (int mi = 0; mi < MB; ++mi) std::memcpy(y + (m + mi) * N + kX8Rows * g, part[mi], rows * sizeof(float));
+}
+
+template <int64_t T>
+void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K, const int16_t* buf, const float* dvec,
+                      float* y, int64_t N, int64_t g) {
+  constexpr int kRows = prefill_rows(T);
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) x8_prefill_rows<kRows, T>(x16, xs, m, K, buf, dvec, y, N, g);
+  for (; m < M; ++m) x8_prefill_rows<1, T>(x16, xs, m, K, buf, dvec, y, N, g);
+}
+
+// x [M, K] float32 times W [N, ...]: a repacked weight (Q4_K_X8 / Q6_K_X8, qtype its GGUF type) or
+// Q8_0 blocks; y [M, N], x rounded with one or two codes (see above). Each thread widens a group of
+// 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
+void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
+                      bool two_terms, float* y) {
+  const bool per32 = qtype == Q8_0;
+#if defined(PAGELLM_INT8_VNNI)
+  const ActRows a = per32 ? quantize_activations(x, M, K, two_terms) : quantize_super(x, M, K, two_terms, false, two_terms);
+#else
+  const ActRows a = per32 ? quantize_activations(x, M, K, two_terms) : quantize_super(x, M, K, two_terms);
+#endif
+  std::vector<int16_t> joined;
+  const int16_t* x16 = a.wide.data();
+  if (a.wide.empty()) {  // one code c, or the two joined here: 128 c + r, as the wide quantizer stores them
+    joined.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i)
+      joined[i] = static_cast<int16_t>(two_terms ? 128 * a.codes[i] + a.residual[i] : a.codes[i]);
+    x16 = joined.data();
+  }
+  // x's scales of the 16-bit values: per 32 (quantize_activations' lane scales take two codes' 1/128
+  // in already) or per 256 (quantize_super's do not)
+  std::vector<float> xs;
+  if (per32) {
+    for (int64_t i = 0; i < M * K; i += 32) xs.push_back(a.lane_scale[i / 4]);
+  } else {
+    xs = a.super_scale;
+    if (two_terms)
+      for (float& s : xs) s /= 128.f;
+  }
+  at::parallel_for(0, (N + kX8Rows - 1) / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<int16_t> buf(K * kX8Rows);
+    std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(qtype == Q4_K ? K / 4 : 0);
+    for (int64_t g = g0; g < g1; ++g) {
+      x8_widen_group(qtype, w, K, N, g, buf.data(), dvec.data(), mins.data());
+      switch (qtype) {
+        case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
+        case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
+        default: x8_prefill_group<Q8_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
+      }
+      if (qtype != Q4_K) continue;
+      for (int64_t r = 0; r < M; ++r) {  // the mins' term: x's per-32 sums against dmin * m_j
+        __m256 acc = _mm256_setzero_ps();
+        const float* bs = a.block_sum.data() + r * K / 32;
+        for (int64_t j = 0; j < K / 32; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(bs[j]), _mm256_loadu_ps(mins.data() + 8 * j), acc);
+        float* yr = y + r * N + kX8Rows * g;
+        _mm256_storeu_ps(yr, _mm256_sub_ps(_mm256_loadu_ps(yr), acc));
+      }
+    }
+  });
+}
+// x8_prefill_chunk over chunks of x's rows whose 16-bit values (2 K bytes a row) take about 1 MiB, so
+// that every group of W reads them from L2, not from memory (a step's 2048 rows of 2048 values are
+// 8 MiB, read again for each group of 8 rows). Each chunk widens W's groups again, so only where a
+// chunk keeps at least 256 rows (K <= 2048); longer rows take x whole. A/B, one thread, 1024 rows
+// against one chunk: 2048 x 2048 1.3x faster in chunks of 256; 2048 x 8192 0.9x in chunks of 64,
+// 0.95x in chunks of 256 (4 MiB, past L2). Rows are rounded each on its own: chunks change no value.
+void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
+                float* y) {
+  const int64_t fit = (int64_t{1} << 20) / (2 * K) / 4 * 4;
+  const int64_t chunk = fit >= 256 ? fit : M;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk)
+    x8_prefill_chunk(x + m0 * K, std::min(chunk, M - m0), w, qtype, K, N, two_terms, y + m0 * N);
+}
 #endif  // PAGELLM_INT8_ACTIVATIONS
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
@@ -1845,7 +2087,7 @@ constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtyp
 // Rows of x that take the tiles' kernels (q4_k_x8_row one row after the other, q6_k_x8_rows up to 4
 // rows at once), each group of 8 rows of W read from memory once and from cache by the next rows of
 // x: every batch the integer kernels take (32 rows; ratios against the blocks: docs/quantization.md,
-// "Repacked Q4_K and Q6_K"). More take each group back in GGUF's layout for the kernels above.
+// "Repacked Q4_K and Q6_K"). More (prefills) take x8_prefill, which widens each group once for all of them.
 constexpr int64_t kX8MaxRowLoop = 32;
 
 // Up to kX8MaxRowLoop rows of x times a repacked weight, x rounded as the GGUF layout's kernels
@@ -1927,6 +2169,10 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
     x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
+  if (x8 || (qtype == Q8_0 && M > kX8MaxRowLoop)) {  // prefills: each group of 8 rows of W widened once
+    x8_prefill(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+    return y;
+  }
 #if defined(PAGELLM_INT8_VNNI)
   const bool wide = two_terms && wide_min_rows(qtype) > 0 && M >= wide_min_rows(qtype);
 #else
@@ -1952,18 +2198,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
       default: TORCH_CHECK(false, "gguf_matmul_int8: GGUF type ", qtype, " has no integer kernel");
     }
   };
-  if (!x8) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(wp, yp, n0, n1); });
-    return y;
-  }
-  // Several rows of x: each group of 8 rows back in GGUF's layout (L1), then the kernels above.
-  at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> group(kX8Rows * row_bytes);
-    for (int64_t g = g0; g < g1; ++g) {
-      x8_unpack_group(packed_type, wp, K, g, group.data(), row_bytes);
-      rows(group.data(), yp + kX8Rows * g, 0, kX8Rows);
-    }
-  });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(wp, yp, n0, n1); });
   return y;
 #else
   TORCH_CHECK(false, "gguf_matmul_int8 needs AVX2 or AVX-512 VNNI, which this build lacks");
@@ -2043,8 +2278,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false);
 #if defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("has_int8_activations") = true;
+  // x8_prefill: past kX8MaxRowLoop rows of x, the weights of these types (ids as the products take them)
+  m.attr("prefill_types") = py::make_tuple(static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8),
+                                           static_cast<int64_t>(Q8_0));
+  m.attr("prefill_min_rows") = kX8MaxRowLoop + 1;
 #else
   m.attr("has_int8_activations") = false;
+  m.attr("prefill_types") = py::tuple();
+  m.attr("prefill_min_rows") = 0;
 #endif
   // The float32 kernel's vector width: 16 lanes with AVX-512, 8 with AVX2 (0: portable loops), and
   // the integer kernels' instruction set: layers/quant/gguf.py picks each mode's row bounds by them.

@@ -19,7 +19,10 @@ Q6_K in AVX-512 VNNI builds from 2 rows, whose two codes then join into one 16-b
 llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode
 "int8" (prefills, and decode steps that a prefill joins) round their activations to bfloat16
 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a product is
-compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Otherwise, up to
+compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Larger
+batches against repacked Q4_K / Q6_K and Q8_0 in mode "int8x2" (and "int8" without those tiles) stay
+integer: csrc x8_prefill widens each group of 8 rows of W once to 16-bit values for all the rows of x
+(prefill_types). Otherwise, up to
 FUSED_MAX_ROWS rows of activations (decode steps) run the fused kernel, which streams the blocks
 once and multiplies in float32; larger batches are compute-bound, and widen TILE_VALUES of the
 weight at a time for torch's GEMM (AVX-512 BF16 or AMX in bfloat16, so a bfloat16 model switches
@@ -219,7 +222,8 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost
     if activations != "none" and kernels is not None:
         bound = int8_max_rows(activations, qtype)
-        if x.shape[0] <= bound and cols % 64 == 0:
+        if (x.shape[0] <= bound or (x.shape[0] > WIDE_INT8_MAX_ROWS and qtype in prefill_types(activations))) \
+                and cols % 64 == 0:
             return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
         if activations == "int8" and BF16_TILES and x.shape[0] > bound:
             return _as(widened_product(x.to(torch.bfloat16), data, qtype, cols), x.dtype)
@@ -247,6 +251,21 @@ def wide_int8_types(activations: str) -> frozenset[int]:
     if kernels.float_lanes < 16:
         return frozenset(NATIVE_TYPES)
     return K_QUANTS if kernels.int8_kernel == "avx512_vnni" else frozenset()
+
+
+@functools.cache
+def prefill_types(activations: str) -> frozenset[int]:
+    """The weight ids (repacked Q4_K and Q6_K, Q8_0's blocks) whose products in mode `activations` take
+    the integer kernel past WIDE_INT8_MAX_ROWS rows too (prefills): csrc x8_prefill widens each group of
+    8 rows of W once to 16-bit values for all the rows of x, rounded as the mode's products of fewer
+    rows round them, and beats widening float32 tiles for torch's GEMM (docs/quantization.md,
+    "Prefill products"). Mode int8 on a CPU with bfloat16 tiles keeps those (BF16_TILES)."""
+    kernels = cpu.quant_kernels()
+    if kernels is None or (activations == "int8" and BF16_TILES):
+        return frozenset()
+    if getattr(kernels, "prefill_min_rows", 0) != WIDE_INT8_MAX_ROWS + 1:
+        return frozenset()  # a build whose row loops end elsewhere: its kernels past them are not these
+    return frozenset(getattr(kernels, "prefill_types", ()))
 
 
 # The types repacked at load: the ones whose tiles' kernels (csrc/quant_ops.cpp, "Q4_K / Q6_K

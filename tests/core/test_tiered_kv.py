@@ -124,7 +124,7 @@ def _run_and_swap(kv, blocks, tier, tokens: list[int]) -> tuple[Request, dict, b
     held = {b: bytes([i]) * 16 for i, b in enumerate(full)}
     for b, content in held.items():
         blocks.held[b] = content
-    blocks.held[state[0]] = b"state after %03d" % len(tokens)
+    blocks.held[state[0]] = b"state after %04d" % len(tokens)  # 16 bytes: a block of this tier
     req.num_computed_tokens = len(tokens)
     kv.cache_full_blocks(req)
     _copy(blocks, kv)
@@ -171,7 +171,7 @@ def test_an_evicted_state_checkpoint_comes_back_from_the_tier(tmp_path):
     req = Request("a", prompt, SamplingParams())
     assert kv.allocate_slots(req, 4)  # the prefill stops at the boundary, as chunk_tokens says
     full, state = kv.group_tables("a")
-    blocks.held[state[0]] = b"state after 004"
+    blocks.held[state[0]] = b"state after 0004"
     req.num_computed_tokens = 4
     kv.cache_full_blocks(req)  # takes the checkpoint: a copy of the state block
     _copy(blocks, kv)
@@ -186,6 +186,6 @@ def test_an_evicted_state_checkpoint_comes_back_from_the_tier(tmp_path):
     assert kv.allocate_slots(again, 1, computed)
     blocks.apply(kv.take_tier_ops(), tier)
     _copy(blocks, kv)
-    assert blocks.held[kv.group_tables("b")[1][0]] == b"state after 004"
+    assert blocks.held[kv.group_tables("b")[1][0]] == b"state after 0004"
     kv.check_integrity()
     tier.close()

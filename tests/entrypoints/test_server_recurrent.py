@@ -19,14 +19,18 @@ def model_dir(tmp_path_factory):
 
 
 def metrics_while_a_stream_holds_blocks(server: RemoteServer) -> tuple[str, dict]:
-    """/metrics and /dashboard/state read while a streamed completion is under way (after its first
-    token, before it ends); leaving the stream hangs up, which aborts the request."""
+    """/metrics and /dashboard/state read while a streamed completion is under way (after its second
+    token, before it ends); leaving the stream hangs up, which aborts the request. The engine thread
+    publishes its stats after each step, so a token can reach the client before the stats of the step
+    that made it; the step after that one begins only once they are published."""
     body = {"model": NAME, "prompt": list(range(50, 90)), "max_tokens": 150, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
+        tokens = 0
         for line in r.iter_lines():
-            if line.startswith("data: {"):
+            tokens += line.startswith("data: {")
+            if tokens == 2:
                 break
         metrics = httpx.get(server.url + "/metrics").text
         return metrics, server.state()

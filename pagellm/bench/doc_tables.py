@@ -81,12 +81,12 @@ def tables() -> list[DocTable]:
         DocTable(cpu_tables.NAME, cpu_tables.PAGE, lambda results: cpu_tables.render(cpu_tables.load_runs(results))),
         json_runs_table("streams-table", "quantization.md", "serve-16-streams-*-vs-llama-server-2026-12-04*.json",
                         quant_tables.streams_table, quant_tables.STREAMS_RUNS),
-        json_runs_table("streams-default-table", "quantization.md", "serve-16-streams-*-zen4-default.json",
+        json_runs_table("streams-default-table", "quantization.md", "serve-16-streams-*default-vs-llama-server-*.json",
                         quant_tables.streams_table),
         json_table("batch-invariant-table", "python.md", "batch-invariant-2026-12-01.json",
                    throughput.invariant_doc_table),
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),
-        json_table("spec-decode-table", "speculative-decoding.md", "spec-decode-smollm2-2026-12-05-zen4-s4.json",
+        json_table("spec-decode-table", "speculative-decoding.md", "spec-decode-smollm2-2026-12-05-intel-amx.json",
                    spec_decode.doc_table),
     ]
 

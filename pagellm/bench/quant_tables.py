@@ -81,27 +81,29 @@ def _option(args: list[str], flag: str) -> str | None:
 def streams_table(runs: list[dict]) -> str:
     """Per model file and activation mode, every run's output tok/s of pagellm and llama-server
     (`--parallel 16`), their ratio, and the range of median time per output token."""
-    groups: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
+    groups: dict[tuple[str, str, str], list[tuple[dict, dict]]] = {}
     for doc in runs:
         targets = doc["targets"]
         ours, theirs = targets["paged"], targets["llama-server"]
         # --model: the file every launched server serves; llama-server's command line names it.
         model = Path(_option(theirs.get("engine_args", []), "-m") or "?").stem
         mode = _option(ours.get("engine_args", []), "--activation-quantization") or "default"
-        groups.setdefault((model, mode), []).append((ours["rates"][0], theirs["rates"][0]))
+        machine = doc.get("machine", {})
+        cpu = f"{machine.get('cpu', '?')}, {machine.get('isa', '?')}"
+        groups.setdefault((model, mode, cpu), []).append((ours["rates"][0], theirs["rates"][0]))
     rows = []
-    for (model, mode), pairs in groups.items():
+    for (model, mode, cpu), pairs in groups.items():
         def span(rates: list[dict]) -> str:
             lo, hi = (f"{1e3 * min(r['tpot_s']['p50'] for r in rates):.0f}",
                       f"{1e3 * max(r['tpot_s']['p50'] for r in rates):.0f}")
             return lo if lo == hi else f"{lo}-{hi}"
 
-        rows.append([f"{model}, `{mode}`", ", ".join(ms(a["throughput_tok_s"]) for a, _ in pairs),
+        rows.append([f"{model}, `{mode}`", cpu, ", ".join(ms(a["throughput_tok_s"]) for a, _ in pairs),
                      ", ".join(ms(b["throughput_tok_s"]) for _, b in pairs),
                      ", ".join(f"{a['throughput_tok_s'] / b['throughput_tok_s']:.2f}x" for a, b in pairs),
                      f"{span([a for a, _ in pairs])} / {span([b for _, b in pairs])} ms"])
-    return doc_sections.markdown_table(["file, mode", "pagellm output tok/s", "llama-server `--parallel 16`", "ratio",
-                                      "TPOT p50, pagellm / llama-server"], rows, "lrrrr")
+    return doc_sections.markdown_table(["file, mode", "CPU", "pagellm output tok/s", "llama-server `--parallel 16`",
+                                      "ratio", "TPOT p50, pagellm / llama-server"], rows, "llrrrr")
 
 
 # The native runs of 2026-12-04 (three of each), not the AVX2 build's nor those before a change.

@@ -55,24 +55,30 @@ class _Run:
     probs: list[torch.Tensor] = field(default_factory=list)
 
 
-class DraftModelProposer(Proposer):
+class ModelProposer(Proposer):
+    """A proposer that runs a model of its own (a draft model, an MTP layer) over its own paged cache."""
+
     def __init__(self, runner: ModelRunner, eos_token_ids: set[int], seed: int = 0) -> None:
-        """`runner`: the draft model's, weights loaded (its cache comes with allocate_cache, once the
-        engine has split its KV budget). `seed` seeds the draws of unseeded sampled requests."""
+        """`runner`: the proposing model's, weights loaded (its cache comes with allocate_cache, once
+        the engine has split its KV budget). `seed` seeds the draws of unseeded sampled requests."""
         self.runner = runner
         self.kv: KVManager | None = None
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = runner.arch.vocab_size
         self.generator = torch.Generator().manual_seed(seed)
-        self.seqs: dict[str, DraftSequence] = {}
+        self.seqs: dict = {}
 
     def allocate_cache(self, num_blocks: int, block_size: int, max_chunk_tokens: int, asked_by: str) -> None:
-        """The draft's pool of `num_blocks` blocks and the KV coordinator of its blocks (no prefix
-        cache: a draft's blocks are never shared)."""
+        """The proposer's pool of `num_blocks` blocks and the KV coordinator of its blocks (no prefix
+        cache: its blocks are never shared)."""
         self.runner.allocate_kv_cache(num_blocks, block_size, asked_by)
         self.kv = make_kv_manager("paged", num_blocks, block_size, self.runner.max_model_len,
                                   enable_prefix_caching=False, windows=self.runner.kv_groups.windows,
                                   max_chunk_tokens=max_chunk_tokens)
+
+
+class DraftModelProposer(ModelProposer):
+    seqs: dict[str, DraftSequence]
 
     def propose_for(self, queries: Sequence[ProposalQuery]) -> list[Proposal]:
         runs = {q.request_id: run for q in queries if (run := self._start(q)) is not None}

@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from pagellm.core.kv import KVManager, make_kv_manager
 from pagellm.core.step_plan import PlannedSeq
-from pagellm.worker.proposers.base import Proposal, ProposalQuery, Proposer
-from pagellm.worker.proposers.draft_model import DraftSequence, draw_proposals
+from pagellm.worker.proposers.base import Proposal, ProposalQuery
+from pagellm.worker.proposers.draft_model import DraftSequence, ModelProposer, draw_proposals
 
 if TYPE_CHECKING:
     from pagellm.worker.model_runner import ModelRunner
@@ -63,25 +62,11 @@ class _Read:
     hidden: torch.Tensor
 
 
-class MTPProposer(Proposer):
+class MTPProposer(ModelProposer):
+    """Runs the MTP layer (model_class DeepseekV3MTP) over its own paged cache."""
+
     reads_hidden_states = True
-
-    def __init__(self, runner: ModelRunner, eos_token_ids: set[int], seed: int = 0) -> None:
-        """`runner`: the MTP layer's (model_class DeepseekV3MTP), weights loaded; its cache comes with
-        allocate_cache. `seed` seeds the draws of unseeded sampled requests."""
-        self.runner = runner
-        self.kv: KVManager | None = None
-        self.eos_token_ids = set(eos_token_ids)
-        self.vocab_size = runner.arch.vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
-        self.seqs: dict[str, _MTPState] = {}
-
-    def allocate_cache(self, num_blocks: int, block_size: int, max_chunk_tokens: int, asked_by: str) -> None:
-        """The layer's pool of `num_blocks` blocks and its KV coordinator (no prefix cache)."""
-        self.runner.allocate_kv_cache(num_blocks, block_size, asked_by)
-        self.kv = make_kv_manager("paged", num_blocks, block_size, self.runner.max_model_len,
-                                  enable_prefix_caching=False, windows=self.runner.kv_groups.windows,
-                                  max_chunk_tokens=max_chunk_tokens)
+    seqs: dict[str, _MTPState]
 
     # ---- the target's steps -----------------------------------------------------------------------
     def observe(self, seqs: Sequence[PlannedSeq], hidden: torch.Tensor) -> None:

@@ -333,15 +333,25 @@ def _decode_kernel(
         sink = tl.load(sinks_ptr + head, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
         l_safe = l_i + tl.exp2(sink - m_i)
     o = acc / l_safe[:, None]
-    o_mask = g_mask[:, None] & d_mask[None, :]
+    _store_split_output(o, m_i, l_safe, has, out_ptr, part_out_ptr, part_lse_ptr, seq, split, head, d,
+                        g_mask[:, None] & d_mask[None, :], g_mask, stride_ot, stride_oh, stride_ps, stride_ph,
+                        stride_pk, stride_ls, stride_lh, DIRECT)
+
+
+@triton.jit
+def _store_split_output(o, m_i, l_safe, has, out_ptr, part_out_ptr, part_lse_ptr, seq, split, head, cols, o_mask,
+                        h_mask, stride_ot, stride_oh, stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
+                        DIRECT: tl.constexpr):
+    """A decode program's normalised output [heads, cols]: straight to out when its sequence is one
+    split, else as its split's partial output and log-sum-exp, which _combine_kernel merges."""
     if DIRECT:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + cols[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
         part = part_out_ptr + seq.to(tl.int64) * stride_ps + split * stride_pk
-        tl.store(part + head[:, None] * stride_ph + d[None, :], o, mask=o_mask)
-        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh + split, lse, mask=g_mask)
+        tl.store(part + head[:, None] * stride_ph + cols[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh + split, lse, mask=h_mask)
 
 
 @triton.jit

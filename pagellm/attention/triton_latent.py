@@ -35,6 +35,7 @@ from pagellm.attention.triton_kernels import (
     _combine_kernel,
     _num_sms,
     _precision,
+    _store_split_output,
     choose_num_splits,
     dot_pad,
 )
@@ -131,15 +132,9 @@ def _latent_decode_kernel(
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
-    o_mask = h_mask[:, None] & (lc < LORA)[None, :]
-    if DIRECT:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + lc[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-        part = part_out_ptr + seq.to(tl.int64) * stride_ps + split * stride_pk
-        tl.store(part + head[:, None] * stride_ph + lc[None, :], o, mask=o_mask)
-        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh + split, lse, mask=h_mask)
+    _store_split_output(o, m_i, l_safe, has, out_ptr, part_out_ptr, part_lse_ptr, seq, split, head, lc,
+                        h_mask[:, None] & (lc < LORA)[None, :], h_mask, stride_ot, stride_oh, stride_ps, stride_ph,
+                        stride_pk, stride_ls, stride_lh, DIRECT)
 
 
 @triton.jit

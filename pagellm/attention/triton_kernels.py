@@ -407,6 +407,19 @@ _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 32
 
 
+def split_buffers(out: torch.Tensor, b: int, h: int, num_splits: int, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """The split-K partials of a decode launch: per sequence, head and split, the output [width]
+    and its log-sum-exp (float32), and their strides; with one split, placeholders (the kernel
+    writes `out` itself) and zero strides."""
+    if num_splits == 1:
+        return out, out, (0, 0, 0, 0, 0)
+    part_out = torch.empty(b, h, num_splits, width, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=out.device)
+    return part_out, part_lse, (part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                                part_lse.stride(0), part_lse.stride(1))
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """How many programs share one (sequence, KV head): enough to fill the GPU, none too short.
 
@@ -519,14 +532,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     opts = _kernel_options(scale, sliding_window, softcap, sinks, h, attention_chunk)
     sinks_arg = out if opts.sinks is None else opts.sinks  # an unused placeholder without sinks
     direct = num_splits == 1
-    if direct:
-        part_out, part_lse = out, out  # unused placeholders: the kernel writes `out` itself
-        part_strides = (0, 0, 0, 0, 0)
-    else:
-        part_out = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)
-        part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
-                        part_lse.stride(0), part_lse.stride(1))
+    part_out, part_lse, part_strides = split_buffers(out, b, h, num_splits, d)
     _decode_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse, sinks_arg,

@@ -38,6 +38,7 @@ from pagellm.attention.triton_kernels import (
     _store_split_output,
     choose_num_splits,
     dot_pad,
+    split_buffers,
 )
 
 
@@ -229,14 +230,7 @@ def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         num_splits = choose_num_splits(b, head_blocks, block_tables.shape[1] * block_size, _num_sms(q.device))
     lora_pad = triton.next_power_of_2(v_dim)
     direct = num_splits == 1
-    if direct:
-        part_out, part_lse = out, out  # unused placeholders: the kernel writes `out` itself
-        part_strides = (0, 0, 0, 0, 0)
-    else:
-        part_out = torch.empty(b, h, num_splits, v_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)
-        part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
-                        part_lse.stride(0), part_lse.stride(1))
+    part_out, part_lse, part_strides = split_buffers(out, b, h, num_splits, v_dim)
     _latent_decode_kernel[(b, head_blocks, num_splits)](
         q, cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E, h, num_splits, block_size,

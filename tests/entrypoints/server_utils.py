@@ -142,3 +142,17 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             return float(value)
     return None
+
+
+def check_rerank(url: str, model: str, query: str, docs: list[str], want: list[float], top_n: int,
+                 atol: float) -> list[dict]:
+    """POST /v1/rerank and check its top_n results against the reference scores `want`: the order
+    of the highest, and each score within atol. Returns the results."""
+    order = sorted(range(len(docs)), key=lambda i: -want[i])
+    r = httpx.post(url + "/v1/rerank", json={"model": model, "query": query, "documents": docs, "top_n": top_n},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == order[:top_n]
+    assert all(abs(x["relevance_score"] - want[x["index"]]) <= atol for x in results)
+    return results

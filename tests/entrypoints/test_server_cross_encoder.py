@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_utils import RemoteServer
+from server_utils import RemoteServer, check_rerank
 from tests.engine.test_cross_encoder import ATOL, DOCS, QUERY
 from tests.models.families import build_cross_encoder
 
@@ -29,13 +29,7 @@ def test_rerank_and_score_match_cross_encoder(model_dir, server):
     from sentence_transformers import CrossEncoder
 
     want = [float(s) for s in CrossEncoder(str(model_dir), device="cpu").predict([(QUERY, d) for d in DOCS])]
-    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
-    r = httpx.post(server.url + "/v1/rerank", json={"model": "xenc", "query": QUERY, "documents": DOCS, "top_n": 3},
-                   timeout=60)
-    assert r.status_code == 200, r.text
-    results = r.json()["results"]
-    assert [x["index"] for x in results] == order[:3]
-    assert all(abs(x["relevance_score"] - want[x["index"]]) <= ATOL for x in results)
+    check_rerank(server.url, "xenc", QUERY, DOCS, want, 3, ATOL)
     s = httpx.post(server.url + "/score", json={"model": "xenc", "text_1": QUERY, "text_2": DOCS}, timeout=60)
     assert [d["score"] for d in s.json()["data"]] == pytest.approx(want, abs=ATOL)
     pairwise = httpx.post(server.url + "/v1/score", json={"text_1": [QUERY, QUERY], "text_2": DOCS[:2]}, timeout=60)

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from server_utils import RemoteServer
+from server_utils import RemoteServer, check_rerank
 from tests.engine.test_embeddings import ATOL, texts
 from tests.models.families import build_sentence_transformer
 
@@ -117,12 +117,7 @@ def test_rerank_and_score_are_cosines_of_the_embeddings(st_and_server):
     want = reference(st, [query] + docs)
     cos = [float(torch.nn.functional.cosine_similarity(want[0], want[1 + i], dim=0)) for i in range(len(docs))]
     order = sorted(range(len(docs)), key=lambda i: -cos[i])
-    r = httpx.post(server.url + "/v1/rerank", json={"model": "emb", "query": query, "documents": docs, "top_n": 2},
-                   timeout=60)
-    assert r.status_code == 200, r.text
-    results = r.json()["results"]
-    assert [x["index"] for x in results] == order[:2]
-    assert all(abs(x["relevance_score"] - cos[x["index"]]) <= ATOL for x in results)
+    results = check_rerank(server.url, "emb", query, docs, cos, 2, ATOL)
     assert [x["document"]["text"] for x in results] == [docs[i] for i in order[:2]]
     bare = httpx.post(server.url + "/rerank", json={"query": query, "documents": [{"text": d} for d in docs],
                                                     "return_documents": False}, timeout=60).json()["results"]

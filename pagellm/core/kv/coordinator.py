@@ -379,13 +379,16 @@ class KVCoordinator(KVManager):
         into the pool's index; held (in `held`) so that later promotions do not evict it."""
         return self._hold_or_promote_key(self._key(group, block_hash), held)
 
-    def _hold_or_promote_key(self, key: bytes, held: list[int]) -> int | None:
+    def _hold_or_promote_key(self, key: bytes, held: list[int], cache: bool = True) -> int | None:
+        """The pool's block under `key`, or one promoted from the tier (indexed in the pool under
+        `key` only if `cache`), held in `held`; None if neither has it."""
         b = self.pool.lookup(key)
         if b is None:
             b = self.tier.promote(key)
             if b is None:
                 return None
-            self.pool.cache(b, key)
+            if cache:
+                self.pool.cache(b, key)
         else:
             self.pool.incref([b])
         held.append(b)
@@ -424,17 +427,7 @@ class KVCoordinator(KVManager):
         for g in self._state_groups:
             parts = []
             for j in range(self.state_blocks):
-                key = self._checkpoint_key(g, state_hash, j)
-                if cache:
-                    b = self._hold_or_promote_key(key, held)
-                else:
-                    b = self.pool.lookup(key)
-                    if b is None:
-                        b = self.tier.promote(key)
-                    else:
-                        self.pool.incref([b])
-                    if b is not None:
-                        held.append(b)
+                b = self._hold_or_promote_key(self._checkpoint_key(g, state_hash, j), held, cache)
                 if b is None:
                     return None
                 parts.append(b)
@@ -450,12 +443,13 @@ class KVCoordinator(KVManager):
         k = (n - 1) // bs
         if not (n - 1) % bs:
             return blocks, computed
+        # Group 0 is always an attention group: its table's length is the prefix's block count.
         attention = blocks if not self._state_groups else self._attention_chain(request, hashes, k)
-        if attention is None or (attention and len(attention[self._attention_groups[0]]) != k) or (not attention and k):
+        if attention is None or (len(attention[0]) if attention else 0) != k:
             return blocks, computed
         tokens = request.all_token_ids[k * bs:n - 1]
         partial = hash_block(hashes[k - 1] if k else None, tokens, request.cache_salt)
-        held = [b for g, t in enumerate(attention) if g not in self._state_groups for b in self._real(g, t)]
+        held = [b for g, t in enumerate(attention) for b in self._real(g, t)]  # state groups' are empty
         self.pool.incref(held)  # the prefix's blocks, while promotions allocate
         got: list[int] = []
         state = None

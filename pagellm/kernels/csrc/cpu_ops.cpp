@@ -224,11 +224,34 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// Online softmax over the run, one block of keys at a time, for every query head of every query
+// Keys per online-softmax update. Each update costs every query head a max, an exp of the old
+// max and a rescale of its accumulator, whatever the number of keys; over one block of 16 keys
+// that cost matched the dot products themselves, so several blocks' scores are gathered first.
+// Tiles start at multiples of kTile (absolute positions), so a query's sums depend on its own
+// keys alone, as batch-invariant mode needs.
+constexpr int64_t kTile = 64;
+
+// The largest of s[0..n).
+inline float max_of(const float* s, int64_t n, float init) {
+  float mx = init;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 m = _mm512_set1_ps(init);
+    for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    mx = _mm512_reduce_max_ps(m);
+  }
+#endif
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+}
+
+// Online softmax over the run, one tile of keys at a time, for every query head of every query
 // token of the item: each K/V row is read once (all KV heads of a token are one contiguous row)
-// and serves the G query heads that share it, and a block read for the first query token is in
-// cache for the others. Query token i reads keys below lens[i] only. Writes the normalised output
-// when the run is the whole context, else (max, sum, unnormalised accumulator) for the combine step.
+// and serves the G query heads that share it, and each block of the tile serves every query
+// token while it is in L1 (a verification step's 1 + k tokens). Query token i reads keys below
+// lens[i] only. Writes the normalised output when the run is the whole context, else (max, sum,
+// unnormalised accumulator) for the combine step.
 // DT > 0 fixes the head size at compile time so the inner loops unroll; DT == 0 reads D.
 template <int DT, typename T>
 void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t BS, const float* q,
@@ -236,68 +259,80 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
                 const float* sinks, float* out, float* part_acc, float* part_ml, std::vector<float>& buf) {
   const int64_t D = DT > 0 ? DT : Drt;
   const int64_t G = H / KVH, HS = head_stride<T>(D), row = KVH * HS, NQ = w.nq;
-  buf.assign(static_cast<size_t>(NQ * (H * D + 2 * H) + H * BS), 0.f);
-  float* accs = buf.data();     // [NQ, H, D]
+  buf.assign(static_cast<size_t>(NQ * (H * D + 2 * H + H * kTile)), 0.f);
+  float* accs = buf.data();       // [NQ, H, D]
   float* ms = accs + NQ * H * D;  // [NQ, H]
   float* ls = ms + NQ * H;        // [NQ, H]
-  float* s = ls + NQ * H;         // [H, BS] scores of the current block, one query token at a time
+  float* ss = ls + NQ * H;        // [NQ, H, kTile] scores of the current tile
   for (int64_t i = 0; i < NQ * H; ++i) ms[i] = -std::numeric_limits<float>::infinity();
+  // The first row of key t (the tile's keys lie in up to kTile / BS + 1 blocks anywhere in the pool).
+  auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
   for (int64_t t0 = w.begin; t0 < w.end;) {
-    const int64_t j = t0 / BS, off = t0 % BS;
-    const int64_t nt_run = std::min(BS - off, w.end - t0);
-    const T* kb = kp + (table[j] * BS + off) * row;
-    const T* vb = vp + (table[j] * BS + off) * row;
+    const int64_t t1 = std::min(w.end, (t0 / kTile + 1) * kTile);
     // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every
-    // block boundary and each thread would wait on DRAM latency: ask for the next block now
-    // (one block ahead is enough to hide it).
-    if ((j + 1) * BS < w.end) {
-      const T* kn = kp + table[j + 1] * BS * row;
-      const T* vn = vp + table[j + 1] * BS * row;
+    // block boundary and each thread would wait on DRAM latency: ask for the next tile's blocks
+    // now (one tile ahead is enough to hide it).
+    for (int64_t j = t1 / BS; j * BS < std::min(w.end, t1 + kTile); ++j) {
+      const T* kn = kp + table[j] * BS * row;
+      const T* vn = vp + table[j] * BS * row;
       for (int64_t i = 0; i < BS * row; i += 64 / static_cast<int64_t>(sizeof(T))) {  // one cache line at a time
         __builtin_prefetch(kn + i, 0, 3);
         __builtin_prefetch(vn + i, 0, 3);
       }
     }
-    for (int64_t qi = 0; qi < NQ; ++qi) {
-      const int64_t nt = std::min(nt_run, lens[qi] - t0);  // this token's keys in the block
-      if (nt <= 0) continue;
-      const float* qt = q + qi * H * D;
-      float* acc = accs + qi * H * D;
-      float* m = ms + qi * H;
-      float* l = ls + qi * H;
+    // This token's keys in the tile.
+    auto keys_of = [&](int64_t qi) { return std::min(t1, lens[qi]) - t0; };
+    // Scores, one run of contiguous keys (the part of the tile in one block) at a time, for every token.
+    for (int64_t u0 = 0; u0 < t1 - t0;) {
+      const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
+      const T* kb = key_row(kp, t0 + u0);
+      for (int64_t qi = 0; qi < NQ; ++qi) {
+        const int64_t n = std::min(seg, keys_of(qi) - u0);
+        if (n <= 0) continue;
+        const float* qt = q + qi * H * D;
+        float* s = ss + qi * H * kTile + u0;
 #if defined(__AVX512F__)
-      if constexpr (DT > 0 && DT % 16 == 0) {
-        for (int64_t h = 0; h < KVH; ++h)
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t u = 0; u < nt; u += 16)
-              scores16<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, nt - u),
-                              scale, s + (h * G + g) * BS + u);
-      } else
+        if constexpr (DT > 0 && DT % 16 == 0) {
+          for (int64_t h = 0; h < KVH; ++h)
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t u = 0; u < n; u += 16)
+                scores16<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, n - u),
+                                scale, s + (h * G + g) * kTile + u);
+        } else
 #endif
-      {
-        for (int64_t t = 0; t < nt; ++t) {
-          for (int64_t h = 0; h < KVH; ++h) {
-            const T* k = kb + t * row + h * HS;
-            const float ks = row_scale(k, D);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qh = qt + (h * G + g) * D;
-              float dot = 0.f;
+        {
+          for (int64_t t = 0; t < n; ++t) {
+            for (int64_t h = 0; h < KVH; ++h) {
+              const T* k = kb + t * row + h * HS;
+              const float ks = row_scale(k, D);
+              for (int64_t g = 0; g < G; ++g) {
+                const float* qh = qt + (h * G + g) * D;
+                float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-              for (int64_t i = 0; i < D; ++i) dot += qh[i] * widen(k[i]);
-              s[(h * G + g) * BS + t] = dot * scale * ks;
+                for (int64_t i = 0; i < D; ++i) dot += qh[i] * widen(k[i]);
+                s[(h * G + g) * kTile + t] = dot * scale * ks;
+              }
             }
           }
         }
       }
+      u0 += seg;
+    }
+    for (int64_t qi = 0; qi < NQ; ++qi) {
+      const int64_t nt = keys_of(qi);
+      if (nt <= 0) continue;
+      float* acc = accs + qi * H * D;
+      float* m = ms + qi * H;
+      float* l = ls + qi * H;
+      float* s = ss + qi * H * kTile;
       if (softcap > 0.f) {  // Gemma 2: cap * tanh(score / cap), as the reference computes it
         for (int64_t hh = 0; hh < H; ++hh)
-          for (int64_t t = 0; t < nt; ++t) s[hh * BS + t] = std::tanh(s[hh * BS + t] / softcap) * softcap;
+          for (int64_t t = 0; t < nt; ++t) s[hh * kTile + t] = std::tanh(s[hh * kTile + t] / softcap) * softcap;
       }
       for (int64_t hh = 0; hh < H; ++hh) {
-        float* sh = s + hh * BS;
-        float mx = m[hh];
-        for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sh[t]);
-        const float alpha = std::exp(m[hh] - mx);  // 0 on the first block (exp(-inf))
+        float* sh = s + hh * kTile;
+        const float mx = max_of(sh, nt, m[hh]);
+        const float alpha = std::exp(m[hh] - mx);  // 0 on the first tile (exp(-inf))
         float sum = 0.f;
 #if defined(__AVX512F__)
         for (int64_t u = 0; u < nt; u += 16) {
@@ -331,47 +366,57 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
           for (int64_t i = 0; i < D; ++i) a[i] *= alpha;
         }
       }
-      // Each head's accumulator stays in registers over the block's tokens (a local array of a
-      // compile-time size); the V rows it reads are in L1 after the first query head.
-      for (int64_t h = 0; h < KVH; ++h) {
-        for (int64_t g = 0; g < G; ++g) {
-          float* a = acc + (h * G + g) * D;
-          const float* p = s + (h * G + g) * BS;
+    }
+    // Softmax-weighted V rows, block by block, every token's heads while the block is in L1; each
+    // head's accumulator stays in registers over the block's keys.
+    for (int64_t u0 = 0; u0 < t1 - t0;) {
+      const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
+      const T* vrow = key_row(vp, t0 + u0);
+      for (int64_t qi = 0; qi < NQ; ++qi) {
+        const int64_t n = std::min(seg, keys_of(qi) - u0);
+        if (n <= 0) continue;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* vb = vrow + h * HS;
+          for (int64_t g = 0; g < G; ++g) {
+            float* a = accs + (qi * H + h * G + g) * D;
+            const float* p = ss + (qi * H + h * G + g) * kTile + u0;
 #if defined(__AVX512F__)
-          if constexpr (kQuantized<T> && DT > 0 && DT % 16 == 0) {
-            // Codes widened 16 at a time; the row's scale folds into its softmax weight.
-            __m512 al[DT / 16];
-            for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_loadu_ps(a + 16 * c);
-            for (int64_t t = 0; t < nt; ++t) {
-              const T* v = vb + t * row + h * HS;
-              const __m512 pt = _mm512_set1_ps(p[t] * row_scale(v, DT));
-              for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_fmadd_ps(pt, load16(v + 16 * c), al[c]);
-            }
-            for (int c = 0; c < DT / 16; ++c) _mm512_storeu_ps(a + 16 * c, al[c]);
-          } else
+            if constexpr (DT > 0 && DT % 16 == 0) {
+              // Elements widened 16 at a time; an 8-bit row's scale folds into its softmax weight.
+              __m512 al[DT / 16];
+              for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_loadu_ps(a + 16 * c);
+              for (int64_t t = 0; t < n; ++t) {
+                const T* v = vb + t * row;
+                const __m512 pt = _mm512_set1_ps(p[t] * row_scale(v, DT));
+                for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_fmadd_ps(pt, load16(v + 16 * c), al[c]);
+              }
+              for (int c = 0; c < DT / 16; ++c) _mm512_storeu_ps(a + 16 * c, al[c]);
+            } else
 #endif
-          if constexpr (DT > 0) {
-            float al[DT];
-            for (int64_t i = 0; i < DT; ++i) al[i] = a[i];
-            for (int64_t t = 0; t < nt; ++t) {
-              const T* v = vb + t * row + h * HS;
-              const float pt = p[t] * row_scale(v, DT);
+            if constexpr (DT > 0) {
+              float al[DT];
+              for (int64_t i = 0; i < DT; ++i) al[i] = a[i];
+              for (int64_t t = 0; t < n; ++t) {
+                const T* v = vb + t * row;
+                const float pt = p[t] * row_scale(v, DT);
 #pragma omp simd
-              for (int64_t i = 0; i < DT; ++i) al[i] += pt * widen(v[i]);
-            }
-            for (int64_t i = 0; i < DT; ++i) a[i] = al[i];
-          } else {
-            for (int64_t t = 0; t < nt; ++t) {
-              const T* v = vb + t * row + h * HS;
-              const float pt = p[t] * row_scale(v, D);
+                for (int64_t i = 0; i < DT; ++i) al[i] += pt * widen(v[i]);
+              }
+              for (int64_t i = 0; i < DT; ++i) a[i] = al[i];
+            } else {
+              for (int64_t t = 0; t < n; ++t) {
+                const T* v = vb + t * row;
+                const float pt = p[t] * row_scale(v, D);
 #pragma omp simd
-              for (int64_t i = 0; i < D; ++i) a[i] += pt * widen(v[i]);
+                for (int64_t i = 0; i < D; ++i) a[i] += pt * widen(v[i]);
+              }
             }
           }
         }
       }
+      u0 += seg;
     }
-    t0 += nt_run;
+    t0 = t1;
   }
   for (int64_t qi = 0; qi < NQ; ++qi) {
     const float* acc = accs + qi * H * D;

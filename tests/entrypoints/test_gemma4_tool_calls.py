@@ -128,11 +128,11 @@ GEMMA4_TOKENS = ("<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", '<|"|>', 
                  "<|tool_response>", "<tool_response|>", "<|channel>", "<channel|>", "<|think|>")
 
 
-def _real_template() -> str:
+def _real_template(name: str = "google-gemma-4-31B-it.jinja") -> str:
     from pathlib import Path
 
     from pagellm.envs import llama_cpp_bin
-    path = Path(llama_cpp_bin()).parents[1] / "src" / "models" / "templates" / "google-gemma-4-31B-it.jinja"
+    path = Path(llama_cpp_bin()).parents[1] / "src" / "models" / "templates" / name
     if not path.is_file():
         pytest.skip(f"llama.cpp's source with its vendored templates is not here ({path})")
     return path.read_text()
@@ -150,28 +150,36 @@ def _agent_turn(arguments: dict) -> list[dict]:
             {"role": "tool", "tool_call_id": "call_2", "content": "noon"}]
 
 
-def test_real_template_round_trip(tmp_path):
+@pytest.mark.parametrize("name", ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"])
+def test_real_template_round_trip(tmp_path, name):
     """Rendered through the chat endpoint's message handling and pagellm's sandbox: the tools are
-    declared, the calls written in Gemma's syntax (CALLS quotes this), each result follows as a
-    `<|tool_response>response:NAME{value:...}` block, and no new model turn is opened (the model goes
-    on in the turn of its calls); the calls the template wrote parse back to the arguments sent."""
+    declared, the calls written in Gemma's syntax (CALLS quotes this) and the calls the template
+    wrote parse back to the arguments sent. The current template writes each result after them
+    as a `<|tool_response>response:NAME{value:...}` block and opens no new model turn (the model
+    goes on in the turn of its calls); the earlier, interleaved revision reads results only from
+    an assistant's `tool_responses` (Google's own field) and writes OpenAI's `tool` messages as
+    turns of their own."""
     from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
     from pagellm.loader.synthetic import write_byte_tokenizer
     from pagellm.loader.tokenizer import Tokenizer
 
-    write_byte_tokenizer(tmp_path, 400, _real_template(), GEMMA4_TOKENS)
+    write_byte_tokenizer(tmp_path, 400, _real_template(name), GEMMA4_TOKENS)
     tok = Tokenizer.from_hf_dir(str(tmp_path))
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": _agent_turn(WANT[0][1]), "tools": TOOLS})
     convo = [OpenAIServingChat.message_dict(m, i) for i, m in enumerate(req.messages)]
     text = tok.apply_chat_template(convo, tools=TOOLS, add_generation_prompt=True)
     assert "<|tool>declaration:get_weather{description:<|\"|>Weather in a city<|\"|>" in text
     written = text[text.index("<|tool_call>"):]
-    assert written.startswith(CALLS)  # the calls, then the first result's block opens
-    assert written.endswith('<|tool_response>response:get_weather{value:<|"|>{"temperature": 18}<|"|>}'
-                            '<tool_response|><|tool_response>response:get_time{value:<|"|>noon<|"|>}'
-                            '<tool_response|>')
-    content, calls = GEMMA4.extract(written[:written.index("<|tool_response>")])
-    assert content is None and _calls(calls) == WANT
+    calls = CALLS.removesuffix("<|tool_response>")
+    assert written.startswith(calls)
+    content, parsed = GEMMA4.extract(written[:len(calls)])
+    assert content is None and _calls(parsed) == WANT
+    results = written[len(calls):]
+    if "interleaved" in name:
+        assert results.startswith('<turn|>\n<|turn>tool\n{"temperature": 18}<turn|>'), results
+        return
+    assert results == ('<|tool_response>response:get_weather{value:<|"|>{"temperature": 18}<|"|>}<tool_response|>'
+                       '<|tool_response>response:get_time{value:<|"|>noon<|"|>}<tool_response|>')
 
 
 # ---- served ----------------------------------------------------------------------------------------

@@ -18,30 +18,6 @@ def model_dir(tmp_path_factory):
     return str(build("qwen3_5", tmp_path_factory.mktemp("qwen3_5")))
 
 
-def metrics_while_a_stream_holds_blocks(server: RemoteServer) -> tuple[str, dict]:
-    """/metrics and /dashboard/state read while a streamed completion is under way (after its second
-    token, before it ends); leaving the stream hangs up, which aborts the request. The engine thread
-    publishes its stats after each step, so a token can reach the client before the stats of the step
-    that made it; the step after that one begins only once they are published. A small model can
-    also finish all its tokens before the client reads the second: the scrape then shows no request
-    running, and the stream is tried again."""
-    body = {"model": NAME, "prompt": list(range(50, 90)), "max_tokens": 150, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    for _ in range(8):
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            tokens = 0
-            for line in r.iter_lines():
-                tokens += line.startswith("data: {")
-                if tokens == 2:
-                    break
-            metrics = httpx.get(server.url + "/metrics").text
-            state = server.state()
-        if metric_value(metrics, "pagellm:num_requests_running", model_name=NAME) == 1:
-            return metrics, state
-    raise AssertionError("in 8 tries the request always ended before /metrics was read")
-
-
 def test_served_recurrent_model_resumes_a_prefix_from_its_checkpoint(model_dir):
     first = list(range(3, 40))
     second = first + [41, 42, 43]
@@ -69,24 +45,39 @@ def test_served_recurrent_model_resumes_a_prefix_from_its_checkpoint(model_dir):
     assert metric_value(metrics, "pagellm:kv_cache_group_used_blocks", kind="state", **labels) == 0
 
 
-# Timing-dependent (the scrape must land while a small model's stream still runs, which a loaded
-# machine's engine can outpace): in the slow sweep.
-@pytest.mark.slow
-def test_group_gauges_while_a_stream_holds_blocks(model_dir):
+def test_group_gauges_while_a_request_holds_blocks(model_dir):
     """While a request holds blocks, every group's gauge shows its own: the attention group the
     request's rows, each state group its state blocks; the dashboard's data lists the same groups,
-    within the pool's count (read a moment later: the request may have ended since)."""
-    args = ["--model", model_dir, "--served-model-name", NAME, "--num-kv-blocks", "64", "--block-size", "4",
-            "--dtype", "float32"]
-    server = RemoteServer(args)
-    try:
-        held_metrics, held = metrics_while_a_stream_holds_blocks(server)
-    finally:
-        server.close()
+    within the pool's count. Read from the engine between two steps, where the request is known to
+    hold its blocks (over HTTP a small model's stream could end before the scrape), through the
+    server's own metrics and dashboard code; aborted, every group's gauge is back to 0."""
+    from pagellm.entrypoints.openai.dashboard import build_state
+    from pagellm.entrypoints.openai.metrics import ServerMetrics
+
+    llm = LLM(model_dir, num_kv_blocks=64, block_size=4, dtype="float32")
+    engine = llm.engine
+    engine.add_request("held", {"prompt_token_ids": list(range(50, 90))},
+                       SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
+    engine.step()  # the prefill: the first token
+    engine.step()  # a decode: the request runs on, holding its blocks
+    metrics = ServerMetrics(NAME)
+    stats = engine.stats()
+    metrics.bind(lambda: stats)
+    held_metrics = metrics.render().decode()
+    held = build_state(engine.kv_snapshot(), stats, metrics, NAME, 0)
     labels = {"model_name": NAME}
+    assert metric_value(held_metrics, "pagellm:num_requests_running", **labels) == 1
     groups = held["stats"]["kv_groups"]
     assert [g["kind"] for g in groups] == ["full", "state", "state"]
     assert sum(g["used_blocks"] for g in groups) <= held["stats"]["used_blocks"]
     gauges = [metric_value(held_metrics, "pagellm:kv_cache_group_used_blocks", group=str(i), kind=g["kind"],
                            window="none", **labels) for i, g in enumerate(groups)]
+    assert gauges == [g["used_blocks"] for g in groups]
     assert gauges[0] >= 10 and gauges[1] > 0 and gauges[1] == gauges[2], gauges  # 40 prompt tokens: 10 blocks
+
+    engine.abort_request("held")
+    engine.step()  # the checkpoint blocks stay pinned until the step that copies into them
+    stats = engine.stats()
+    freed = metrics.render().decode()
+    assert [metric_value(freed, "pagellm:kv_cache_group_used_blocks", group=str(i), **labels)
+            for i in range(len(groups))] == [0, 0, 0]

@@ -6,6 +6,7 @@ import argparse
 from pagellm import envs
 from pagellm.config import ROUTER_POLICIES
 from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagellm.entrypoints.openai.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -55,10 +56,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides whether to call a tool, and its output is '
                         "parsed for calls by --tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "openai"],
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: Qwen, "
                         "Hermes, SmolLM3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS][...]), openai (gpt-oss's "
-                        "harmony commentary calls, with --reasoning-parser gpt_oss)")
+                        "harmony commentary calls, with --reasoning-parser gpt_oss), gemma4 (Gemma 4's "
+                        "<|tool_call>call:NAME{...}<tool_call|>)")
     g.add_argument("--reasoning-parser", default=None, choices=["auto", *REASONING_PARSERS],
                    help="split a thinking model's replies into reasoning_content and content: qwen3 "
                         "(<think>...</think>), deepseek_r1 (the same, <think> possibly opened by the template), "
@@ -134,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral): "
+        print(f"pagellm serve: --enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}): "
               "the format the model writes tool calls in", file=sys.stderr)
         return 2
     if args.data_parallel_size < 1:

@@ -9,7 +9,8 @@ wrote on its own (`auto`).
   tool calls in its own format, which the parser takes apart: `hermes` (`<tool_call>{...}</tool_call>`,
   as Qwen, Hermes and SmolLM3 write), `llama3_json` (a bare `{"name": ..., "parameters": ...}`,
   optionally after `<|python_tag|>`, several joined by `;`), `mistral` (`[TOOL_CALLS][{...}]`),
-  `openai` (gpt-oss's harmony: `<|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>`);
+  `openai` (gpt-oss's harmony: `<|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>`),
+  `gemma4` (`<|tool_call>call:NAME{city:<|"|>Paris<|"|>}<tool_call|>`, gemma4_syntax.py);
 - `none`: no tool calls; the tools still reach the chat template.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.entrypoints.openai import gemma4_syntax
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.sampling_params import StructuredOutputsParams
 
@@ -290,7 +292,41 @@ class OpenAIParser(ToolParser):
         return out
 
 
+class Gemma4Parser(ToolParser):
+    """Gemma 4's calls, as its chat template writes an assistant's: `<|tool_call>call:NAME{ARGS}<tool_call|>`,
+    one after another, ARGS in Gemma's own syntax (gemma4_syntax.py), which comes back as JSON.
+    After the calls only whitespace and the turn's end markers may follow (they are text when
+    special tokens are kept and the model's stop tokens did not end it first); anything else, or
+    a call that does not parse, leaves the whole reply as content."""
+
+    marker = "<|tool_call>"
+    end = "<tool_call|>"
+    call_name = re.compile(r"call:([^{}\s<>]+)")
+    trailers = ("<|tool_response>", "<turn|>", "<eos>")
+
+    def calls(self, tail: str) -> list[ToolCall]:
+        out, i = [], 0
+        while True:
+            i = _skip_space(tail, i)
+            if i == len(tail):
+                return out
+            if tail.startswith(self.marker, i):
+                name = self.call_name.match(tail, i + len(self.marker))
+                if name is None:
+                    raise ValueError(f"a Gemma 4 tool call without `call:NAME`: {tail[i:i + 80]!r}")
+                args, i = gemma4_syntax.parse_object(tail, name.end())
+                if not tail.startswith(self.end, i):
+                    raise ValueError(f"a Gemma 4 tool call not closed by {self.end}: {tail[i:i + 80]!r}")
+                out.append(ToolCall(name.group(1), json.dumps(args, ensure_ascii=False)))
+                i += len(self.end)
+                continue
+            trailer = next((t for t in self.trailers if tail.startswith(t, i)), None)
+            if trailer is None:
+                raise ValueError(f"text after Gemma 4's tool calls: {tail[i:i + 80]!r}")
+            i += len(trailer)
+
+
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                         "mistral": MistralParser, "openai": OpenAIParser}
+                                         "mistral": MistralParser, "openai": OpenAIParser, "gemma4": Gemma4Parser}
 # Their markers are special tokens in the models that use them: they must stay in the text.
-KEEPS_SPECIAL_TOKENS = {"mistral", "openai"}
+KEEPS_SPECIAL_TOKENS = {"mistral", "openai", "gemma4"}

@@ -10,6 +10,7 @@ from tokenizers import processors
 
 from pagellm.bench import spec_decode, spec_decode_peer
 from pagellm.cli import main
+from pagellm.envs import llama_cpp_bin
 from pagellm.loader.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE
 from pagellm.loader.tokenizer import Tokenizer
 
@@ -104,3 +105,22 @@ def test_spec_decode_bench_with_a_draft_model(tmp_path, tiny_llama_dir):
     assert data["config"]["quantization"] == "auto"
     entry = data["workloads"]["chat"]
     assert entry["outputs_equal"] is True and entry["speculative"]["acceptance_rate"] == 1.0
+
+
+@pytest.mark.slow
+def test_llama_server_reads_the_same_prompt_tokens(tmp_path, smollm2_gguf):
+    """With the real llama-server: the ids it reads for each round's text are pagellm's, it
+    reports as many prompt tokens (no second BOS), and its runs follow the rounds' sources."""
+    binary = Path(llama_cpp_bin()) / "llama-server"
+    if not binary.exists():
+        pytest.skip(f"{binary} is not built (benchmarks/build_llama_cpp.sh)")
+    stem = tmp_path / "spec"
+    assert main(["bench", "spec-decode", "--model", smollm2_gguf, "--peer", "none", "--code-lines", "20",
+                 "--max-tokens", "4", "--repeat", "2", "--out", str(stem)]) == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    for entry in data["workloads"].values():
+        assert entry["same_prompt_tokens"] is True
+        runs = entry["llama-server"]["none"]["runs"]
+        assert [r["source"] for r in runs] == [r["source"] for r in entry["rounds"]]
+        assert [r["prompt_tokens"] for r in runs] == [r["prompt_tokens"]["pagellm"] for r in entry["rounds"]]
+        assert all(r["text_head"] for r in runs)

@@ -31,8 +31,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagellm.bench import report, spec_decode_peer
+
+if TYPE_CHECKING:
+    from pagellm.loader.tokenizer import Tokenizer
 
 PACKAGE = Path(__file__).resolve().parent.parent
 # The code edit's file of each round (round i takes the i-th): real modules of this package of
@@ -98,6 +102,7 @@ def round_sources(workload: str, repeat: int) -> list[str]:
 
 
 def user_message(workload: str, source: str, cfg: SpecBenchConfig) -> str:
+    """The user's message of a round whose prompt is made of `source` (round_sources)."""
     return code_edit_prompt(PACKAGE.parent / source, cfg.code_lines) if workload == "code-edit" else source
 
 
@@ -111,7 +116,7 @@ class Prompt:
     peer_text: str
 
 
-def render_prompt(tokenizer, content: str, source: str) -> Prompt:
+def render_prompt(tokenizer: Tokenizer, content: str, source: str) -> Prompt:
     """`content` as the user's message, rendered as LLM.chat renders it (no special tokens added
     beyond what the template writes)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)

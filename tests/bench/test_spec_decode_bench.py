@@ -39,8 +39,9 @@ def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
             assert all(isinstance(r["text_head"], str) and 0 < len(r["text_head"]) <= 200 for r in runs)
             assert entry[system]["decode_tokens_per_s"] > 0
         assert entry["speedup"] > 0
-    for entry in data["workloads"].values():  # other files, other questions: prompts of other sizes here
-        assert len({r["prompt_tokens"]["pagellm"] for r in entry["rounds"]}) == 2
+    for name, entry in data["workloads"].items():  # other files, other questions: prompts of other sizes here
+        sizes = sorted(r["prompt_tokens"]["pagellm"] for r in entry["rounds"])
+        assert sizes[0] < sizes[1] and f"{name} ({sizes[0]} to {sizes[1]} prompt tokens)" in spec_decode.doc_table(data)
 
 
 def test_each_round_edits_another_module_of_300_lines_or_more():

@@ -141,6 +141,12 @@ MUTANTS = [
            "                self.kv.free(state.entries)",
            "                pass",
            ("tests/engine/test_spec_decode_mtp.py::test_greedy_with_mtp_equals_plain_decoding",)),
+    Mutant("every round of the spec-decode bench repeats the first round's prompt (a peer keeping n-grams "
+           "across requests would find its own earlier output)",
+           "pagellm/bench/spec_decode.py",
+           "                prompt = prompts[workload][i]",
+           "                prompt = prompts[workload][0]",
+           ("tests/bench/test_spec_decode_bench.py::test_spec_decode_bench_tiny",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

@@ -5,8 +5,14 @@ prompt, to be returned with a one-line change: the model copies, and prompt look
 it copies) and an open chat (little to copy: speculation must not cost much there). Decode tokens
 per second are measured from the first token to the last, so the prompt's prefill is not counted.
 The systems run interleaved, each once per workload per round (on shared cores the machine's speed
-drifts), and the load average is recorded at every run. Outputs with and without speculation must
-be equal (it is lossless); the JSON says whether they were.
+drifts), and the load average is recorded at every run.
+
+Every round has prompts of its own: another of this package's modules for the code edit
+(CODE_FILES), another question for the chat (CHAT_PROMPTS), the same for every system within the
+round. A proposer that keeps what it saw across requests (llama-server's ngram-mod pools the
+n-grams of earlier outputs) would otherwise find from the second round on the very text it is
+asked to write again, and accept nearly every draft. Outputs with and without speculation must be
+equal (it is lossless); the JSON says whether they were, and keeps the start of every output.
 
     pagellm bench spec-decode --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     pagellm bench spec-decode --method draft_model
@@ -20,18 +26,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagellm.bench import report, spec_decode_peer
 
-# The code-edit workload's file: this package's own scheduler, a real ~300-line Python module.
-CODE_FILE = Path(__file__).resolve().parent.parent / "core" / "scheduler.py"
-CHAT_PROMPT = "Tell me about the history of lighthouses and the people who kept them."
+if TYPE_CHECKING:
+    from pagellm.loader.tokenizer import Tokenizer
+
+PACKAGE = Path(__file__).resolve().parent.parent
+# The code edit's file of each round (round i takes the i-th): real modules of this package of
+# 300 lines or more, none seen by any system in an earlier round.
+CODE_FILES = ("core/scheduler.py", "sampling_params.py", "engine/llm_engine.py", "worker/sampler.py", "config.py")
+# The chat's question of each round, likewise.
+CHAT_PROMPTS = (
+    "Tell me about the history of lighthouses and the people who kept them.",
+    "How do bees find their way back to the hive, and how do they tell the others where food is?",
+    "Explain how a bicycle stays upright while it moves, for someone who has never studied physics.",
+    "What were the main causes of the fall of the Western Roman Empire?",
+    "Describe how bread rises, from the yeast to the oven.",
+)
+# The warm-up's question: in no round, so that no system has seen a round's prompt before it.
+WARMUP_PROMPT = "Name three rivers of Europe."
+WARMUP_TOKENS = 8
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 METHODS = ("ngram", "draft_model")
+WORKLOADS = ("code-edit", "chat")
 
 
 @dataclass
@@ -39,7 +63,7 @@ class SpecBenchConfig:
     model: str | None = None
     speculative_config: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
     quantization: str = "auto"  # the target's (both systems'): "none" serves a GGUF dequantized
-    workloads: list[str] = field(default_factory=lambda: ["code-edit", "chat"])
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     code_lines: int = 300
     max_tokens: int = 256
     repeat: int = 3
@@ -48,32 +72,81 @@ class SpecBenchConfig:
     peer_types: list[str] = field(default_factory=list)
 
 
-def code_edit_prompt(lines: int) -> str:
-    code = "\n".join(CODE_FILE.read_text().splitlines()[:lines])
-    return (f"Here is a Python file:\n```python\n{code}\n```\nReturn the whole file with one change: rename the "
-            f"method `schedule` to `plan_step`. Reply with the code only.")
+def max_rounds() -> int:
+    """The most rounds with a prompt of their own in every workload."""
+    return min(len(CODE_FILES), len(CHAT_PROMPTS))
 
 
-def _messages(workload: str, cfg: SpecBenchConfig) -> list[dict]:
-    content = code_edit_prompt(cfg.code_lines) if workload == "code-edit" else CHAT_PROMPT
-    return [{"role": "user", "content": content}]
+def check_repeat(repeat: int) -> None:
+    if not 1 <= repeat <= max_rounds():
+        raise ValueError(f"--repeat must be between 1 and {max_rounds()} (each round needs a code file and a chat "
+                         f"question no earlier round used), got {repeat}")
 
 
-def _one_run(llm, workload: str, cfg: SpecBenchConfig) -> dict:
+def code_edit_prompt(path: Path, lines: int) -> str:
+    """The first `lines` lines of `path`, to be returned with its first public function renamed."""
+    code = "\n".join(path.read_text().splitlines()[:lines])
+    names = [m.group(1) for m in re.finditer(r"^\s*(?:async\s+)?def ([A-Za-z]\w*)", code, re.MULTILINE)]
+    change = (f"rename the function `{names[0]}` to `{names[0]}_v2`" if names
+              else "add the comment `# reviewed` as its first line")
+    return (f"Here is a Python file:\n```python\n{code}\n```\nReturn the whole file with one change: {change}. "
+            f"Reply with the code only.")
+
+
+def round_sources(workload: str, repeat: int) -> list[str]:
+    """What each round's prompt is made of: a file (relative to the repository) or a question."""
+    check_repeat(repeat)
+    if workload == "code-edit":
+        return [str((PACKAGE / f).relative_to(PACKAGE.parent)) for f in CODE_FILES[:repeat]]
+    return list(CHAT_PROMPTS[:repeat])
+
+
+def user_message(workload: str, source: str, cfg: SpecBenchConfig) -> str:
+    """The user's message of a round whose prompt is made of `source` (round_sources)."""
+    return code_edit_prompt(PACKAGE.parent / source, cfg.code_lines) if workload == "code-edit" else source
+
+
+@dataclass
+class Prompt:
+    """One round's prompt, rendered once with pagellm's tokenizer and its chat template: pagellm
+    reads `token_ids`, llama-server is sent `peer_text` (the same text, tokenized by itself)."""
+    source: str
+    text: str
+    token_ids: list[int]
+    peer_text: str
+
+
+def render_prompt(tokenizer: Tokenizer, content: str, source: str) -> Prompt:
+    """`content` as the user's message, rendered as LLM.chat renders it (no special tokens added
+    beyond what the template writes)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos]
+    special_prefix = tokenizer.id_to_token(bos) if adds_bos else ""
+    return Prompt(source, text, tokenizer.encode(text, add_special_tokens=False),
+                  spec_decode_peer.completion_prompt(text, special_prefix))
+
+
+def _one_run(llm, prompt: Prompt, max_tokens: int) -> dict:
     from pagellm.sampling_params import SamplingParams
 
     before = (llm.stats()["spec_decode"] or {}).get("num_accepted_tokens", 0)
     drafts_before = (llm.stats()["spec_decode"] or {}).get("num_draft_tokens", 0)
-    out = llm.chat(_messages(workload, cfg), SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens),
-                   use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": prompt.token_ids},
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0]
     m, tokens = out.metrics, out.outputs[0].token_ids
     decode_s = m.finished_time - m.first_token_time
     spec = llm.stats()["spec_decode"] or {}
-    return {"tokens": len(tokens), "decode_s": decode_s,
+    return {"source": prompt.source, "tokens": len(tokens), "decode_s": decode_s,
             "decode_tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else None,
             "prompt_tokens": len(out.prompt_token_ids), "loadavg": os.getloadavg(),
             "accepted_tokens": spec.get("num_accepted_tokens", 0) - before,
-            "draft_tokens": spec.get("num_draft_tokens", 0) - drafts_before, "token_ids": tokens}
+            "draft_tokens": spec.get("num_draft_tokens", 0) - drafts_before,
+            "text_head": out.outputs[0].text[:spec_decode_peer.TEXT_HEAD_CHARS], "token_ids": tokens}
+
+
+def _peer_run(url: str, prompt: Prompt, max_tokens: int) -> dict:
+    return {"source": prompt.source, **spec_decode_peer.one_run(url, prompt.peer_text, max_tokens)}
 
 
 def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
@@ -81,6 +154,7 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
 
     from pagellm.entrypoints.llm import LLM
 
+    check_repeat(cfg.repeat)
     torch.set_num_threads(cfg.threads)
     load_start = os.getloadavg()
     systems = {"plain": {}, "speculative": {"speculative_config": cfg.speculative_config}}
@@ -89,22 +163,30 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
     runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in cfg.workloads}
     peer_runs: dict[str, dict[str, list[dict]]] = {w: {t: [] for t in cfg.peer_types} for w in cfg.workloads}
     peers: dict = {}
+    peer_tokens: dict[tuple[str, int], list[int]] = {}
     try:
         model_path = llms["plain"].engine.model_path
+        tok = llms["plain"].get_tokenizer()
+        prompts = {w: [render_prompt(tok, user_message(w, src, cfg), src) for src in round_sources(w, cfg.repeat)]
+                   for w in cfg.workloads}
+        warmup = render_prompt(tok, WARMUP_PROMPT, WARMUP_PROMPT)
         if cfg.peer_types:
-            context = len(llms["plain"].get_tokenizer().encode(code_edit_prompt(cfg.code_lines))) + cfg.max_tokens + 256
-            peers = spec_decode_peer.start(model_path, cfg.peer_types, cfg.threads, context)
-        for name, llm in llms.items():  # warm-up: kernels built, allocators grown
-            _one_run(llm, "chat", SpecBenchConfig(**{**asdict(cfg), "max_tokens": 8}))
+            longest = max(len(p.token_ids) for ps in prompts.values() for p in ps)
+            peers = spec_decode_peer.start(model_path, cfg.peer_types, cfg.threads, longest + cfg.max_tokens + 256)
+            url = next(iter(peers.values()))[1]
+            peer_tokens = {(w, i): spec_decode_peer.tokenize(url, p.peer_text)
+                           for w, ps in prompts.items() for i, p in enumerate(ps)}
+        for llm in llms.values():  # warm-up: kernels built, allocators grown
+            _one_run(llm, warmup, WARMUP_TOKENS)
         for _, url in peers.values():
-            spec_decode_peer.one_run(url, _messages("chat", cfg), 8)
-        for _ in range(cfg.repeat):
+            _peer_run(url, warmup, WARMUP_TOKENS)
+        for i in range(cfg.repeat):
             for workload in cfg.workloads:
+                prompt = prompts[workload][i]
                 for name, llm in llms.items():
-                    runs[workload][name].append(_one_run(llm, workload, cfg))
+                    runs[workload][name].append(_one_run(llm, prompt, cfg.max_tokens))
                 for kind, (_, url) in peers.items():
-                    peer_runs[workload][kind].append(spec_decode_peer.one_run(url, _messages(workload, cfg),
-                                                                              cfg.max_tokens))
+                    peer_runs[workload][kind].append(_peer_run(url, prompt, cfg.max_tokens))
     finally:
         for llm in llms.values():
             llm.shutdown()
@@ -123,11 +205,19 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
         entry["speedup"] = entry["speculative"]["decode_tokens_per_s"] / entry["plain"]["decode_tokens_per_s"]
         entry["outputs_equal"] = all(a["token_ids"] == b["token_ids"]
                                      for a, b in zip(by_system["plain"], by_system["speculative"]))
-        entry["output_tokens"] = by_system["plain"][0]["tokens"]
+        entry["output_tokens"] = [r["tokens"] for r in by_system["plain"]]
+        entry["rounds"] = [{"source": p.source, "prompt_tokens": {"pagellm": len(p.token_ids)}}
+                           for p in prompts[workload]]
         if cfg.peer_types:
             entry["llama-server"] = _summarize_peer(peer_runs[workload])
+            for i, (r, p) in enumerate(zip(entry["rounds"], prompts[workload])):
+                ids = peer_tokens[workload, i]
+                r["prompt_tokens"]["llama-server"] = len(ids)
+                r["same_prompt_tokens"] = ids == p.token_ids
+            entry["same_prompt_tokens"] = all(r["same_prompt_tokens"] for r in entry["rounds"])
         results[workload] = entry
-    return {"config": asdict(cfg), "model": model_path, "code_file": str(CODE_FILE.relative_to(CODE_FILE.parents[2])),
+    return {"config": asdict(cfg), "model": model_path,
+            "code_files": round_sources("code-edit", cfg.repeat) if "code-edit" in cfg.workloads else [],
             "load": {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}, "workloads": results}
 
 
@@ -139,27 +229,36 @@ def _summarize_peer(by_type: dict[str, list[dict]]) -> dict:
         drafts = sum(r["draft_tokens"] for r in rs)
         out[kind] = {"decode_tokens_per_s": statistics.median(rates) if rates else None,
                      "acceptance_rate": sum(r["accepted_tokens"] for r in rs) / drafts if drafts else None,
-                     "output_tokens": rs[0]["tokens"] if rs else None, "runs": rs}
+                     "output_tokens": [r["tokens"] for r in rs], "runs": rs}
     plain = (out.get("none") or {}).get("decode_tokens_per_s")
     for kind, e in out.items():
         e["speedup"] = e["decode_tokens_per_s"] / plain if plain and e["decode_tokens_per_s"] else None
     return out
 
 
+def _tokens(counts: list[int] | int) -> str:
+    """Output tokens per round (one number in results written before prompts rotated)."""
+    return "/".join(map(str, counts)) if isinstance(counts, list) else str(counts)
+
+
 def print_tables(results: dict) -> None:
     rows = []
     for workload, e in results["workloads"].items():
         rows.append([workload, e["plain"]["decode_tokens_per_s"], e["speculative"]["decode_tokens_per_s"],
-                     e["speedup"], e["speculative"].get("acceptance_rate"), e["output_tokens"], e["outputs_equal"]])
+                     e["speedup"], e["speculative"].get("acceptance_rate"), _tokens(e["output_tokens"]),
+                     e["outputs_equal"]])
     print(f"\n{results['model']} (quantization {results['config'].get('quantization', 'auto')}): one stream, "
           f"greedy, {results['config']['speculative_config']}")
-    print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "acceptance", "tokens",
-                               "same output"], rows))
-    peer_rows = [[workload, kind, p["decode_tokens_per_s"], p["speedup"], p["acceptance_rate"], p["output_tokens"]]
+    print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "acceptance",
+                               "tokens per round", "same output"], rows))
+    peer_rows = [[workload, kind, p["decode_tokens_per_s"], p["speedup"], p["acceptance_rate"],
+                  _tokens(p["output_tokens"]), e.get("same_prompt_tokens")]
                  for workload, e in results["workloads"].items() for kind, p in e.get("llama-server", {}).items()]
     if peer_rows:
-        print("\nllama-server on the same file, by --spec-type")
-        print(report.format_table(["workload", "spec type", "decode tok/s", "speedup", "acceptance", "tokens"], peer_rows))
+        print("\nllama-server on the same prompt text, by --spec-type")
+        print(report.format_table(["workload", "spec type", "decode tok/s", "speedup", "acceptance",
+                                   "tokens per round", "same prompt tokens"], peer_rows))
+    print(f"code files by round: {', '.join(results.get('code_files', []))}")
     print(f"load average: {results['load']['loadavg_start']} at start, {results['load']['loadavg_end']} at end")
 
 
@@ -180,7 +279,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workloads", default="code-edit,chat", help="comma-separated: code-edit, chat")
     p.add_argument("--code-lines", type=int, default=300, help="lines of the code file in the code-edit prompt")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens decoded per request")
-    p.add_argument("--repeat", type=int, default=3, help="rounds (medians reported)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help=f"rounds (medians reported), each with prompts of its own: 1 to {max_rounds()}")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peer", nargs="?", const=",".join(spec_decode_peer.DEFAULT_TYPES), default="",
                    metavar="TYPES", help="also run llama-server on the same GGUF file once per --spec-type "
@@ -191,12 +291,13 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = sorted(set(workloads) - {"code-edit", "chat"})
+    unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         raise ValueError(f"--workloads: unknown {', '.join(unknown)}; choose code-edit, chat")
-    for name in ("code_lines", "max_tokens", "repeat", "threads"):
+    for name in ("code_lines", "max_tokens", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_repeat(args.repeat)
     peer_types = [t.strip() for t in args.peer.split(",") if t.strip()]
     spec_decode_peer.check_types(peer_types)
     if peer_types and args.model and not args.model.endswith(".gguf"):
@@ -231,8 +332,9 @@ def doc_table(doc: dict) -> str:
     rows = []
     method = doc["config"]["speculative_config"].get("method", "ngram")
     for name, e in doc["workloads"].items():
-        prompt = e["plain"]["runs"][0]["prompt_tokens"]
-        rows.append([f"{name} ({prompt:,} prompt tokens)", f"{e['plain']['decode_tokens_per_s']:.1f}",
+        prompts = sorted(r["prompt_tokens"] for r in e["plain"]["runs"])
+        span = f"{prompts[0]:,}" if prompts[0] == prompts[-1] else f"{prompts[0]:,} to {prompts[-1]:,}"
+        rows.append([f"{name} ({span} prompt tokens)", f"{e['plain']['decode_tokens_per_s']:.1f}",
                      f"{e['speculative']['decode_tokens_per_s']:.1f}", f"{e['speedup']:.2f}x",
                      f"{e['speculative'].get('acceptance_rate', 0):.2f}", "yes" if e["outputs_equal"] else "no"])
     column = "with prompt lookup" if method == "ngram" else "with a draft model"

@@ -85,19 +85,19 @@ def split_kv_budget(config: EngineConfig, target: ModelRunner, draft: DraftModel
     if config.num_kv_blocks:
         groups = draft.runner.kv_groups
         draft_blocks = config.num_kv_blocks * len(groups.layer_group) // groups.slots
-        asked_by = f"num_kv_blocks={config.num_kv_blocks} (as many draft blocks as the target's)"
-        how = "num_kv_blocks sizes the target's pool; the draft's has as many blocks, beside it"
+        asked_by = f"num_kv_blocks={config.num_kv_blocks} (as many {draft.label} blocks as the target's)"
+        how = f"num_kv_blocks sizes the target's pool; the {draft.label}'s has as many blocks, beside it"
     else:
         budget = target_blocks * target_bytes
         share = budget // (target_bytes + draft_bytes)
         if share < 1:
             raise ValueError(f"the KV budget of {budget} bytes holds no block of the target ({target_bytes} bytes) "
-                             f"and one of the draft model ({draft_bytes} bytes) together; raise kv_cache_memory")
+                             f"and one of the {draft.label} ({draft_bytes} bytes) together; raise kv_cache_memory")
         target_blocks = draft_blocks = share
-        asked_by = "the draft model's share of the KV budget"
+        asked_by = f"the {draft.label}'s share of the KV budget"
         how = f"a budget of {budget / (1 << 20):.1f} MiB split between them"
     draft.allocate_cache(draft_blocks, bs, config.max_num_batched_tokens, asked_by)
-    logger.info("KV cache: target %d blocks of %d bytes (%.1f MiB), draft model %d blocks of %d bytes (%.1f MiB): %s",
-                target_blocks, target_bytes, target_blocks * target_bytes / (1 << 20), draft_blocks, draft_bytes,
-                draft_blocks * draft_bytes / (1 << 20), how)
+    logger.info("KV cache: target %d blocks of %d bytes (%.1f MiB), %s %d blocks of %d bytes (%.1f MiB): %s",
+                target_blocks, target_bytes, target_blocks * target_bytes / (1 << 20), draft.label, draft_blocks,
+                draft_bytes, draft_blocks * draft_bytes / (1 << 20), how)
     return target_blocks

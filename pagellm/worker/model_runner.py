@@ -10,6 +10,7 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -383,8 +384,7 @@ class ModelRunner:
             return self._execute(plan, eos_token_ids)
 
     def _execute(self, plan: StepPlan, eos_token_ids: set[int]) -> StepResult:
-        # Decodes first, so the backend can batch them in one product.
-        seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)
+        seqs = [plan.seqs[i] for i in decodes_first(plan.seqs)]
         with phase(self.timer, "prepare_inputs"):
             inputs = self._prepare(seqs, plan.block_copies)
         # Only the last position of each sampling sequence needs logits (forked siblings sample
@@ -487,8 +487,8 @@ class ModelRunner:
     def last_logits(self, seqs: list[PlannedSeq]) -> torch.Tensor:
         """A forward pass over `seqs` (one sampler each) without sampling: the logits of each one's
         last position, [len(seqs), vocab], in their order (a draft model's step)."""
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)  # decodes first
-        logits, _ = self.run_step(self._prepare([seqs[i] for i in order], []))
+        order, inputs = self._prepare_decodes_first(seqs)
+        logits, _ = self.run_step(inputs)
         return logits[torch.tensor(order, device=logits.device).argsort()]
 
     @torch.inference_mode()
@@ -496,12 +496,11 @@ class ModelRunner:
         """A forward pass over `seqs` of a model that reads a row per token beside the token (an MTP
         layer: the hidden state that predicted it, `previous_hidden`, rows in `seqs`' token order),
         without logits: every token's output row, [tokens, hidden], in the same order."""
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)  # decodes first
+        order, inputs = self._prepare_decodes_first(seqs)
         offsets = [0]
         for s in seqs:
             offsets.append(offsets[-1] + len(s.token_ids))
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in order]).to(self.device)
-        inputs = self._prepare([seqs[i] for i in order], [])
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, previous_hidden[rows])
         out = torch.empty_like(hidden)
         out[rows] = hidden
@@ -528,6 +527,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             report["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
+
+    def _prepare_decodes_first(self, seqs: list[PlannedSeq]) -> tuple[list[int], StepInputs]:
+        """The inputs of a forward pass over `seqs` outside the scheduler's steps (a proposer's
+        model), the sequences taken in decodes_first order; and that order, indices into `seqs`,
+        to put what the pass returns back in theirs."""
+        order = decodes_first(seqs)
+        return order, self._prepare([seqs[i] for i in order], [])
 
     def _prepare(self, seqs: list[PlannedSeq], block_copies: list[tuple[int, int]]) -> StepInputs:
         bs = self.block_size
@@ -594,6 +600,13 @@ class ModelRunner:
             meta.fresh_states = torch.tensor(fresh_states, dtype=torch.long, device=dev)
         return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows, pool_rows)
+
+
+def decodes_first(seqs: Sequence[PlannedSeq]) -> list[int]:
+    """Indices of `seqs` in the order a forward pass takes them: decodes (one query token each)
+    first, as AttentionMetadata's num_decodes expects, so the backend batches them in one product;
+    otherwise in their order."""
+    return sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
 
 
 def _pool_chunks(hidden: torch.Tensor, pool_rows: list[tuple[int, int, str]]) -> torch.Tensor:

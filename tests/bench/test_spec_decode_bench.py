@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
+import tokenizers
+from tokenizers import processors
+
+from pagellm.bench import spec_decode, spec_decode_peer
 from pagellm.cli import main
+from pagellm.envs import llama_cpp_bin
+from pagellm.loader.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE
+from pagellm.loader.tokenizer import Tokenizer
 
 
 def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
+    """Each round has a code file and a chat question of its own, the same for both systems within
+    the round; every run records its prompt's size and the start of its output."""
     stem = tmp_path / "spec"
     rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--code-lines", "2", "--max-tokens", "6",
                "--repeat", "2", "--out", str(stem)])
@@ -14,13 +25,64 @@ def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
     data = json.loads(stem.with_suffix(".json").read_text())
     assert data["benchmark"] == "spec-decode" and data["machine"]["cpu"] and len(data["load"]["loadavg_start"]) == 3
     assert set(data["workloads"]) == {"code-edit", "chat"}
-    for entry in data["workloads"].values():
+    assert data["code_files"] == [f"pagellm/{f}" for f in spec_decode.CODE_FILES[:2]]
+    sources = {"code-edit": data["code_files"], "chat": list(spec_decode.CHAT_PROMPTS[:2])}
+    for workload, entry in data["workloads"].items():
         assert entry["outputs_equal"] is True
+        assert [r["source"] for r in entry["rounds"]] == sources[workload]
+        assert len(set(sources[workload])) == 2
         for system in ("plain", "speculative"):
             runs = entry[system]["runs"]
-            assert len(runs) == 2 and all(r["tokens"] == entry["output_tokens"] and r["loadavg"] for r in runs)
+            assert [r["source"] for r in runs] == sources[workload]
+            assert [r["tokens"] for r in runs] == entry["output_tokens"] and all(r["loadavg"] for r in runs)
+            assert [r["prompt_tokens"] for r in runs] == [r["prompt_tokens"]["pagellm"] for r in entry["rounds"]]
+            assert all(isinstance(r["text_head"], str) and 0 < len(r["text_head"]) <= 200 for r in runs)
             assert entry[system]["decode_tokens_per_s"] > 0
         assert entry["speedup"] > 0
+    for name, entry in data["workloads"].items():  # other files, other questions: prompts of other sizes here
+        sizes = sorted(r["prompt_tokens"]["pagellm"] for r in entry["rounds"])
+        assert sizes[0] < sizes[1] and f"{name} ({sizes[0]} to {sizes[1]} prompt tokens)" in spec_decode.doc_table(data)
+
+
+def test_each_round_edits_another_module_of_300_lines_or_more():
+    """More rounds than distinct prompts would hand a proposer that remembers earlier requests the
+    text it must write: refused, naming the limit."""
+    sources = spec_decode.round_sources("code-edit", spec_decode.max_rounds())
+    assert len(set(sources)) == len(sources) == len(spec_decode.CODE_FILES)
+    for source in sources:
+        assert len((spec_decode.PACKAGE.parent / source).read_text().splitlines()) >= 300
+        prompt = spec_decode.code_edit_prompt(spec_decode.PACKAGE.parent / source, 300)
+        name = prompt.split("rename the function `")[1].split("`")[0]
+        assert f"def {name}(" in prompt and not name.startswith("_")
+    with pytest.raises(ValueError, match=f"--repeat must be between 1 and {spec_decode.max_rounds()}"):
+        spec_decode.round_sources("chat", spec_decode.max_rounds() + 1)
+
+
+def test_llama_server_is_sent_the_text_pagellm_reads(smollm2_gguf):
+    """The prompt is rendered once, with pagellm's tokenizer; the body for llama-server's raw
+    completion endpoint carries that text, which its tokenizer (the GGUF's: no BOS added for
+    SmolLM2) reads as the same tokens."""
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    prompt = spec_decode.render_prompt(tok, spec_decode.CHAT_PROMPTS[0], spec_decode.CHAT_PROMPTS[0])
+    assert prompt.text.startswith("<|im_start|>system") and spec_decode.CHAT_PROMPTS[0] in prompt.text
+    assert prompt.token_ids == tok.encode(prompt.text, add_special_tokens=False)
+    body = spec_decode_peer.request_body(prompt.peer_text, 16)
+    assert body == {"prompt": prompt.text, "n_predict": 16, "temperature": 0.0, "seed": 0, "stream": False}
+    assert tok.encode(body["prompt"], add_special_tokens=True) == prompt.token_ids
+
+
+def test_a_bos_the_template_writes_is_not_sent_twice(tiny_llama_dir):
+    """A model whose tokenizer adds a BOS and whose template writes one too: the server adds its
+    own, so the text sent starts after the template's."""
+    backend = tokenizers.Tokenizer.from_file(str(Path(tiny_llama_dir) / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = Tokenizer(backend, special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+                    chat_template="{{ bos_token }}" + CHAT_TEMPLATE)
+    prompt = spec_decode.render_prompt(tok, "hi", "hi")
+    assert prompt.token_ids[0] == 0 and prompt.token_ids.count(0) == 1
+    assert prompt.peer_text == prompt.text[len("<s>"):]
+    assert tok.encode(prompt.peer_text, add_special_tokens=True) == prompt.token_ids
+    assert spec_decode_peer.completion_prompt("no bos here", "<s>") == "no bos here"
 
 
 def test_the_llama_server_peer_is_refused_where_it_cannot_run(tmp_path, tiny_llama_dir, capsys):
@@ -44,3 +106,22 @@ def test_spec_decode_bench_with_a_draft_model(tmp_path, tiny_llama_dir):
     assert data["config"]["quantization"] == "auto"
     entry = data["workloads"]["chat"]
     assert entry["outputs_equal"] is True and entry["speculative"]["acceptance_rate"] == 1.0
+
+
+@pytest.mark.slow
+def test_llama_server_reads_the_same_prompt_tokens(tmp_path, smollm2_gguf):
+    """With the real llama-server: the ids it reads for each round's text are pagellm's, it
+    reports as many prompt tokens (no second BOS), and its runs follow the rounds' sources."""
+    binary = Path(llama_cpp_bin()) / "llama-server"
+    if not binary.exists():
+        pytest.skip(f"{binary} is not built (benchmarks/build_llama_cpp.sh)")
+    stem = tmp_path / "spec"
+    assert main(["bench", "spec-decode", "--model", smollm2_gguf, "--peer", "none", "--code-lines", "20",
+                 "--max-tokens", "4", "--repeat", "2", "--out", str(stem)]) == 0
+    data = json.loads(stem.with_suffix(".json").read_text())
+    for entry in data["workloads"].values():
+        assert entry["same_prompt_tokens"] is True
+        runs = entry["llama-server"]["none"]["runs"]
+        assert [r["source"] for r in runs] == [r["source"] for r in entry["rounds"]]
+        assert [r["prompt_tokens"] for r in runs] == [r["prompt_tokens"]["pagellm"] for r in entry["rounds"]]
+        assert all(r["text_head"] for r in runs)

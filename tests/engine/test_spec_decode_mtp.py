@@ -16,6 +16,7 @@ pagellm uses the target's).
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 
@@ -212,6 +213,15 @@ def test_sampled_requests_keep_the_targets_logprobs(coin):
     for (prompt, _), c, s in zip(requests, got, scored):
         want = [lp[t].logprob for t, lp in zip(c.token_ids, s.prompt_logprobs[len(prompt):])]
         assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(want, abs=1e-4)
+
+
+def test_the_kv_split_names_the_mtp_layer(ds, caplog):
+    """The MTP layer's cache takes its share of a byte budget as a draft model's does; the start-up
+    line says whose share it is."""
+    with caplog.at_level(logging.INFO, logger="pagellm.engine"):
+        LLM(str(ds[0]), kv_cache_memory=1 << 20, block_size=4, speculative_config=MTP)
+    lines = [r.message for r in caplog.records if "split between them" in r.message]
+    assert len(lines) == 1 and "MTP layer" in lines[0] and "draft model" not in lines[0]
 
 
 def test_checkpoints_without_mtp_layers_are_refused(ds, tmp_path, tiny_llama_dir):

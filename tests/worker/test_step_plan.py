@@ -11,7 +11,7 @@ from pagellm.core.step_plan import PlannedSeq, SampleSpec, StepPlan
 from pagellm.distributed.worker import pack, unpack
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.model_runner import StepInputs
+from pagellm.worker.model_runner import StepInputs, decodes_first
 from tests.conftest import hf_greedy
 
 
@@ -51,3 +51,11 @@ def test_step_inputs_pack_and_unpack_field_by_field(tiny_llama_dir):
     assert back.block_copies == [(1, 2)] and back.rows == [1] and torch.equal(back.input_ids, inputs.input_ids)
     assert back.meta.query_lens == [2] and back.meta.block_size == 4
     assert torch.equal(back.meta.block_tables, meta.block_tables)
+
+
+def test_a_forward_pass_takes_decodes_first_and_the_rest_in_their_order():
+    """The attention metadata counts its leading one-token sequences as decodes: every pass (the
+    scheduler's steps and a proposer model's) orders them so, keeping the plan's order otherwise."""
+    seqs = [PlannedSeq(rid, tokens, 0, ([0],)) for rid, tokens in
+            [("p1", [1, 2]), ("d1", [3]), ("p2", [4, 5, 6]), ("d2", [7]), ("d3", [8])]]
+    assert [seqs[i].request_id for i in decodes_first(seqs)] == ["d1", "d2", "d3", "p1", "p2"]

@@ -58,6 +58,9 @@ class _Run:
 class ModelProposer(Proposer):
     """A proposer that runs a model of its own (a draft model, an MTP layer) over its own paged cache."""
 
+    # What it is called in messages about it (the engine's KV split among them).
+    label = "proposer model"
+
     def __init__(self, runner: ModelRunner, eos_token_ids: set[int], seed: int = 0) -> None:
         """`runner`: the proposing model's, weights loaded (its cache comes with allocate_cache, once
         the engine has split its KV budget). `seed` seeds the draws of unseeded sampled requests."""
@@ -78,6 +81,7 @@ class ModelProposer(Proposer):
 
 
 class DraftModelProposer(ModelProposer):
+    label = "draft model"
     seqs: dict[str, DraftSequence]
 
     def propose_for(self, queries: Sequence[ProposalQuery]) -> list[Proposal]:

@@ -65,6 +65,7 @@ class _Read:
 class MTPProposer(ModelProposer):
     """Runs the MTP layer (model_class DeepseekV3MTP) over its own paged cache."""
 
+    label = "MTP layer"
     reads_hidden_states = True
     seqs: dict[str, _MTPState]
 

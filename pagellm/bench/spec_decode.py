@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagellm.bench import report, spec_decode_peer
+from pagellm.config import SpeculativeConfig
+from pagellm.core.spec_decode import next_lookahead
+from pagellm.worker.proposers.ngram import lookup
 
 if TYPE_CHECKING:
     from pagellm.loader.tokenizer import Tokenizer
@@ -206,6 +209,11 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
         entry["outputs_equal"] = all(a["token_ids"] == b["token_ids"]
                                      for a, b in zip(by_system["plain"], by_system["speculative"]))
         entry["output_tokens"] = [r["tokens"] for r in by_system["plain"]]
+        spec = SpeculativeConfig.from_dict(cfg.speculative_config)
+        if spec.method == "ngram":
+            replays = [lookup_replay(p.token_ids, r["token_ids"], spec, cfg.max_tokens)
+                       for p, r in zip(prompts[workload], by_system["plain"])]
+            entry["lookup_replay"] = {"ceiling": statistics.median(r["ceiling"] for r in replays), "rounds": replays}
         entry["rounds"] = [{"source": p.source, "prompt_tokens": {"pagellm": len(p.token_ids)}}
                            for p in prompts[workload]]
         if cfg.peer_types:
@@ -219,6 +227,40 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
     return {"config": asdict(cfg), "model": model_path,
             "code_files": round_sources("code-edit", cfg.repeat) if "code-edit" in cfg.workloads else [],
             "load": {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}, "workloads": results}
+
+
+def lookup_replay(prompt_ids: list[int], output_ids: list[int], spec: SpeculativeConfig,
+                  max_tokens: int | None = None) -> dict:
+    """Prompt lookup replayed over a plain run's greedy output with the engine's own rules (the
+    proposer's `lookup`, the scheduler's `next_lookahead`): the verification steps it takes and what
+    it proposes and gets accepted. `ceiling` = output tokens / steps is the speedup speculation would
+    give if verifying k tokens cost what decoding one does: what the proposer can get out of this
+    output whatever the kernels, so a low measured speedup reads as the model's output (it does
+    not copy) or as the cost of verification. As in the engine, the first token comes from the
+    prompt's own step (not counted, as decode speed does not count it), whose end proposes the next;
+    and no more tokens are verified than max_tokens leaves room for."""
+    pos, steps, drafted, accepted = 1, 0, 0, 0
+    lookahead = most = spec.num_speculative_tokens
+
+    def propose(num_tokens: int) -> list[int]:
+        return lookup(prompt_ids + output_ids[:pos], num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    proposal = propose(lookahead)
+    while pos < len(output_ids):
+        # Verified: the proposal made during the previous step, which asked for the lookahead of
+        # that step's start (the one before its own verification adapted it).
+        verified = proposal if max_tokens is None else proposal[:max(0, max_tokens - pos - 1)]
+        kept = 0
+        while kept < len(verified) and pos + kept < len(output_ids) and verified[kept] == output_ids[pos + kept]:
+            kept += 1
+        steps, drafted, accepted = steps + 1, drafted + len(verified), accepted + kept
+        asked = lookahead
+        if verified:
+            lookahead = next_lookahead(lookahead, len(verified), kept, most)
+        pos += kept + 1
+        proposal = propose(asked)
+    return {"steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "ceiling": (len(output_ids) - 1) / steps if steps else None}
 
 
 def _summarize_peer(by_type: dict[str, list[dict]]) -> dict:
@@ -245,11 +287,11 @@ def print_tables(results: dict) -> None:
     rows = []
     for workload, e in results["workloads"].items():
         rows.append([workload, e["plain"]["decode_tokens_per_s"], e["speculative"]["decode_tokens_per_s"],
-                     e["speedup"], e["speculative"].get("acceptance_rate"), _tokens(e["output_tokens"]),
-                     e["outputs_equal"]])
+                     e["speedup"], e.get("lookup_replay", {}).get("ceiling"), e["speculative"].get("acceptance_rate"),
+                     _tokens(e["output_tokens"]), e["outputs_equal"]])
     print(f"\n{results['model']} (quantization {results['config'].get('quantization', 'auto')}): one stream, "
           f"greedy, {results['config']['speculative_config']}")
-    print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "acceptance",
+    print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "lookup ceiling", "acceptance",
                                "tokens per round", "same output"], rows))
     peer_rows = [[workload, kind, p["decode_tokens_per_s"], p["speedup"], p["acceptance_rate"],
                   _tokens(p["output_tokens"]), e.get("same_prompt_tokens")]
@@ -337,9 +379,13 @@ def doc_table(doc: dict) -> str:
         rows.append([f"{name} ({span} prompt tokens)", f"{e['plain']['decode_tokens_per_s']:.1f}",
                      f"{e['speculative']['decode_tokens_per_s']:.1f}", f"{e['speedup']:.2f}x",
                      f"{e['speculative'].get('acceptance_rate', 0):.2f}", "yes" if e["outputs_equal"] else "no"])
+        if "lookup_replay" in e:
+            rows[-1].insert(4, f"{e['lookup_replay']['ceiling']:.2f}x")
     column = "with prompt lookup" if method == "ngram" else "with a draft model"
-    table = doc_sections.markdown_table(["workload", "plain tok/s", column, "speedup (medians)",
-                                       "acceptance", "same output"], rows, "lrrrrl")
+    ceiling = any("lookup_replay" in e for e in doc["workloads"].values())
+    table = doc_sections.markdown_table(
+        ["workload", "plain tok/s", column, "speedup (medians)"] + (["lookup ceiling"] if ceiling else [])
+        + ["acceptance", "same output"], rows, "lrrrr" + ("r" if ceiling else "") + "l")
     peers = [(name, e["llama-server"]) for name, e in doc["workloads"].items() if e.get("llama-server")]
     if not peers:
         return table

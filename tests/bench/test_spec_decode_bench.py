@@ -39,6 +39,7 @@ def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
             assert all(isinstance(r["text_head"], str) and 0 < len(r["text_head"]) <= 200 for r in runs)
             assert entry[system]["decode_tokens_per_s"] > 0
         assert entry["speedup"] > 0
+        assert [r["steps"] for r in entry["lookup_replay"]["rounds"]] == [n - 1 for n in entry["output_tokens"]]
     for name, entry in data["workloads"].items():  # other files, other questions: prompts of other sizes here
         sizes = sorted(r["prompt_tokens"]["pagellm"] for r in entry["rounds"])
         assert sizes[0] < sizes[1] and f"{name} ({sizes[0]} to {sizes[1]} prompt tokens)" in spec_decode.doc_table(data)
@@ -125,3 +126,35 @@ def test_llama_server_reads_the_same_prompt_tokens(tmp_path, smollm2_gguf):
         assert [r["source"] for r in runs] == [r["source"] for r in entry["rounds"]]
         assert [r["prompt_tokens"] for r in runs] == [r["prompt_tokens"]["pagellm"] for r in entry["rounds"]]
         assert all(r["text_head"] for r in runs)
+
+
+def test_lookup_replay_counts_the_steps_a_copy_saves():
+    """Every step emits its accepted proposals and one token of its own; an output copied from the
+    prompt needs far fewer steps than tokens, one that repeats nothing needs one per token."""
+    spec = spec_decode.SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    prompt = list(range(100, 200))
+    copy = spec_decode.lookup_replay(prompt, prompt[10:60], spec)
+    # (the last step's own token may fall past the end)
+    assert 49 <= copy["steps"] + copy["accepted_tokens"] <= 50 and copy["ceiling"] == 49 / copy["steps"]
+    assert copy["ceiling"] > 3 and copy["accepted_tokens"] <= copy["draft_tokens"]
+    fresh = spec_decode.lookup_replay(prompt, list(range(300, 350)), spec)
+    assert fresh == {"steps": 49, "draft_tokens": 0, "accepted_tokens": 0, "ceiling": 1.0}
+
+
+def test_lookup_replay_proposes_and_keeps_what_the_engine_did(smollm2_gguf):
+    """Replayed over the plain run's output, prompt lookup drafts and keeps exactly the tokens the
+    engine drafted and kept speculating on the same prompt (the bundled model repeats itself)."""
+    from pagellm.entrypoints.llm import LLM
+    from pagellm.sampling_params import SamplingParams
+
+    options = {"method": "ngram", "num_speculative_tokens": 4}
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    llm = LLM(smollm2_gguf, speculative_config=options)
+    prompt = llm.get_tokenizer().encode("The people who keep lighthouses are the people who keep lighthouses. " * 3)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    spec = llm.stats()["spec_decode"]
+    llm.shutdown()
+    replay = spec_decode.lookup_replay(prompt, list(out.outputs[0].token_ids),
+                                       spec_decode.SpeculativeConfig.from_dict(options), params.max_tokens)
+    assert replay["draft_tokens"] > 20 and len(out.outputs[0].token_ids) == 64
+    assert (replay["draft_tokens"], replay["accepted_tokens"]) == (spec["num_draft_tokens"], spec["num_accepted_tokens"])

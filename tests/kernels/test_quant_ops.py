@@ -70,15 +70,21 @@ def rounded_to_int8(x: torch.Tensor, two_codes: bool, block: int = 32) -> torch.
     return (codes * (amax / 127)).reshape(x.shape)
 
 
+# K 128 (the 32-value types only): a row of two 64-value chunks, as a small model's (test_gguf_quantized's
+# mixed model is 128 wide), with every count of x's rows in a group (multiply_group's 1..8) and groups
+# of 8 ending in a partial one; K 512 and 4352: x in groups of 8 rows, past K 4096 of 4.
+INT8_SHAPES = [pytest.param(t, 128, id=f"{t.name}-K128") for t in TYPES if t in (T.Q4_0, T.Q4_1, T.Q8_0)] + [
+    pytest.param(t, k, id=f"{t.name}-K{k}") for k in (512, 4352) for t in TYPES]
+
+
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
-@pytest.mark.parametrize("cols", [512, 4352], ids=["K512", "K4352"])  # x in groups of 8 rows; past K 4096, of 4
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype, cols", INT8_SHAPES)
 def test_int8_activation_products_are_the_rounded_activations_exact_product(qtype, activations, cols, monkeypatch):
     monkeypatch.setitem(q.INT8_MAX_ROWS, activations, 32)  # the kernel at every batch size tried here
     # groups of 8 (4) of W's rows for one row of x, then a tail; at K 4352, 120 rows span two of the passes
     # (kIntPassBytes) that several groups of x's rows take through W
-    rows = 41 if cols == 512 else 120
+    rows = 120 if cols == 4352 else 41
     raw = random_blocks(qtype, rows, cols, seed=4)
     dense = reference(raw, qtype, cols).double()
     w = torch.from_numpy(raw)
@@ -86,11 +92,11 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
     # The K-quants take x a 256-value super-block at a time, as llama.cpp's Q8_K; Q6_K with two codes
     # per 32 values, but per 256 from the rows where AVX-512 VNNI builds join the two codes into 16 bits
     wide_from = getattr(cpu.quant_kernels(), "int8x2_wide_min_rows", {}).get(int(qtype))
-    for m in (1, 2, 3, 4, 6, 9, 24):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 24, 31, 32) if cols == 128 else (1, 2, 3, 4, 6, 9, 24):
         wide = activations == "int8x2" and wide_from is not None and m >= wide_from
         block = 256 if qtype in (T.Q4_K, T.Q5_K) or (qtype == T.Q6_K and (activations == "int8" or wide)) else 32
         x = torch.randn(m, cols)
-        x[0, 256:] = 0  # an all-zero block (and super-block): scale 0, no division by it
+        x[0, min(256, cols // 2):] = 0  # an all-zero block (and super-block): scale 0, no division by it
         ours = q.gguf_matmul(x, w, int(qtype), cols, activations=activations)
         expected = rounded_to_int8(x, activations == "int8x2", block).double() @ dense.T
         assert (ours.double() - expected).abs().max() <= RTOL * expected.abs().max(), (qtype.name, m)
@@ -99,7 +105,7 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
     # A row that went NaN or infinite stays non-finite (request isolation fails that row), and the
     # other rows of the batch are untouched.
     x = torch.randn(3, cols)
-    x[1, 5], x[2, 300] = float("nan"), float("inf")
+    x[1, 5], x[2, min(300, cols - 1)] = float("nan"), float("inf")
     ours = q.gguf_matmul(x, w, int(qtype), cols, activations=activations)
     assert ours[0].isfinite().all() and ours[1].isnan().all() and not ours[2].isfinite().any()
     with pytest.raises(RuntimeError, match="not a multiple of 64"):
@@ -176,7 +182,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     assert kind in q.prefill_types("int8x2")
     assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                        kernels.gguf_matmul_int8(x, w, kind, cols, True))
-    x[1, 5], x[2, 300] = float("nan"), float("inf")  # a row gone bad stays bad; the others are untouched
+    x[1, 5], x[2, min(300, cols - 1)] = float("nan"), float("inf")  # a row gone bad stays bad; the others are untouched
     ours = kernels.gguf_matmul_int8(x, w, kind, cols, True)
     assert ours[1].isnan().all() and not ours[2].isfinite().any()
     assert ours[[0, *range(3, 40)]].isfinite().all()

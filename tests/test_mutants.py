@@ -147,6 +147,11 @@ MUTANTS = [
            "                prompt = prompts[workload][i]",
            "                prompt = prompts[workload][0]",
            ("tests/bench/test_spec_decode_bench.py::test_spec_decode_bench_tiny",)),
+    Mutant("a recurrent layer's state keeps the rejected proposals' updates (no roll-back after a verification)",
+           "pagellm/layers/recurrent.py",
+           "            if states is not None and n < states.shape[0]:",
+           "            if False:",
+           ("tests/engine/test_spec_decode.py::test_greedy_equals_plain_decoding",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

@@ -36,6 +36,10 @@ class AttentionMetadata:
     # computed no tokens before this step (their rows; their states start from zeros).
     state_block_ids: torch.Tensor | None = None
     fresh_states: torch.Tensor | None = None
+    # The sequences (rows) whose tokens verify proposals: the recurrent layers trace their states
+    # token by token into state_rollbacks, for the runner to roll the rejected tokens back.
+    verifying: list[int] | None = None
+    state_rollbacks: list = field(default_factory=list, repr=False, compare=False)
 
     # for_group()'s results, built once per step rather than once per layer.
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -149,13 +149,14 @@ def _start_executor(config: EngineConfig, spec: WorkerSpec, device: torch.device
 
 
 def _check_speculation(config: EngineConfig, runner: ModelRunner) -> None:
-    """Speculative decoding rolls rejected tokens back by shortening block tables: refuse what
-    cannot be rolled back that way (yet)."""
-    if runner.recurrent:
+    """Speculative decoding rolls rejected tokens back by shortening block tables, and recurrent
+    layers' states by writing back the state traced after the last accepted token (layers/recurrent.py):
+    refuse what cannot be rolled back that way (yet)."""
+    if runner.recurrent and config.tensor_parallel_size > 1:
         kinds = ", ".join(sorted({type(m).__name__ for m in runner.recurrent}))
-        raise ValueError(f"speculative_config is not supported for {runner.arch.architecture} yet: its recurrent "
-                         f"layers ({kinds}) keep a per-sequence state that rejected tokens would have "
-                         f"advanced, and rolling that state back is not implemented")
+        raise ValueError(f"speculative_config with tensor_parallel_size > 1 is not supported for "
+                         f"{runner.arch.architecture} yet: its recurrent layers ({kinds}) are rolled back to the "
+                         f"accepted tokens' state on rank 0 only; use tensor_parallel_size 1")
     if config.kv_policy != "paged":
         raise ValueError(f"speculative_config needs kv_policy 'paged' (rejected tokens are dropped from block "
                          f"tables), got {config.kv_policy!r}")

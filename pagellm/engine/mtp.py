@@ -21,8 +21,8 @@ logger = logging.getLogger("pagellm.engine")
 _MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 # Families whose checkpoints ship MTP layers that this engine does not run yet, and why.
 _NOT_YET = {
-    "qwen3_5": "its recurrent (Gated DeltaNet) layers keep a per-sequence state that rejected tokens would "
-               "have advanced, and rolling that state back is not implemented",
+    "qwen3_5": "its checkpoints' mtp.* layer (its own norms, projection and attention layer beside the target's "
+               "Gated DeltaNet and attention stack) is not loaded by this engine yet",
 }
 _NOT_YET["qwen3_5_moe"] = _NOT_YET["qwen3_5"]
 

@@ -9,15 +9,22 @@ a step, gives what the whole sequence at once gives.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from pagellm.layers.recurrent import StateTrace
+
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
-                  query_lens: list[int], activation: str | None = None) -> torch.Tensor:
+                  query_lens: list[int], activation: str | None = None, trace: StateTrace | None = None,
+                  field: str = "conv") -> torch.Tensor:
     """x: [T, C], the step's tokens of `len(query_lens)` sequences back to back; weight: [C, K];
     state: [num_seqs, C, K - 1], each sequence's inputs before this step (updated in place).
-    -> [T, C], `activation` ("silu" or None) applied."""
+    -> [T, C], `activation` ("silu" or None) applied. The sequences of `trace` have their state
+    after each of their tokens recorded under `field` (layers/recurrent.py)."""
     k = weight.shape[1]
     if all(n == 1 for n in query_lens):  # decode: one window per sequence, one product
         window = torch.cat([state, x.unsqueeze(-1)], dim=-1)  # [N, C, K]
@@ -28,6 +35,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         for i, xs in enumerate(x.split(query_lens)):
             window = torch.cat([state[i], xs.t()], dim=-1)  # [C, K - 1 + L]
             parts.append(F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0].t())
+            if trace is not None and i in trace.rows:
+                for j in range(xs.shape[0]):  # after token j: the K - 1 inputs up to it
+                    trace.record(field, i, window[:, j + 1:j + k])
             state[i].copy_(window[:, window.shape[1] - (k - 1):])
         out = torch.cat(parts)
     if bias is not None:

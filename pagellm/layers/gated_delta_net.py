@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
-from pagellm.layers.recurrent import RecurrentMixer
+from pagellm.layers.recurrent import RecurrentMixer, StateTrace
 from pagellm.layers.sharded_parts import (Part, PartsColumnParallelLinear, PartsConv1d, PartsRowParallelLinear,
                                           leading_decodes, sharded_vector)
 
@@ -132,10 +132,11 @@ class GatedDeltaNet(RecurrentMixer):
         self.state_shapes = {"conv": (conv_channels, kernel - 1),
                              "ssm": (self.num_v_heads, self.dk, self.dv)}
 
-    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int],
+                trace: StateTrace | None = None) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
-        q, k, v = self.conv1d(qkv, state["conv"], query_lens).split(self.qkv_splits, dim=-1)
+        q, k, v = self.conv1d(qkv, state["conv"], query_lens, trace).split(self.qkv_splits, dim=-1)
         group = self.num_v_heads // self.num_k_heads  # value heads per key head
         q = (_l2norm(q.view(t, -1, self.dk)) * self.dk ** -0.5).repeat_interleave(group, dim=1)
         k = _l2norm(k.view(t, -1, self.dk)).repeat_interleave(group, dim=1)
@@ -152,8 +153,14 @@ class GatedDeltaNet(RecurrentMixer):
         start = decodes
         for i in range(decodes, len(query_lens)):
             end = start + query_lens[i]
-            out[start:end] = chunked_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                beta[start:end], ssm[i], self.chunk_size)
+            if trace is not None and i in trace.rows:  # a verification: a token at a time, as decodes step
+                for j in range(start, end):
+                    out[j:j + 1] = recurrent_step(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1],
+                                                  ssm[i:i + 1])
+                    trace.record("ssm", i, ssm[i])
+            else:
+                out[start:end] = chunked_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
+                                                    beta[start:end], ssm[i], self.chunk_size)
             start = end
 
         # The gated norm: normalised in float32, scaled by the weight in the model's dtype, then gated.

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from pagellm.layers.linear import RowParallelLinear
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
-from pagellm.layers.recurrent import RecurrentMixer
+from pagellm.layers.recurrent import RecurrentMixer, StateTrace
 from pagellm.layers.sharded_parts import Part, PartsColumnParallelLinear, PartsConv1d, leading_decodes, sharded_vector
 
 
@@ -142,10 +142,11 @@ class Mamba2Mixer(RecurrentMixer):
         y = y * torch.rsqrt(sq / self.group_size + self.eps)
         return y.view(t, -1) * self.norm.weight.float()
 
-    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int],
+                trace: StateTrace | None = None) -> torch.Tensor:
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
-        xs, B, C = self.conv1d(xbc, state["conv"], query_lens).split(self.xbc_splits, dim=-1)
+        xs, B, C = self.conv1d(xbc, state["conv"], query_lens, trace).split(self.xbc_splits, dim=-1)
         xs = xs.view(t, self.num_heads, self.head_dim)
         per_group = self.num_heads // self.num_groups
         B = B.view(t, self.num_groups, self.d_state).repeat_interleave(per_group, dim=1)
@@ -161,8 +162,13 @@ class Mamba2Mixer(RecurrentMixer):
         start = decodes
         for i in range(decodes, len(query_lens)):
             end = start + query_lens[i]
-            y[start:end] = chunked_scan(xs[start:end], dt[start:end], A, B[start:end], C[start:end], ssm[i],
-                                        self.chunk_size)
+            if trace is not None and i in trace.rows:  # a verification: a token at a time, as decodes step
+                for j in range(start, end):
+                    y[j:j + 1] = selective_step(xs[j:j + 1], dt[j:j + 1], A, B[j:j + 1], C[j:j + 1], ssm[i:i + 1])
+                    trace.record("ssm", i, ssm[i])
+            else:
+                y[start:end] = chunked_scan(xs[start:end], dt[start:end], A, B[start:end], C[start:end], ssm[i],
+                                            self.chunk_size)
             start = end
         y = y + self.D.float()[:, None] * xs
         return self.out_proj(self._gated_norm(y.view(t, -1), z).to(x.dtype))

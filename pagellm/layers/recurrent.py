@@ -8,10 +8,17 @@ step order, which it updates in place. Around that call, `cached_forward` copies
 of the sequences' state blocks and back, one pass each way: a sequence's state takes the bytes
 of `state_blocks` blocks of its layer's slot (the K then the V tensor of each block, in table
 order), whatever the pool's dtype. A sequence computing its first tokens starts from zeros.
+
+Speculative decoding verifies a sequence's k proposals in one step, which advances its state
+through all of them; the rejected ones' must be undone. So the sequences of a step that verify
+(`meta.verifying`) are computed a token at a time inside the layer (as decodes are), each state
+field recorded after each token (StateTrace), and once the proposals are judged,
+`roll_back_states` writes into each sequence's blocks the state after its last accepted token.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +41,10 @@ class RecurrentMixer(HotModule):
         """Bytes of one sequence's state in this layer."""
         return sum(math.prod(s) for s in self.state_shapes.values()) * STATE_DTYPE.itemsize
 
-    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int],
+                trace: StateTrace | None = None) -> torch.Tensor:
+        """The step's tokens of each sequence (query_lens) on its state rows, updated in place;
+        the sequences of `trace` a token at a time, each field recorded after each token."""
         raise NotImplementedError
 
     def cached_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
@@ -50,9 +60,57 @@ class RecurrentMixer(HotModule):
             n = math.prod(shape)
             state[name] = rows[:, start:start + n].view(-1, *shape)
             start += n
-        out = self.forward(x, state, meta.query_lens)
+        trace = StateTrace(frozenset(meta.verifying)) if meta.verifying else None
+        out = self.forward(x, state, meta.query_lens, trace)
         write_state(kv_cache, block_ids, raw)
+        if trace is not None:
+            meta.state_rollbacks.append(self._rollback(trace, kv_cache, block_ids, raw))
         return out
+
+    def _rollback(self, trace: StateTrace, kv_cache: tuple[torch.Tensor, torch.Tensor], block_ids: torch.Tensor,
+                  raw: torch.Tensor) -> StateRollback:
+        """What roll_back_states needs of this layer: per verifying row, its state after each token
+        as the row's bytes (fields in state_shapes order, then the blocks' unused tail as written)."""
+        after = {}
+        for row in trace.rows:
+            fields = [torch.stack(trace.after[name][row]).flatten(1) for name in self.state_shapes]
+            values = torch.cat(fields, dim=1)
+            states = raw[row].view(STATE_DTYPE).repeat(values.shape[0], 1)
+            states[:, :values.shape[1]] = values
+            after[row] = states.view(torch.uint8)
+        return StateRollback(kv_cache, block_ids, after)
+
+
+@dataclass
+class StateTrace:
+    """The rows (sequences, in step order) whose tokens verify proposals, and each state field of
+    theirs after each of their tokens: after[name][row][j] follows the row's token j."""
+
+    rows: frozenset[int]
+    after: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+
+    def record(self, name: str, row: int, value: torch.Tensor) -> None:
+        self.after.setdefault(name, {}).setdefault(row, []).append(value.clone())
+
+
+@dataclass
+class StateRollback:
+    """One layer's traced states of a step: per verifying row, [tokens, state bytes]."""
+
+    kv_cache: tuple[torch.Tensor, torch.Tensor]
+    block_ids: torch.Tensor
+    after: dict[int, torch.Tensor]
+
+
+def roll_back_states(rollbacks: list[StateRollback], kept: dict[int, int]) -> None:
+    """Each verifying row's state, in every recurrent layer, back to what it was after its first
+    kept[row] tokens of the step (its last token and its accepted proposals), where it verified
+    more than it kept."""
+    for rb in rollbacks:
+        for row, n in kept.items():
+            states = rb.after.get(row)
+            if states is not None and n < states.shape[0]:
+                write_state(rb.kv_cache, rb.block_ids[row:row + 1], states[n - 1:n])
 
 
 def blocks_for_state(state_bytes: int, block_bytes: int) -> int:

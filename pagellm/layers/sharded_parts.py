@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from pagellm.layers.linear import LinearBase, LinearMethod, RowParallelLinear
 from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import TensorParallelGroup, divide, load_whole
 from pagellm.layers.quant.gguf import GGUFBlocks
+
+if TYPE_CHECKING:
+    from pagellm.layers.recurrent import StateTrace
 
 
 @dataclass(frozen=True)
@@ -122,10 +126,12 @@ class PartsConv1d(HotModule):
         for row, rows in part_rows(loaded, self.parts):
             load_whole(param.data.narrow(0, row, rows.shape[0]), rows)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, query_lens: list[int]) -> torch.Tensor:
-        """x [T, channels] -> [T, channels] float32; state [num_seqs, channels, K - 1] updated."""
+    def forward(self, x: torch.Tensor, state: torch.Tensor, query_lens: list[int],
+                trace: StateTrace | None = None) -> torch.Tensor:
+        """x [T, channels] -> [T, channels] float32; state [num_seqs, channels, K - 1] updated (and
+        traced for `trace`'s sequences, as "conv")."""
         bias = None if self.bias is None else self.bias.float()
-        return causal_conv1d(x.float(), self.weight[:, 0].float(), bias, state, query_lens, self.activation)
+        return causal_conv1d(x.float(), self.weight[:, 0].float(), bias, state, query_lens, self.activation, trace)
 
 
 def sharded_vector(part: Part) -> nn.Parameter:

@@ -7,7 +7,7 @@ import torch
 
 from pagellm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
-from pagellm.layers.recurrent import RecurrentMixer
+from pagellm.layers.recurrent import RecurrentMixer, StateTrace
 from pagellm.layers.sharded_parts import Part, PartsConv1d
 
 
@@ -25,7 +25,8 @@ class ShortConv(RecurrentMixer):
         self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias, tp)
         self.state_shapes = {"conv": (channels.local, kernel_size - 1)}
 
-    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int],
+                trace: StateTrace | None = None) -> torch.Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
-        h = self.conv(b * h, state["conv"], query_lens)
+        h = self.conv(b * h, state["conv"], query_lens, trace)
         return self.out_proj((c * h.to(c.dtype)).contiguous())

@@ -26,7 +26,7 @@ from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
 from pagellm.layers.moe import FusedMoE
 from pagellm.layers.quant import linear_methods
-from pagellm.layers.recurrent import RecurrentMixer, blocks_for_state
+from pagellm.layers.recurrent import RecurrentMixer, blocks_for_state, roll_back_states
 from pagellm.models.arch import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
@@ -416,7 +416,10 @@ class ModelRunner:
             sampled = self.sampler(logits, sampling)
             if self._draft_probs:
                 self._verify_with_draft_probs(seqs, logits, samplers, sampled, eos_token_ids)
-        kept = _kept_rows(seqs, sampled)
+        accepted = _accepted(seqs, sampled)
+        if inputs.meta.state_rollbacks:  # recurrent layers: back to the state after the kept tokens
+            roll_back_states(inputs.meta.state_rollbacks, {i: a + 1 for i, a in enumerate(accepted) if a is not None})
+        kept = _kept_rows(seqs, accepted)
         result = StepResult([samplers[i].request_id for i in kept], sampled.select(kept), prompt, pooled)
         if any(s.num_proposals for s in seqs):
             with phase(self.timer, "propose"):
@@ -598,6 +601,7 @@ class ModelRunner:
             rows_of = [state_tables[g] if g in state_groups else [[0] * m] * len(seqs) for g in range(groups)]
             meta.state_block_ids = torch.tensor(rows_of, dtype=torch.long, device=dev)
             meta.fresh_states = torch.tensor(fresh_states, dtype=torch.long, device=dev)
+            meta.verifying = [i for i, s in enumerate(seqs) if s.draft_token_ids] or None
         return StepInputs(block_copies, torch.tensor(tokens, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), meta, rows + prompt_rows, pool_rows)
 
@@ -618,19 +622,28 @@ def _pool_chunks(hidden: torch.Tensor, pool_rows: list[tuple[int, int, str]]) ->
     return torch.stack([reduce[how](first, end) for first, end, how in pool_rows])
 
 
-def _kept_rows(seqs: list[PlannedSeq], sampled: SamplerOutput) -> list[int]:
-    """The rows of `sampled` whose tokens the sequences receive: every row of a plain sequence; of
-    a speculating one, its accepted drafts' and the correction or bonus token's (rejection_sampler.py)."""
-    kept, row = [], 0
+def _accepted(seqs: list[PlannedSeq], sampled: SamplerOutput) -> list[int | None]:
+    """Per sequence, how many of its drafts were accepted (rejection_sampler.py); None for one
+    that verified none."""
+    out, row = [], 0
     for s in seqs:
-        if not s.draft_token_ids:
+        k = len(s.draft_token_ids)
+        out.append(num_accepted(s.draft_token_ids, sampled.token_ids[row:row + k + 1]) if k else None)
+        row += k + 1 if k else len(s.samplers)
+    return out
+
+
+def _kept_rows(seqs: list[PlannedSeq], accepted: list[int | None]) -> list[int]:
+    """The rows of the sampler's output whose tokens the sequences receive: every row of a plain
+    sequence; of a speculating one, its accepted drafts' and the correction or bonus token's."""
+    kept, row = [], 0
+    for s, a in zip(seqs, accepted):
+        if a is None:
             kept.extend(range(row, row + len(s.samplers)))
             row += len(s.samplers)
             continue
-        k = len(s.draft_token_ids)
-        accepted = num_accepted(s.draft_token_ids, sampled.token_ids[row:row + k + 1])
-        kept.extend(range(row, row + accepted + 1))
-        row += k + 1
+        kept.extend(range(row, row + a + 1))
+        row += len(s.draft_token_ids) + 1
     return kept
 
 

@@ -53,25 +53,34 @@ def _accepted(llm: LLM) -> int:
     return stats["spec_decode"]["num_accepted_tokens"]
 
 
-# mistral: every layer slides (a window of 16, shorter than most sequences here).
-@pytest.fixture(scope="module", params=["llama", "mistral"])
+# mistral: every layer slides (a window of 16, shorter than most sequences here). The recurrent
+# families (short convolutions, Mamba-2, Gated DeltaNet beside attention) roll each layer's state
+# back to the last accepted token's.
+@pytest.fixture(scope="module", params=["llama", "mistral", "lfm2", "granite_moe_hybrid", "qwen3_5"])
 def model(request, tmp_path_factory):
     path = str(build(request.param, tmp_path_factory.mktemp(request.param)))
     requests = _requests()
-    return path, requests, _run(LLM(path, num_kv_blocks=512, block_size=4), requests)
+    return request.param, path, requests, _run(LLM(path, num_kv_blocks=512, block_size=4), requests)
+
+
+# Pools too small for every request at once (LFM2's blocks hold more: most of its layers keep no K/V).
+PREEMPTING_BLOCKS = {"lfm2": 30}
 
 
 @pytest.mark.parametrize("setup", [
     dict(num_kv_blocks=512, block_size=4),
     dict(num_kv_blocks=512, block_size=4, max_num_batched_tokens=16),  # prompts prefilled in chunks
-    dict(num_kv_blocks=40, block_size=4),  # too few blocks for all at once: preemption
+    dict(num_kv_blocks=None, block_size=4),  # too few blocks for all at once: preemption
 ], ids=["batched", "chunked", "preempted"])
 def test_greedy_equals_plain_decoding(model, setup):
-    path, requests, expected = model
+    family, path, requests, expected = model
+    preempting = setup["num_kv_blocks"] is None
+    if preempting:
+        setup = dict(setup, num_kv_blocks=PREEMPTING_BLOCKS.get(family, 40))
     llm = LLM(path, speculative_config=SPEC, **setup)
     _assert_same(_run(llm, requests), expected)
     assert _accepted(llm) > 0
-    if setup["num_kv_blocks"] == 40:
+    if preempting:
         assert llm.stats()["num_preemptions"] > 0
 
 
@@ -124,11 +133,11 @@ def test_what_cannot_roll_back_is_refused(tiny_llama_dir, options, words):
     assert all(w in str(e.value) for w in words)
 
 
-def test_recurrent_models_are_refused(tmp_path):
+def test_recurrent_models_are_refused_under_tensor_parallelism(tmp_path):
     path = str(build("lfm2", tmp_path / "lfm2"))
     with pytest.raises(ValueError) as e:
-        LLM(path, num_kv_blocks=64, speculative_config=SPEC)
-    assert all(w in str(e.value) for w in ("speculative_config", "lfm2", "recurrent layers (ShortConv)"))
+        LLM(path, num_kv_blocks=64, speculative_config=SPEC, tensor_parallel_size=2)
+    assert all(w in str(e.value) for w in ("speculative_config", "tensor_parallel_size", "recurrent layers (ShortConv)"))
 
 
 @pytest.fixture(scope="module")

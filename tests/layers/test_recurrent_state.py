@@ -34,7 +34,7 @@ class _Sum(RecurrentMixer):
 
     state_shapes = {"sum": (3,)}
 
-    def forward(self, x, state, query_lens):
+    def forward(self, x, state, query_lens, trace=None):
         outs = []
         for i, xs in enumerate(x.split(query_lens)):
             run = state["sum"][i] + xs.cumsum(0)
@@ -49,11 +49,11 @@ def test_cached_forward_carries_state_across_steps_and_restarts_fresh_sequences(
     k, v = torch.zeros(4, 1, 1, 2), torch.zeros(4, 1, 1, 2)  # 16 bytes a block id: one block holds 3 floats
     layer = _Sum()
     x = torch.arange(12, dtype=torch.float32).view(4, 3)
-    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), fresh_states=torch.tensor([0, 1]),
+    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), fresh_states=torch.tensor([0, 1]), verifying=None,
                            query_lens=[3, 1])
     first = layer.cached_forward(x, (k, v), meta)
     torch.testing.assert_close(first[2], x[:3].sum(0))
-    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), fresh_states=torch.tensor([1]),
+    meta = SimpleNamespace(state_block_ids=torch.tensor([[[1], [2]]]), fresh_states=torch.tensor([1]), verifying=None,
                            query_lens=[1, 1])
     nxt = layer.cached_forward(torch.ones(2, 3), (k, v), meta)
     torch.testing.assert_close(nxt[0], x[:3].sum(0) + 1)  # carried on

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 QUOTE = '<|"|>'
 _SPACE = " \t\r\n"
@@ -76,33 +76,34 @@ def _key(text: str, i: int) -> tuple[str, int]:
     return key, i + 1
 
 
-def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
-    out: dict[str, Any] = {}
+def _items(text: str, i: int, close: str, item: Callable[[str, int], tuple[Any, int]]) -> tuple[list[Any], int]:
+    """The comma-separated items of the object or array opening at i, up to `close`, each read by
+    `item`; and the index after `close`."""
+    out: list[Any] = []
     i = _skip(text, i + 1)
-    if text.startswith("}", i):
+    if text.startswith(close, i):
         return out, i + 1
     while True:
-        key, i = _key(text, _skip(text, i))
-        out[key], i = _value(text, i)
+        value, i = item(text, i)
+        out.append(value)
         i = _skip(text, i)
-        if text.startswith("}", i):
+        if text.startswith(close, i):
             return out, i + 1
         if not text.startswith(",", i):
-            raise ValueError(f"expected ',' or '}}' at {i}: {text[i:i + 20]!r}")
+            raise ValueError(f"expected ',' or '{close}' at {i}: {text[i:i + 20]!r}")
         i += 1
+
+
+def _member(text: str, i: int) -> tuple[tuple[str, Any], int]:
+    key, i = _key(text, _skip(text, i))
+    value, i = _value(text, i)
+    return (key, value), i
+
+
+def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
+    members, i = _items(text, i, "}", _member)
+    return dict(members), i
 
 
 def _array(text: str, i: int) -> tuple[list[Any], int]:
-    out: list[Any] = []
-    i = _skip(text, i + 1)
-    if text.startswith("]", i):
-        return out, i + 1
-    while True:
-        item, i = _value(text, i)
-        out.append(item)
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return out, i + 1
-        if not text.startswith(",", i):
-            raise ValueError(f"expected ',' or ']' at {i}: {text[i:i + 20]!r}")
-        i += 1
+    return _items(text, i, "]", _value)

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -1707,11 +1708,11 @@ inline XF xf_load(const float* p) { return _mm512_loadu_ps(p); }
 constexpr int prefill_rows(int64_t) { return 4; }
 #else
 inline XF xf_load(const float* p) { return _mm256_loadu_ps(p); }
-constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 ? 1 : 2; }
+constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 1 : 2; }
 #endif
 // Slices of 8 values summed in integers between float scales, and slices per scale of x.
 constexpr int flush_slices(int64_t qtype) { return qtype == Q4_K ? 32 : qtype == Q6_K ? 16 : 4; }
-constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 ? 4 : 32; }
+constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 4 : 32; }
 
 // Group g (rows 8 g.. of W: of a repacked weight, its tiles; of Q8_0 blocks, the rows that exist, the
 // rest zero) as 16-bit values at buf [K / 8 slices][8 rows][8], the float scale of each span of
@@ -1734,6 +1735,26 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
     for (int l = 0; l < 4; ++l) dvec[span * 32 + 4 * r + l] = d;
   };
   const int64_t supers = K / QK_K;
+  if (qtype == Q4_1) {  // codes u (0..15) as they are; d per block a float scale, m * (x's block sum) beside
+    const int64_t blocks = K / 32, row_bytes = blocks * 20;
+    for (int r = 0; r < kX8Rows; ++r) {
+      const int64_t n = kX8Rows * g + r;
+      for (int64_t bl = 0; bl < blocks; ++bl) {
+        const uint8_t* b = w + n * row_bytes + bl * 20;
+        lanes(bl, r, n < N ? half_at(b) : 0.f);
+        // stored negated: the mins' pass subtracts (Q4_K's are dmin * m_j), Q4_1's w = d * u + m adds
+        mins[bl * 8 + r] = n < N ? -half_at(b + 2) : 0.f;
+        const __m128i q = n < N ? load(b + 4) : _mm_setzero_si128();
+        for (int h = 0; h < 2; ++h) {  // values 16 h.. (low nibbles, then high): slices 4 bl + 2 h, + 1
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low));
+          int16_t* out = buf + (4 * bl + 2 * h) * 64 + 8 * r;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(v));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm256_extracti128_si256(v, 1));
+        }
+      }
+    }
+    return;
+  }
   if (qtype == Q8_0) {
     const int64_t blocks = K / 32, row_bytes = blocks * 34;
     for (int r = 0; r < kX8Rows; ++r) {
@@ -1761,14 +1782,22 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
         lanes(b, r, half_at(t + kQ4D + 2 * r));
         for (int j = 0; j < 8; ++j) mins[(b * 8 + j) * 8 + r] = dmin * t[kQ4M + 8 * j + r];
       }
-      for (int p = 0; p < 16; ++p) {  // unit p: bytes 8 (p % 4).. of sub-blocks 2 (p / 4) (low), + 1 (high)
-        const int j = p / 4, q = p % 4;
+      for (int j = 0; j < 4; ++j) {
+        // the rows' scales of sub-blocks 2j (low nibbles) and 2j + 1 (high), built once for the 4
+        // units that share them: this widening runs once per group of W for every product of at
+        // least kX8WidenMinRows rows (decode steps of many streams), where scales built per store
+        // took as long as the rows' products
+        __m256i lo_scale[4], hi_scale[4];
         for (int k = 0; k < 4; ++k) {
-          const __m128i v = load(t + 64 * p + 16 * k);
-          put(out, 8 * j + q, k, _mm_and_si128(v, low),
-              pair_scale(t[kQ4Sc + 16 * j + 2 * k], t[kQ4Sc + 16 * j + 2 * k + 1]), false);
-          put(out, 8 * j + 4 + q, k, _mm_and_si128(_mm_srli_epi16(v, 4), low),
-              pair_scale(t[kQ4Sc + 16 * j + 8 + 2 * k], t[kQ4Sc + 16 * j + 8 + 2 * k + 1]), false);
+          lo_scale[k] = pair_scale(t[kQ4Sc + 16 * j + 2 * k], t[kQ4Sc + 16 * j + 2 * k + 1]);
+          hi_scale[k] = pair_scale(t[kQ4Sc + 16 * j + 8 + 2 * k], t[kQ4Sc + 16 * j + 8 + 2 * k + 1]);
+        }
+        for (int q = 0; q < 4; ++q) {  // unit 4j + q: bytes 8q.. of sub-blocks 2j (low), 2j + 1 (high)
+          for (int k = 0; k < 4; ++k) {
+            const __m128i v = load(t + 64 * (4 * j + q) + 16 * k);
+            put(out, 8 * j + q, k, _mm_and_si128(v, low), lo_scale[k], false);
+            put(out, 8 * j + 4 + q, k, _mm_and_si128(_mm_srli_epi16(v, 4), low), hi_scale[k], false);
+          }
         }
       }
       continue;
@@ -1864,7 +1893,7 @@ void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K,
 // 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
 void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
                       bool two_terms, float* y) {
-  const bool per32 = qtype == Q8_0;
+  const bool per32 = qtype == Q8_0 || qtype == Q4_1;
 #if defined(PAGELLM_INT8_VNNI)
   const ActRows a = per32 ? quantize_activations(x, M, K, two_terms) : quantize_super(x, M, K, two_terms, false, two_terms);
 #else
@@ -1880,7 +1909,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
   }
   // x's scales of the 16-bit values: per 32 (quantize_activations' lane scales take two codes' 1/128
   // in already) or per 256 (quantize_super's do not)
-  std::vector<float> xs;
+  std::vector<float> xs, block_sums;
   if (per32) {
     for (int64_t i = 0; i < M * K; i += 32) xs.push_back(a.lane_scale[i / 4]);
   } else {
@@ -1888,23 +1917,37 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
     if (two_terms)
       for (float& s : xs) s /= 128.f;
   }
+  const bool has_mins = qtype == Q4_K || qtype == Q4_1;
+  if (qtype == Q4_1)  // x's per-32 sums (quantize_activations keeps them per 4-value lane)
+    for (int64_t i = 0; i < M * K / 4; i += 8)
+      block_sums.push_back(std::accumulate(a.lane_sum.begin() + i, a.lane_sum.begin() + i + 8, 0.f));
+  const float* bsums = qtype == Q4_1 ? block_sums.data() : a.block_sum.data();
   at::parallel_for(0, (N + kX8Rows - 1) / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int16_t> buf(K * kX8Rows);
-    std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(qtype == Q4_K ? K / 4 : 0);
+    std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(has_mins ? K / 4 : 0);
     for (int64_t g = g0; g < g1; ++g) {
       x8_widen_group(qtype, w, K, N, g, buf.data(), dvec.data(), mins.data());
       switch (qtype) {
         case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
         case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
+        case Q4_1: x8_prefill_group<Q4_1>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
         default: x8_prefill_group<Q8_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
       }
-      if (qtype != Q4_K) continue;
-      for (int64_t r = 0; r < M; ++r) {  // the mins' term: x's per-32 sums against dmin * m_j
+      if (!has_mins) continue;
+      // the mins' term: x's per-32 sums against Q4_K's dmin * m_j (Q4_1's -m)
+      const int64_t rows = std::min<int64_t>(kX8Rows, N - kX8Rows * g);
+      for (int64_t r = 0; r < M; ++r) {
         __m256 acc = _mm256_setzero_ps();
-        const float* bs = a.block_sum.data() + r * K / 32;
+        const float* bs = bsums + r * K / 32;
         for (int64_t j = 0; j < K / 32; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(bs[j]), _mm256_loadu_ps(mins.data() + 8 * j), acc);
         float* yr = y + r * N + kX8Rows * g;
-        _mm256_storeu_ps(yr, _mm256_sub_ps(_mm256_loadu_ps(yr), acc));
+        if (rows == kX8Rows) {
+          _mm256_storeu_ps(yr, _mm256_sub_ps(_mm256_loadu_ps(yr), acc));
+        } else {  // a last group past N (Q4_1 blocks; repacked weights come in whole groups)
+          alignas(32) float sub[kX8Rows];
+          _mm256_store_ps(sub, acc);
+          for (int64_t i = 0; i < rows; ++i) yr[i] -= sub[i];
+        }
       }
     }
   });
@@ -2089,6 +2132,23 @@ constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtyp
 // x: every batch the integer kernels take (32 rows; ratios against the blocks: docs/quantization.md,
 // "Repacked Q4_K and Q6_K"). More (prefills) take x8_prefill, which widens each group once for all of them.
 constexpr int64_t kX8MaxRowLoop = 32;
+// From this many rows of x (decode steps of many streams) a product whose weight x8_prefill widens
+// takes it even at decode-sized batches, by type (0: never below kX8MaxRowLoop + 1): compute-bound
+// there, and one widening of each group of 8 rows serves all the rows of x, where the row kernels
+// unpack each tile again per row (q4_k_x8_row) or per 4 (q6_k_x8_rows), and the blocks' kernels a
+// chunk per group of 8 rows and convert per 32 values per row (Q4_1, Q8_0; their products of up to 8
+// rows stay with the blocks' kernels, as int8x2's bound on the blocks in Python).
+constexpr int64_t widen_min_rows(int64_t qtype) {
+#if defined(PAGELLM_INT8_VNNI)
+  return qtype == Q6_K || qtype == Q4_1 || qtype == Q8_0 ? 9 : 0;
+#else
+  return 0;
+#endif
+}
+inline bool widens(int64_t qtype, int64_t M) {
+  const int64_t from = widen_min_rows(qtype);
+  return M > kX8MaxRowLoop || (from > 0 && M >= from);
+}
 
 // Up to kX8MaxRowLoop rows of x times a repacked weight, x rounded as the GGUF layout's kernels
 // round it for these rows: the same codes, so the same sums up to float32 summation order.
@@ -2165,11 +2225,12 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  if (x8 && M <= kX8MaxRowLoop) {
+  if (x8 && !widens(qtype, M)) {
     x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
-  if (x8 || (qtype == Q8_0 && M > kX8MaxRowLoop)) {  // prefills: each group of 8 rows of W widened once
+  // prefills, and the decode-sized batches of widen_min_rows: each group of 8 rows of W widened once
+  if (x8 || (qtype == Q8_0 && M > kX8MaxRowLoop) || ((qtype == Q4_1 || qtype == Q8_0) && widens(qtype, M))) {
     x8_prefill(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
@@ -2282,7 +2343,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("prefill_types") = py::make_tuple(static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8),
                                            static_cast<int64_t>(Q8_0));
   m.attr("prefill_min_rows") = kX8MaxRowLoop + 1;
+  // ... and the GGUF types whose products take it from fewer rows (widen_min_rows): Python's int8x2
+  // bounds give them the integer kernels up to kX8MaxRowLoop rows
+  py::dict widen_from;
+  for (int64_t t : {Q4_1, Q8_0, Q4_K, Q6_K})
+    if (widen_min_rows(t) > 0) widen_from[py::int_(t)] = widen_min_rows(t);
+  m.attr("widen_min_rows") = widen_from;
 #else
+  m.attr("widen_min_rows") = py::dict();
   m.attr("has_int8_activations") = false;
   m.attr("prefill_types") = py::tuple();
   m.attr("prefill_min_rows") = 0;

@@ -141,6 +141,12 @@ MUTANTS = [
            "                self.kv.free(state.entries)",
            "                pass",
            ("tests/engine/test_spec_decode_mtp.py::test_greedy_with_mtp_equals_plain_decoding",)),
+    Mutant("the widened Q4_1 products (decode steps of many streams, prefills) subtract the blocks' minimum",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "mins[bl * 8 + r] = n < N ? -half_at(b + 2) : 0.f;",
+           "mins[bl * 8 + r] = n < N ? half_at(b + 2) : 0.f;",
+           ("tests/kernels/test_quant_ops.py::"
+            "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q4_1]",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

@@ -146,14 +146,15 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1], ids=lambda t: t.name)
 def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype):
     """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (csrc
-    x8_prefill) widen each group of 8 rows of W once for every row of x, and so do those of Q6_K, Q8_0
-    and Q4_1 from 9 rows in AVX-512 VNNI builds (csrc widen_min_rows: decode steps of many streams): x
+    x8_prefill) widen each group of 8 rows of W once for every row of x, and so do those of Q8_0 and
+    Q4_1 from 9 rows, Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds (csrc widen_min_rows): x
     rounded as the mode's products of fewer rows round it (one or two codes; per 256 values against
     the K-quants, per 32 against Q8_0 and Q4_1) times the exact weights, so the float64 product of the
     rounded x and the dequantized W up to float32 summation order. Rows 33-36 and 38 leave every
     remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves
-    each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9 and 16
-    rows, decode-sized, whichever kernel the build gives them."""
+    each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
+    and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
+    gives them."""
     kernels, cols = cpu.quant_kernels(), 1280
     blocks = qtype in (T.Q8_0, T.Q4_1)  # kept in GGUF's blocks (not gguf.REPACKED)
     rows = 21 if blocks else 24
@@ -168,7 +169,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     wide_from = getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
     torch.manual_seed(3)
     for two in (True, False):
-        for m in (9, 16, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
+        for m in (9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
             per32 = blocks or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
             block = 32 if per32 else 256
             x = torch.randn(m, cols)

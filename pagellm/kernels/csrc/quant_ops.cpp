@@ -1785,7 +1785,7 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
       for (int j = 0; j < 4; ++j) {
         // the rows' scales of sub-blocks 2j (low nibbles) and 2j + 1 (high), built once for the 4
         // units that share them: this widening runs once per group of W for every product of at
-        // least kX8WidenMinRows rows (decode steps of many streams), where scales built per store
+        // least widen_min_rows rows (decode steps of many streams), where scales built per store
         // took as long as the rows' products
         __m256i lo_scale[4], hi_scale[4];
         for (int k = 0; k < 4; ++k) {
@@ -2135,12 +2135,16 @@ constexpr int64_t kX8MaxRowLoop = 32;
 // From this many rows of x (decode steps of many streams) a product whose weight x8_prefill widens
 // takes it even at decode-sized batches, by type (0: never below kX8MaxRowLoop + 1): compute-bound
 // there, and one widening of each group of 8 rows serves all the rows of x, where the row kernels
-// unpack each tile again per row (q4_k_x8_row) or per 4 (q6_k_x8_rows), and the blocks' kernels a
-// chunk per group of 8 rows and convert per 32 values per row (Q4_1, Q8_0; their products of up to 8
-// rows stay with the blocks' kernels, as int8x2's bound on the blocks in Python).
+// unpack each tile again per row (q4_k_x8_row) or per 4 (q6_k_x8_rows), and the blocks' kernels
+// unpack a chunk per group of 8 rows and convert per 32 values per row. Q4_1 and Q8_0 past the 8
+// rows that int8x2 gives the blocks' kernels in Python (which gave them the float32 kernel there);
+// the tiles where their row kernels stop winning. benchmarks/kernel_ab.py, one thread, interleaved,
+// on a loaded machine: SmolLM2 shapes at 16 rows 1.1-1.6x the blocks' integer kernel (1.2-1.65x the
+// float32 one); the 1B shapes at 16 rows Q6_K 0.95-1.14x and Q4_K 0.6-0.9x the tiles' kernels, at
+// 24 rows Q6_K 1.3x and Q4_K 0.94-1.16x, at 32 Q6_K 1.3-1.8x and Q4_K 1.2x.
 constexpr int64_t widen_min_rows(int64_t qtype) {
 #if defined(PAGELLM_INT8_VNNI)
-  return qtype == Q6_K || qtype == Q4_1 || qtype == Q8_0 ? 9 : 0;
+  return qtype == Q4_1 || qtype == Q8_0 ? 9 : qtype == Q6_K ? 17 : qtype == Q4_K ? 25 : 0;
 #else
   return 0;
 #endif

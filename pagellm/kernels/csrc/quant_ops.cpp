@@ -1539,65 +1539,89 @@ inline void row_sums(const XF* acc, float* y) {
   }
 }
 
-// 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times one row of x from quantize_super:
-// y[0..8). Per sub-block the 16 values a lane sums (unsigned 4-bit codes times x's codes: within
+// 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times R rows of x from quantize_super:
+// y[r][0..8). Per sub-block the 16 values a lane sums (unsigned 4-bit codes times x's codes: within
 // 16 bits, at most 16 * 15 * 127) take the sub-block's scale in one 16-bit multiply-add, into
 // int32 (Σ over the super-block at most 8 * 63 * 30480: the two codes' sums apart, the first one
 // shifted by 7 only at the end, within 2^31); per super-block one convert, times d * dx. The mins'
-// term against x's per-32 sums, as int8_super_rows.
-template <bool kTwo>
-void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
+// term against x's per-32 sums, as int8_super_rows. The R rows share each load and unpacking of the
+// codes, the scales' shuffles and the mins' widening; each row's arithmetic is the one-row kernel's,
+// in the same order, so a row's sums do not depend on R.
+template <int R, bool kTwo>
+void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
   const int64_t supers = K / QK_K;
   const bool fetch = K > 4096;  // see prefetch_tile
   const XI low = xi_bytes(0x0F);
-  XF acc[kXVecs];
-  __m256 mins = _mm256_setzero_ps();
+  XF acc[R][kXVecs];
+  __m256 mins[R];
+  for (int r = 0; r < R; ++r) mins[r] = _mm256_setzero_ps();
   for (int h = 0; h < kXVecs; ++h) {
     const XI first = scale_controls(h, false, 0), second = scale_controls(h, true, 0);
-    acc[h] = xf_zero();
+    for (int r = 0; r < R; ++r) acc[r][h] = xf_zero();
     for (int64_t b = 0; b < supers; ++b) {
       const uint8_t* t = tiles + b * kQ4Tile + h * kXBytes;
-      const int8_t* xc = a.codes + QK_K * b;
-      const int8_t* xr = kTwo ? a.residual + QK_K * b : nullptr;
-      XI sums = xi_zero(), second_sums = xi_zero();
+      XI sums[R], second_sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = second_sums[r] = xi_zero();
       for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles), 2j + 1 (high)
         if (h == 0 && fetch) prefetch_tile(tiles + b * kQ4Tile, kQ4Tile, 5 * j, 5 * j + 5);
-        XI c0 = xi_zero(), c1 = xi_zero(), r0 = xi_zero(), r1 = xi_zero();
+        XI c0[R], c1[R], r0[R], r1[R];
+        for (int r = 0; r < R; ++r) c0[r] = c1[r] = r0[r] = r1[r] = xi_zero();
 #pragma GCC unroll 4
         for (int q = 0; q < 4; ++q) {
           const XI v = xi_load(t + (4 * j + q) * 64);
           const XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
-          const int64_t at = 64 * j + 8 * q;
-          c0 = xi_dot4(c0, lo, xi_bcast64(xc + at));
-          c1 = xi_dot4(c1, hi, xi_bcast64(xc + at + 32));
-          if constexpr (kTwo) {
-            r0 = xi_dot4(r0, lo, xi_bcast64(xr + at));
-            r1 = xi_dot4(r1, hi, xi_bcast64(xr + at + 32));
+          const int64_t at = QK_K * b + 64 * j + 8 * q;
+          for (int r = 0; r < R; ++r) {
+            c0[r] = xi_dot4(c0[r], lo, xi_bcast64(a[r].codes + at));
+            c1[r] = xi_dot4(c1[r], hi, xi_bcast64(a[r].codes + at + 32));
+            if constexpr (kTwo) {
+              r0[r] = xi_dot4(r0[r], lo, xi_bcast64(a[r].residual + at));
+              r1[r] = xi_dot4(r1[r], hi, xi_bcast64(a[r].residual + at + 32));
+            }
           }
         }
         const XI s = xi_bcast128(tiles + b * kQ4Tile + kQ4Sc + 16 * j);
         const XI s0 = xi_shuffle(s, first), s1 = xi_shuffle(s, second);
-        sums = xi_madd16(xi_madd16(sums, c0, s0), c1, s1);
-        if constexpr (kTwo) second_sums = xi_madd16(xi_madd16(second_sums, r0, s0), r1, s1);
+        for (int r = 0; r < R; ++r) {
+          sums[r] = xi_madd16(xi_madd16(sums[r], c0[r], s0), c1[r], s1);
+          if constexpr (kTwo) second_sums[r] = xi_madd16(xi_madd16(second_sums[r], r0[r], s0), r1[r], s1);
+        }
       }
-      const XI total = kTwo ? xi_add32(xi_slli32(sums, 7), second_sums) : sums;
-      const float dx = kTwo ? a.scale[b] / 128.f : a.scale[b];
-      acc[h] = xf_fmadd(xf_cvt(total), xf_mul(xf_row_halves(tiles + b * kQ4Tile + kQ4D, h), xf_set1(dx)), acc[h]);
+      const XF d = xf_row_halves(tiles + b * kQ4Tile + kQ4D, h);
+      for (int r = 0; r < R; ++r) {
+        const XI total = kTwo ? xi_add32(xi_slli32(sums[r], 7), second_sums[r]) : sums[r];
+        const float dx = kTwo ? a[r].scale[b] / 128.f : a[r].scale[b];
+        acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(dx)), acc[r][h]);
+      }
       if (h == 0) {  // the mins' term while the tile is in L1 (a pass of its own read the group again from L2)
         const uint8_t* tm = tiles + b * kQ4Tile;
-        __m256 m = _mm256_setzero_ps();
-        for (int s = 0; s < 8; ++s)
-          m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tm + kQ4M + 8 * s)))),
-                              _mm256_set1_ps(a.block_sum[8 * b + s]), m);
-        mins = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + kQ4Dmin))), mins);
+        __m256 m[R];
+        for (int r = 0; r < R; ++r) m[r] = _mm256_setzero_ps();
+        for (int sb = 0; sb < 8; ++sb) {
+          const __m256 mv = _mm256_cvtepi32_ps(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tm + kQ4M + 8 * sb))));
+          for (int r = 0; r < R; ++r) m[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a[r].block_sum[8 * b + sb]), m[r]);
+        }
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + kQ4Dmin)));
+        for (int r = 0; r < R; ++r) mins[r] = _mm256_fnmadd_ps(m[r], dmin, mins[r]);
       }
     }
   }
-  row_sums(acc, y);
-  alignas(32) float mv[8];
-  _mm256_store_ps(mv, mins);
-  for (int r = 0; r < kX8Rows; ++r) y[r] += mv[r];
+  for (int r = 0; r < R; ++r) {
+    row_sums(acc[r], y[r]);
+    alignas(32) float mv[8];
+    _mm256_store_ps(mv, mins[r]);
+    for (int i = 0; i < kX8Rows; ++i) y[r][i] += mv[i];
+  }
 }
+
+// Rows of x that q4_k_x8_rows takes together: AVX-512's 32 registers hold two rows' accumulators
+// (with two codes, 7 vectors a row) beside the shared ones; AVX2's 16 hold one.
+#if defined(PAGELLM_INT8_VNNI)
+constexpr int64_t kQ4TileRows = 2;
+#else
+constexpr int64_t kQ4TileRows = 1;
+#endif
 
 // Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
 // q6_k_x8_rows takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
@@ -2127,7 +2151,7 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 // 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41.
 constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 4 : 0; }
 
-// Rows of x that take the tiles' kernels (q4_k_x8_row one row after the other, q6_k_x8_rows up to 4
+// Rows of x that take the tiles' kernels (q4_k_x8_rows 2 rows at once (AVX2: 1), q6_k_x8_rows up to 4
 // rows at once), each group of 8 rows of W read from memory once and from cache by the next rows of
 // x: every batch the integer kernels take (32 rows; ratios against the blocks: docs/quantization.md,
 // "Repacked Q4_K and Q6_K"). More (prefills) take x8_prefill, which widens each group once for all of them.
@@ -2135,7 +2159,7 @@ constexpr int64_t kX8MaxRowLoop = 32;
 // From this many rows of x (decode steps of many streams) a product whose weight x8_prefill widens
 // takes it even at decode-sized batches, by type (0: never below kX8MaxRowLoop + 1): compute-bound
 // there, and one widening of each group of 8 rows serves all the rows of x, where the row kernels
-// unpack each tile again per row (q4_k_x8_row) or per 4 (q6_k_x8_rows), and the blocks' kernels
+// unpack each tile again per 2 rows (q4_k_x8_rows) or per 4 (q6_k_x8_rows), and the blocks' kernels
 // unpack a chunk per group of 8 rows and convert per 32 values per row. Q4_1 and Q8_0 past the 8
 // rows that int8x2 gives the blocks' kernels in Python (which gave them the float32 kernel there);
 // the tiles where their row kernels stop winning. benchmarks/kernel_ab.py, one thread, interleaved,
@@ -2191,9 +2215,15 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
       if (qtype == Q4_K) {
-        for (int64_t m = 0; m < M; ++m) {
-          float* yg = y + m * N + kX8Rows * g;
-          two_terms ? q4_k_x8_row<true>(views[m], K, tiles, yg) : q4_k_x8_row<false>(views[m], K, tiles, yg);
+        for (int64_t m = 0; m < M; m += kQ4TileRows) {
+          float* yg[kQ4TileRows];
+          for (int64_t i = 0; i < kQ4TileRows && m + i < M; ++i) yg[i] = y + (m + i) * N + kX8Rows * g;
+          const ActView* v = views.data() + m;
+          if (kQ4TileRows == 2 && m + 1 < M)
+            two_terms ? q4_k_x8_rows<kQ4TileRows, true>(v, K, tiles, yg) : q4_k_x8_rows<kQ4TileRows, false>(v, K, tiles, yg);
+          else
+            two_terms ? q4_k_x8_rows<1, true>(v, K, tiles, yg) : q4_k_x8_rows<1, false>(v, K, tiles, yg);
+          if (kQ4TileRows == 2 && m + 1 >= M) break;
         }
         continue;
       }

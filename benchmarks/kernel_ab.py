@@ -39,7 +39,10 @@ from pagellm.layers.quant.tiled import tiled_product  # noqa: E402
 from tests.kernels.gguf_blocks import random_blocks  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate": (8192, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
-          "lm_head": (128256, 2048)}
+          "lm_head": (128256, 2048),
+          # the bundled SmolLM2-135M's (--shapes s_qkv,s_o,s_gate_up,s_down,s_head)
+          "s_qkv": (960, 576), "s_o": (576, 576), "s_gate_up": (3072, 576), "s_down": (576, 1536),
+          "s_head": (49152, 576)}
 
 
 def base_module(rev: str):

@@ -31,6 +31,9 @@ class Mutant:
     old: str           # must occur exactly once
     new: str
     tests: tuple[str, ...]  # pytest node ids that must fail with the mutant in place
+    # A mutant of the compiled kernels' source: its copy builds them (about a minute and a half)
+    # instead of running the torch path, which would never reach the edit.
+    compiled: bool = False
 
 
 MUTANTS = [
@@ -152,6 +155,12 @@ MUTANTS = [
            "            if states is not None and n < states.shape[0]:",
            "            if False:",
            ("tests/engine/test_spec_decode.py::test_greedy_equals_plain_decoding",)),
+    Mutant("the widened Q4_1 products (decode steps of many streams, prefills) subtract the blocks' minimum",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "mins[bl * 8 + r] = n < N ? -half_at(b + 2) : 0.f;",
+           "mins[bl * 8 + r] = n < N ? half_at(b + 2) : 0.f;",
+           ("tests/kernels/test_quant_ops.py::"
+            "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q4_1]",), compiled=True),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode
@@ -186,7 +195,7 @@ def run_mutant(m: Mutant, workdir: Path) -> dict[str, bool]:
     # The torch path instead of the compiled CPU kernels: a copy at a new path would rebuild them
     # (30 s a mutant), and every mutant here edits Python code that both paths run through.
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{copy}", "PYTHONDONTWRITEBYTECODE": "1",
-           "PAGELLM_CPU_KERNELS": "0"}
+           "PAGELLM_CPU_KERNELS": "1" if m.compiled else "0"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *m.tests],
                        cwd=copy, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode not in (0, 1):  # 2+: the tests could not even run (a bad mutant or test id)

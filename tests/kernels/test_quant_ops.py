@@ -149,27 +149,35 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "prefill_types", ()), reason="no AVX2 or VNNI")
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1], ids=lambda t: t.name)
 def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype):
     """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (csrc
-    x8_prefill) widen each group of 8 rows of W once for every row of x: x rounded as the mode's
-    products of fewer rows round it (one or two codes; per 256 values against the K-quants, per 32
-    against Q8_0) times the exact weights, so the float64 product of the rounded x and the dequantized
-    W up to float32 summation order. Rows 33-36 and 38 leave every remainder of the passes of 4 rows
-    (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves each; Q8_0's 21 rows end in a
-    part of a group; 420 rows take two chunks of x."""
+    x8_prefill) widen each group of 8 rows of W once for every row of x, and so do those of Q8_0 and
+    Q4_1 from 9 rows, Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds (csrc widen_min_rows): x
+    rounded as the mode's products of fewer rows round it (one or two codes; per 256 values against
+    the K-quants, per 32 against Q8_0 and Q4_1) times the exact weights, so the float64 product of the
+    rounded x and the dequantized W up to float32 summation order. Rows 33-36 and 38 leave every
+    remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves
+    each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
+    and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
+    gives them."""
     kernels, cols = cpu.quant_kernels(), 1280
-    rows = 21 if qtype == T.Q8_0 else 24
+    blocks = qtype in (T.Q8_0, T.Q4_1)  # kept in GGUF's blocks (not gguf.REPACKED)
+    rows = 21 if blocks else 24
     raw = random_blocks(qtype, rows, cols, seed=8)
     dense = reference(raw, qtype, cols).double()
     w, kind = torch.from_numpy(raw), int(qtype)
-    if qtype != T.Q8_0:
+    if not blocks:
         kind = kernels.repacked_types[int(qtype)]
         w = kernels.gguf_repack(w, int(qtype), cols)
-    block = 32 if qtype == T.Q8_0 else 256
+    # Q6_K with two codes below 33 rows: per 32 values, but per 256 from the rows where AVX-512 VNNI
+    # builds join the two codes into 16 bits (as test_int8_activation_products...)
+    wide_from = getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
     torch.manual_seed(3)
     for two in (True, False):
-        for m in (33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
+        for m in (9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
+            per32 = blocks or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
+            block = 32 if per32 else 256
             x = torch.randn(m, cols)
             x[0, 256:512] = 0  # an all-zero super-block: scale 0
             x[1] *= 1e3  # rows of other magnitudes: each row its own scales
@@ -177,8 +185,15 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
             expected = rounded_to_int8(x, two, block).double() @ dense.T
             assert (ours - expected).abs().max(1).values.le(RTOL * expected.abs().max(1).values).all(), (two, m)
             assert (ours - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()  # rounded: visible
+    # the dispatch of the default mode: the integer kernel at a 16-stream decode step (not the float32
+    # one) and, for the prefill types, past 32 rows (not the float32 tiles)
+    x = torch.randn(16, cols)
+    assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
+                       kernels.gguf_matmul_int8(x, w, kind, cols, True))
     x = torch.randn(40, cols)
-    # the dispatch of the default mode: this kernel, not the float32 tiles
+    if qtype == T.Q4_1:  # not a prefill type: the float32 tiles there
+        assert kind not in q.prefill_types("int8x2")
+        return
     assert kind in q.prefill_types("int8x2")
     assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                        kernels.gguf_matmul_int8(x, w, kind, cols, True))

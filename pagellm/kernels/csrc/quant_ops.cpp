@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -1538,65 +1539,89 @@ inline void row_sums(const XF* acc, float* y) {
   }
 }
 
-// 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times one row of x from quantize_super:
-// y[0..8). Per sub-block the 16 values a lane sums (unsigned 4-bit codes times x's codes: within
+// 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times R rows of x from quantize_super:
+// y[r][0..8). Per sub-block the 16 values a lane sums (unsigned 4-bit codes times x's codes: within
 // 16 bits, at most 16 * 15 * 127) take the sub-block's scale in one 16-bit multiply-add, into
 // int32 (Σ over the super-block at most 8 * 63 * 30480: the two codes' sums apart, the first one
 // shifted by 7 only at the end, within 2^31); per super-block one convert, times d * dx. The mins'
-// term against x's per-32 sums, as int8_super_rows.
-template <bool kTwo>
-void q4_k_x8_row(ActView a, int64_t K, const uint8_t* tiles, float* y) {
+// term against x's per-32 sums, as int8_super_rows. The R rows share each load and unpacking of the
+// codes, the scales' shuffles and the mins' widening; each row's arithmetic is the one-row kernel's,
+// in the same order, so a row's sums do not depend on R.
+template <int R, bool kTwo>
+void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
   const int64_t supers = K / QK_K;
   const bool fetch = K > 4096;  // see prefetch_tile
   const XI low = xi_bytes(0x0F);
-  XF acc[kXVecs];
-  __m256 mins = _mm256_setzero_ps();
+  XF acc[R][kXVecs];
+  __m256 mins[R];
+  for (int r = 0; r < R; ++r) mins[r] = _mm256_setzero_ps();
   for (int h = 0; h < kXVecs; ++h) {
     const XI first = scale_controls(h, false, 0), second = scale_controls(h, true, 0);
-    acc[h] = xf_zero();
+    for (int r = 0; r < R; ++r) acc[r][h] = xf_zero();
     for (int64_t b = 0; b < supers; ++b) {
       const uint8_t* t = tiles + b * kQ4Tile + h * kXBytes;
-      const int8_t* xc = a.codes + QK_K * b;
-      const int8_t* xr = kTwo ? a.residual + QK_K * b : nullptr;
-      XI sums = xi_zero(), second_sums = xi_zero();
+      XI sums[R], second_sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = second_sums[r] = xi_zero();
       for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles), 2j + 1 (high)
         if (h == 0 && fetch) prefetch_tile(tiles + b * kQ4Tile, kQ4Tile, 5 * j, 5 * j + 5);
-        XI c0 = xi_zero(), c1 = xi_zero(), r0 = xi_zero(), r1 = xi_zero();
+        XI c0[R], c1[R], r0[R], r1[R];
+        for (int r = 0; r < R; ++r) c0[r] = c1[r] = r0[r] = r1[r] = xi_zero();
 #pragma GCC unroll 4
         for (int q = 0; q < 4; ++q) {
           const XI v = xi_load(t + (4 * j + q) * 64);
           const XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
-          const int64_t at = 64 * j + 8 * q;
-          c0 = xi_dot4(c0, lo, xi_bcast64(xc + at));
-          c1 = xi_dot4(c1, hi, xi_bcast64(xc + at + 32));
-          if constexpr (kTwo) {
-            r0 = xi_dot4(r0, lo, xi_bcast64(xr + at));
-            r1 = xi_dot4(r1, hi, xi_bcast64(xr + at + 32));
+          const int64_t at = QK_K * b + 64 * j + 8 * q;
+          for (int r = 0; r < R; ++r) {
+            c0[r] = xi_dot4(c0[r], lo, xi_bcast64(a[r].codes + at));
+            c1[r] = xi_dot4(c1[r], hi, xi_bcast64(a[r].codes + at + 32));
+            if constexpr (kTwo) {
+              r0[r] = xi_dot4(r0[r], lo, xi_bcast64(a[r].residual + at));
+              r1[r] = xi_dot4(r1[r], hi, xi_bcast64(a[r].residual + at + 32));
+            }
           }
         }
         const XI s = xi_bcast128(tiles + b * kQ4Tile + kQ4Sc + 16 * j);
         const XI s0 = xi_shuffle(s, first), s1 = xi_shuffle(s, second);
-        sums = xi_madd16(xi_madd16(sums, c0, s0), c1, s1);
-        if constexpr (kTwo) second_sums = xi_madd16(xi_madd16(second_sums, r0, s0), r1, s1);
+        for (int r = 0; r < R; ++r) {
+          sums[r] = xi_madd16(xi_madd16(sums[r], c0[r], s0), c1[r], s1);
+          if constexpr (kTwo) second_sums[r] = xi_madd16(xi_madd16(second_sums[r], r0[r], s0), r1[r], s1);
+        }
       }
-      const XI total = kTwo ? xi_add32(xi_slli32(sums, 7), second_sums) : sums;
-      const float dx = kTwo ? a.scale[b] / 128.f : a.scale[b];
-      acc[h] = xf_fmadd(xf_cvt(total), xf_mul(xf_row_halves(tiles + b * kQ4Tile + kQ4D, h), xf_set1(dx)), acc[h]);
+      const XF d = xf_row_halves(tiles + b * kQ4Tile + kQ4D, h);
+      for (int r = 0; r < R; ++r) {
+        const XI total = kTwo ? xi_add32(xi_slli32(sums[r], 7), second_sums[r]) : sums[r];
+        const float dx = kTwo ? a[r].scale[b] / 128.f : a[r].scale[b];
+        acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(dx)), acc[r][h]);
+      }
       if (h == 0) {  // the mins' term while the tile is in L1 (a pass of its own read the group again from L2)
         const uint8_t* tm = tiles + b * kQ4Tile;
-        __m256 m = _mm256_setzero_ps();
-        for (int s = 0; s < 8; ++s)
-          m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tm + kQ4M + 8 * s)))),
-                              _mm256_set1_ps(a.block_sum[8 * b + s]), m);
-        mins = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + kQ4Dmin))), mins);
+        __m256 m[R];
+        for (int r = 0; r < R; ++r) m[r] = _mm256_setzero_ps();
+        for (int sb = 0; sb < 8; ++sb) {
+          const __m256 mv = _mm256_cvtepi32_ps(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tm + kQ4M + 8 * sb))));
+          for (int r = 0; r < R; ++r) m[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a[r].block_sum[8 * b + sb]), m[r]);
+        }
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + kQ4Dmin)));
+        for (int r = 0; r < R; ++r) mins[r] = _mm256_fnmadd_ps(m[r], dmin, mins[r]);
       }
     }
   }
-  row_sums(acc, y);
-  alignas(32) float mv[8];
-  _mm256_store_ps(mv, mins);
-  for (int r = 0; r < kX8Rows; ++r) y[r] += mv[r];
+  for (int r = 0; r < R; ++r) {
+    row_sums(acc[r], y[r]);
+    alignas(32) float mv[8];
+    _mm256_store_ps(mv, mins[r]);
+    for (int i = 0; i < kX8Rows; ++i) y[r][i] += mv[i];
+  }
 }
+
+// Rows of x that q4_k_x8_rows takes together: AVX-512's 32 registers hold two rows' accumulators
+// (with two codes, 7 vectors a row) beside the shared ones; AVX2's 16 hold one.
+#if defined(PAGELLM_INT8_VNNI)
+constexpr int64_t kQ4TileRows = 2;
+#else
+constexpr int64_t kQ4TileRows = 1;
+#endif
 
 // Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
 // q6_k_x8_rows takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
@@ -1707,11 +1732,11 @@ inline XF xf_load(const float* p) { return _mm512_loadu_ps(p); }
 constexpr int prefill_rows(int64_t) { return 4; }
 #else
 inline XF xf_load(const float* p) { return _mm256_loadu_ps(p); }
-constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 ? 1 : 2; }
+constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 1 : 2; }
 #endif
 // Slices of 8 values summed in integers between float scales, and slices per scale of x.
 constexpr int flush_slices(int64_t qtype) { return qtype == Q4_K ? 32 : qtype == Q6_K ? 16 : 4; }
-constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 ? 4 : 32; }
+constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 4 : 32; }
 
 // Group g (rows 8 g.. of W: of a repacked weight, its tiles; of Q8_0 blocks, the rows that exist, the
 // rest zero) as 16-bit values at buf [K / 8 slices][8 rows][8], the float scale of each span of
@@ -1734,6 +1759,26 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
     for (int l = 0; l < 4; ++l) dvec[span * 32 + 4 * r + l] = d;
   };
   const int64_t supers = K / QK_K;
+  if (qtype == Q4_1) {  // codes u (0..15) as they are; d per block a float scale, m * (x's block sum) beside
+    const int64_t blocks = K / 32, row_bytes = blocks * 20;
+    for (int r = 0; r < kX8Rows; ++r) {
+      const int64_t n = kX8Rows * g + r;
+      for (int64_t bl = 0; bl < blocks; ++bl) {
+        const uint8_t* b = w + n * row_bytes + bl * 20;
+        lanes(bl, r, n < N ? half_at(b) : 0.f);
+        // stored negated: the mins' pass subtracts (Q4_K's are dmin * m_j), Q4_1's w = d * u + m adds
+        mins[bl * 8 + r] = n < N ? -half_at(b + 2) : 0.f;
+        const __m128i q = n < N ? load(b + 4) : _mm_setzero_si128();
+        for (int h = 0; h < 2; ++h) {  // values 16 h.. (low nibbles, then high): slices 4 bl + 2 h, + 1
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low));
+          int16_t* out = buf + (4 * bl + 2 * h) * 64 + 8 * r;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(v));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm256_extracti128_si256(v, 1));
+        }
+      }
+    }
+    return;
+  }
   if (qtype == Q8_0) {
     const int64_t blocks = K / 32, row_bytes = blocks * 34;
     for (int r = 0; r < kX8Rows; ++r) {
@@ -1761,14 +1806,22 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
         lanes(b, r, half_at(t + kQ4D + 2 * r));
         for (int j = 0; j < 8; ++j) mins[(b * 8 + j) * 8 + r] = dmin * t[kQ4M + 8 * j + r];
       }
-      for (int p = 0; p < 16; ++p) {  // unit p: bytes 8 (p % 4).. of sub-blocks 2 (p / 4) (low), + 1 (high)
-        const int j = p / 4, q = p % 4;
+      for (int j = 0; j < 4; ++j) {
+        // the rows' scales of sub-blocks 2j (low nibbles) and 2j + 1 (high), built once for the 4
+        // units that share them: this widening runs once per group of W for every product of at
+        // least widen_min_rows rows (decode steps of many streams), where scales built per store
+        // took as long as the rows' products
+        __m256i lo_scale[4], hi_scale[4];
         for (int k = 0; k < 4; ++k) {
-          const __m128i v = load(t + 64 * p + 16 * k);
-          put(out, 8 * j + q, k, _mm_and_si128(v, low),
-              pair_scale(t[kQ4Sc + 16 * j + 2 * k], t[kQ4Sc + 16 * j + 2 * k + 1]), false);
-          put(out, 8 * j + 4 + q, k, _mm_and_si128(_mm_srli_epi16(v, 4), low),
-              pair_scale(t[kQ4Sc + 16 * j + 8 + 2 * k], t[kQ4Sc + 16 * j + 8 + 2 * k + 1]), false);
+          lo_scale[k] = pair_scale(t[kQ4Sc + 16 * j + 2 * k], t[kQ4Sc + 16 * j + 2 * k + 1]);
+          hi_scale[k] = pair_scale(t[kQ4Sc + 16 * j + 8 + 2 * k], t[kQ4Sc + 16 * j + 8 + 2 * k + 1]);
+        }
+        for (int q = 0; q < 4; ++q) {  // unit 4j + q: bytes 8q.. of sub-blocks 2j (low), 2j + 1 (high)
+          for (int k = 0; k < 4; ++k) {
+            const __m128i v = load(t + 64 * (4 * j + q) + 16 * k);
+            put(out, 8 * j + q, k, _mm_and_si128(v, low), lo_scale[k], false);
+            put(out, 8 * j + 4 + q, k, _mm_and_si128(_mm_srli_epi16(v, 4), low), hi_scale[k], false);
+          }
         }
       }
       continue;
@@ -1864,7 +1917,7 @@ void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K,
 // 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
 void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
                       bool two_terms, float* y) {
-  const bool per32 = qtype == Q8_0;
+  const bool per32 = qtype == Q8_0 || qtype == Q4_1;
 #if defined(PAGELLM_INT8_VNNI)
   const ActRows a = per32 ? quantize_activations(x, M, K, two_terms) : quantize_super(x, M, K, two_terms, false, two_terms);
 #else
@@ -1880,7 +1933,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
   }
   // x's scales of the 16-bit values: per 32 (quantize_activations' lane scales take two codes' 1/128
   // in already) or per 256 (quantize_super's do not)
-  std::vector<float> xs;
+  std::vector<float> xs, block_sums;
   if (per32) {
     for (int64_t i = 0; i < M * K; i += 32) xs.push_back(a.lane_scale[i / 4]);
   } else {
@@ -1888,23 +1941,37 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
     if (two_terms)
       for (float& s : xs) s /= 128.f;
   }
+  const bool has_mins = qtype == Q4_K || qtype == Q4_1;
+  if (qtype == Q4_1)  // x's per-32 sums (quantize_activations keeps them per 4-value lane)
+    for (int64_t i = 0; i < M * K / 4; i += 8)
+      block_sums.push_back(std::accumulate(a.lane_sum.begin() + i, a.lane_sum.begin() + i + 8, 0.f));
+  const float* bsums = qtype == Q4_1 ? block_sums.data() : a.block_sum.data();
   at::parallel_for(0, (N + kX8Rows - 1) / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int16_t> buf(K * kX8Rows);
-    std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(qtype == Q4_K ? K / 4 : 0);
+    std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(has_mins ? K / 4 : 0);
     for (int64_t g = g0; g < g1; ++g) {
       x8_widen_group(qtype, w, K, N, g, buf.data(), dvec.data(), mins.data());
       switch (qtype) {
         case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
         case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
+        case Q4_1: x8_prefill_group<Q4_1>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
         default: x8_prefill_group<Q8_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
       }
-      if (qtype != Q4_K) continue;
-      for (int64_t r = 0; r < M; ++r) {  // the mins' term: x's per-32 sums against dmin * m_j
+      if (!has_mins) continue;
+      // the mins' term: x's per-32 sums against Q4_K's dmin * m_j (Q4_1's -m)
+      const int64_t rows = std::min<int64_t>(kX8Rows, N - kX8Rows * g);
+      for (int64_t r = 0; r < M; ++r) {
         __m256 acc = _mm256_setzero_ps();
-        const float* bs = a.block_sum.data() + r * K / 32;
+        const float* bs = bsums + r * K / 32;
         for (int64_t j = 0; j < K / 32; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(bs[j]), _mm256_loadu_ps(mins.data() + 8 * j), acc);
         float* yr = y + r * N + kX8Rows * g;
-        _mm256_storeu_ps(yr, _mm256_sub_ps(_mm256_loadu_ps(yr), acc));
+        if (rows == kX8Rows) {
+          _mm256_storeu_ps(yr, _mm256_sub_ps(_mm256_loadu_ps(yr), acc));
+        } else {  // a last group past N (Q4_1 blocks; repacked weights come in whole groups)
+          alignas(32) float sub[kX8Rows];
+          _mm256_store_ps(sub, acc);
+          for (int64_t i = 0; i < rows; ++i) yr[i] -= sub[i];
+        }
       }
     }
   });
@@ -2084,11 +2151,32 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 // 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41.
 constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 4 : 0; }
 
-// Rows of x that take the tiles' kernels (q4_k_x8_row one row after the other, q6_k_x8_rows up to 4
+// Rows of x that take the tiles' kernels (q4_k_x8_rows 2 rows at once (AVX2: 1), q6_k_x8_rows up to 4
 // rows at once), each group of 8 rows of W read from memory once and from cache by the next rows of
 // x: every batch the integer kernels take (32 rows; ratios against the blocks: docs/quantization.md,
 // "Repacked Q4_K and Q6_K"). More (prefills) take x8_prefill, which widens each group once for all of them.
 constexpr int64_t kX8MaxRowLoop = 32;
+// From this many rows of x (decode steps of many streams) a product whose weight x8_prefill widens
+// takes it even at decode-sized batches, by type (0: never below kX8MaxRowLoop + 1): compute-bound
+// there, and one widening of each group of 8 rows serves all the rows of x, where the row kernels
+// unpack each tile again per 2 rows (q4_k_x8_rows) or per 4 (q6_k_x8_rows), and the blocks' kernels
+// unpack a chunk per group of 8 rows and convert per 32 values per row. Q4_1 and Q8_0 past the 8
+// rows that int8x2 gives the blocks' kernels in Python (which gave them the float32 kernel there);
+// the tiles where their row kernels stop winning. benchmarks/kernel_ab.py, one thread, interleaved,
+// on a loaded machine: SmolLM2 shapes at 16 rows 1.1-1.6x the blocks' integer kernel (1.2-1.65x the
+// float32 one); the 1B shapes at 16 rows Q6_K 0.95-1.14x and Q4_K 0.6-0.9x the tiles' kernels, at
+// 24 rows Q6_K 1.3x and Q4_K 0.94-1.16x, at 32 Q6_K 1.3-1.8x and Q4_K 1.2x.
+constexpr int64_t widen_min_rows(int64_t qtype) {
+#if defined(PAGELLM_INT8_VNNI)
+  return qtype == Q4_1 || qtype == Q8_0 ? 9 : qtype == Q6_K ? 17 : qtype == Q4_K ? 25 : 0;
+#else
+  return 0;
+#endif
+}
+inline bool widens(int64_t qtype, int64_t M) {
+  const int64_t from = widen_min_rows(qtype);
+  return M > kX8MaxRowLoop || (from > 0 && M >= from);
+}
 
 // Up to kX8MaxRowLoop rows of x times a repacked weight, x rounded as the GGUF layout's kernels
 // round it for these rows: the same codes, so the same sums up to float32 summation order.
@@ -2127,9 +2215,15 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
       if (qtype == Q4_K) {
-        for (int64_t m = 0; m < M; ++m) {
-          float* yg = y + m * N + kX8Rows * g;
-          two_terms ? q4_k_x8_row<true>(views[m], K, tiles, yg) : q4_k_x8_row<false>(views[m], K, tiles, yg);
+        for (int64_t m = 0; m < M; m += kQ4TileRows) {
+          float* yg[kQ4TileRows];
+          for (int64_t i = 0; i < kQ4TileRows && m + i < M; ++i) yg[i] = y + (m + i) * N + kX8Rows * g;
+          const ActView* v = views.data() + m;
+          if (kQ4TileRows == 2 && m + 1 < M)
+            two_terms ? q4_k_x8_rows<kQ4TileRows, true>(v, K, tiles, yg) : q4_k_x8_rows<kQ4TileRows, false>(v, K, tiles, yg);
+          else
+            two_terms ? q4_k_x8_rows<1, true>(v, K, tiles, yg) : q4_k_x8_rows<1, false>(v, K, tiles, yg);
+          if (kQ4TileRows == 2 && m + 1 >= M) break;
         }
         continue;
       }
@@ -2165,11 +2259,12 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  if (x8 && M <= kX8MaxRowLoop) {
+  if (x8 && !widens(qtype, M)) {
     x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
-  if (x8 || (qtype == Q8_0 && M > kX8MaxRowLoop)) {  // prefills: each group of 8 rows of W widened once
+  // prefills, and the decode-sized batches of widen_min_rows: each group of 8 rows of W widened once
+  if (x8 || (qtype == Q8_0 && M > kX8MaxRowLoop) || ((qtype == Q4_1 || qtype == Q8_0) && widens(qtype, M))) {
     x8_prefill(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
@@ -2282,7 +2377,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("prefill_types") = py::make_tuple(static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8),
                                            static_cast<int64_t>(Q8_0));
   m.attr("prefill_min_rows") = kX8MaxRowLoop + 1;
+  // ... and the GGUF types whose products take it from fewer rows (widen_min_rows): Python's int8x2
+  // bounds give them the integer kernels up to kX8MaxRowLoop rows
+  py::dict widen_from;
+  for (int64_t t : {Q4_1, Q8_0, Q4_K, Q6_K})
+    if (widen_min_rows(t) > 0) widen_from[py::int_(t)] = widen_min_rows(t);
+  m.attr("widen_min_rows") = widen_from;
 #else
+  m.attr("widen_min_rows") = py::dict();
   m.attr("has_int8_activations") = false;
   m.attr("prefill_types") = py::tuple();
   m.attr("prefill_min_rows") = 0;

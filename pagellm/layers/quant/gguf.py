@@ -68,7 +68,10 @@ INT8_MAX_ROWS = {"int8": 16, "int8x2": 8}
 # codes into one 16-bit value (csrc wide_super_rows; at 16 rows Q4_K gate/up 3.7 ms against the
 # float32 kernel's 7.0, Q6_K down 2.4 against 3.7), and against every type in AVX2 builds, whose
 # float32 kernel (8 lanes, 16 registers) loses to two codes at every batch up to 32 on every shape
-# (quant-matmul-2026-12-04-avx2.json: 1.1-1.9x at 16 rows).
+# (quant-matmul-2026-12-04-avx2.json: 1.1-1.9x at 16 rows); and in mode int8x2 against Q4_1 and
+# Q8_0 in AVX-512 VNNI builds, whose products past 8 rows widen each group of 8 rows of W once to
+# 16-bit values for all the rows of x (csrc widen_min_rows; the SmolLM2 shapes at 16 rows 1.2-1.5x
+# the float32 kernel, its Q8_0 head 1.65x: benchmarks/kernel_ab.py).
 K_QUANTS = frozenset(i for i, t in BLOCK_TYPES.items() if t.k_quant)
 WIDE_INT8_MAX_ROWS = 32
 # Past INT8_MAX_ROWS, mode "int8" rounds the activations to bfloat16 for bfloat16 tiles, where the
@@ -250,7 +253,11 @@ def wide_int8_types(activations: str) -> frozenset[int]:
         return frozenset()
     if kernels.float_lanes < 16:
         return frozenset(NATIVE_TYPES)
-    return K_QUANTS if kernels.int8_kernel == "avx512_vnni" else frozenset()
+    if kernels.int8_kernel != "avx512_vnni":
+        return frozenset()
+    # the types whose products of decode-sized batches widen each group of 8 rows of W once for
+    # all the rows of x (csrc widen_min_rows: Q4_1, Q8_0; 1.2-1.7x the float32 kernel at 9-32 rows)
+    return K_QUANTS | frozenset(getattr(kernels, "widen_min_rows", {}))
 
 
 @functools.cache

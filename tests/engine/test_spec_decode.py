@@ -55,8 +55,10 @@ def _accepted(llm: LLM) -> int:
 
 # mistral: every layer slides (a window of 16, shorter than most sequences here). The recurrent
 # families (short convolutions, Mamba-2, Gated DeltaNet beside attention) roll each layer's state
-# back to the last accepted token's.
-@pytest.fixture(scope="module", params=["llama", "mistral", "lfm2", "granite_moe_hybrid", "qwen3_5"])
+# back to the last accepted token's (Qwen3.5 in the fast suite; LFM2's and Granite 4's in the slow one,
+# and LFM2's under a draft model in tests/engine/test_spec_decode_draft.py).
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen3_5",
+                                        *(pytest.param(f, marks=pytest.mark.slow) for f in ("lfm2", "granite_moe_hybrid"))])
 def model(request, tmp_path_factory):
     path = str(build(request.param, tmp_path_factory.mktemp(request.param)))
     requests = _requests()

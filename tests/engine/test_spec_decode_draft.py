@@ -93,6 +93,25 @@ def test_greedy_with_a_draft_model_equals_plain_decoding(models, setup, which, t
     _assert_nothing_held(llm)
 
 
+def test_a_recurrent_target_rolls_back_to_the_accepted_tokens(models, tmp_path):
+    """A target with recurrent layers (LFM2's short convolutions) under a draft model of another
+    family, preempted by swapping: its states are rolled back to the accepted tokens' in every
+    verification, so its greedy outputs are plain decoding's."""
+    _, other, requests, _ = models
+    target = str(build("lfm2", tmp_path / "lfm2"))
+    expected = _run(LLM(target, num_kv_blocks=512, block_size=4), requests)
+    llm = LLM(target, speculative_config=_spec(other), num_kv_blocks=30, block_size=4, preemption_mode="swap",
+              kv_offload_dir=str(tmp_path / "tier"))
+    got = _run(llm, requests)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, lps), (_, want) in zip(got, expected):
+        assert lps == pytest.approx(want, abs=1e-4)
+    stats = llm.stats()
+    assert 0 < stats["spec_decode"]["num_accepted_tokens"] < stats["spec_decode"]["num_draft_tokens"]
+    assert stats["num_preemptions"] > 0
+    _assert_nothing_held(llm)
+
+
 def test_sampled_requests_keep_the_targets_logprobs(models):
     """n = 2 seeded samples under penalties, logit_bias, min_tokens and a short max_tokens, verified by
     rejection sampling against the draft's distribution: every token reported has the target's

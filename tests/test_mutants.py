@@ -141,6 +141,11 @@ MUTANTS = [
            "                self.kv.free(state.entries)",
            "                pass",
            ("tests/engine/test_spec_decode_mtp.py::test_greedy_with_mtp_equals_plain_decoding",)),
+    Mutant("a one-token MoE step keeps only its last expert's output",
+           "pagellm/layers/moe.py",
+           "                out.add_(y)",
+           "                out.copy_(y)",
+           ("tests/models/test_gpt_oss.py::test_moe_block_of_one_token_equals_transformers",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

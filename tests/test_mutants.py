@@ -161,6 +161,11 @@ MUTANTS = [
            "mins[bl * 8 + r] = n < N ? half_at(b + 2) : 0.f;",
            ("tests/kernels/test_quant_ops.py::"
             "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q4_1]",), compiled=True),
+    Mutant("a one-token MoE step keeps only its last expert's output",
+           "pagellm/layers/moe.py",
+           "                out.add_(y)",
+           "                out.copy_(y)",
+           ("tests/models/test_gpt_oss.py::test_moe_block_of_one_token_equals_transformers",)),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

@@ -6,7 +6,8 @@ GEMM rate in float32 and bfloat16. A run's achieved rates come from the model's 
 (`CausalLM.compute_cost`): FLOPs are 2 x the multiply-adds of its linear layers and head per
 token computed (attention's score products left out: small next to the weights at these context
 lengths); bytes are the weights one step streams (every linear weight and the head, in their
-stored form: GGUF blocks count at their block size), once per engine step, KV reads left out.
+stored form: GGUF blocks count at their block size), once per engine step, KV reads left out; of a
+mixture of experts only the experts the step's tokens pick (step_weight_bytes).
 """
 from __future__ import annotations
 
@@ -63,11 +64,25 @@ def achieved(cost: dict, tokens: int, steps: int | None, seconds: float, limits:
     if gemm:
         out["share_of_gemm_rate"] = _sig(gflops / gemm)
     if steps is not None and "weight_bytes_per_step" in cost:
-        gbps = cost["weight_bytes_per_step"] * steps / seconds / 1e9
-        out.update(weight_gbps=_sig(gbps), weight_bytes_per_step=cost["weight_bytes_per_step"])
+        per_step = step_weight_bytes(cost, tokens / steps)
+        gbps = per_step * steps / seconds / 1e9
+        out.update(weight_gbps=_sig(gbps), weight_bytes_per_step=per_step)
         if (limits or {}).get("memory_gbps"):
             out["share_of_memory_bandwidth"] = _sig(gbps / limits["memory_gbps"])
     return out
+
+
+def step_weight_bytes(cost: dict, tokens_per_step: float) -> int:
+    """The weight bytes a step of `tokens_per_step` tokens streams. Dense weights once, whatever
+    the tokens; of a mixture of experts (cost's `expert_weight_bytes`, `expert_share` = top_k /
+    experts) the experts some token picked: with tokens routed independently and evenly, a share
+    1 - (1 - share)^tokens of them (one token: its top-k; a prefill of hundreds: all)."""
+    per_step = cost["weight_bytes_per_step"]
+    share, experts = cost.get("expert_share"), cost.get("expert_weight_bytes")
+    if not share or not experts:
+        return per_step
+    touched = 1.0 - (1.0 - share) ** max(tokens_per_step, 1.0)
+    return per_step + round(experts * (touched - share))
 
 
 def _sig(x: float) -> float:

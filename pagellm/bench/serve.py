@@ -308,6 +308,8 @@ SERVER_COUNTERS = {
     "tokens": ("pagellm:iteration_tokens_total_sum", ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total")),
     "flops_per_token": ("pagellm:model_flops_per_token",),
     "weight_bytes_per_step": ("pagellm:model_weight_bytes_per_step",),
+    "expert_weight_bytes": ("pagellm:model_expert_weight_bytes",),
+    "expert_share": ("pagellm:model_expert_share",),
     "prefix_queries": ("pagellm:prefix_cache_queries_total",),
     "prefix_hits": ("pagellm:prefix_cache_hits_total",),
 }
@@ -340,7 +342,8 @@ def server_counters(url: str) -> dict:
 def reported_cost(counters: dict) -> dict | None:
     """The model cost a pagellm server reports in its /metrics (FLOPs per token, weight bytes per
     step); None for a server that reports none."""
-    return {k: counters[k] for k in ("flops_per_token", "weight_bytes_per_step") if k in counters} or None
+    return {k: counters[k] for k in ("flops_per_token", "weight_bytes_per_step", "expert_weight_bytes", "expert_share")
+            if k in counters} or None
 
 
 def prefix_hit_rate(before: dict, after: dict) -> float | None:

@@ -311,7 +311,11 @@ class LLMEngine:
         """The model's FLOPs per computed token and weight bytes streamed per step, all ranks
         together (CausalLM.compute_cost): what a roofline divides by time."""
         ranks = self.memory_report()
-        return {k: sum(r[k] for r in ranks) for k in ("flops_per_token", "weight_bytes_per_step")}
+        cost = {k: sum(r[k] for r in ranks) for k in ("flops_per_token", "weight_bytes_per_step")}
+        if "expert_weight_bytes" in ranks[0]:  # a mixture of experts (compute_cost)
+            cost.update(expert_weight_bytes=sum(r["expert_weight_bytes"] for r in ranks),
+                        expert_share=ranks[0]["expert_share"])
+        return cost
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any, and close the KV tier (writing what it has

@@ -102,9 +102,12 @@ class CausalLM(nn.Module):
 
     def compute_cost(self) -> dict:
         """This rank's work: FLOPs per token computed (2 x the multiply-adds of its linear layers,
-        top-k experts and head; attention's score products left out) and the weight bytes a step
-        streams (those layers' weights in their stored form, GGUF blocks at their size; the
-        embedding table only when it is the tied head). The roofline's numerators."""
+        top-k experts and head; attention's score products left out) and the weight bytes a decode
+        step of one sequence streams (those layers' weights in their stored form, GGUF blocks at
+        their size; of a mixture of experts only the top-k experts of its one token; the embedding
+        table only when it is the tied head). The roofline's numerators. A model with experts adds
+        `expert_weight_bytes` (every expert's weights) and `expert_share` (top_k / experts: the share
+        one token reads), from which bench/roofline.py counts a step of more tokens (step_weight_bytes)."""
         from pagellm.layers.linear import LinearBase
         from pagellm.layers.moe import FusedMoE
 
@@ -112,18 +115,27 @@ class CausalLM(nn.Module):
             # recurse: a GGUF layer keeps its blocks in a ParameterList of segments.
             return sum(p.numel() * p.element_size() for p in module.parameters())
 
-        macs = streamed = 0
+        macs = streamed = experts = 0
+        shares = set()
         for module in self.modules():
             if isinstance(module, LinearBase):
                 macs += module.in_features * module.out_features
                 streamed += nbytes(module)
             elif isinstance(module, FusedMoE):
                 macs += module.macs_per_token()
-                streamed += nbytes(module)  # a decode batch of B tokens reads min(E, ~B*k) experts: an upper bound
+                experts += nbytes(module)
+                shares.add(module.top_k / module.num_experts)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         macs += head.num_local * self.cfg.hidden_size
         streamed += nbytes(head)
-        return {"flops_per_token": 2 * macs, "weight_bytes_per_step": streamed}
+        cost = {"flops_per_token": 2 * macs, "weight_bytes_per_step": streamed}
+        if experts:
+            if len(shares) != 1:
+                raise ValueError(f"layers of experts pick different shares of their experts: {sorted(shares)}")
+            (share,) = shares
+            cost.update(weight_bytes_per_step=streamed + round(experts * share), expert_weight_bytes=experts,
+                        expert_share=share)
+        return cost
 
     # ---- weights -----------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:

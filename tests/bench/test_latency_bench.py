@@ -75,3 +75,38 @@ def test_latency_bench_skips_bfloat16_on_a_cpu_without_it(tmp_path, tiny_llama_d
     assert set(data["systems"]) == {"pagellm-paged"}
     assert "bfloat16" in data["skipped"]["pagellm-paged-bf16"]
     assert data["machine_limits"]["gemm_gflops_bfloat16"] is None
+
+
+def test_moe_model_cost_counts_one_tokens_experts(tmp_path):
+    """A decode step of one sequence reads its token's top-k experts, not all of them: the cost's
+    weight bytes per step are the dense layers' and head's plus top_k / experts of the experts',
+    and a step of many tokens (roofline.step_weight_bytes) approaches every expert."""
+    from pagellm import LLM
+    from pagellm.bench import roofline
+    from pagellm.layers.moe import FusedMoE
+    from tests.models.families import FAMILIES, build
+
+    path = build("gpt_oss", tmp_path / "gpt_oss")
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    model = llm.engine.runner.model
+    cost = llm.engine.model_cost()
+    experts = sum(p.numel() * 4 for m in model.modules() if isinstance(m, FusedMoE) for p in m.parameters())
+    overrides = FAMILIES["gpt_oss"][2]
+    share = overrides["num_experts_per_tok"] / overrides["num_local_experts"]
+    assert cost["expert_weight_bytes"] == experts > 0 and cost["expert_share"] == share
+    dense = cost["weight_bytes_per_step"] - round(experts * share)
+    assert 0 < dense < cost["weight_bytes_per_step"]
+    assert roofline.step_weight_bytes(cost, 1) == cost["weight_bytes_per_step"]
+    two = roofline.step_weight_bytes(cost, 2)  # 1 - (1 - 1/4)^2 of the experts
+    assert two == dense + round(experts * (1 - (1 - share) ** 2))
+    assert roofline.step_weight_bytes(cost, 512) == pytest.approx(dense + experts, rel=1e-6)
+    tg = roofline.achieved(cost, 8, 8, 1.0, None)
+    assert tg["weight_bytes_per_step"] == cost["weight_bytes_per_step"]
+    llm.shutdown()
+
+
+def test_dense_model_step_bytes_do_not_depend_on_tokens():
+    from pagellm.bench import roofline
+
+    cost = {"flops_per_token": 10, "weight_bytes_per_step": 1000}
+    assert roofline.step_weight_bytes(cost, 1) == roofline.step_weight_bytes(cost, 64) == 1000

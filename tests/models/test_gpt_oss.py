@@ -81,6 +81,18 @@ def test_moe_block_equals_transformers_gpt_oss_mlp():
     torch.testing.assert_close(load_block(mlp)(x), want[0], rtol=1e-5, atol=1e-5)
 
 
+def test_moe_block_of_one_token_equals_transformers():
+    """A decode step of one sequence: its top-k experts' outputs all add into row 0 (FusedMoE's
+    one-token path), each token on its own against transformers."""
+    mlp = reference_mlp(2)
+    block = load_block(mlp)
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        for i in range(x.shape[0]):
+            want, _ = mlp(x[None, i:i + 1])
+            torch.testing.assert_close(block(x[i:i + 1]), want[0], rtol=1e-5, atol=1e-5)
+
+
 def test_two_ranks_sum_to_one_with_the_biases_once():
     """Each rank holds half of every expert's gate and up features (picked out of the interleaved
     checkpoint) and of its down inputs; the down bias is added by rank 0 alone."""

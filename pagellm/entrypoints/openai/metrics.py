@@ -264,8 +264,11 @@ class ServerMetrics:
         # they give the GFLOP/s and weight GB/s a load achieved.
         for key, doc in (("flops_per_token", "FLOPs one computed token costs the model's linear layers and head "
                                              "(2 x their multiply-adds)."),
-                         ("weight_bytes_per_step", "Bytes of weights one engine step streams (linear layers and "
-                                                   "head, in their stored form).")):
+                         ("weight_bytes_per_step", "Bytes of weights one engine step of one token streams (linear "
+                                                   "layers and head, in their stored form; of experts, its top-k)."),
+                         ("expert_weight_bytes", "Bytes of every expert's weights (models with experts)."),
+                         ("expert_share", "The share of its experts one token reads: top_k / experts (models "
+                                          "with experts).")):
             if model_cost and key in model_cost:
                 Gauge(f"pagellm:model_{key}", doc, name, registry=reg).labels(model_name).set(model_cost[key])
         self._requests: dict[str, _Progress] = {}

@@ -96,6 +96,14 @@ struct Iq4XsRuns {
 };
 constexpr int kMaxRunsPerBlock = 8;
 
+// Bytes ahead of the block being multiplied that a product asks the cache for. A decode step's
+// experts come from memory, not cache, and a row of MXFP4 blocks is 1.5 KB: the hardware's stream
+// prefetcher stops at every 4 KB page and waits to see a new stream start, so without a hint the
+// products wait on memory for most of each page (gpt-oss-20b's expert products ran at a fifth of
+// their in-cache speed). Rows are contiguous, so the hint runs on into the next rows.
+constexpr int64_t kPrefetchAhead = 2048;
+inline void prefetch_ahead(const uint8_t* p) { __builtin_prefetch(p + kPrefetchAhead, 0, 3); }
+
 // A run's 32 values, scalar: scale * table[code].
 template <class R>
 inline void widen_run(const uint8_t* q, float s, float* y) {
@@ -169,6 +177,7 @@ void float_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, 
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vzero();
     for (int64_t b = 0; b < K / R::kBlockValues; ++b) {
       const uint8_t* block = row + b * R::kBlockBytes;
+      prefetch_ahead(block);
       R::scales(block, s);
       for (int j = 0; j < R::kBlockValues / kRun; ++j) {
         VF wv[kVecs];
@@ -350,6 +359,7 @@ void int8_rows(const Rounded& a, int64_t m0, int64_t K, const uint8_t* w, int64_
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / R::kBlockValues; ++b) {
       const uint8_t* block = row + b * R::kBlockBytes;
+      prefetch_ahead(block);
       R::scales(block, s);
       for (int j = 0; j < R::kBlockValues / kRun; ++j) {
         const __m256i wv = run_values<R>(R::codes(block, j));

@@ -282,13 +282,21 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     }
     // This token's keys in the tile.
     auto keys_of = [&](int64_t qi) { return std::min(t1, lens[qi]) - t0; };
-    // Scores, one run of contiguous keys (the part of the tile in one block) at a time, for every token.
-    for (int64_t u0 = 0; u0 < t1 - t0;) {
-      const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
-      const T* kb = key_row(kp, t0 + u0);
-      for (int64_t qi = 0; qi < NQ; ++qi) {
-        const int64_t n = std::min(seg, keys_of(qi) - u0);
-        if (n <= 0) continue;
+    // f(u0, qi, n) for each run of contiguous keys (the part of the tile in one block) and, while
+    // the run is in L1, each query token reading some of it: keys t0 + u0 .. + n - 1.
+    auto each_run = [&](auto&& f) {
+      for (int64_t u0 = 0; u0 < t1 - t0;) {
+        const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
+        for (int64_t qi = 0; qi < NQ; ++qi) {
+          const int64_t n = std::min(seg, keys_of(qi) - u0);
+          if (n > 0) f(u0, qi, n);
+        }
+        u0 += seg;
+      }
+    };
+    // Scores.
+    each_run([&](int64_t u0, int64_t qi, int64_t n) {
+        const T* kb = key_row(kp, t0 + u0);
         const float* qt = q + qi * H * D;
         float* s = ss + qi * H * kTile + u0;
 #if defined(__AVX512F__)
@@ -315,9 +323,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
             }
           }
         }
-      }
-      u0 += seg;
-    }
+    });
     for (int64_t qi = 0; qi < NQ; ++qi) {
       const int64_t nt = keys_of(qi);
       if (nt <= 0) continue;
@@ -369,14 +375,9 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     }
     // Softmax-weighted V rows, block by block, every token's heads while the block is in L1; each
     // head's accumulator stays in registers over the block's keys.
-    for (int64_t u0 = 0; u0 < t1 - t0;) {
-      const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
-      const T* vrow = key_row(vp, t0 + u0);
-      for (int64_t qi = 0; qi < NQ; ++qi) {
-        const int64_t n = std::min(seg, keys_of(qi) - u0);
-        if (n <= 0) continue;
+    each_run([&](int64_t u0, int64_t qi, int64_t n) {
         for (int64_t h = 0; h < KVH; ++h) {
-          const T* vb = vrow + h * HS;
+          const T* vb = key_row(vp, t0 + u0) + h * HS;
           for (int64_t g = 0; g < G; ++g) {
             float* a = accs + (qi * H + h * G + g) * D;
             const float* p = ss + (qi * H + h * G + g) * kTile + u0;
@@ -413,9 +414,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
             }
           }
         }
-      }
-      u0 += seg;
-    }
+    });
     t0 = t1;
   }
   for (int64_t qi = 0; qi < NQ; ++qi) {

@@ -1758,6 +1758,12 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
   const auto lanes = [&](int64_t span, int r, float d) {
     for (int l = 0; l < 4; ++l) dvec[span * 32 + 4 * r + l] = d;
   };
+  // Row r's values 16 h.. of 32-value block bl, as 16-bit values: slices 4 bl + 2 h and 4 bl + 2 h + 1.
+  const auto put_half_block = [&](int64_t bl, int h, int r, __m256i v) {
+    int16_t* out = buf + (4 * bl + 2 * h) * 64 + 8 * r;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm256_extracti128_si256(v, 1));
+  };
   const int64_t supers = K / QK_K;
   if (qtype == Q4_1) {  // codes u (0..15) as they are; d per block a float scale, m * (x's block sum) beside
     const int64_t blocks = K / 32, row_bytes = blocks * 20;
@@ -1769,12 +1775,8 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
         // stored negated: the mins' pass subtracts (Q4_K's are dmin * m_j), Q4_1's w = d * u + m adds
         mins[bl * 8 + r] = n < N ? -half_at(b + 2) : 0.f;
         const __m128i q = n < N ? load(b + 4) : _mm_setzero_si128();
-        for (int h = 0; h < 2; ++h) {  // values 16 h.. (low nibbles, then high): slices 4 bl + 2 h, + 1
-          const __m256i v = _mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low));
-          int16_t* out = buf + (4 * bl + 2 * h) * 64 + 8 * r;
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(v));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm256_extracti128_si256(v, 1));
-        }
+        for (int h = 0; h < 2; ++h)  // values 16 h.. (low nibbles, then high)
+          put_half_block(bl, h, r, _mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low)));
       }
     }
     return;
@@ -1786,12 +1788,8 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
       for (int64_t bl = 0; bl < blocks; ++bl) {
         const uint8_t* b = w + n * row_bytes + bl * 34;
         lanes(bl, r, n < N ? half_at(b) : 0.f);
-        for (int h = 0; h < 2; ++h) {  // values 16 h.. of the block: slices 4 bl + 2 h, + 1
-          const __m256i v = n < N ? _mm256_cvtepi8_epi16(load(b + 2 + 16 * h)) : _mm256_setzero_si256();
-          int16_t* out = buf + (4 * bl + 2 * h) * 64 + 8 * r;
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(v));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm256_extracti128_si256(v, 1));
-        }
+        for (int h = 0; h < 2; ++h)  // values 16 h.. of the block
+          put_half_block(bl, h, r, n < N ? _mm256_cvtepi8_epi16(load(b + 2 + 16 * h)) : _mm256_setzero_si256());
       }
     }
     return;

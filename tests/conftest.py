@@ -46,6 +46,22 @@ def pytest_collection_modifyitems(config, items):
 # after every step.
 os.environ.setdefault("PAGELLM_CHECK_INVARIANTS", "1")
 
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker (and every server or rank it starts, which inherit
+    OMP_NUM_THREADS) runs torch on its share of the cores. Left at all of them, two workers on two
+    cores oversubscribe them and OpenMP's spinning threads wait on each other: the server and
+    quantized-model files took three times as long. tests/kernels sets its own count back, so the
+    kernels' thread splits stay tested."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+_share_the_cores()
+
 # Weights this large make attention sharp, so outputs depend on positions and context.
 INIT_STD = 0.3
 

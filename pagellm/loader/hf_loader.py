@@ -3,7 +3,9 @@
 transformers reads config.json (so its defaults are the reference's); this module finds the
 family, the stop tokens and the weight files, and owns the rule that pickled weights are never opened.
 An image-text checkpoint (models.registry.MULTIMODAL) is read as its text model: its text_config,
-its language model's weights renamed as the text family names them, nothing else read.
+its language model's weights renamed as the text family names them, nothing else read. The
+multi-token-prediction layers a checkpoint stores beside the model (`mtp.*`: Qwen3.5, in its text
+and image-text checkpoints alike) are read only when asked for (speculative decoding, engine/mtp.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from pagellm.models.registry import (HF_ARCHITECTURES, SEQUENCE_CLASSIFIERS, Mul
 logger = logging.getLogger(__name__)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _INDEX_FILE = "model.safetensors.index.json"
+# Where Qwen3.5 stores its MTP layer, outside the language model's names in either layout.
+MTP_PREFIX = "mtp."
 
 
 def read_hf_config(model_dir: str) -> ModelArchConfig:
@@ -65,7 +69,7 @@ def _transformers_config(model_dir: str, config_path: str, raw: dict, model_type
         raise ValueError(f"{config_path}: transformers cannot read this config: {exc}") from None
 
 
-def iter_hf_weights(model_dir: str, keep: Callable[[str], bool] | None = None
+def iter_hf_weights(model_dir: str, keep: Callable[[str], bool] | None = None, mtp: bool = False
                     ) -> Iterator[tuple[str, torch.Tensor | ExpertBlocks]]:
     """Yield `(name, tensor)` from the directory's safetensors files, one tensor at a time, as stored
     (an image-text checkpoint's text weights alone, named as its text family names them; the
@@ -73,6 +77,7 @@ def iter_hf_weights(model_dir: str, keep: Callable[[str], bool] | None = None
     (`<name>_blocks`, `<name>_scales`) joined as `<name>` in GGUF blocks (loader/mxfp4.py).
 
     `keep`: only the tensors whose names it accepts are read (an MTP layer's, beside the target's).
+    `mtp`: the `mtp.*` tensors too, under their stored names (never read otherwise).
     The weight files are found before this returns, so a directory without usable weights fails here.
     """
     config_path = os.path.join(model_dir, "config.json")
@@ -81,7 +86,7 @@ def iter_hf_weights(model_dir: str, keep: Callable[[str], bool] | None = None
     # A cross-encoder's score head is not the decoder's: loader/score_head.py reads it.
     head = (config.get("architectures") or [""])[0] in SEQUENCE_CLASSIFIERS
     # OpenAI's MXFP4 experts (gpt-oss) come as GGUF MXFP4 blocks, which FusedMoE keeps.
-    return join_mxfp4(_tensors(_safetensors_files(model_dir, multimodal), multimodal, head, keep))
+    return join_mxfp4(_tensors(_safetensors_files(model_dir, multimodal, mtp), multimodal, head, keep, mtp))
 
 
 def hf_weight_names(model_dir: str) -> list[str]:
@@ -93,14 +98,21 @@ def hf_weight_names(model_dir: str) -> list[str]:
     return names
 
 
+def _text_name(stored: str, multimodal: Multimodal | None, mtp: bool) -> str | None:
+    """The name a stored tensor is read under; None: not read."""
+    if stored.startswith(MTP_PREFIX):
+        return stored if mtp else None
+    return stored if multimodal is None else multimodal.text_name(stored)
+
+
 def _tensors(files: list[str], multimodal: Multimodal | None, skip_score_head: bool = False,
-             keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+             keep: Callable[[str], bool] | None = None, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt") as handle:
             for stored in handle.keys():
                 if skip_score_head and stored.startswith("score."):
                     continue
-                name = stored if multimodal is None else multimodal.text_name(stored)
+                name = _text_name(stored, multimodal, mtp)
                 if name is not None and (keep is None or keep(name)):
                     yield name, handle.get_tensor(stored)
 
@@ -132,12 +144,12 @@ def _eos_ids(cfg: dict, model_dir: str) -> list[int]:
     return ids
 
 
-def _safetensors_files(model_dir: str, multimodal: Multimodal | None = None) -> list[str]:
+def _safetensors_files(model_dir: str, multimodal: Multimodal | None = None, mtp: bool = True) -> list[str]:
+    """The weight files; with an index, only the shards holding a tensor that is read."""
     index_path = os.path.join(model_dir, _INDEX_FILE)
     if os.path.isfile(index_path):
         weight_map: dict[str, Any] = _read_json(index_path).get("weight_map") or {}
-        if multimodal is not None:
-            weight_map = {k: v for k, v in weight_map.items() if multimodal.text_name(k) is not None}
+        weight_map = {k: v for k, v in weight_map.items() if _text_name(k, multimodal, mtp) is not None}
         root = os.path.realpath(model_dir)
         files = []
         for shard in dict.fromkeys(weight_map.values()):  # unique, in first-use order

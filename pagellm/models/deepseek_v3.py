@@ -9,16 +9,14 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.layers.activation import Activation, check_activation
-from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.activation import Activation
 from pagellm.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from pagellm.layers.moe import SparseMoeBlock, route_expert_weight
-from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.rotary import RotaryEmbedding, get_rope
 from pagellm.models.arch import ModelArchConfig
-from pagellm.models.base import CausalLM
 from pagellm.models.llama import LlamaForCausalLM, LlamaMLP
+from pagellm.models.mtp import MultiTokenPredictor
 
 
 class DeepseekV3MoE(SparseMoeBlock):
@@ -78,56 +76,23 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return route_expert_weight(name) or super().route(name, params)
 
 
-class DeepseekV3MTP(DeepseekV3ForCausalLM):
+class DeepseekV3MTP(MultiTokenPredictor, DeepseekV3ForCausalLM):
     """The multi-token-prediction layer DeepSeek-V3 ships after its stack (num_nextn_predict_layers;
-    checkpoint names `model.layers.{N}.*`, N = num_hidden_layers), as a model of its own: it reads
-    a position's token embedding (zero at position 0, as released) and the hidden state that
-    predicted that token, each normed (`enorm`, `hnorm`), concatenated embedding first and projected
-    back to the hidden size (`eh_proj`); runs one decoder layer (latent attention over its own cache,
-    the experts) and predicts the token after it through `shared_head.norm` and the head.
+    checkpoint names `model.layers.{N}.*`, N = num_hidden_layers): `enorm`, `hnorm`, `eh_proj`, the
+    decoder layer (latent attention, the experts) and `shared_head.norm` (models/mtp.py). As
+    released, position 0's embedding is zeroed, and the chain reads the layer's output before
+    `shared_head.norm`. The checkpoint's copies of the embedding and head in layer N
+    (`embed_tokens`, `shared_head.head`) are not read: DeepSeek-V3 trains them shared with the
+    target's."""
 
-    Its forward returns the layer's output before that norm: the next prediction in a chain reads
-    it as its hidden state. The embedding and the head are the target's (`model.embed_tokens`,
-    `lm_head`): DeepSeek-V3 trains them shared, and the copies its checkpoints store in layer N are
-    not read."""
+    layers_field = "num_nextn_predict_layers"
+    part_names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
+    unread = ("embed_tokens.", "shared_head.head.")
+    zero_first_embedding = True
 
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 tp: TensorParallelGroup | None = None) -> None:
-        CausalLM.__init__(self, arch, tp)  # the embedding and head, not the target's stack
-        self.act = getattr(self.hf, self.act_field, None) or "silu"
-        check_activation(self.act, arch.model_name)
-        self.set_ropes(self.make_ropes(max_positions))
-        hidden, eps = arch.hidden_size, arch.rms_norm_eps
-        self.enorm = RMSNorm(hidden, eps)
-        self.hnorm = RMSNorm(hidden, eps)
-        self.eh_proj = ReplicatedLinear(2 * hidden, hidden)
-        self.layers = nn.ModuleList([self.make_layer(arch.num_hidden_layers, backend, tp)])
-        self.norm = RMSNorm(hidden, eps)  # shared_head.norm
+    @classmethod
+    def prefix(cls, arch: ModelArchConfig) -> str:
+        return f"model.layers.{arch.num_hidden_layers}."
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                previous_hidden: torch.Tensor) -> torch.Tensor:
-        embedded = self.embed(input_ids).masked_fill((positions == 0)[:, None], 0.0)
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous_hidden.to(embedded.dtype))], dim=-1))
-        layer = self.layers[0]
-        tables = {name: rope.cos_sin(positions, x.dtype) for name, rope in self.ropes.items()}
-        return layer(tables.get(layer.rope_name), x, kv_caches[0], meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return super().compute_logits(self.norm(hidden))
-
-    def checkpoint_name(self, name: str) -> str | None:
-        if name == "model.embed_tokens.weight" or name == "lm_head.weight":
-            return CausalLM.checkpoint_name(self, name)
-        prefix = f"model.layers.{self.cfg.num_hidden_layers}."
-        if not name.startswith(prefix):
-            return None  # the target's stack, or a second prediction layer (only the first is read)
-        rest = name.removeprefix(prefix)
-        if rest.startswith(("embed_tokens.", "shared_head.head.")):
-            return None  # the target's copies (see the class)
-        if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
-            return rest
-        if rest.startswith("shared_head.norm."):
-            return "norm." + rest.removeprefix("shared_head.norm.")
-        # The decoder layer, named as the target's layer 0 would be.
-        return super().checkpoint_name("model.layers.0." + rest)
+    def make_block(self, backend: AttentionBackend, tp: TensorParallelGroup | None) -> nn.Module:
+        return self.make_layer(self.cfg.num_hidden_layers, backend, tp)  # past first_k_dense_replace: experts

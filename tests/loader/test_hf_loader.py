@@ -73,6 +73,23 @@ def test_qwen2_sharded_tied_round_trip(tmp_path):
         assert torch.equal(value, sd[name]), name
 
 
+def test_mtp_tensors_are_read_only_when_asked_for(tmp_path):
+    """A checkpoint's MTP layer (`mtp.*`, Qwen3.5) is not the model's: plain loading neither yields
+    it nor opens a shard holding only it (the index names one that is not there); method 'mtp'
+    asks for it."""
+    from safetensors.torch import save_file
+
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "a.safetensors"))
+    weight_map = {"model.norm.weight": "a.safetensors", "mtp.fc.weight": "mtp.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert set(dict(iter_hf_weights(str(tmp_path)))) == {"model.norm.weight"}
+    with pytest.raises(FileNotFoundError, match="mtp.safetensors"):
+        iter_hf_weights(str(tmp_path), mtp=True)
+    save_file({"mtp.fc.weight": torch.ones(4, 8), "mtp.norm.weight": torch.ones(4)}, str(tmp_path / "mtp.safetensors"))
+    assert set(dict(iter_hf_weights(str(tmp_path), mtp=True))) == {"model.norm.weight", "mtp.fc.weight",
+                                                                   "mtp.norm.weight"}
+
+
 def write_config(path, **fields) -> None:
     path.mkdir(exist_ok=True)
     (path / "config.json").write_text(json.dumps({**TINY, **fields}))

@@ -1,8 +1,9 @@
 """Multi-token-prediction proposals: the target's own MTP layer (DeepSeek-V3's
-num_nextn_predict_layers) reads the target's hidden states and proposes k tokens ahead.
+num_nextn_predict_layers, Qwen3.5's mtp.*) reads the target's hidden states and proposes k tokens
+ahead.
 
 An MTP layer's entry at position p reads the target's final hidden state at p and the token at
-p + 1 (models/deepseek_v3.py, DeepseekV3MTP), and its output predicts the token at p + 2. Entries
+p + 1 (models/mtp.py, MultiTokenPredictor), and its output predicts the token at p + 2. Entries
 are written into the layer's own paged KV cache, a pool and KV coordinator of its own sized beside
 the target's as a draft model's is (engine/draft.py): every position the target computes becomes
 an entry once the token after it is known. A chunk's rows are read in the step that computed them
@@ -63,7 +64,7 @@ class _Read:
 
 
 class MTPProposer(ModelProposer):
-    """Runs the MTP layer (model_class DeepseekV3MTP) over its own paged cache."""
+    """Runs the MTP layer (a MultiTokenPredictor model) over its own paged cache."""
 
     label = "MTP layer"
     reads_hidden_states = True

@@ -256,6 +256,20 @@ def test_qwen35_quantized_delta_rule_layers(conversions, tmp_path):
     _assert_serves_as_dequantized(llm, q8, vocab, seed=3)
 
 
+def test_qwen35_mtp_layer_in_a_gguf_file_is_refused_for_speculation(conversions):
+    """The converter keeps Qwen3.5's MTP layer as the block after the stack (nextn_predict_layers);
+    the loader serves the file without it, and method 'mtp' is refused with what the converter did
+    and what to serve instead."""
+    _, gguf_path, _ = conversions["qwen3_5"]
+    if isinstance(gguf_path, str):
+        raise AssertionError(f"convert_hf_to_gguf.py failed on qwen3_5:\n{gguf_path}")
+    from gguf import GGUFReader
+
+    assert GGUFReader(gguf_path).fields["qwen35.nextn_predict_layers"].contents() == 1
+    with pytest.raises(ValueError, match="llama.cpp's converter keeps Qwen3.5's MTP layer .*serve the Hugging Face"):
+        LLM(str(gguf_path), num_kv_blocks=16, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
 def test_llama4_image_text_checkpoint_converts_to_its_text_model(smollm2_tokenizer, tmp_path):
     """Llama 4's published checkpoints are Llama4ForConditionalGeneration: the converter writes their
     text model as a `llama4` file (the vision tower goes to a separate mmproj file only with --mmproj),

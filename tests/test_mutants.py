@@ -143,7 +143,9 @@ MUTANTS = [
            "pagellm/models/qwen3_5.py",
            "    normed_output = True",
            "    normed_output = False",
-           ("tests/engine/test_spec_decode_mtp_qwen3_5.py::test_mtp_layer_forward_equals_the_reference_in_chunks",)),
+           ("tests/engine/test_spec_decode_mtp_qwen3_5.py::test_mtp_layer_forward_equals_the_reference_in_chunks",
+            "tests/engine/test_spec_decode_mtp_qwen3_5.py::"
+            "test_first_proposals_are_the_reference_chain_from_the_targets_hidden_states")),
     Mutant("the MTP layer pairs a position's hidden state with that position's token, not the next one",
            "pagellm/worker/proposers/mtp.py",
            "return _Read(state, state.known[state.valid + 1:state.valid + 1 + n], rows)",

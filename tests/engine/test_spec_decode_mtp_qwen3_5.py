@@ -1,9 +1,10 @@
 """Speculative decoding with Qwen3.5's own MTP layer (method "mtp", `mtp.*`): the layer's forward
 equals a plain-torch reference written here from its weights (transformers' decoder layer for the
-block it wraps, dense and with experts); its first two proposals are the reference's chain from
-transformers' own hidden states of the target; greedy output with it is plain decoding's token for
-token, batched, in prefill chunks, under preemption and from an image-text checkpoint, with no
-block held after; and what it cannot serve is refused, naming what is missing.
+block it wraps, dense and with experts); its first proposals (a chain of three) are the
+reference's chain from transformers' own hidden states of the target; greedy output with it is
+plain decoding's token for token, batched, in prefill chunks, under preemption and from an
+image-text checkpoint, with no block held after; sampled requests keep the target's logprobs and
+their seeds' text; and what it cannot serve is refused, naming what is missing.
 
 transformers neither creates nor saves Qwen3.5's MTP layer (it ignores `mtp.*` on load), so each
 test checkpoint gets one written into its safetensors file under the released names and shapes
@@ -170,25 +171,35 @@ def test_mtp_layer_forward_equals_the_reference_in_chunks(qwen, family, tmp_path
 
 
 def test_first_proposals_are_the_reference_chain_from_the_targets_hidden_states(qwen):
-    """The first proposal reads the target's last hidden state and the sampled token; the second
-    chains the layer on its own (normed) output and the first proposal."""
+    """For each prompt, the first proposal reads the target's last hidden state and the sampled
+    token; the next two chain the layer on its own (normed) output and the token it proposed."""
     path, weights, requests, plain = qwen
-    prompt = requests[3][0]
-    llm = LLM(str(path), num_kv_blocks=64, block_size=4, speculative_config=dict(MTP, num_speculative_tokens=2))
-    proposals = []
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, speculative_config=MTP)
+    first = {}  # the context (prompt and sampled token) -> the tokens proposed after it, first time
     proposer = _proposer(llm)
     propose_for = proposer.propose_for
-    proposer.propose_for = lambda queries: proposals.append(propose_for(queries)) or proposals[-1]
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+
+    def recording(queries):
+        proposals = propose_for(queries)
+        for q, p in zip(queries, proposals):
+            first.setdefault(tuple(q.context), p.token_ids)
+        return proposals
+
+    proposer.propose_for = recording
+    prompts = [p for p, _ in requests if len(p) > 1]
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=K + 2, ignore_eos=True), use_tqdm=False)
     target = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    first = plain[3][0]
-    with torch.no_grad():
-        hidden = target.model(torch.tensor([prompt])).last_hidden_state[0]  # after the final norm
-    out, logits = reference_mtp(weights, "qwen3_5", prompt[1:] + [first], hidden)
-    draft = int(logits[-1].argmax())
-    _, chained = reference_mtp(weights, "qwen3_5", prompt[1:] + [first, draft], torch.cat([hidden, out[-1:]]))
-    assert proposals[0][0].token_ids == [draft, int(chained[-1].argmax())]
+    for prompt, out in zip(prompts, [o for (p, _), o in zip(requests, plain) if len(p) > 1]):
+        with torch.no_grad():
+            hidden = target.model(torch.tensor([prompt])).last_hidden_state[0]  # after the final norm
+        tokens = prompt[1:] + [out[0]]
+        want = []
+        for _ in range(K):
+            rows, logits = reference_mtp(weights, "qwen3_5", tokens, hidden)
+            want.append(int(logits[-1].argmax()))
+            tokens, hidden = tokens + want[-1:], torch.cat([hidden, rows[-1:]])
+        assert first[tuple(prompt + out[:1])] == want
 
 
 SETUPS = {
@@ -219,6 +230,30 @@ def test_greedy_with_mtp_equals_plain_decoding(qwen, coin, which, name):
     if which == "coin":  # runs accepted in part, some past a chained proposal
         accepted = stats["accepted_per_position"]
         assert accepted[0] > accepted[1] > 0
+
+
+@pytest.mark.slow
+def test_sampled_requests_keep_the_targets_logprobs(coin):
+    """Seeded samples over three tokens, their proposals drawn from the layer's distribution and
+    verified by rejection sampling against it, the delta-rule states rolled back to the accepted
+    tokens: some accepted, every token reported with the target's logprob given the tokens before
+    it (scored again by the plain engine as a prompt), and the same text again from the same seeds
+    (no prefix cache: a hit would silence the layer and draw other proposals)."""
+    path, requests, _ = coin
+    params = [SamplingParams(seed=10 + i, temperature=1.0, max_tokens=N_NEW, allowed_token_ids=[0, 5, 7],
+                             ignore_eos=True, logprobs=0) for i in range(len(requests))]
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, enable_prefix_caching=False, speculative_config=MTP)
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == [c.token_ids for c in got]
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    scored = LLM(str(path), num_kv_blocks=256, block_size=4).generate(
+        [{"prompt_token_ids": p + c.token_ids} for (p, _), c in zip(requests, got)],
+        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    for (prompt, _), c, s in zip(requests, got, scored):
+        want = [lp[t].logprob for t, lp in zip(c.token_ids, s.prompt_logprobs[len(prompt):])]
+        assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend
 from pagellm.layers.activation import Activation
 from pagellm.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from pagellm.layers.moe import SparseMoeBlock, route_expert_weight

@@ -26,12 +26,19 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -1989,6 +1996,294 @@ void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int6
 }
 #endif  // PAGELLM_INT8_ACTIVATIONS
 
+#if defined(PAGELLM_INT8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PAGELLM_AMX 1
+// ---- AMX tiles: products of many rows of x against repacked Q4_K / Q6_K ------------------------
+// On CPUs with AMX (Intel Sapphire Rapids and later) one TDPBSUD / TDPBSSD multiplies 16 rows of x's
+// int8 codes by 16 rows of W's 8-bit values over 64 values into 16 x 16 exact int32 sums, where the
+// 16-bit kernel (x8_prefill) takes 64 VPDPWSSD for the same. The tiles have no place for W's
+// sub-block scales, and a product of each sub-block's sums by its scale (per row of W, every 32 or
+// 16 values) cost more than the tiles' work; so each super-block of 16 rows of W is widened once
+// with its integer scales folded in, w = sc * q (Q4_K: q 0..15, sc 0..63; Q6_K: q - 32, sc int8),
+// and split into two 8-bit parts, w = F hi + lo (F 32 for Q4_K, 64 for Q6_K; lo 0..F - 1), each a
+// tile: four products per 64 values (x's two codes times the two parts) summed in four tiles over
+// the super-block, joined in integers (F hi + lo: below 2^31) and scaled once per super-block by W's
+// d and x's scale. x is rounded as the other products of repacked weights round it (quantize_super:
+// one scale per 256 values, one or two codes), so the sums are the same integers; only the float32
+// summation order differs. Q4_K's mins go beside, as x8_prefill's.
+constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (two groups of 8)
+constexpr int64_t kAmxMinRows = 16;       // products of fewer rows of x keep the other kernels
+
+// Whether this process may use the tiles: Linux hands out their state only on request.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+std::atomic<bool> amx_wanted{true};  // set_amx: off for A/B measurements and the tests' comparisons
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes: tmm0-3 the sums (x's first code times W's hi, times lo; its
+// second code times hi, times lo), tmm4-5 x's two codes over 64 values, tmm6-7 W's hi and lo parts
+// (16 rows of 4 values of each of W's 16 rows). The configuration is per thread.
+void amx_configure() {
+  AmxConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// One super-block of W's rows 16 p.. (groups 2 p and 2 p + 1 of a repacked weight), as the tiles
+// take it: hi and lo [4 x 64 values][16 tile rows][16 rows of W][4 values], d per row of W, and Q4_K's
+// dmin * m per sub-block and row.
+struct AmxBlock {
+  alignas(64) uint8_t hi[4096];
+  alignas(64) uint8_t lo[4096];
+  alignas(64) float d[16];
+  alignas(64) float mins[8][16];
+};
+
+// The two groups' tiles hold each row's 8 bytes of a unit together (two 32-bit lanes); AMX's
+// tiles want 4 values of each of 16 rows side by side: the first lanes of both groups' rows, then
+// the second ones.
+inline void amx_split_lanes(const uint8_t* a, const uint8_t* b, __m512i& first, __m512i& second) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i va = _mm512_loadu_si512(a), vb = b ? _mm512_loadu_si512(b) : _mm512_setzero_si512();
+  first = _mm512_permutex2var_epi32(va, even, vb);
+  second = _mm512_permutex2var_epi32(va, _mm512_add_epi32(even, _mm512_set1_epi32(1)), vb);
+}
+
+// Q6_K: 4 values of each of W's 16 rows (`codes`, q - 32) times their rows' integer scales (sc: 16
+// bits, each row's repeated over its 4 values, rows 0-7 and 8-15), split into 64 hi + lo at byte
+// offset `at` of the block.
+inline void amx_put(__m512i codes, __m512i sc_low, __m512i sc_high, AmxBlock& s, int at) {
+  const __m512i mask = _mm512_set1_epi16(63);
+  const __m512i w0 = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(codes)), sc_low);
+  const __m512i w1 = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(codes, 1)), sc_high);
+  const auto join = [](__m512i a, __m512i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(b), 1);
+  };
+  _mm512_store_si512(s.hi + at, join(_mm512_srai_epi16(w0, 6), _mm512_srai_epi16(w1, 6)));
+  _mm512_store_si512(s.lo + at, join(_mm512_and_si512(w0, mask), _mm512_and_si512(w1, mask)));
+}
+
+// The 16 bytes at a and b (rows 0-7, 8-15 of W: a byte each, 8 bytes apart in each group's tile).
+inline __m128i amx_row_bytes(const uint8_t* a, const uint8_t* b) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            b ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128());
+}
+
+// The 16 float16 values at a and b (rows 0-7, 8-15 of W), as floats.
+inline __m512 amx_row_halves(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtph_ps(_mm256_set_m128i(b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128(),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
+}
+
+// A span's integer scales of W's 16 rows (16 bits each) as amx_put takes them.
+inline void amx_scales(__m256i sc, __m512i& low, __m512i& high) {
+  const __m512i i = _mm512_srli_epi16(_mm512_setr_epi64(0x0003000200010000LL, 0x0007000600050004LL, 0x000B000A00090008LL,
+                                                         0x000F000E000D000CLL, 0x0013001200110010LL, 0x0017001600150014LL,
+                                                         0x001B001A00190018LL, 0x001F001E001D001CLL), 2);  // lane l: l / 4
+  const __m512i v = _mm512_castsi256_si512(sc);
+  low = _mm512_permutexvar_epi16(i, v);
+  high = _mm512_permutexvar_epi16(_mm512_add_epi16(i, _mm512_set1_epi16(8)), v);
+}
+
+// Q4_K: w = sc * q with sc = 8 sh + sl (sh, sl 0..7) is 8 (sh q) + (sl q), both parts below 128, and
+// each part is one byte lookup (VPERMI2B into the 128 products s * q, index 16 s + q) instead of a
+// widening, a 16-bit product and a narrowing per 32 values. Unit p of a tile holds sub-block 2 j's
+// values 8 q..8 q + 7 in its low nibbles and sub-block 2 j + 1's in its high ones (j = p / 4, q = p %
+// 4): tile rows 2 q and 2 q + 1 of each (a sub-block is 8 tile rows of 64 bytes).
+void amx_q4_k_block(const uint8_t* t0, const uint8_t* t1, AmxBlock& s) {
+  const auto at = [t1](int64_t o) { return t1 ? t1 + o : nullptr; };
+  _mm512_store_ps(s.d, amx_row_halves(t0 + kQ4D, at(kQ4D)));
+  const __m512 dmin = amx_row_halves(t0 + kQ4Dmin, at(kQ4Dmin));
+  for (int j = 0; j < 8; ++j)
+    _mm512_store_ps(s.mins[j], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                       amx_row_bytes(t0 + kQ4M + 8 * j, at(kQ4M + 8 * j))))));
+  alignas(64) static const auto table = [] {
+    std::array<uint8_t, 128> v{};
+    for (int i = 0; i < 128; ++i) v[i] = static_cast<uint8_t>((i / 16) * (i % 16));
+    return v;
+  }();
+  const __m512i products0 = _mm512_load_si512(table.data()), products1 = _mm512_load_si512(table.data() + 64);
+  const __m512i low = _mm512_set1_epi8(0x0F), bytes = _mm512_set1_epi32(0x01010101);
+  // sub-block j's scales of the 16 rows, as lookup indices 16 sh and 16 sl in each row's 4 bytes
+  __m512i sh[8], sl[8];
+  for (int j = 0; j < 8; ++j) {
+    const __m512i sc = _mm512_cvtepu8_epi32(amx_row_bytes(t0 + kQ4Sc + 8 * j, at(kQ4Sc + 8 * j)));
+    sh[j] = _mm512_mullo_epi32(_mm512_slli_epi32(_mm512_srli_epi32(sc, 3), 4), bytes);
+    sl[j] = _mm512_mullo_epi32(_mm512_slli_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(7)), 4), bytes);
+  }
+  const auto put = [&](__m512i q, int j, int at) {
+    _mm512_store_si512(s.hi + at, _mm512_permutex2var_epi8(products0, _mm512_or_si512(q, sh[j]), products1));
+    _mm512_store_si512(s.lo + at, _mm512_permutex2var_epi8(products0, _mm512_or_si512(q, sl[j]), products1));
+  };
+  for (int p = 0; p < 16; ++p) {
+    __m512i first, second;
+    amx_split_lanes(t0 + 64 * p, t1 ? t1 + 64 * p : nullptr, first, second);
+    const int j = p / 4, at = (2 * j) * 512 + (p % 4) * 128;
+    put(_mm512_and_si512(first, low), 2 * j, at);
+    put(_mm512_and_si512(second, low), 2 * j, at + 64);
+    put(_mm512_and_si512(_mm512_srli_epi16(first, 4), low), 2 * j + 1, at + 512);
+    put(_mm512_and_si512(_mm512_srli_epi16(second, 4), low), 2 * j + 1, at + 576);
+  }
+}
+
+// Q6_K: as x8_widen_group reads its units (values 128 n + 32 i + 8 u.. of each row from ql units
+// 8 n + u, 8 n + 4 + u and qh unit 4 n + u), less 32: group 8 n + 2 i + u / 2's tile rows 2 (u % 2)
+// and 2 (u % 2) + 1 (a group of 16 values is 4 tile rows).
+void amx_q6_k_block(const uint8_t* t0, const uint8_t* t1, AmxBlock& s) {
+  const auto at = [](const uint8_t* t, int64_t o) { return t ? t + o : nullptr; };
+  _mm512_store_ps(s.d, amx_row_halves(t0 + kQ6D, at(t1, kQ6D)));
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+  for (int n = 0; n < 2; ++n) {
+    for (int u = 0; u < 4; ++u) {
+      __m512i A[2], B[2], H[2];
+      amx_split_lanes(t0 + 64 * (8 * n + u), at(t1, 64 * (8 * n + u)), A[0], A[1]);
+      amx_split_lanes(t0 + 64 * (8 * n + 4 + u), at(t1, 64 * (8 * n + 4 + u)), B[0], B[1]);
+      amx_split_lanes(t0 + kQ6Qh + 64 * (4 * n + u), at(t1, kQ6Qh + 64 * (4 * n + u)), H[0], H[1]);
+      for (int i = 0; i < 4; ++i) {
+        const int g = 8 * n + 2 * i + u / 2;
+        __m512i sc_low, sc_high;
+        amx_scales(_mm256_cvtepi8_epi16(amx_row_bytes(t0 + kQ6Sc + 8 * g, at(t1, kQ6Sc + 8 * g))), sc_low, sc_high);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i a = i % 2 ? B[h] : A[h];
+          const __m512i qh = i == 0 ? _mm512_slli_epi16(H[h], 4) : i == 1 ? _mm512_slli_epi16(H[h], 2)
+                             : i == 2 ? H[h] : _mm512_srli_epi16(H[h], 2);
+          const __m512i ql = i < 2 ? a : _mm512_srli_epi16(a, 4);
+          const __m512i codes = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_and_si512(qh, top));
+          amx_put(_mm512_sub_epi8(codes, off), sc_low, sc_high, s, g * 256 + (2 * (u % 2) + h) * 64);
+        }
+      }
+    }
+  }
+}
+
+// 16 rows of x (codes, residual: their values of this super-block, as amx_tiles lays them out)
+// times one AmxBlock, added into acc[row][W's 16 rows]: xs the rows' scales of the super-block (two
+// codes: already / 128), K / 256 apart; bsum (Q4_K) their d * code sums per 32 values, K / 32 apart.
+template <int64_t T, bool kTwo>
+void amx_block_rows(const int8_t* codes, const int8_t* residual, int64_t K, const AmxBlock& s, const float* xs,
+                    const float* bsum, float (*acc)[16]) {
+  constexpr int kShift = T == Q4_K ? 3 : 6;  // w = 2^kShift hi + lo
+  alignas(64) int32_t sums[4][16][16];
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _tile_loadd(6, s.hi + 1024 * c, 64);
+    _tile_loadd(7, s.lo + 1024 * c, 64);
+    _tile_loadd(4, codes + 1024 * c, 64);
+    if constexpr (T == Q4_K) _tile_dpbsud(0, 4, 6);
+    else _tile_dpbssd(0, 4, 6);
+    _tile_dpbsud(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, residual + 1024 * c, 64);
+      if constexpr (T == Q4_K) _tile_dpbsud(2, 5, 6);
+      else _tile_dpbssd(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  if constexpr (kTwo) {
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+  const __m512 d = _mm512_load_ps(s.d);
+  for (int r = 0; r < 16; ++r) {
+    const auto joined = [&](int k) {
+      return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[k][r]), kShift), _mm512_load_si512(sums[k + 1][r]));
+    };
+    __m512 v = _mm512_cvtepi32_ps(joined(0));
+    if constexpr (kTwo) v = _mm512_fmadd_ps(v, _mm512_set1_ps(128.f), _mm512_cvtepi32_ps(joined(2)));
+    __m512 a = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(xs[r * (K / QK_K)])), _mm512_loadu_ps(acc[r]));
+    if constexpr (T == Q4_K)
+      for (int j = 0; j < 8; ++j) a = _mm512_fnmadd_ps(_mm512_set1_ps(bsum[r * (K / 32) + j]), _mm512_load_ps(s.mins[j]), a);
+    _mm512_storeu_ps(acc[r], a);
+  }
+}
+
+// x's codes [M, K] as the tiles read them: [padded / 16][K / 64][16 rows][64 values], rows past M
+// zero. Read in place, a tile's 16 rows K bytes apart fell in the same few sets of L1 (K a power of
+// two) and came from L2 every time.
+std::vector<int8_t> amx_tiles(const std::vector<int8_t>& codes, int64_t M, int64_t padded, int64_t K) {
+  std::vector<int8_t> out(padded * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K / 64; ++c)
+      std::memcpy(out.data() + ((m / kAmxRows) * (K / 64) + c) * 1024 + (m % kAmxRows) * 64, codes.data() + m * K + 64 * c, 64);
+  return out;
+}
+
+// x [M, K] times a repacked weight (qtype Q4_K or Q6_K, N rows, a multiple of 8), into y [M, N].
+// Threads take pairs of W's groups; each builds a pair's AmxBlock once per super-block and runs
+// every 16 rows of x past it.
+template <int64_t T, bool kTwo>
+void amx_x8_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y) {
+  ActRows a = quantize_super(x, M, K, kTwo, false);
+  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows, supers = K / QK_K;
+  const std::vector<int8_t> codes = amx_tiles(a.codes, M, padded, K);
+  const std::vector<int8_t> residual = kTwo ? amx_tiles(a.residual, M, padded, K) : std::vector<int8_t>();
+  a.super_scale.resize(padded * supers);  // rows past M: zero scales and sums (their sums are not stored)
+  a.block_sum.resize(padded * K / 32);
+  if (kTwo)
+    for (float& s : a.super_scale) s /= 128.f;
+  const int64_t groups = N / kX8Rows, tile_bytes = T == Q4_K ? kQ4Tile : kQ6Tile, group_bytes = supers * tile_bytes;
+  const int64_t tiles = padded / kAmxRows;
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    amx_configure();
+    AmxBlock s;
+    std::vector<float> acc(tiles * kAmxRows * 16);
+    for (int64_t p = p0; p < p1; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const uint8_t* g0 = w + 2 * p * group_bytes;
+      const uint8_t* g1 = 2 * p + 1 < groups ? g0 + group_bytes : nullptr;
+      for (int64_t b = 0; b < supers; ++b) {
+        if constexpr (T == Q4_K) amx_q4_k_block(g0 + b * tile_bytes, g1 ? g1 + b * tile_bytes : nullptr, s);
+        else amx_q6_k_block(g0 + b * tile_bytes, g1 ? g1 + b * tile_bytes : nullptr, s);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = t * kAmxRows;
+          const int64_t at = m * K + b * QK_K * kAmxRows;  // tile t, chunks 4 b..
+          amx_block_rows<T, kTwo>(codes.data() + at, kTwo ? residual.data() + at : nullptr,
+                                  K, s, a.super_scale.data() + m * supers + b, a.block_sum.data() + m * (K / 32) + b * 8,
+                                  reinterpret_cast<float(*)[16]>(acc.data() + m * 16));
+        }
+      }
+      const int64_t n0 = 16 * p, cols = std::min<int64_t>(16, N - n0);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc.data() + m * 16, cols * sizeof(float));
+    }
+    _tile_release();
+  });
+}
+
+// amx_x8_chunk over chunks of x's rows whose codes take about 1 MiB (L2), as x8_prefill.
+void amx_x8_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
+                    float* y) {
+  const int64_t fit = std::max<int64_t>(kAmxRows, (int64_t{1} << 20) / (2 * K) / kAmxRows * kAmxRows);
+  for (int64_t m0 = 0; m0 < M; m0 += fit) {
+    const int64_t rows = std::min(fit, M - m0);
+    const float* xc = x + m0 * K;
+    float* yc = y + m0 * N;
+    if (qtype == Q4_K) two_terms ? amx_x8_chunk<Q4_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q4_K, false>(xc, rows, w, K, N, yc);
+    else two_terms ? amx_x8_chunk<Q6_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q6_K, false>(xc, rows, w, K, N, yc);
+  }
+}
+
+inline bool amx_takes(bool x8, int64_t M) { return x8 && M >= kAmxMinRows && amx_wanted && amx_permitted(); }
+#else
+inline bool amx_takes(bool, int64_t) { return false; }
+#endif
+
 #if defined(PAGELLM_INT8_ACTIVATIONS)
 // Rows of W taken together against a single row of x (a decode step of one sequence). A product
 // of one row is bound by how fast W's rows arrive from memory, and each row read at once is a
@@ -2257,6 +2552,12 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
+  if (amx_takes(x8, M)) {
+#if defined(PAGELLM_AMX)
+    amx_x8_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+#endif
+    return y;
+  }
   if (x8 && !widens(qtype, M)) {
     x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
@@ -2415,4 +2716,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   repacked[py::int_(static_cast<int64_t>(Q4_K))] = static_cast<int64_t>(Q4_K_X8);
   repacked[py::int_(static_cast<int64_t>(Q6_K))] = static_cast<int64_t>(Q6_K_X8);
   m.attr("repacked_types") = repacked;
+  // AMX tiles for products of at least amx_min_rows rows of x against repacked weights (0: none in
+  // this build or process); set_amx(False) turns them off (returns the previous setting).
+#if defined(PAGELLM_AMX)
+  m.attr("amx_min_rows") = amx_permitted() ? kAmxMinRows : 0;
+  m.def("set_amx", [](bool on) { return amx_wanted.exchange(on); });
+#else
+  m.attr("amx_min_rows") = 0;
+  m.def("set_amx", [](bool) { return false; });
+#endif
 }

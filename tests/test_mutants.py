@@ -34,6 +34,8 @@ class Mutant:
     # A mutant of the compiled kernels' source: its copy builds them (about a minute and a half)
     # instead of running the torch path, which would never reach the edit.
     compiled: bool = False
+    # A CPU flag (as /proc/cpuinfo names it) without which the edited code never runs: skipped there.
+    cpu_flag: str = ""
 
 
 MUTANTS = [
@@ -174,6 +176,13 @@ MUTANTS = [
            "mins[bl * 8 + r] = n < N ? half_at(b + 2) : 0.f;",
            ("tests/kernels/test_quant_ops.py::"
             "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q4_1]",), compiled=True),
+    Mutant("AMX products join Q6_K's two parts of W as 32 hi + lo (they are 64 hi + lo)",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "constexpr int kShift = T == Q4_K ? 3 : 6;",
+           "constexpr int kShift = T == Q4_K ? 3 : 5;",
+           ("tests/kernels/test_quant_ops.py::"
+            "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q6_K-amx]",), compiled=True,
+           cpu_flag="amx_int8"),
     Mutant("a one-token MoE step keeps only its last expert's output",
            "pagellm/layers/moe.py",
            "                out.add_(y)",
@@ -187,6 +196,11 @@ _SITECUSTOMIZE = """
 import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 """
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
 def _copy_tree(dst: Path) -> None:
@@ -226,6 +240,8 @@ def run_mutant(m: Mutant, workdir: Path) -> dict[str, bool]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
 def test_mutant_is_caught(mutant, tmp_path):
+    if mutant.cpu_flag and mutant.cpu_flag not in _cpu_flags():
+        pytest.skip(f"this CPU lacks {mutant.cpu_flag}: the edited code never runs here")
     failed = run_mutant(mutant, tmp_path)
     survived = [t for t, f in failed.items() if not f]
     assert not survived, f"mutant {mutant.name!r} passes {survived}"

@@ -148,9 +148,28 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False) == kernels.repacked_types[int(T.Q6_K)]
 
 
+def amx_cases() -> list:
+    """(qtype, amx) for the product tests: AMX tiles (csrc amx_x8_product) where this CPU and build
+    have them, for the repacked types they serve; the other kernels always (set_amx(False))."""
+    kernels = cpu.quant_kernels()
+    tiles = getattr(kernels, "amx_min_rows", {})
+    cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)]
+    return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K)
+                    if kernels.repacked_types[int(t)] in tiles]
+
+
+@pytest.fixture
+def amx_tiles(request):
+    """Sets the kernels' AMX switch for one test (the case's second value), and puts it back."""
+    kernels = cpu.quant_kernels()
+    before = kernels.set_amx(request.param)
+    yield request.param
+    kernels.set_amx(before)
+
+
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "prefill_types", ()), reason="no AVX2 or VNNI")
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1], ids=lambda t: t.name)
-def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype):
+@pytest.mark.parametrize("qtype, amx_tiles", amx_cases() if cpu.quant_kernels() else [], indirect=["amx_tiles"])
+def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype, amx_tiles):
     """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (csrc
     x8_prefill) widen each group of 8 rows of W once for every row of x, and so do those of Q8_0 and
     Q4_1 from 9 rows, Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds (csrc widen_min_rows): x
@@ -160,7 +179,9 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves
     each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
     and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
-    gives them."""
+    gives them. With AMX tiles (the -amx cases), every product of at least amx_min_rows rows (6 for
+    Q6_K, 8 for Q4_K): 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a second tile
+    of one row; 24 rows of W, an odd count of pairs of groups; the other cases run without them."""
     kernels, cols = cpu.quant_kernels(), 1280
     blocks = qtype in (T.Q8_0, T.Q4_1)  # kept in GGUF's blocks (not gguf.REPACKED)
     rows = 21 if blocks else 24
@@ -175,7 +196,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     wide_from = getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
     torch.manual_seed(3)
     for two in (True, False):
-        for m in (9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
+        for m in (6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
             per32 = blocks or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
             block = 32 if per32 else 256
             x = torch.randn(m, cols)

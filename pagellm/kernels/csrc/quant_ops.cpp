@@ -388,6 +388,7 @@ constexpr int64_t kQ6Tile = 1856, kQ6Qh = 1024, kQ6Sc = 1536, kQ6Raw = 1664, kQ6
 
 inline bool is_x8(int64_t qtype) { return qtype == Q4_K_X8 || qtype == Q6_K_X8; }
 inline int64_t base_type(int64_t qtype) { return qtype == Q4_K_X8 ? Q4_K : qtype == Q6_K_X8 ? Q6_K : qtype; }
+inline int64_t repacked_id(int64_t qtype) { return qtype == Q4_K ? Q4_K_X8 : Q6_K_X8; }
 inline int64_t x8_tile(int64_t qtype) { return base_type(qtype) == Q4_K ? kQ4Tile : kQ6Tile; }
 
 // Super-block b of GGUF rows src[0..8) (row_bytes apart) into `tile`, or back (kBack).
@@ -2012,7 +2013,11 @@ void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int6
 // one scale per 256 values, one or two codes), so the sums are the same integers; only the float32
 // summation order differs. Q4_K's mins go beside, as x8_prefill's.
 constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (two groups of 8)
-constexpr int64_t kAmxMinRows = 16;       // products of fewer rows of x keep the other kernels
+// Products of fewer rows of x keep the other kernels: a tile of 16 rows costs about the same for
+// any number of them, and W's widening is paid per product (benchmarks/kernel_ab.py, 1B shapes, one
+// thread, interleaved: against the 16-bit and row kernels Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
+// 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16).
+constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K ? 8 : 6; }
 
 // Whether this process may use the tiles: Linux hands out their state only on request.
 bool amx_permitted() {
@@ -2279,9 +2284,11 @@ void amx_x8_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, 
   }
 }
 
-inline bool amx_takes(bool x8, int64_t M) { return x8 && M >= kAmxMinRows && amx_wanted && amx_permitted(); }
+inline bool amx_takes(bool x8, int64_t qtype, int64_t M) {
+  return x8 && M >= amx_min_rows(qtype) && amx_wanted && amx_permitted();
+}
 #else
-inline bool amx_takes(bool, int64_t) { return false; }
+inline bool amx_takes(bool, int64_t, int64_t) { return false; }
 #endif
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
@@ -2552,7 +2559,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  if (amx_takes(x8, M)) {
+  if (amx_takes(x8, qtype, M)) {
 #if defined(PAGELLM_AMX)
     amx_x8_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
 #endif
@@ -2716,13 +2723,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   repacked[py::int_(static_cast<int64_t>(Q4_K))] = static_cast<int64_t>(Q4_K_X8);
   repacked[py::int_(static_cast<int64_t>(Q6_K))] = static_cast<int64_t>(Q6_K_X8);
   m.attr("repacked_types") = repacked;
-  // AMX tiles for products of at least amx_min_rows rows of x against repacked weights (0: none in
-  // this build or process); set_amx(False) turns them off (returns the previous setting).
+  // AMX tiles: from how many rows of x a product against a repacked weight (by its id) takes them
+  // (empty: no AMX in this build, CPU or process); set_amx(False) turns them off, returning the
+  // previous setting.
+  py::dict amx_from;
 #if defined(PAGELLM_AMX)
-  m.attr("amx_min_rows") = amx_permitted() ? kAmxMinRows : 0;
+  if (amx_permitted())
+    for (int64_t t : {Q4_K, Q6_K}) amx_from[py::int_(repacked_id(t))] = amx_min_rows(t);
+  m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool on) { return amx_wanted.exchange(on); });
 #else
-  m.attr("amx_min_rows") = 0;
+  m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool) { return false; });
 #endif
 }

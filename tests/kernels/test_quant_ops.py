@@ -77,9 +77,31 @@ INT8_SHAPES = [pytest.param(t, 128, id=f"{t.name}-K128") for t in TYPES if t in 
     pytest.param(t, k, id=f"{t.name}-K{k}") for k in (512, 4352) for t in TYPES]
 
 
+@pytest.fixture
+def amx_tiles(request):
+    """Sets the kernels' AMX switch for one test (the case's second value), and puts it back."""
+    kernels = cpu.quant_kernels()
+    if kernels is None:
+        yield request.param
+        return
+    before = kernels.set_amx(request.param)
+    yield request.param
+    kernels.set_amx(before)
+
+
+@pytest.fixture
+def without_amx():
+    kernels = cpu.quant_kernels()
+    before = kernels.set_amx(False) if kernels is not None else False
+    yield
+    if kernels is not None:
+        kernels.set_amx(before)
+
+
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 @pytest.mark.parametrize("qtype, cols", INT8_SHAPES)
+@pytest.mark.usefixtures("without_amx")  # the blocks' kernels at every row count (AMX: the -amx cases below)
 def test_int8_activation_products_are_the_rounded_activations_exact_product(qtype, activations, cols, monkeypatch):
     monkeypatch.setitem(q.INT8_MAX_ROWS, activations, 32)  # the kernel at every batch size tried here
     # groups of 8 (4) of W's rows for one row of x, then a tail; at K 4352, 120 rows span two of the passes
@@ -149,22 +171,14 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
 
 
 def amx_cases() -> list:
-    """(qtype, amx) for the product tests: AMX tiles (csrc amx_x8_product) where this CPU and build
-    have them, for the repacked types they serve; the other kernels always (set_amx(False))."""
+    """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
+    them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's blocks); the other kernels always
+    (set_amx(False))."""
     kernels = cpu.quant_kernels()
     tiles = getattr(kernels, "amx_min_rows", {})
     cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)]
-    return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K)
-                    if kernels.repacked_types[int(t)] in tiles]
-
-
-@pytest.fixture
-def amx_tiles(request):
-    """Sets the kernels' AMX switch for one test (the case's second value), and puts it back."""
-    kernels = cpu.quant_kernels()
-    before = kernels.set_amx(request.param)
-    yield request.param
-    kernels.set_amx(before)
+    return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K, T.Q8_0)
+                    if kernels.repacked_types.get(int(t), int(t)) in tiles]
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "prefill_types", ()), reason="no AVX2 or VNNI")
@@ -179,9 +193,10 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves
     each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
     and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
-    gives them. With AMX tiles (the -amx cases), every product of at least amx_min_rows rows (6 for
-    Q6_K, 8 for Q4_K): 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a second tile
-    of one row; 24 rows of W, an odd count of pairs of groups; the other cases run without them."""
+    gives them. With AMX tiles (the -amx cases), every product of at least amx_min_rows rows (4 for
+    Q8_0, 6 for Q6_K, 8 for Q4_K): 4, 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a
+    second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's 21, a part of 16
+    rows); the other cases run without them."""
     kernels, cols = cpu.quant_kernels(), 1280
     blocks = qtype in (T.Q8_0, T.Q4_1)  # kept in GGUF's blocks (not gguf.REPACKED)
     rows = 21 if blocks else 24
@@ -196,7 +211,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     wide_from = getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
     torch.manual_seed(3)
     for two in (True, False):
-        for m in (6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
+        for m in (4, 6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
             per32 = blocks or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
             block = 32 if per32 else 256
             x = torch.randn(m, cols)

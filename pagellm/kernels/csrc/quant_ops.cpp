@@ -2017,7 +2017,7 @@ constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (
 // any number of them, and W's widening is paid per product (benchmarks/kernel_ab.py, 1B shapes, one
 // thread, interleaved: against the 16-bit and row kernels Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
 // 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16).
-constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K ? 8 : 6; }
+constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K ? 8 : qtype == Q8_0 ? 4 : 6; }
 
 // Whether this process may use the tiles: Linux hands out their state only on request.
 bool amx_permitted() {
@@ -2271,21 +2271,150 @@ void amx_x8_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_
   });
 }
 
-// amx_x8_chunk over chunks of x's rows whose codes take about 1 MiB (L2), as x8_prefill.
-void amx_x8_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
+// ---- Q8_0's blocks on AMX tiles ----
+// Q8_0 keeps a float16 scale per 32 values of each row, so its sums cannot be joined in integers
+// past a block: each block is one product per code (32 values deep), its sums scaled into float
+// accumulators, one vector per row of x with W's 16 rows in its lanes, which stay in registers
+// over the whole row (x rounded per 32 values, as the blocks' other kernels round it). A block's
+// 16 rows of codes go into the tiles' layout by a transpose of 4-byte lanes.
+
+// Block bl of W's rows n0.. (`rows` of them, the rest zero) as a tile: [8][16 rows][4 values], and
+// the rows' scales d[16].
+void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
+                    float* d) {
+  const auto row = [&](int64_t i) { return w + (n0 + i) * row_bytes + bl * 34; };
+  const auto codes = [&](int64_t i) {
+    return i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(i) + 2)) : _mm256_setzero_si256();
+  };
+  alignas(32) uint16_t half[16];
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i < rows) std::memcpy(&half[i], row(i), 2);
+    else half[i] = 0;
+  }
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half))));
+  // rows 4 g..4 g + 3: their 4-value lanes 0-3 (first) and 4-7 (second), lane j of the 4 rows in
+  // 128-bit part j
+  __m512i first[4], second[4];
+  alignas(64) static const int32_t pick[16] = {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27};
+  const __m512i lo = _mm512_load_si512(pick), hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+  for (int g = 0; g < 4; ++g) {
+    const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(codes(4 * g)), codes(4 * g + 1), 1);
+    const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(codes(4 * g + 2)), codes(4 * g + 3), 1);
+    first[g] = _mm512_permutex2var_epi32(a, lo, b);
+    second[g] = _mm512_permutex2var_epi32(a, hi, b);
+  }
+  // 128-bit parts transposed over the 4 groups: tile row j holds lane j of all 16 rows
+  for (int h = 0; h < 2; ++h) {
+    const __m512i* v = h ? second : first;
+    const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+    uint8_t* o = out + h * 256;
+    _mm512_storeu_si512(o, _mm512_shuffle_i32x4(t0, t2, 0x88));
+    _mm512_storeu_si512(o + 64, _mm512_shuffle_i32x4(t0, t2, 0xDD));
+    _mm512_storeu_si512(o + 128, _mm512_shuffle_i32x4(t1, t3, 0x88));
+    _mm512_storeu_si512(o + 192, _mm512_shuffle_i32x4(t1, t3, 0xDD));
+  }
+}
+
+// Tiles for Q8_0: tmm0-1 a block's sums (x's first and second code), tmm2-3 the next block's (so a
+// block's products run while the last one's sums are scaled), tmm4-5 16 rows of x's two codes over
+// 32 values, tmm6 W's block (8 rows of 4 values of each of 16 rows).
+void amx_configure_q8_0() {
+  AmxConfig c;
+  for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 32;
+  c.rows[6] = 8, c.colsb[6] = 64;
+  _tile_loadconfig(&c);
+}
+
+// A block's sums into tiles A (first code) and B (second): GCC's tile intrinsics take the tiles'
+// numbers as literals, hence a macro for the two pairs.
+#define PAGELLM_AMX_Q8_0_SUMS(A, B)                 \
+  do {                                              \
+    _tile_loadd(6, block, 64);                      \
+    _tile_loadd(4, codes, 64);                      \
+    _tile_zero(A);                                  \
+    _tile_dpbssd(A, 4, 6);                          \
+    if constexpr (kTwo) {                           \
+      _tile_loadd(5, residual, 64);                 \
+      _tile_zero(B);                                \
+      _tile_dpbssd(B, 5, 6);                        \
+      _tile_stored(B, sums[1], 64);                 \
+    }                                               \
+    _tile_stored(A, sums[0], 64);                   \
+  } while (0)
+
+template <bool kTwo>
+inline void amx_q8_0_sums(bool odd, const int8_t* codes, const int8_t* residual, const uint8_t* block,
+                          int32_t (*sums)[16][16]) {
+  if (odd) PAGELLM_AMX_Q8_0_SUMS(2, 3);
+  else PAGELLM_AMX_Q8_0_SUMS(0, 1);
+}
+#undef PAGELLM_AMX_Q8_0_SUMS
+
+template <bool kTwo>
+void amx_q8_0_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y) {
+  const ActRows a = quantize_activations(x, M, K, kTwo);
+  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = K / 32, row_bytes = blocks * 34;
+  const std::vector<int8_t> codes = amx_tiles(a.codes, M, padded, K);
+  const std::vector<int8_t> residual = kTwo ? amx_tiles(a.residual, M, padded, K) : std::vector<int8_t>();
+  std::vector<float> xs(padded * blocks, 0.f);  // per row and block: x's scale (two codes: its / 128)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) xs[m * blocks + b] = a.lane_scale[(m * K + 32 * b) / 4];
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t p0, int64_t p1) {
+    amx_configure_q8_0();
+    std::vector<uint8_t> tiles(blocks * 512);
+    std::vector<float> d(blocks * 16);
+    alignas(64) int32_t sums[2][2][16][16];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = 16 * p, rows = std::min<int64_t>(16, N - n0);
+      for (int64_t b = 0; b < blocks; ++b) amx_q8_0_block(w, row_bytes, n0, rows, b, tiles.data() + b * 512, d.data() + b * 16);
+      for (int64_t t = 0; t < padded / kAmxRows; ++t) {
+        __m512 acc[16];
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+        const float* xt = xs.data() + t * kAmxRows * blocks;
+        const auto scale = [&](int64_t b, int32_t (*s)[16][16]) {
+          const __m512 db = _mm512_loadu_ps(d.data() + b * 16);
+          for (int r = 0; r < 16; ++r) {
+            __m512i v = _mm512_load_si512(s[0][r]);
+            if constexpr (kTwo) v = _mm512_add_epi32(_mm512_slli_epi32(v, 7), _mm512_load_si512(s[1][r]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(db, _mm512_set1_ps(xt[r * blocks + b])), acc[r]);
+          }
+        };
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t at = t * kAmxRows * K + (b / 2) * 1024 + (b % 2) * 32;  // tile t, chunk b / 2, its half b % 2
+          const int8_t* r = kTwo ? residual.data() + at : nullptr;
+          amx_q8_0_sums<kTwo>(b % 2, codes.data() + at, r, tiles.data() + b * 512, sums[b % 2]);
+          scale(b, sums[b % 2]);
+        }
+        for (int64_t r = 0; r < kAmxRows && t * kAmxRows + r < M; ++r) {
+          alignas(64) float out[16];
+          _mm512_store_ps(out, acc[r]);
+          std::memcpy(y + (t * kAmxRows + r) * N + n0, out, rows * sizeof(float));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// x [M, K] times a repacked Q4_K / Q6_K weight or Q8_0's blocks on AMX tiles, into y [M, N]: over
+// chunks of x's rows whose codes take about 1 MiB (L2), as x8_prefill.
+void amx_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
                     float* y) {
   const int64_t fit = std::max<int64_t>(kAmxRows, (int64_t{1} << 20) / (2 * K) / kAmxRows * kAmxRows);
   for (int64_t m0 = 0; m0 < M; m0 += fit) {
     const int64_t rows = std::min(fit, M - m0);
     const float* xc = x + m0 * K;
     float* yc = y + m0 * N;
-    if (qtype == Q4_K) two_terms ? amx_x8_chunk<Q4_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q4_K, false>(xc, rows, w, K, N, yc);
+    if (qtype == Q8_0) two_terms ? amx_q8_0_chunk<true>(xc, rows, w, K, N, yc) : amx_q8_0_chunk<false>(xc, rows, w, K, N, yc);
+    else if (qtype == Q4_K) two_terms ? amx_x8_chunk<Q4_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q4_K, false>(xc, rows, w, K, N, yc);
     else two_terms ? amx_x8_chunk<Q6_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q6_K, false>(xc, rows, w, K, N, yc);
   }
 }
 
 inline bool amx_takes(bool x8, int64_t qtype, int64_t M) {
-  return x8 && M >= amx_min_rows(qtype) && amx_wanted && amx_permitted();
+  return (x8 || qtype == Q8_0) && M >= amx_min_rows(qtype) && amx_wanted && amx_permitted();
 }
 #else
 inline bool amx_takes(bool, int64_t, int64_t) { return false; }
@@ -2561,7 +2690,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (amx_takes(x8, qtype, M)) {
 #if defined(PAGELLM_AMX)
-    amx_x8_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+    amx_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
 #endif
     return y;
   }
@@ -2730,6 +2859,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(PAGELLM_AMX)
   if (amx_permitted())
     for (int64_t t : {Q4_K, Q6_K}) amx_from[py::int_(repacked_id(t))] = amx_min_rows(t);
+    amx_from[py::int_(static_cast<int64_t>(Q8_0))] = amx_min_rows(Q8_0);
   m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool on) { return amx_wanted.exchange(on); });
 #else

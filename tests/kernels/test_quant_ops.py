@@ -193,8 +193,8 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves
     each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
     and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
-    gives them. With AMX tiles (the -amx cases), every product of at least amx_min_rows rows (4 for
-    Q8_0, 6 for Q6_K, 8 for Q4_K): 4, 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a
+    gives them. With AMX tiles (the -amx cases), every product of at least amx_min_rows rows (6 for
+    Q6_K and Q8_0, 8 for Q4_K): 4, 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a
     second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's 21, a part of 16
     rows); the other cases run without them."""
     kernels, cols = cpu.quant_kernels(), 1280

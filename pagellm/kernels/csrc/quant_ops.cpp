@@ -2014,10 +2014,11 @@ void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int6
 // summation order differs. Q4_K's mins go beside, as x8_prefill's.
 constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (two groups of 8)
 // Products of fewer rows of x keep the other kernels: a tile of 16 rows costs about the same for
-// any number of them, and W's widening is paid per product (benchmarks/kernel_ab.py, 1B shapes, one
-// thread, interleaved: against the 16-bit and row kernels Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
-// 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16).
-constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K ? 8 : qtype == Q8_0 ? 4 : 6; }
+// any number of them, and W's widening into tiles is paid per product (1B shapes, one thread,
+// interleaved, against the row, blocks' and 16-bit kernels: Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
+// 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16; Q8_0 0.6-1.0x at 4, 0.9-1.4x at 6,
+// 1.4-2.3x at 16).
+constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K ? 8 : 6; }
 
 // Whether this process may use the tiles: Linux hands out their state only on request.
 bool amx_permitted() {

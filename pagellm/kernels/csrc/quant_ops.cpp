@@ -12,7 +12,8 @@
 //   product equals the dense float32 one up to summation order, and that order is the same for
 //   every row of x whatever the number of rows.
 // - gguf_matmul_int8: the same product with x rounded to one or two int8 codes per value, on
-//   AVX-512 VNNI (see "int8 activations" below).
+//   AVX-512 VNNI (see "int8 activations" below), and on AMX's int8 tiles for products of many rows
+//   of x where the CPU has them (see "AMX tiles").
 // - gguf_dequantize_rows: chosen rows of W as dense float32 or bfloat16 rows: the token
 //   embedding's lookup, and a tile of W for larger batches, where the Python side multiplies
 //   tile by tile with torch's GEMM (compute-bound there, so widening a tile costs little).

@@ -1,7 +1,7 @@
 """One Gated DeltaNet layer of a model's shape (built from its HF config, random weights, float32)
 in this checkout ("new") against the same layer as the source at another git revision has it
 ("old": its gated_delta_net.py and causal_conv.py, loaded from `git show`), in one process, turn
-about: prefills of each length from a carried state, and decode steps. Also the largest
+about: prefills of each length from a carried state and from a fresh (zero) one, and decode steps. Also the largest
 difference of the two paths' outputs and states on the same inputs.
 
 "mixer" times the layer with its two projections taken out (in_proj's output precomputed,
@@ -115,11 +115,13 @@ def main() -> None:
 
     hidden, proj = hf.hidden_size, layers["new"].in_proj.weight.shape[0]
 
-    def case(lens: list[int], mixer: bool) -> Callable[[str], float]:
+    def case(lens: list[int], mixer: bool, fresh: bool = False) -> Callable[[str], float]:
         gen = torch.Generator().manual_seed(len(lens) * 7 + sum(lens))
         x = torch.randn(sum(lens), proj if mixer else hidden, generator=gen)
         x = x * 0.5 if mixer else x
         start = state_like(layers["new"], len(lens), seed=1)
+        if fresh:  # a sequence's first prefill
+            start = {k: v.zero_() for k, v in start.items()}
 
         def seconds(path: str) -> float:
             state = {k: v.clone() for k, v in start.items()}
@@ -148,10 +150,13 @@ def main() -> None:
     timings = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
-        cases = {**{f"prefill{t}_{what}": ([t], what == "mixer") for t in args.tokens for what in ("mixer", "layer")},
-                 **{f"decode{b}_{what}": ([1] * b, what == "mixer") for b in args.decodes for what in ("mixer", "layer")}}
-        for name, (lens, mixer) in cases.items():
-            seconds = case(lens, mixer)
+        cases = {**{f"prefill{t}_{what}": ([t], what == "mixer", False) for t in args.tokens
+                    for what in ("mixer", "layer")},
+                 **{f"prefill{t}_fresh_mixer": ([t], True, True) for t in args.tokens},
+                 **{f"decode{b}_{what}": ([1] * b, what == "mixer", False) for b in args.decodes
+                    for what in ("mixer", "layer")}}
+        for name, (lens, mixer, fresh) in cases.items():
+            seconds = case(lens, mixer, fresh)
             seconds("new"), seconds("old")  # warm-up
             times: dict[str, list[float]] = {"new": [], "old": []}
             for r in range(args.rounds):

@@ -50,16 +50,28 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return out
 
 
-def _chunk_major(t: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
-    """[L, h, ...] -> [n, h, chunk, ...] (a chunk's rows of one head together), zero past L: one copy."""
+def _chunk_major(t: torch.Tensor, n: int, chunk: int, scale: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, h, ...] -> [n, h, chunk, ...] (a chunk's rows of one head together), zero past L, in
+    one pass: multiplied by `scale` ([n, h, chunk], already chunk-major) where given, written
+    into `out` where given."""
     length, h = t.shape[:2]
-    out = t.new_empty(n, h, chunk, *t.shape[2:])
-    full = length // chunk
+    out = t.new_empty(n, h, chunk, *t.shape[2:]) if out is None else out
+    if scale is not None:
+        scale = scale.view(*scale.shape, *(1,) * (t.dim() - 2))
+
+    def put(dst: torch.Tensor, src: torch.Tensor, sc: torch.Tensor | None) -> None:
+        if sc is None:
+            dst.copy_(src)
+        else:
+            torch.mul(src, sc, out=dst)
+
+    full, tail = divmod(length, chunk)
     if full:
-        out[:full].copy_(t[:full * chunk].unflatten(0, (full, chunk)).transpose(1, 2))
-    if full < n:
-        tail = length - full * chunk
-        out[full, :, :tail].copy_(t[full * chunk:].transpose(0, 1))
+        put(out[:full], t[:full * chunk].unflatten(0, (full, chunk)).transpose(1, 2),
+            None if scale is None else scale[:full])
+    if tail:
+        put(out[full, :, :tail], t[full * chunk:].transpose(0, 1), None if scale is None else scale[full, :, :tail])
         out[full, :, tail:].zero_()
     return out
 
@@ -92,8 +104,10 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     q, k = _chunk_major(q, n, chunk), _chunk_major(k, n, chunk)  # [n, Hk, chunk, dk]
     cum = g.cumsum(-1)  # log of the decay from the chunk's start to each token
     decay_in = cum.exp()
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(future, float("-inf")).exp_()  # token j to token i
+    # -inf above the diagonal (a later token does not reach an earlier one): added, not masked_fill_
+    # with a broadcast mask, which is several times slower on the CPU.
+    future = torch.full((chunk, chunk), float("-inf"), device=q.device).triu_(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).add_(future).exp_()  # token j to token i
     decay = decay.view(*per_key, chunk)
     k_t = k.mT
     # solve_triangular reads the strict lower part of `system` as I + that (the diagonal is never read).
@@ -101,8 +115,7 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     attn = decay.mul_((q @ k_t).unsqueeze(2)).view(n, heads, chunk, chunk)  # in place: decay is not read again
     # Right-hand sides [v beta | k beta e^cum], solved in place into [u | w].
     uw = torch.empty(*per_key, dv + dk, dtype=v.dtype, device=v.device)
-    v = _chunk_major(v, n, chunk)
-    torch.mul(v.view(*per_key, dv), beta.view(*per_key, 1), out=uw[..., :dv])
+    _chunk_major(v, n, chunk, scale=beta, out=uw.view(n, heads, chunk, dv + dk)[..., :dv])
     torch.mul(k.unsqueeze(2), (beta * decay_in).view(*per_key, 1), out=uw[..., dv:])
     torch.linalg.solve_triangular(system.mT, uw.mT, upper=True, left=False, unitriangular=True, out=uw.mT)
     uw = uw.view(n, heads, chunk, dv + dk)
@@ -111,8 +124,13 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     k_to_end = torch.mul(k.unsqueeze(2), (cum[..., -1:] - cum).exp_().view(*per_key, 1)).view(n, heads, chunk, dk)
     chunk_decay = decay_in[..., -1, None, None]  # [n, H, 1, 1]
     out = torch.empty(n, heads, chunk, dv, dtype=v.dtype, device=v.device)
-    v_new = v  # v is in uw now: its buffer takes each chunk's v_new
-    for i in range(n):
+    v_new = torch.empty_like(out)
+    # A sequence's first prefill starts from a zero state: the first chunk's products with it are zeros.
+    first = 0 if state.any() else 1
+    if first:
+        torch.bmm(attn[0], u[0], out=out[0])
+        torch.bmm(k_to_end[0].mT, u[0], out=state)
+    for i in range(first, n):
         torch.baddbmm(u[i], w[i], state, alpha=-1, out=v_new[i])  # what the state does not already predict
         torch.bmm(q_decayed[i], state, out=out[i])
         out[i].baddbmm_(attn[i], v_new[i])

@@ -65,9 +65,13 @@ def by_value_head(t: torch.Tensor) -> torch.Tensor:
     return t.repeat_interleave(GROUP, dim=1)
 
 
-@pytest.mark.parametrize("length, chunk", [(1, 64), (5, 64), (64, 64), (100, 64), (130, 64), (45, 16)])
-def test_chunked_form_equals_the_previous_one_and_the_recurrent_form(length, chunk):
+@pytest.mark.parametrize("length, chunk, fresh", [(1, 64, False), (5, 64, False), (64, 64, False), (100, 64, False),
+                                                 (90, 32, False), (45, 16, False), (1, 64, True), (70, 64, True)])
+def test_chunked_form_equals_the_previous_one_and_the_recurrent_form(length, chunk, fresh):
+    """From a carried state, and from a fresh (zero) one, whose first chunk skips its products."""
     q, k, v, g, beta, state0 = inputs(length, seed=length)
+    if fresh:
+        state0.zero_()
     state = state0.clone()
     out = chunked_delta_rule(q, k, v, g, beta, state, chunk)
     assert out.shape == (length, HEADS, DV)

@@ -142,7 +142,8 @@ def main() -> None:
         agreement[f"L{tokens}"] = {
             "out_max_abs_diff": (outs["new"] - outs["old"]).abs().max().item(),
             "out_max_abs": outs["old"].abs().max().item(),
-            **{f"{k}_state_max_abs_diff": (states["new"][k] - states["old"][k]).abs().max().item() for k in states["new"]},
+            **{f"{k}_state_max_abs_diff": (states["new"][k] - states["old"][k]).abs().max().item()
+               for k in states["new"]},
         }
         print(f"agreement L{tokens}", agreement[f"L{tokens}"], flush=True)
 

@@ -22,6 +22,8 @@ The recurrence is computed in float32.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,10 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     out = decay * q_s + (q * k).sum(-1, keepdim=True) * delta
     state.mul_(decay[..., None]).addcmul_(k[..., None], delta[..., None, :])
     return out
+
+
+# The smallest decay factor the chunked form uses (see there): 2^-40.
+_LOG_TINY = -40 * math.log(2)
 
 
 def _chunk_major(t: torch.Tensor, n: int, chunk: int, scale: torch.Tensor | None = None,
@@ -103,11 +109,15 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     g, beta = _chunk_major(g, n, chunk), _chunk_major(beta, n, chunk)  # [n, H, chunk]
     q, k = _chunk_major(q, n, chunk), _chunk_major(k, n, chunk)  # [n, Hk, chunk, dk]
     cum = g.cumsum(-1)  # log of the decay from the chunk's start to each token
-    decay_in = cum.exp()
+    # Every decay factor is at least 2^-40 (_LOG_TINY): a fast-forgetting head's factors would
+    # otherwise reach float32's subnormal range, where each product costs a microcode assist (the
+    # chunk's products ran at half speed), and what they weight is then 2^-40 of its size or less,
+    # far below float32's rounding of the terms beside it.
+    decay_in = cum.clamp(min=_LOG_TINY).exp_()
     # -inf above the diagonal (a later token does not reach an earlier one): added, not masked_fill_
     # with a broadcast mask, which is several times slower on the CPU.
     future = torch.full((chunk, chunk), float("-inf"), device=q.device).triu_(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).add_(future).exp_()  # token j to token i
+    decay = (cum[..., :, None] - cum[..., None, :]).clamp_(min=_LOG_TINY).add_(future).exp_()  # token j to token i
     decay = decay.view(*per_key, chunk)
     k_t = k.mT
     # solve_triangular reads the strict lower part of `system` as I + that (the diagonal is never read).
@@ -121,7 +131,8 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     uw = uw.view(n, heads, chunk, dv + dk)
     u, w = uw[..., :dv], uw[..., dv:]
     q_decayed = torch.mul(q.unsqueeze(2), decay_in.view(*per_key, 1)).view(n, heads, chunk, dk)
-    k_to_end = torch.mul(k.unsqueeze(2), (cum[..., -1:] - cum).exp_().view(*per_key, 1)).view(n, heads, chunk, dk)
+    to_end = (cum[..., -1:] - cum).clamp_(min=_LOG_TINY).exp_()
+    k_to_end = torch.mul(k.unsqueeze(2), to_end.view(*per_key, 1)).view(n, heads, chunk, dk)
     chunk_decay = decay_in[..., -1, None, None]  # [n, H, 1, 1]
     out = torch.empty(n, heads, chunk, dv, dtype=v.dtype, device=v.device)
     v_new = torch.empty_like(out)

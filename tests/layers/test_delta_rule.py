@@ -97,3 +97,19 @@ def test_a_sequence_in_pieces_carries_the_state_as_a_whole_one():
     outs = [chunked_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], pieces) for a, b in zip(cuts, cuts[1:])]
     torch.testing.assert_close(torch.cat(outs), expected, rtol=0, atol=2e-6)
     torch.testing.assert_close(pieces, whole, rtol=0, atol=2e-6)
+
+
+def test_heads_that_forget_within_a_few_tokens_agree_with_the_recurrent_form():
+    """Decays of e^-1 to e^-21 a token: across a chunk their factors fall far below float32's normal range,
+    which the chunked form floors at 2^-40 (subnormal products are slow); what they weight is
+    then below float32's rounding."""
+    q, k, v, g, beta, state0 = inputs(100, seed=9)
+    g = g * 10 - 1  # -1 to -21 a token
+    state = state0.clone()
+    out = chunked_delta_rule(q, k, v, g, beta, state)
+    stepped = state0.clone()[None]
+    tokens = [recurrent_step(by_value_head(q[t:t + 1]), by_value_head(k[t:t + 1]), v[t:t + 1], g[t:t + 1],
+                             beta[t:t + 1], stepped) for t in range(100)]
+    torch.testing.assert_close(out, torch.cat(tokens), rtol=0, atol=1e-5)
+    torch.testing.assert_close(state, stepped[0], rtol=0, atol=1e-5)
+    assert out.abs().max() > 0.1  # not all forgotten: each token's own write is read back

@@ -31,19 +31,27 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = (window * weight).sum(-1)
         state.copy_(window[:, :, 1:])
     else:
-        parts = []
-        for i, xs in enumerate(x.split(query_lens)):
-            window = torch.cat([state[i], xs.t()], dim=-1)  # [C, K - 1 + L]
-            parts.append(F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0].t())
+        # Token-major, as x comes: out[t] = sum_j weight[:, j] * window[t + j] over the window of the
+        # K - 1 state inputs and the sequence's tokens, K passes of multiply-adds over [L, C] rows.
+        # (F.conv1d wants channels-major rows: the two transposed copies there and back cost more
+        # than the convolution itself.)
+        taps = weight.t().contiguous()  # [K, C]: tap j of every channel, a contiguous row
+        out = x.new_empty(x.shape)
+        start = 0
+        for i, n in enumerate(query_lens):
+            window = torch.cat([state[i].t(), x[start:start + n]])  # [K - 1 + L, C]
+            o = torch.mul(window[:n], taps[0], out=out[start:start + n])
+            for j in range(1, k):
+                o.addcmul_(window[j:j + n], taps[j])
             if trace is not None and i in trace.rows:
-                for j in range(xs.shape[0]):  # after token j: the K - 1 inputs up to it
-                    trace.record(field, i, window[:, j + 1:j + k])
-            state[i].copy_(window[:, window.shape[1] - (k - 1):])
-        out = torch.cat(parts)
+                for t in range(n):  # after token t: the K - 1 inputs up to it
+                    trace.record(field, i, window[t + 1:t + k].t())
+            state[i].copy_(window[n:].t())
+            start += n
     if bias is not None:
-        out = out + bias
+        out.add_(bias)
     if activation == "silu":
-        out = F.silu(out)
+        F.silu(out, inplace=True)
     elif activation is not None:
         raise ValueError(f"causal_conv1d: activation {activation!r} is not one of None, 'silu'")
     return out

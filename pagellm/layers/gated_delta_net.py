@@ -22,6 +22,8 @@ The recurrence is computed in float32.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -50,44 +52,101 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return out
 
 
+# The smallest decay factor the chunked form uses (see there): 2^-40.
+_LOG_TINY = -40 * math.log(2)
+
+
+def _chunk_major(t: torch.Tensor, n: int, chunk: int, scale: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, h, ...] -> [n, h, chunk, ...] (a chunk's rows of one head together), zero past L, in
+    one pass: multiplied by `scale` ([n, h, chunk], already chunk-major) where given, written
+    into `out` where given."""
+    length, h = t.shape[:2]
+    out = t.new_empty(n, h, chunk, *t.shape[2:]) if out is None else out
+    if scale is not None:
+        scale = scale.view(*scale.shape, *(1,) * (t.dim() - 2))
+
+    def put(dst: torch.Tensor, src: torch.Tensor, sc: torch.Tensor | None) -> None:
+        if sc is None:
+            dst.copy_(src)
+        else:
+            torch.mul(src, sc, out=dst)
+
+    full, tail = divmod(length, chunk)
+    if full:
+        put(out[:full], t[:full * chunk].unflatten(0, (full, chunk)).transpose(1, 2),
+            None if scale is None else scale[:full])
+    if tail:
+        put(out[full, :, :tail], t[full * chunk:].transpose(0, 1), None if scale is None else scale[full, :, :tail])
+        out[full, :, tail:].zero_()
+    return out
+
+
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """L tokens of one sequence: q, k [L, H, dk], v [L, H, dv], g, beta [L, H]; state [H, dk, dv]
-    (updated in place) -> [L, H, dv]. Within a chunk the delta rule's updates are one triangular
-    solve (the UT transform, as in transformers' torch_chunk_gated_delta_rule); across chunks
-    the state is carried one chunk at a time. Fewer than `chunk` tokens are one chunk of their
-    own length: padded to a whole chunk, a short prefill (a prompt's tail after a cached prefix)
-    would cost as much as 64 tokens."""
+    """L tokens of one sequence: q, k [L, Hk, dk] on key heads, each serving H / Hk consecutive
+    value heads; v [L, H, dv], g, beta [L, H]; state [H, dk, dv] (updated in place) -> [L, H, dv].
+
+    Within a chunk the delta rule's updates are one triangular solve (the UT transform, as in
+    transformers' torch_chunk_gated_delta_rule); across chunks the state is carried one chunk at
+    a time. Fewer than `chunk` tokens are one chunk of their own length: padded to a whole chunk,
+    a short prefill (a prompt's tail after a cached prefix) would cost as much as 64 tokens.
+
+    Laid out chunk-major ([n, heads, chunk, ...]) so that every chunk's slice is contiguous: the
+    products of the carried state are then one batched product over the heads each, with no
+    per-head loop inside torch and no copy of their operands. Products that do not depend on
+    the value head (q k^T, k k^T) are computed once per key head. The solve is handed its
+    matrices transposed (solve X A^T = B^T for X^T), the layout LAPACK works in, and writes
+    into its right-hand side, so it copies nothing."""
     length, heads = g.shape
+    key_heads, dk = k.shape[1:]
+    dv = v.shape[2]
+    group = heads // key_heads
     chunk = min(chunk, length)
-    pad = -length % chunk
-    n = (length + pad) // chunk
-
-    def chunked(t: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, n, chunk, ...], zero-padded
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad)).transpose(0, 1)
-        return t.reshape(heads, n, chunk, *t.shape[2:])
-
-    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
+    n = -(-length // chunk)
+    per_key = (n, key_heads, group, chunk)  # a value-head tensor viewed by its key heads
     # Padding adds tokens with g = 0, beta = 0 and k = 0: no decay, no write, so the state is the last real token's.
+    g, beta = _chunk_major(g, n, chunk), _chunk_major(beta, n, chunk)  # [n, H, chunk]
+    q, k = _chunk_major(q, n, chunk), _chunk_major(k, n, chunk)  # [n, Hk, chunk, dk]
     cum = g.cumsum(-1)  # log of the decay from the chunk's start to each token
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # token j to token i
-    k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # solve_triangular reads its strict lower part as I + that
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
-    s = state
-    out = torch.empty_like(v)
-    for i in range(n):
-        v_new = u[:, i] - w[:, i] @ s  # what the state does not already predict
-        out[:, i] = q_decayed[:, i] @ s + attn[:, i] @ v_new
-        s = s * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
-    state.copy_(s)
-    return out.reshape(heads, n * chunk, -1)[:, :length].transpose(0, 1)
+    # Every decay factor is at least 2^-40 (_LOG_TINY): a fast-forgetting head's factors would
+    # otherwise reach float32's subnormal range, where each product costs a microcode assist (the
+    # chunk's products ran at half speed), and what they weight is then 2^-40 of its size or less,
+    # far below float32's rounding of the terms beside it.
+    decay_in = cum.clamp(min=_LOG_TINY).exp_()
+    # -inf above the diagonal (a later token does not reach an earlier one): added, not masked_fill_
+    # with a broadcast mask, which is several times slower on the CPU.
+    future = torch.full((chunk, chunk), float("-inf"), device=q.device).triu_(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).clamp_(min=_LOG_TINY).add_(future).exp_()  # token j to token i
+    decay = decay.view(*per_key, chunk)
+    k_t = k.mT
+    # solve_triangular reads the strict lower part of `system` as I + that (the diagonal is never read).
+    system = torch.mul(decay, (k @ k_t).unsqueeze(2)).mul_(beta.view(*per_key, 1))
+    attn = decay.mul_((q @ k_t).unsqueeze(2)).view(n, heads, chunk, chunk)  # in place: decay is not read again
+    # Right-hand sides [v beta | k beta e^cum], solved in place into [u | w].
+    uw = torch.empty(*per_key, dv + dk, dtype=v.dtype, device=v.device)
+    _chunk_major(v, n, chunk, scale=beta, out=uw.view(n, heads, chunk, dv + dk)[..., :dv])
+    torch.mul(k.unsqueeze(2), (beta * decay_in).view(*per_key, 1), out=uw[..., dv:])
+    torch.linalg.solve_triangular(system.mT, uw.mT, upper=True, left=False, unitriangular=True, out=uw.mT)
+    uw = uw.view(n, heads, chunk, dv + dk)
+    u, w = uw[..., :dv], uw[..., dv:]
+    q_decayed = torch.mul(q.unsqueeze(2), decay_in.view(*per_key, 1)).view(n, heads, chunk, dk)
+    to_end = (cum[..., -1:] - cum).clamp_(min=_LOG_TINY).exp_()
+    k_to_end = torch.mul(k.unsqueeze(2), to_end.view(*per_key, 1)).view(n, heads, chunk, dk)
+    chunk_decay = decay_in[..., -1, None, None]  # [n, H, 1, 1]
+    out = torch.empty(n, heads, chunk, dv, dtype=v.dtype, device=v.device)
+    v_new = torch.empty_like(out)
+    # A sequence's first prefill starts from a zero state: the first chunk's products with it are zeros.
+    first = 0 if state.any() else 1
+    if first:
+        torch.bmm(attn[0], u[0], out=out[0])
+        torch.bmm(k_to_end[0].mT, u[0], out=state)
+    for i in range(first, n):
+        torch.baddbmm(u[i], w[i], state, alpha=-1, out=v_new[i])  # what the state does not already predict
+        torch.bmm(q_decayed[i], state, out=out[i])
+        out[i].baddbmm_(attn[i], v_new[i])
+        state.mul_(chunk_decay[i]).baddbmm_(k_to_end[i].mT, v_new[i])
+    return out.transpose(1, 2).reshape(n * chunk, heads, dv)[:length]
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -138,30 +197,35 @@ class GatedDeltaNet(RecurrentMixer):
         qkv, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         q, k, v = self.conv1d(qkv, state["conv"], query_lens, trace).split(self.qkv_splits, dim=-1)
         group = self.num_v_heads // self.num_k_heads  # value heads per key head
-        q = (_l2norm(q.view(t, -1, self.dk)) * self.dk ** -0.5).repeat_interleave(group, dim=1)
-        k = _l2norm(k.view(t, -1, self.dk)).repeat_interleave(group, dim=1)
+        q = _l2norm(q.view(t, -1, self.dk)) * self.dk ** -0.5  # [t, key heads, dk]
+        k = _l2norm(k.view(t, -1, self.dk))
         v = v.view(t, -1, self.dv)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
-        out = torch.empty_like(v)
+        def by_value_head(rows: slice) -> tuple[torch.Tensor, ...]:  # what recurrent_step takes: q, k per value head
+            return (q[rows].repeat_interleave(group, dim=1), k[rows].repeat_interleave(group, dim=1), v[rows],
+                    g[rows], beta[rows])
+
         ssm = state["ssm"]
         decodes = leading_decodes(query_lens)
-        if decodes:
-            out[:decodes] = recurrent_step(q[:decodes], k[:decodes], v[:decodes], g[:decodes], beta[:decodes],
-                                           ssm[:decodes])
-        start = decodes
-        for i in range(decodes, len(query_lens)):
-            end = start + query_lens[i]
-            if trace is not None and i in trace.rows:  # a verification: a token at a time, as decodes step
-                for j in range(start, end):
-                    out[j:j + 1] = recurrent_step(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1],
-                                                  ssm[i:i + 1])
-                    trace.record("ssm", i, ssm[i])
-            else:
-                out[start:end] = chunked_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                    beta[start:end], ssm[i], self.chunk_size)
-            start = end
+        if decodes == 0 and len(query_lens) == 1 and trace is None:  # one prefill: its output as it comes
+            out = chunked_delta_rule(q, k, v, g, beta, ssm[0], self.chunk_size)
+        else:
+            out = torch.empty_like(v)
+            if decodes:
+                out[:decodes] = recurrent_step(*by_value_head(slice(0, decodes)), ssm[:decodes])
+            start = decodes
+            for i in range(decodes, len(query_lens)):
+                end = start + query_lens[i]
+                if trace is not None and i in trace.rows:  # a verification: a token at a time, as decodes step
+                    for j in range(start, end):
+                        out[j:j + 1] = recurrent_step(*by_value_head(slice(j, j + 1)), ssm[i:i + 1])
+                        trace.record("ssm", i, ssm[i])
+                else:
+                    out[start:end] = chunked_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
+                                                        beta[start:end], ssm[i], self.chunk_size)
+                start = end
 
         # The gated norm: normalised in float32, scaled by the weight in the model's dtype, then gated.
         out = (self.norm(out.to(x.dtype)).float() * F.silu(z.float().view(t, -1, self.dv))).to(x.dtype)

@@ -127,3 +127,20 @@ def test_bfloat16_weights_and_inputs_give_bfloat16_near_float32(ref, layer):
         assert got.dtype == torch.bfloat16
         error = ((got.float() - want).norm() / want.norm()).item()
         assert error < 0.03, error  # a few bf16 roundings (weights, projections, norm) of ~0.4% each
+
+
+def test_bfloat16_prefill_equals_the_same_tokens_decoded(ref):
+    """In bfloat16 the recurrence still runs in float32: a prefill (the chunked form) from a
+    carried state gives the state and, within a bfloat16 rounding, the outputs that one-token
+    steps (the recurrent form) give."""
+    half = load(GatedDeltaNet(CONFIG), ref).to(torch.bfloat16)
+    before, x = (s.bfloat16() for s in seqs(30, 100, seed=8))
+    state = fresh_state(half, 1)
+    step(half, [before], state)
+    stepped = {name: s.clone() for name, s in state.items()}
+    prefill = step(half, [x], state)[0]
+    decoded = torch.cat([step(half, [x[t:t + 1]], stepped)[0] for t in range(x.shape[0])])
+    assert prefill.dtype == torch.bfloat16
+    torch.testing.assert_close(prefill.float(), decoded.float(), rtol=0.01, atol=2e-3)
+    for name in state:
+        torch.testing.assert_close(state[name], stepped[name], rtol=0, atol=1e-5)

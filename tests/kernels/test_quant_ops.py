@@ -172,12 +172,12 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
 
 def amx_cases() -> list:
     """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
-    them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's blocks); the other kernels always
+    them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels always
     (set_amx(False))."""
     kernels = cpu.quant_kernels()
     tiles = getattr(kernels, "amx_min_rows", {})
     cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)]
-    return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K, T.Q8_0)
+    return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)
                     if kernels.repacked_types.get(int(t), int(t)) in tiles]
 
 
@@ -194,9 +194,9 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
     and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
     gives them. With AMX tiles (the -amx cases), every product of at least amx_min_rows rows (6 for
-    Q6_K and Q8_0, 8 for Q4_K): 4, 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a
-    second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's 21, a part of 16
-    rows); the other cases run without them."""
+    Q6_K and Q8_0, 8 for Q4_K and Q4_1): 4, 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a
+    second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and Q4_1's 21, a part
+    of 16 rows); the other cases run without them."""
     kernels, cols = cpu.quant_kernels(), 1280
     blocks = qtype in (T.Q8_0, T.Q4_1)  # kept in GGUF's blocks (not gguf.REPACKED)
     rows = 21 if blocks else 24

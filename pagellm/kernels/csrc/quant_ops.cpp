@@ -2000,7 +2000,7 @@ void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int6
 
 #if defined(PAGELLM_INT8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define PAGELLM_AMX 1
-// ---- AMX tiles: products of many rows of x against repacked Q4_K / Q6_K ------------------------
+// ---- AMX tiles: products of many rows of x against repacked Q4_K / Q6_K (and Q8_0, Q4_1 below) ------------------------
 // On CPUs with AMX (Intel Sapphire Rapids and later) one TDPBSUD / TDPBSSD multiplies 16 rows of x's
 // int8 codes by 16 rows of W's 8-bit values over 64 values into 16 x 16 exact int32 sums, where the
 // 16-bit kernel (x8_prefill) takes 64 VPDPWSSD for the same. The tiles have no place for W's
@@ -2018,8 +2018,8 @@ constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (
 // any number of them, and W's widening into tiles is paid per product (1B shapes, one thread,
 // interleaved, against the row, blocks' and 16-bit kernels: Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
 // 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16; Q8_0 0.6-1.0x at 4, 0.9-1.4x at 6,
-// 1.4-2.3x at 16).
-constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K ? 8 : 6; }
+// 1.4-2.3x at 16; Q4_1 (SmolLM2's shapes) 0.8-1.1x at 6, 1.1-1.4x at 8, 1.55-1.85x at 16).
+constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K || qtype == Q4_1 ? 8 : 6; }
 
 // Whether this process may use the tiles: Linux hands out their state only on request.
 bool amx_permitted() {
@@ -2318,10 +2318,46 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
   }
 }
 
-// Tiles for Q8_0: tmm0-1 a block's sums (x's first and second code), tmm2-3 the next block's (so a
+// Q4_1's block bl of W's rows n0.. (`rows` of them, the rest zero) as a tile: [8][16 rows][4 values]
+// (low nibbles: values 0-15, tile rows 0-3; high: 16-31, rows 4-7), the rows' d[16] and m[16].
+void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
+                    float* d, float* m) {
+  const auto row = [&](int64_t i) { return w + (n0 + i) * row_bytes + bl * 20; };
+  alignas(32) uint16_t half[2][16];
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i < rows) std::memcpy(&half[0][i], row(i), 2), std::memcpy(&half[1][i], row(i) + 2, 2);
+    else half[0][i] = half[1][i] = 0;
+  }
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half[0]))));
+  _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half[1]))));
+  const auto codes = [&](int64_t i) {
+    return i < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(i) + 4)) : _mm_setzero_si128();
+  };
+  // rows 4 g..4 g + 3, 128 bits each, then lane j of the 4 rows in 128-bit part j
+  alignas(64) static const int32_t pick[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+  const __m512i order = _mm512_load_si512(pick);
+  __m512i v[4];
+  for (int g = 0; g < 4; ++g) {
+    const __m512i a = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(codes(4 * g)),
+                                                                                codes(4 * g + 1), 1), codes(4 * g + 2), 2),
+                                         codes(4 * g + 3), 3);
+    v[g] = _mm512_permutexvar_epi32(order, a);
+  }
+  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
+  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+  const __m512i lanes[4] = {_mm512_shuffle_i32x4(t0, t2, 0x88), _mm512_shuffle_i32x4(t0, t2, 0xDD),
+                            _mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xDD)};
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    _mm512_storeu_si512(out + 64 * j, _mm512_and_si512(lanes[j], low));
+    _mm512_storeu_si512(out + 256 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(lanes[j], 4), low));
+  }
+}
+
+// Tiles for Q8_0 and Q4_1: tmm0-1 a block's sums (x's first and second code), tmm2-3 the next block's (so a
 // block's products run while the last one's sums are scaled), tmm4-5 16 rows of x's two codes over
 // 32 values, tmm6 W's block (8 rows of 4 values of each of 16 rows).
-void amx_configure_q8_0() {
+void amx_configure_blocks() {
   AmxConfig c;
   for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
   for (int t = 4; t < 6; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 32;
@@ -2329,48 +2365,65 @@ void amx_configure_q8_0() {
   _tile_loadconfig(&c);
 }
 
-// A block's sums into tiles A (first code) and B (second): GCC's tile intrinsics take the tiles'
-// numbers as literals, hence a macro for the two pairs.
-#define PAGELLM_AMX_Q8_0_SUMS(A, B)                 \
+// A block's sums into tiles A (first code) and B (second), W's codes signed (Q8_0) or not (Q4_1):
+// GCC's tile intrinsics take the tiles' numbers as literals, hence a macro for the two pairs.
+#define PAGELLM_AMX_BLOCK_SUMS(A, B, DOT)           \
   do {                                              \
     _tile_loadd(6, block, 64);                      \
     _tile_loadd(4, codes, 64);                      \
     _tile_zero(A);                                  \
-    _tile_dpbssd(A, 4, 6);                          \
+    DOT(A, 4, 6);                                   \
     if constexpr (kTwo) {                           \
       _tile_loadd(5, residual, 64);                 \
       _tile_zero(B);                                \
-      _tile_dpbssd(B, 5, 6);                        \
+      DOT(B, 5, 6);                                 \
       _tile_stored(B, sums[1], 64);                 \
     }                                               \
     _tile_stored(A, sums[0], 64);                   \
   } while (0)
 
-template <bool kTwo>
-inline void amx_q8_0_sums(bool odd, const int8_t* codes, const int8_t* residual, const uint8_t* block,
-                          int32_t (*sums)[16][16]) {
-  if (odd) PAGELLM_AMX_Q8_0_SUMS(2, 3);
-  else PAGELLM_AMX_Q8_0_SUMS(0, 1);
+template <int64_t T, bool kTwo>
+inline void amx_block_sums(bool odd, const int8_t* codes, const int8_t* residual, const uint8_t* block,
+                           int32_t (*sums)[16][16]) {
+  if constexpr (T == Q8_0) {
+    if (odd) PAGELLM_AMX_BLOCK_SUMS(2, 3, _tile_dpbssd);
+    else PAGELLM_AMX_BLOCK_SUMS(0, 1, _tile_dpbssd);
+  } else {
+    if (odd) PAGELLM_AMX_BLOCK_SUMS(2, 3, _tile_dpbsud);
+    else PAGELLM_AMX_BLOCK_SUMS(0, 1, _tile_dpbsud);
+  }
 }
-#undef PAGELLM_AMX_Q8_0_SUMS
+#undef PAGELLM_AMX_BLOCK_SUMS
 
-template <bool kTwo>
-void amx_q8_0_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y) {
+// Q8_0 / Q4_1 (T) blocks times x [M, K] into y [M, N]: threads take 16 rows of W at a time, turn
+// every block of them into a tile once, and run every 16 rows of x past them. Q4_1's w = d u + m
+// adds m times x's sum over the block (quantize_activations' lane sums) beside.
+template <int64_t T, bool kTwo>
+void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y) {
   const ActRows a = quantize_activations(x, M, K, kTwo);
-  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = K / 32, row_bytes = blocks * 34;
+  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = K / 32;
+  const int64_t row_bytes = blocks * (T == Q8_0 ? 34 : 20);
   const std::vector<int8_t> codes = amx_tiles(a.codes, M, padded, K);
   const std::vector<int8_t> residual = kTwo ? amx_tiles(a.residual, M, padded, K) : std::vector<int8_t>();
-  std::vector<float> xs(padded * blocks, 0.f);  // per row and block: x's scale (two codes: its / 128)
+  // per row and block: x's scale (two codes: its / 128), and (Q4_1) x's sum over the block
+  std::vector<float> xs(padded * blocks, 0.f), xsum(T == Q4_1 ? padded * blocks : 0, 0.f);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) xs[m * blocks + b] = a.lane_scale[(m * K + 32 * b) / 4];
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t lane = (m * K + 32 * b) / 4;
+      xs[m * blocks + b] = a.lane_scale[lane];
+      if constexpr (T == Q4_1) xsum[m * blocks + b] = std::accumulate(a.lane_sum.begin() + lane, a.lane_sum.begin() + lane + 8, 0.f);
+    }
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t p0, int64_t p1) {
-    amx_configure_q8_0();
+    amx_configure_blocks();
     std::vector<uint8_t> tiles(blocks * 512);
-    std::vector<float> d(blocks * 16);
+    std::vector<float> d(blocks * 16), mins(T == Q4_1 ? blocks * 16 : 0);
     alignas(64) int32_t sums[2][2][16][16];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = 16 * p, rows = std::min<int64_t>(16, N - n0);
-      for (int64_t b = 0; b < blocks; ++b) amx_q8_0_block(w, row_bytes, n0, rows, b, tiles.data() + b * 512, d.data() + b * 16);
+      for (int64_t b = 0; b < blocks; ++b) {
+        if constexpr (T == Q8_0) amx_q8_0_block(w, row_bytes, n0, rows, b, tiles.data() + b * 512, d.data() + b * 16);
+        else amx_q4_1_block(w, row_bytes, n0, rows, b, tiles.data() + b * 512, d.data() + b * 16, mins.data() + b * 16);
+      }
       for (int64_t t = 0; t < padded / kAmxRows; ++t) {
         __m512 acc[16];
         for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
@@ -2381,12 +2434,15 @@ void amx_q8_0_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int6
             __m512i v = _mm512_load_si512(s[0][r]);
             if constexpr (kTwo) v = _mm512_add_epi32(_mm512_slli_epi32(v, 7), _mm512_load_si512(s[1][r]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(db, _mm512_set1_ps(xt[r * blocks + b])), acc[r]);
+            if constexpr (T == Q4_1)
+              acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mins.data() + b * 16),
+                                       _mm512_set1_ps(xsum[(t * kAmxRows + r) * blocks + b]), acc[r]);
           }
         };
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t at = t * kAmxRows * K + (b / 2) * 1024 + (b % 2) * 32;  // tile t, chunk b / 2, its half b % 2
           const int8_t* r = kTwo ? residual.data() + at : nullptr;
-          amx_q8_0_sums<kTwo>(b % 2, codes.data() + at, r, tiles.data() + b * 512, sums[b % 2]);
+          amx_block_sums<T, kTwo>(b % 2, codes.data() + at, r, tiles.data() + b * 512, sums[b % 2]);
           scale(b, sums[b % 2]);
         }
         for (int64_t r = 0; r < kAmxRows && t * kAmxRows + r < M; ++r) {
@@ -2409,14 +2465,15 @@ void amx_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
     const int64_t rows = std::min(fit, M - m0);
     const float* xc = x + m0 * K;
     float* yc = y + m0 * N;
-    if (qtype == Q8_0) two_terms ? amx_q8_0_chunk<true>(xc, rows, w, K, N, yc) : amx_q8_0_chunk<false>(xc, rows, w, K, N, yc);
+    if (qtype == Q8_0) two_terms ? amx_blocks_chunk<Q8_0, true>(xc, rows, w, K, N, yc) : amx_blocks_chunk<Q8_0, false>(xc, rows, w, K, N, yc);
+    else if (qtype == Q4_1) two_terms ? amx_blocks_chunk<Q4_1, true>(xc, rows, w, K, N, yc) : amx_blocks_chunk<Q4_1, false>(xc, rows, w, K, N, yc);
     else if (qtype == Q4_K) two_terms ? amx_x8_chunk<Q4_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q4_K, false>(xc, rows, w, K, N, yc);
     else two_terms ? amx_x8_chunk<Q6_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q6_K, false>(xc, rows, w, K, N, yc);
   }
 }
 
 inline bool amx_takes(bool x8, int64_t qtype, int64_t M) {
-  return (x8 || qtype == Q8_0) && M >= amx_min_rows(qtype) && amx_wanted && amx_permitted();
+  return (x8 || qtype == Q8_0 || qtype == Q4_1) && M >= amx_min_rows(qtype) && amx_wanted && amx_permitted();
 }
 #else
 inline bool amx_takes(bool, int64_t, int64_t) { return false; }
@@ -2861,7 +2918,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(PAGELLM_AMX)
   if (amx_permitted())
     for (int64_t t : {Q4_K, Q6_K}) amx_from[py::int_(repacked_id(t))] = amx_min_rows(t);
-    amx_from[py::int_(static_cast<int64_t>(Q8_0))] = amx_min_rows(Q8_0);
+    for (int64_t t : {Q8_0, Q4_1}) amx_from[py::int_(t)] = amx_min_rows(t);
   m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool on) { return amx_wanted.exchange(on); });
 #else

@@ -83,6 +83,8 @@ def tables() -> list[DocTable]:
                         quant_tables.streams_table, quant_tables.STREAMS_RUNS),
         json_runs_table("streams-default-table", "quantization.md", "serve-16-streams-*default-vs-llama-server-*.json",
                         quant_tables.streams_table),
+        json_runs_table("streams-amx-table", "quantization.md", "serve-16-streams-*amx-vs-llama-server-*.json",
+                        quant_tables.streams_table),
         json_table("batch-invariant-table", "python.md", "batch-invariant-2026-12-01.json",
                    throughput.invariant_doc_table),
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),

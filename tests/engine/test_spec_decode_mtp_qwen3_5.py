@@ -31,7 +31,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qw
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
 from pagellm import LLM, SamplingParams
-from pagellm.core.step_plan import PlannedSeq
+from tests.engine.mtp_checks import check_sampled_requests_keep_the_targets_logprobs, forward_in_two_chunks
 from tests.models.families import COMMON, FAMILIES, _perturb, build, build_multimodal
 
 N_NEW = 16
@@ -157,15 +157,8 @@ def test_mtp_layer_forward_equals_the_reference_in_chunks(qwen, family, tmp_path
         path = build(family, tmp_path / family)
         weights = add_mtp_layer(path, family)
     llm = LLM(str(path), num_kv_blocks=16, block_size=4, speculative_config=MTP)
-    runner = _proposer(llm).runner
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(3, 320, (13,), generator=g).tolist()
-    hidden = torch.randn(13, COMMON["hidden_size"], generator=g)
-    table = ([10, 11, 12, 13],)  # blocks of the layer's own pool no sequence holds now
-    first = runner.forward_hidden([PlannedSeq("a", tokens[:8], 0, table)], hidden[:8])
-    rest = runner.forward_hidden([PlannedSeq("a", tokens[8:], 8, table)], hidden[8:])  # reads the cached 8
+    runner, tokens, hidden, got = forward_in_two_chunks(llm, COMMON["hidden_size"])
     want, want_logits = reference_mtp(weights, family, tokens, hidden)
-    got = torch.cat([first, rest])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runner.model.compute_logits(got), want_logits, rtol=1e-4, atol=1e-4)
 
@@ -240,20 +233,7 @@ def test_sampled_requests_keep_the_targets_logprobs(coin):
     it (scored again by the plain engine as a prompt), and the same text again from the same seeds
     (no prefix cache: a hit would silence the layer and draw other proposals)."""
     path, requests, _ = coin
-    params = [SamplingParams(seed=10 + i, temperature=1.0, max_tokens=N_NEW, allowed_token_ids=[0, 5, 7],
-                             ignore_eos=True, logprobs=0) for i in range(len(requests))]
-    prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    llm = LLM(str(path), num_kv_blocks=256, block_size=4, enable_prefix_caching=False, speculative_config=MTP)
-    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert again == [c.token_ids for c in got]
-    assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
-    scored = LLM(str(path), num_kv_blocks=256, block_size=4).generate(
-        [{"prompt_token_ids": p + c.token_ids} for (p, _), c in zip(requests, got)],
-        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    for (prompt, _), c, s in zip(requests, got, scored):
-        want = [lp[t].logprob for t, lp in zip(c.token_ids, s.prompt_logprobs[len(prompt):])]
-        assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(want, abs=1e-4)
+    check_sampled_requests_keep_the_targets_logprobs(path, requests, MTP, N_NEW)
 
 
 @pytest.mark.slow

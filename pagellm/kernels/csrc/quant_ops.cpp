@@ -2000,17 +2000,17 @@ void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int6
 
 #if defined(PAGELLM_INT8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define PAGELLM_AMX 1
-// ---- AMX tiles: products of many rows of x against repacked Q4_K / Q6_K (and Q8_0, Q4_1 below) ------------------------
+// ---- AMX tiles: many rows of x against repacked Q4_K / Q6_K (Q8_0's and Q4_1's blocks below) ----
 // On CPUs with AMX (Intel Sapphire Rapids and later) one TDPBSUD / TDPBSSD multiplies 16 rows of x's
 // int8 codes by 16 rows of W's 8-bit values over 64 values into 16 x 16 exact int32 sums, where the
 // 16-bit kernel (x8_prefill) takes 64 VPDPWSSD for the same. The tiles have no place for W's
 // sub-block scales, and a product of each sub-block's sums by its scale (per row of W, every 32 or
 // 16 values) cost more than the tiles' work; so each super-block of 16 rows of W is widened once
 // with its integer scales folded in, w = sc * q (Q4_K: q 0..15, sc 0..63; Q6_K: q - 32, sc int8),
-// and split into two 8-bit parts, w = F hi + lo (F 32 for Q4_K, 64 for Q6_K; lo 0..F - 1), each a
-// tile: four products per 64 values (x's two codes times the two parts) summed in four tiles over
-// the super-block, joined in integers (F hi + lo: below 2^31) and scaled once per super-block by W's
-// d and x's scale. x is rounded as the other products of repacked weights round it (quantize_super:
+// and split into two 8-bit parts, w = F hi + lo (Q4_K: F 8, hi = sh q and lo = sl q for sc = 8 sh +
+// sl; Q6_K: F 64, lo 0..63), each a tile: four products per 64 values (x's two codes times the two
+// parts) summed in four tiles over the super-block, joined in integers (F hi + lo: below 2^31) and
+// scaled once per super-block by W's d and x's scale. x is rounded as the other products of repacked weights round it (quantize_super:
 // one scale per 256 values, one or two codes), so the sums are the same integers; only the float32
 // summation order differs. Q4_K's mins go beside, as x8_prefill's.
 // Bytes of each group of W fetched ahead of the super-block being widened (1B Q4_K_M, 16 streams,

@@ -24,6 +24,9 @@ from pagellm.cli import build_parser
 from pagellm.loader.synthetic import write_dummy_model_dir
 from tests.conftest import _save
 
+# The second tier's file, far above what these tiny models' blocks need: the default (4 GiB) is
+# allocated on disk for each test, and the runs pytest keeps filled the disk.
+TIER_BYTES = 64 << 20
 ENGINE = dict(block_size=4, num_kv_blocks=40, max_num_seqs=8)
 PREFIX = list(range(3, 30))  # 27 tokens: 6 full blocks of 4 that later prompts share
 
@@ -122,9 +125,10 @@ def test_two_ranks_with_a_disk_tier_match_one(tiny_llama_dir, tmp_path):
         outs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
         return outs, llm.stats()
 
-    with LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path / "one"), **ENGINE) as one:
+    with LLM(tiny_llama_dir, kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path / "one"), **ENGINE) as one:
         ref, ref_stats = run(one)
-    with LLM(tiny_llama_dir, tensor_parallel_size=2, kv_offload_dir=str(tmp_path / "two"), **ENGINE) as llm:
+    with LLM(tiny_llama_dir, tensor_parallel_size=2,
+             kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path / "two"), **ENGINE) as llm:
         got, stats = run(llm)
         files = list((tmp_path / "two").glob("pagellm-kv-*.bin"))
     _assert_same(ref, got)  # the tokens, logprobs and cached tokens of one rank

@@ -11,6 +11,9 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 
+# The second tier's file, far above what these tiny models' blocks need: the default (4 GiB) is
+# allocated on disk for each test, and the runs pytest keeps filled the disk.
+TIER_BYTES = 64 << 20
 ENGINE = dict(block_size=4, num_kv_blocks=40)
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 
@@ -53,7 +56,8 @@ def test_evicted_prefixes_come_back_from_the_tier(tiny_llama_dir, tmp_path, refe
     want = _run(plain, first) + _run(plain, second)
     without = plain.stats()["prompt_tokens_computed"]
     plain.shutdown()
-    llm = LLM(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype, kv_offload_dir=str(tmp_path), **ENGINE)
+    llm = LLM(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype,
+              kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path), **ENGINE)
     got = _run(llm, first) + _run(llm, second)
     stats = llm.stats()
     _assert_same(want, got)
@@ -144,10 +148,12 @@ def test_a_persisted_file_damaged_between_runs_keeps_its_intact_entries(tiny_lla
 def test_a_persisted_tier_warms_a_restarted_engine(tiny_llama_dir, tmp_path, reference):
     want_first, want_second, ref_stats = reference
     first, second = _rounds()
-    llm = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_persist=True, **ENGINE)
+    llm = LLM(tiny_llama_dir,
+              kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path), kv_offload_persist=True, **ENGINE)
     _assert_same(want_first, _run(llm, first))
     llm.shutdown()
-    again = LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_persist=True, **ENGINE)
+    again = LLM(tiny_llama_dir,
+                kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path), kv_offload_persist=True, **ENGINE)
     _assert_same(want_second, _run(again, second))
     stats = again.stats()
     assert stats["kv_offload"]["promoted_blocks"] >= 6 * 14
@@ -180,7 +186,7 @@ def test_a_sliding_window_model_gets_the_tokens_of_a_run_without_the_tier(tmp_pa
                 for o in outs], stats
 
     want, without = run()
-    got, stats = run(kv_offload_dir=str(tmp_path_factory.mktemp("tier")))
+    got, stats = run(kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path_factory.mktemp("tier")))
     _assert_same(want, got)
     assert [g["kind"] for g in stats["kv_groups"]] == ["full", "sliding"]
     tier = stats["kv_offload"]
@@ -219,24 +225,26 @@ def test_a_recurrent_model_swaps_and_offloads_its_state(family, tmp_path_factory
                 for o in outs], stats
 
     want, roomy = run(num_kv_blocks=256)
-    got, swap = run(kv_offload_dir=str(tmp_path_factory.mktemp("tier")), preemption_mode="swap")
+    got, swap = run(
+                    kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path_factory.mktemp("tier")),
+                    preemption_mode="swap")
     _assert_same(want, got)
     assert roomy["num_preemptions"] == 0 and swap["num_swaps"] == swap["num_preemptions"] > 0
     if family == "lfm2":
         assert swap["tokens_computed"] == roomy["tokens_computed"]
     else:
-        _, recompute = run(kv_offload_dir=str(tmp_path_factory.mktemp("tier-r")))
+        _, recompute = run(kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path_factory.mktemp("tier-r")))
         assert roomy["tokens_computed"] <= swap["tokens_computed"] < recompute["tokens_computed"]
-    again, stats = run(rounds=2, kv_offload_dir=str(tmp_path_factory.mktemp("tier2")))
+    again, stats = run(rounds=2, kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path_factory.mktemp("tier2")))
     _assert_same(want + want, again)
     assert stats["kv_offload"]["promoted_blocks"] > 0 and stats["kv_offload"]["corrupt"] == 0
 
 
 def test_what_the_tier_cannot_serve_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_offload_dir needs enable_prefix_caching"):
-        LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), enable_prefix_caching=False)
+        LLM(tiny_llama_dir, kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path), enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offload_dir needs kv_policy 'paged'"):
-        LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_policy="contiguous-max")
+        LLM(tiny_llama_dir, kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path), kv_policy="contiguous-max")
     with pytest.raises(ValueError, match="kv_offload_size must be a byte count"):
         LLM(tiny_llama_dir, kv_offload_dir=str(tmp_path), kv_offload_size=0.5)
 
@@ -259,8 +267,8 @@ def test_swapped_requests_resume_from_the_tier_with_the_tokens_of_recomputation(
                 for o in outs], stats
 
     want, roomy = run(num_kv_blocks=256)  # no preemption
-    recomputed, recompute = run(kv_offload_dir=str(tmp_path / "r"))
-    got, swap = run(kv_offload_dir=str(tmp_path / "s"), preemption_mode="swap")
+    recomputed, recompute = run(kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path / "r"))
+    got, swap = run(kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path / "s"), preemption_mode="swap")
     _assert_same(want, recomputed)
     _assert_same(want, got)
     assert roomy["num_preemptions"] == 0
@@ -270,7 +278,7 @@ def test_swapped_requests_resume_from_the_tier_with_the_tokens_of_recomputation(
     # A swapped victim computes no token twice: exactly the forward passes of a run that never
     # preempts. Recomputation computes what its victims' blocks held again.
     assert swap["tokens_computed"] == roomy["tokens_computed"] < recompute["tokens_computed"]
-    auto_out, auto = run(kv_offload_dir=str(tmp_path / "a"), preemption_mode="auto")
+    auto_out, auto = run(kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path / "a"), preemption_mode="auto")
     _assert_same(want, auto_out)
     assert auto["num_preemptions"] > 0
 

@@ -60,6 +60,10 @@ def models(tiny_llama_dir, tmp_path_factory):
     return tiny_llama_dir, other, requests, _run(LLM(tiny_llama_dir, num_kv_blocks=512, block_size=4), requests)
 
 
+# The second tier's file, far above what these tiny models' blocks need: the default (4 GiB) is
+# allocated on disk for each test, and the runs pytest keeps filled the disk.
+TIER_BYTES = 64 << 20
+
 SETUPS = {
     "batched": dict(num_kv_blocks=512, block_size=4),
     "chunked": dict(num_kv_blocks=512, block_size=4, max_num_batched_tokens=16),  # prompts prefilled in chunks
@@ -76,7 +80,7 @@ FAST = {("same", "batched"), ("other", "chunked"), ("other", "preempted"), ("oth
 def test_greedy_with_a_draft_model_equals_plain_decoding(models, setup, which, tmp_path):
     target, other, requests, expected = models
     if setup.get("preemption_mode") == "swap":
-        setup = dict(setup, kv_offload_dir=str(tmp_path / "tier"))
+        setup = dict(setup, kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path / "tier"))
     llm = LLM(target, speculative_config=_spec(target if which == "same" else other), **setup)
     got = _run(llm, requests)
     assert [t for t, _ in got] == [t for t, _ in expected]
@@ -101,7 +105,7 @@ def test_a_recurrent_target_rolls_back_to_the_accepted_tokens(models, tmp_path):
     target = str(build("lfm2", tmp_path / "lfm2"))
     expected = _run(LLM(target, num_kv_blocks=512, block_size=4), requests)
     llm = LLM(target, speculative_config=_spec(other), num_kv_blocks=30, block_size=4, preemption_mode="swap",
-              kv_offload_dir=str(tmp_path / "tier"))
+              kv_offload_size=TIER_BYTES, kv_offload_dir=str(tmp_path / "tier"))
     got = _run(llm, requests)
     assert [t for t, _ in got] == [t for t, _ in expected]
     for (_, lps), (_, want) in zip(got, expected):

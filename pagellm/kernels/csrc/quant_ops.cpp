@@ -659,6 +659,19 @@ struct ActView {
   const int16_t* wide;
 };
 
+// quantize_activations' rounding of x's first n values per 32-value block: the block's scale (its
+// lanes share one), and the sum of its values as rounded (its 8 lanes' sums).
+std::vector<float> block_scales(const ActRows& a, int64_t n) {
+  std::vector<float> out(n / 32);
+  for (int64_t b = 0; b < n / 32; ++b) out[b] = a.lane_scale[8 * b];
+  return out;
+}
+std::vector<float> block_sums(const ActRows& a, int64_t n) {
+  std::vector<float> out(n / 32);
+  for (int64_t b = 0; b < n / 32; ++b) out[b] = std::accumulate(a.lane_sum.begin() + 8 * b, a.lane_sum.begin() + 8 * b + 8, 0.f);
+  return out;
+}
+
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
 // K-quants; with two codes per value only Q4_K and Q5_K (Q6_K's offset term would need its
 // per-16 code sums in 32 bits).
@@ -1940,19 +1953,17 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
   }
   // x's scales of the 16-bit values: per 32 (quantize_activations' lane scales take two codes' 1/128
   // in already) or per 256 (quantize_super's do not)
-  std::vector<float> xs, block_sums;
+  std::vector<float> xs, sums;
   if (per32) {
-    for (int64_t i = 0; i < M * K; i += 32) xs.push_back(a.lane_scale[i / 4]);
+    xs = block_scales(a, M * K);
   } else {
     xs = a.super_scale;
     if (two_terms)
       for (float& s : xs) s /= 128.f;
   }
   const bool has_mins = qtype == Q4_K || qtype == Q4_1;
-  if (qtype == Q4_1)  // x's per-32 sums (quantize_activations keeps them per 4-value lane)
-    for (int64_t i = 0; i < M * K / 4; i += 8)
-      block_sums.push_back(std::accumulate(a.lane_sum.begin() + i, a.lane_sum.begin() + i + 8, 0.f));
-  const float* bsums = qtype == Q4_1 ? block_sums.data() : a.block_sum.data();
+  if (qtype == Q4_1) sums = block_sums(a, M * K);  // x's per-32 sums (quantize_activations keeps them per lane)
+  const float* bsums = qtype == Q4_1 ? sums.data() : a.block_sum.data();
   at::parallel_for(0, (N + kX8Rows - 1) / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int16_t> buf(K * kX8Rows);
     std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(has_mins ? K / 4 : 0);
@@ -2010,9 +2021,9 @@ void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int6
 // and split into two 8-bit parts, w = F hi + lo (Q4_K: F 8, hi = sh q and lo = sl q for sc = 8 sh +
 // sl; Q6_K: F 64, lo 0..63), each a tile: four products per 64 values (x's two codes times the two
 // parts) summed in four tiles over the super-block, joined in integers (F hi + lo: below 2^31) and
-// scaled once per super-block by W's d and x's scale. x is rounded as the other products of repacked weights round it (quantize_super:
-// one scale per 256 values, one or two codes), so the sums are the same integers; only the float32
-// summation order differs. Q4_K's mins go beside, as x8_prefill's.
+// scaled once per super-block by W's d and x's scale. x is rounded as the other products of repacked
+// weights round it (quantize_super: one scale per 256 values, one or two codes), so the sums are the
+// same integers; only the float32 summation order differs. Q4_K's mins go beside, as x8_prefill's.
 // Bytes of each group of W fetched ahead of the super-block being widened (1B Q4_K_M, 16 streams,
 // in one process: none, 4, 8, 12, 16, 24, 32 KiB: 64 steps in 11.1, 8.6, 8.6, 7.7, 6.8-7.1, 7.1, 7.7 s).
 constexpr int64_t kAmxAhead = 16384;
@@ -2290,6 +2301,26 @@ void amx_x8_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_
 // over the whole row (x rounded per 32 values, as the blocks' other kernels round it). A block's
 // 16 rows of codes go into the tiles' layout by a transpose of 4-byte lanes.
 
+// The float16 values at `at` of 16 rows' blocks (row(i): row i's block; rows past `rows` zero), as floats.
+template <class Row>
+inline __m512 amx_block_halves(const Row& row, int64_t rows, int at) {
+  alignas(32) uint16_t half[16];
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i < rows) std::memcpy(&half[i], row(i) + at, 2);
+    else half[i] = 0;
+  }
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half)));
+}
+
+// Four vectors' 128-bit parts transposed: out[j] holds part j of v[0], v[1], v[2], v[3] in turn (the
+// last step of the blocks' transposes, each part the same 4-value lane of 4 rows).
+inline void amx_transpose_parts(const __m512i* v, __m512i* out) {
+  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
+  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+  out[0] = _mm512_shuffle_i32x4(t0, t2, 0x88), out[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
+  out[2] = _mm512_shuffle_i32x4(t1, t3, 0x88), out[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+}
+
 // Block bl of W's rows n0.. (`rows` of them, the rest zero) as a tile: [8][16 rows][4 values], and
 // the rows' scales d[16].
 void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
@@ -2298,12 +2329,7 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
   const auto codes = [&](int64_t i) {
     return i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(i) + 2)) : _mm256_setzero_si256();
   };
-  alignas(32) uint16_t half[16];
-  for (int64_t i = 0; i < 16; ++i) {
-    if (i < rows) std::memcpy(&half[i], row(i), 2);
-    else half[i] = 0;
-  }
-  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half))));
+  _mm512_storeu_ps(d, amx_block_halves(row, rows, 0));
   // rows 4 g..4 g + 3: their 4-value lanes 0-3 (first) and 4-7 (second), lane j of the 4 rows in
   // 128-bit part j
   __m512i first[4], second[4];
@@ -2317,14 +2343,9 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
   }
   // 128-bit parts transposed over the 4 groups: tile row j holds lane j of all 16 rows
   for (int h = 0; h < 2; ++h) {
-    const __m512i* v = h ? second : first;
-    const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
-    const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
-    uint8_t* o = out + h * 256;
-    _mm512_storeu_si512(o, _mm512_shuffle_i32x4(t0, t2, 0x88));
-    _mm512_storeu_si512(o + 64, _mm512_shuffle_i32x4(t0, t2, 0xDD));
-    _mm512_storeu_si512(o + 128, _mm512_shuffle_i32x4(t1, t3, 0x88));
-    _mm512_storeu_si512(o + 192, _mm512_shuffle_i32x4(t1, t3, 0xDD));
+    __m512i lanes[4];
+    amx_transpose_parts(h ? second : first, lanes);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + h * 256 + 64 * j, lanes[j]);
   }
 }
 
@@ -2333,13 +2354,8 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
 void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
                     float* d, float* m) {
   const auto row = [&](int64_t i) { return w + (n0 + i) * row_bytes + bl * 20; };
-  alignas(32) uint16_t half[2][16];
-  for (int64_t i = 0; i < 16; ++i) {
-    if (i < rows) std::memcpy(&half[0][i], row(i), 2), std::memcpy(&half[1][i], row(i) + 2, 2);
-    else half[0][i] = half[1][i] = 0;
-  }
-  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half[0]))));
-  _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half[1]))));
+  _mm512_storeu_ps(d, amx_block_halves(row, rows, 0));
+  _mm512_storeu_ps(m, amx_block_halves(row, rows, 2));
   const auto codes = [&](int64_t i) {
     return i < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(i) + 4)) : _mm_setzero_si128();
   };
@@ -2353,10 +2369,8 @@ void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
                                          codes(4 * g + 3), 3);
     v[g] = _mm512_permutexvar_epi32(order, a);
   }
-  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
-  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
-  const __m512i lanes[4] = {_mm512_shuffle_i32x4(t0, t2, 0x88), _mm512_shuffle_i32x4(t0, t2, 0xDD),
-                            _mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xDD)};
+  __m512i lanes[4];
+  amx_transpose_parts(v, lanes);
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int j = 0; j < 4; ++j) {
     _mm512_storeu_si512(out + 64 * j, _mm512_and_si512(lanes[j], low));
@@ -2364,9 +2378,9 @@ void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
   }
 }
 
-// Tiles for Q8_0 and Q4_1: tmm0-1 a block's sums (x's first and second code), tmm2-3 the next block's (so a
-// block's products run while the last one's sums are scaled), tmm4-5 16 rows of x's two codes over
-// 32 values, tmm6 W's block (8 rows of 4 values of each of 16 rows).
+// Tiles for Q8_0 and Q4_1: tmm0-1 a block's sums (x's first and second code), tmm2-3 the next
+// block's (so a block's products run while the last one's sums are scaled), tmm4-5 16 rows of x's two
+// codes over 32 values, tmm6 W's block (8 rows of 4 values of each of 16 rows).
 void amx_configure_blocks() {
   AmxConfig c;
   for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
@@ -2415,14 +2429,11 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
   const int64_t row_bytes = blocks * (T == Q8_0 ? 34 : 20);
   const std::vector<int8_t> codes = amx_tiles(a.codes, M, padded, K);
   const std::vector<int8_t> residual = kTwo ? amx_tiles(a.residual, M, padded, K) : std::vector<int8_t>();
-  // per row and block: x's scale (two codes: its / 128), and (Q4_1) x's sum over the block
-  std::vector<float> xs(padded * blocks, 0.f), xsum(T == Q4_1 ? padded * blocks : 0, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t lane = (m * K + 32 * b) / 4;
-      xs[m * blocks + b] = a.lane_scale[lane];
-      if constexpr (T == Q4_1) xsum[m * blocks + b] = std::accumulate(a.lane_sum.begin() + lane, a.lane_sum.begin() + lane + 8, 0.f);
-    }
+  // per row and block: x's scale (two codes: its / 128), and (Q4_1) x's sum over the block; rows
+  // past M zero
+  std::vector<float> xs = block_scales(a, M * K), xsum = T == Q4_1 ? block_sums(a, M * K) : std::vector<float>();
+  xs.resize(padded * blocks);
+  if constexpr (T == Q4_1) xsum.resize(padded * blocks);
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t p0, int64_t p1) {
     amx_configure_blocks();
     std::vector<uint8_t> tiles(blocks * 512);
@@ -2466,10 +2477,10 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
   });
 }
 
-// x [M, K] times a repacked Q4_K / Q6_K weight or Q8_0's blocks on AMX tiles, into y [M, N]: over
-// chunks of x's rows whose codes take about 1 MiB (L2), as x8_prefill.
+// x [M, K] times a repacked Q4_K / Q6_K weight or Q8_0's or Q4_1's blocks on AMX tiles, into y [M, N]:
+// over chunks of x's rows whose codes take about 1 MiB (L2), as x8_prefill.
 void amx_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
-                    float* y) {
+                 float* y) {
   const int64_t fit = std::max<int64_t>(kAmxRows, (int64_t{1} << 20) / (2 * K) / kAmxRows * kAmxRows);
   for (int64_t m0 = 0; m0 < M; m0 += fit) {
     const int64_t rows = std::min(fit, M - m0);

@@ -77,15 +77,25 @@ INT8_SHAPES = [pytest.param(t, 128, id=f"{t.name}-K128") for t in TYPES if t in 
     pytest.param(t, k, id=f"{t.name}-K{k}") for k in (512, 4352) for t in TYPES]
 
 
+# With the tiles on, the product tests move every type's crossover down to this many rows, so that
+# the tiles' few-row configurations (x's rows in a tile < 16) are checked too.
+AMX_TEST_MIN_ROWS = 2
+
+
 @pytest.fixture
 def amx_tiles(request):
-    """Sets the kernels' AMX switch for one test (the case's second value), and puts it back."""
+    """Sets the kernels' AMX switch for one test (the case's second value), and puts it back; with
+    the tiles on, every product of AMX_TEST_MIN_ROWS rows or more takes them."""
     kernels = cpu.quant_kernels()
     if kernels is None:
         yield request.param
         return
     before = kernels.set_amx(request.param)
+    moved = {kind: kernels.set_amx_min_rows(kind, AMX_TEST_MIN_ROWS) for kind in kernels.amx_min_rows} \
+        if request.param else {}
     yield request.param
+    for kind, rows in moved.items():
+        kernels.set_amx_min_rows(kind, rows)
     kernels.set_amx(before)
 
 
@@ -193,9 +203,8 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves
     each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
     and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
-    gives them. With AMX tiles (the -amx cases), every product of at least amx_min_rows rows (6 for
-    Q6_K and Q8_0, 8 for Q4_K and Q4_1): 4, 6 and 7 rows either side of them, 16 rows x's rows in one tile, 17 a
-    second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and Q4_1's 21, a part
+    gives them. With AMX tiles (the -amx cases), every product of at least AMX_TEST_MIN_ROWS rows: 2,
+    3, 4, 5, 6, 7 and 9 rows fill part of one tile, 16 rows x's rows in one tile, 17 a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and Q4_1's 21, a part
     of 16 rows); the other cases run without them."""
     kernels, cols = cpu.quant_kernels(), 1280
     blocks = qtype in (T.Q8_0, T.Q4_1)  # kept in GGUF's blocks (not gguf.REPACKED)
@@ -211,7 +220,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     wide_from = getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
     torch.manual_seed(3)
     for two in (True, False):
-        for m in (4, 6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
+        for m in (2, 3, 4, 5, 6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
             per32 = blocks or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
             block = 32 if per32 else 256
             x = torch.randn(m, cols)
@@ -357,3 +366,17 @@ def test_a_layer_with_rows_never_loaded_is_refused():
     layer.weight_loader(layer.weight, torch.randn(8, 256), 1)
     with pytest.raises(ValueError, match=r"weight rows \[0, 8\) were never loaded"):
         layer.method.finish(layer)
+
+
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "amx_min_rows", {}), reason="no AMX tiles here")
+def test_amx_crossovers_move_and_come_back():
+    """set_amx_min_rows moves one type's crossover and returns the one before; an id that takes no
+    tiles, or a count below 1, is refused with the value named."""
+    kernels = cpu.quant_kernels()
+    kind, rows = next(iter(kernels.amx_min_rows.items()))
+    assert kernels.set_amx_min_rows(kind, 3) == rows
+    assert kernels.set_amx_min_rows(kind, rows) == 3
+    with pytest.raises(RuntimeError, match="type id 2 takes no AMX tiles"):
+        kernels.set_amx_min_rows(int(T.Q4_0), 4)
+    with pytest.raises(RuntimeError, match="rows must be >= 1, got 0"):
+        kernels.set_amx_min_rows(kind, 0)

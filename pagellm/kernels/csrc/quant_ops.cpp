@@ -2033,7 +2033,13 @@ constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (
 // interleaved, against the row, blocks' and 16-bit kernels: Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
 // 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16; Q8_0 0.6-1.0x at 4, 0.9-1.4x at 6,
 // 1.4-2.3x at 16; Q4_1 (SmolLM2's shapes) 0.8-1.1x at 6, 1.1-1.4x at 8, 1.55-1.85x at 16).
-constexpr int64_t amx_min_rows(int64_t qtype) { return qtype == Q4_K || qtype == Q4_1 ? 8 : 6; }
+constexpr int64_t amx_default_rows(int64_t qtype) { return qtype == Q4_K || qtype == Q4_1 ? 8 : 6; }
+constexpr int64_t kAmxTypes[4] = {Q4_K, Q6_K, Q8_0, Q4_1};
+constexpr int amx_slot(int64_t qtype) { return qtype == Q4_K ? 0 : qtype == Q6_K ? 1 : qtype == Q8_0 ? 2 : 3; }
+// The crossovers in force: set_amx_min_rows moves them, for the measurements that find them.
+std::atomic<int64_t> amx_from_rows[4] = {amx_default_rows(Q4_K), amx_default_rows(Q6_K), amx_default_rows(Q8_0),
+                                         amx_default_rows(Q4_1)};
+inline int64_t amx_min_rows(int64_t qtype) { return amx_from_rows[amx_slot(qtype)].load(std::memory_order_relaxed); }
 
 // Whether this process may use the tiles: Linux hands out their state only on request.
 bool amx_permitted() {
@@ -2054,9 +2060,9 @@ struct alignas(64) AmxConfig {
 // Eight tiles of 16 rows x 64 bytes: tmm0-3 the sums (x's first code times W's hi, times lo; its
 // second code times hi, times lo), tmm4-5 x's two codes over 64 values, tmm6-7 W's hi and lo parts
 // (16 rows of 4 values of each of W's 16 rows). The configuration is per thread.
-void amx_configure() {
+void amx_configure(int64_t x_rows) {
   AmxConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) c.rows[t] = t < 6 ? x_rows : kAmxRows, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 
@@ -2192,7 +2198,7 @@ void amx_q6_k_block(const uint8_t* t0, const uint8_t* t1, AmxBlock& s) {
 // codes: already / 128), K / 256 apart; bsum (Q4_K) their d * code sums per 32 values, K / 32 apart.
 template <int64_t T, bool kTwo>
 void amx_block_rows(const int8_t* codes, const int8_t* residual, int64_t K, const AmxBlock& s, const float* xs,
-                    const float* bsum, float (*acc)[16]) {
+                    const float* bsum, int64_t rows, float (*acc)[16]) {
   constexpr int kShift = T == Q4_K ? 3 : 6;  // w = 2^kShift hi + lo
   alignas(64) int32_t sums[4][16][16];
   _tile_zero(0);
@@ -2222,7 +2228,7 @@ void amx_block_rows(const int8_t* codes, const int8_t* residual, int64_t K, cons
     _tile_stored(3, sums[3], 64);
   }
   const __m512 d = _mm512_load_ps(s.d);
-  for (int r = 0; r < 16; ++r) {
+  for (int r = 0; r < rows; ++r) {
     const auto joined = [&](int k) {
       return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[k][r]), kShift), _mm512_load_si512(sums[k + 1][r]));
     };
@@ -2262,7 +2268,7 @@ void amx_x8_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_
   const int64_t groups = N / kX8Rows, tile_bytes = T == Q4_K ? kQ4Tile : kQ6Tile, group_bytes = supers * tile_bytes;
   const int64_t tiles = padded / kAmxRows;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    amx_configure();
+    amx_configure(std::min(M, kAmxRows));
     AmxBlock s;
     std::vector<float> acc(tiles * kAmxRows * 16);
     for (int64_t p = p0; p < p1; ++p) {
@@ -2284,7 +2290,7 @@ void amx_x8_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_
           const int64_t at = m * K + b * QK_K * kAmxRows;  // tile t, chunks 4 b..
           amx_block_rows<T, kTwo>(codes.data() + at, kTwo ? residual.data() + at : nullptr,
                                   K, s, a.super_scale.data() + m * supers + b, a.block_sum.data() + m * (K / 32) + b * 8,
-                                  reinterpret_cast<float(*)[16]>(acc.data() + m * 16));
+                                  std::min(kAmxRows, M - m), reinterpret_cast<float(*)[16]>(acc.data() + m * 16));
         }
       }
       const int64_t n0 = 16 * p, cols = std::min<int64_t>(16, N - n0);
@@ -2381,10 +2387,10 @@ void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
 // Tiles for Q8_0 and Q4_1: tmm0-1 a block's sums (x's first and second code), tmm2-3 the next
 // block's (so a block's products run while the last one's sums are scaled), tmm4-5 16 rows of x's two
 // codes over 32 values, tmm6 W's block (8 rows of 4 values of each of 16 rows).
-void amx_configure_blocks() {
+void amx_configure_blocks(int64_t x_rows) {
   AmxConfig c;
-  for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;
-  for (int t = 4; t < 6; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 32;
+  for (int t = 0; t < 4; ++t) c.rows[t] = x_rows, c.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) c.rows[t] = x_rows, c.colsb[t] = 32;
   c.rows[6] = 8, c.colsb[6] = 64;
   _tile_loadconfig(&c);
 }
@@ -2435,7 +2441,7 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
   xs.resize(padded * blocks);
   if constexpr (T == Q4_1) xsum.resize(padded * blocks);
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t p0, int64_t p1) {
-    amx_configure_blocks();
+    amx_configure_blocks(std::min(M, kAmxRows));
     std::vector<uint8_t> tiles(blocks * 512);
     std::vector<float> d(blocks * 16), mins(T == Q4_1 ? blocks * 16 : 0);
     alignas(64) int32_t sums[2][2][16][16];
@@ -2449,9 +2455,10 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
         __m512 acc[16];
         for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
         const float* xt = xs.data() + t * kAmxRows * blocks;
+        const int64_t valid = std::min(kAmxRows, M - t * kAmxRows);
         const auto scale = [&](int64_t b, int32_t (*s)[16][16]) {
           const __m512 db = _mm512_loadu_ps(d.data() + b * 16);
-          for (int r = 0; r < 16; ++r) {
+          for (int r = 0; r < valid; ++r) {
             __m512i v = _mm512_load_si512(s[0][r]);
             if constexpr (kTwo) v = _mm512_add_epi32(_mm512_slli_epi32(v, 7), _mm512_load_si512(s[1][r]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(db, _mm512_set1_ps(xt[r * blocks + b])), acc[r]);
@@ -2935,15 +2942,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // AMX tiles: from how many rows of x a product against a repacked weight (by its id) takes them
   // (empty: no AMX in this build, CPU or process); set_amx(False) turns them off, returning the
   // previous setting.
+  // set_amx_min_rows(id, rows) moves one type's crossover (for the measurements that place them),
+  // returning the previous one; amx_min_rows keeps the built-in ones.
   py::dict amx_from;
 #if defined(PAGELLM_AMX)
+  const auto id_of = [](int64_t t) { return t == Q4_K || t == Q6_K ? repacked_id(t) : t; };
   if (amx_permitted())
-    for (int64_t t : {Q4_K, Q6_K}) amx_from[py::int_(repacked_id(t))] = amx_min_rows(t);
-    for (int64_t t : {Q8_0, Q4_1}) amx_from[py::int_(t)] = amx_min_rows(t);
+    for (int64_t t : kAmxTypes) amx_from[py::int_(id_of(t))] = amx_default_rows(t);
   m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool on) { return amx_wanted.exchange(on); });
+  m.def("set_amx_min_rows", [id_of](int64_t id, int64_t rows) {
+    for (int64_t t : kAmxTypes)
+      if (id_of(t) == id) {
+        TORCH_CHECK(rows >= 1, "set_amx_min_rows: rows must be >= 1, got ", rows);
+        return amx_from_rows[amx_slot(t)].exchange(rows);
+      }
+    TORCH_CHECK(false, "set_amx_min_rows: type id ", id, " takes no AMX tiles");
+    return int64_t{0};
+  });
 #else
   m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool) { return false; });
+  m.def("set_amx_min_rows", [](int64_t, int64_t) {
+    TORCH_CHECK(false, "set_amx_min_rows: no AMX tiles in this build, CPU or process");
+    return int64_t{0};
+  });
 #endif
 }

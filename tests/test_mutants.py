@@ -170,6 +170,11 @@ MUTANTS = [
            "                prompt = prompts[workload][i]",
            "                prompt = prompts[workload][0]",
            ("tests/bench/test_spec_decode_bench.py::test_spec_decode_bench_tiny",)),
+    Mutant("the spec-decode bench's summary documents keep their pages' code blocks and tables (not prose to quote)",
+           "pagellm/bench/spec_decode.py",
+           "        if fenced or s.startswith(\"|\"):",
+           "        if False:",
+           ("tests/bench/test_spec_decode_bench.py::test_the_document_is_the_pages_prose",)),
     Mutant("a recurrent layer's state keeps the rejected proposals' updates (no roll-back after a verification)",
            "pagellm/layers/recurrent.py",
            "            if states is not None and n < states.shape[0]:",
@@ -212,7 +217,8 @@ def _copy_tree(dst: Path) -> None:
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split()
     for rel in files:
-        if rel.startswith(("pagellm/", "tests/")) or rel in ("pyproject.toml",):
+        # docs/: the spec-decode bench's summary workload reads its pages.
+        if rel.startswith(("pagellm/", "tests/", "docs/")) or rel in ("pyproject.toml",):
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             if (ROOT / rel).is_file():
                 shutil.copy2(ROOT / rel, dst / rel)

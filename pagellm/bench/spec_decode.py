@@ -1,18 +1,20 @@
 """`pagellm bench spec-decode`: single-stream decode speed with and without speculative decoding.
 
-Two workloads, one request at a time, greedy: a code edit (a source file of about 300 lines in the
-prompt, to be returned with a one-line change: the model copies, and prompt lookup proposes what
-it copies) and an open chat (little to copy: speculation must not cost much there). Decode tokens
-per second are measured from the first token to the last, so the prompt's prefill is not counted.
-The systems run interleaved, each once per workload per round (on shared cores the machine's speed
-drifts), and the load average is recorded at every run.
+Three workloads, one request at a time, greedy: a code edit (a source file of about 300 lines in
+the prompt, to be returned with a one-line change: the model copies, and prompt lookup proposes
+what it copies), a summary of a document that quotes its key sentences verbatim (copied spans
+between words of the model's own) and an open chat (little to copy: speculation must not cost much
+there). Decode tokens per second are measured from the first token to the last, so the prompt's
+prefill is not counted. The systems run interleaved, each once per workload per round (on shared
+cores the machine's speed drifts), and the load average is recorded at every run.
 
 Every round has prompts of its own: another of this package's modules for the code edit
-(CODE_FILES), another question for the chat (CHAT_PROMPTS), the same for every system within the
-round. A proposer that keeps what it saw across requests (llama-server's ngram-mod pools the
-n-grams of earlier outputs) would otherwise find from the second round on the very text it is
-asked to write again, and accept nearly every draft. Outputs with and without speculation must be
-equal (it is lossless); the JSON says whether they were, and keeps the start of every output.
+(CODE_FILES), another page of the repository's docs for the summary (SUMMARY_DOCS), another
+question for the chat (CHAT_PROMPTS), the same for every system within the round. A proposer that
+keeps what it saw across requests (llama-server's ngram-mod pools the n-grams of earlier outputs)
+would otherwise find from the second round on the very text it is asked to write again, and accept
+nearly every draft. Outputs with and without speculation must be equal (it is lossless); the JSON
+says whether they were, and keeps the start of every output.
 
     pagellm bench spec-decode --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     pagellm bench spec-decode --method draft_model
@@ -42,9 +44,17 @@ if TYPE_CHECKING:
     from pagellm.loader.tokenizer import Tokenizer
 
 PACKAGE = Path(__file__).resolve().parent.parent
+REPOSITORY = PACKAGE.parent
 # The code edit's file of each round (round i takes the i-th): real modules of this package of
 # 300 lines or more, none seen by any system in an earlier round.
 CODE_FILES = ("core/scheduler.py", "sampling_params.py", "engine/llm_engine.py", "worker/sampler.py", "config.py")
+# The summary's document of each round, likewise: pages of this repository's docs (relative to the
+# repository) with 160 lines of prose or more once their code blocks, tables and comments are cut
+# (document_prose), whose first 160 with the instruction come to 3,000 to 5,500 tokens with the
+# bundled tokenizer, as the code edit's prompts do: a long context to quote from, which leaves the
+# bundled model's context room for the output.
+SUMMARY_DOCS = ("docs/serving.md", "docs/kv-cache.md", "docs/benchmarks.md", "docs/quantization.md",
+                "docs/speculative-decoding.md")
 # The chat's question of each round, likewise.
 CHAT_PROMPTS = (
     "Tell me about the history of lighthouses and the people who kept them.",
@@ -58,7 +68,7 @@ WARMUP_PROMPT = "Name three rivers of Europe."
 WARMUP_TOKENS = 8
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 METHODS = ("ngram", "draft_model")
-WORKLOADS = ("code-edit", "chat")
+WORKLOADS = ("code-edit", "summary", "chat")
 
 
 @dataclass
@@ -68,6 +78,7 @@ class SpecBenchConfig:
     quantization: str = "auto"  # the target's (both systems'): "none" serves a GGUF dequantized
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     code_lines: int = 300
+    summary_lines: int = 160  # of the document's prose (document_prose)
     max_tokens: int = 256
     repeat: int = 3
     threads: int = 2
@@ -77,13 +88,13 @@ class SpecBenchConfig:
 
 def max_rounds() -> int:
     """The most rounds with a prompt of their own in every workload."""
-    return min(len(CODE_FILES), len(CHAT_PROMPTS))
+    return min(len(CODE_FILES), len(SUMMARY_DOCS), len(CHAT_PROMPTS))
 
 
 def check_repeat(repeat: int) -> None:
     if not 1 <= repeat <= max_rounds():
-        raise ValueError(f"--repeat must be between 1 and {max_rounds()} (each round needs a code file and a chat "
-                         f"question no earlier round used), got {repeat}")
+        raise ValueError(f"--repeat must be between 1 and {max_rounds()} (each round needs a code file, a document "
+                         f"and a chat question no earlier round used), got {repeat}")
 
 
 def code_edit_prompt(path: Path, lines: int) -> str:
@@ -96,17 +107,56 @@ def code_edit_prompt(path: Path, lines: int) -> str:
             f"Reply with the code only.")
 
 
+def document_prose(path: Path) -> list[str]:
+    """The lines of a Markdown page that are prose: fenced code blocks, tables and HTML comments
+    (the generated tables' markers) cut, as they are not sentences to quote, and the blank lines
+    left where they were merged into one."""
+    if not path.is_file():
+        raise ValueError(f"the summary workload's document {path} is missing (docs/ is in a pagellm checkout, "
+                         f"not in the installed package): run from a checkout, or leave summary out of --workloads")
+    lines: list[str] = []
+    fenced = in_comment = False
+    for line in path.read_text().splitlines():
+        s = line.strip()
+        if in_comment or s.startswith("<!--"):
+            in_comment = "-->" not in s
+            continue
+        if s.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or s.startswith("|"):
+            continue
+        if s or (lines and lines[-1]):
+            lines.append(line.rstrip())
+    return lines
+
+
+def summary_prompt(path: Path, lines: int) -> str:
+    """The first `lines` lines of `path`'s prose, to be summarized quoting its key sentences verbatim:
+    a model that follows copies spans of the document, which prompt lookup can propose."""
+    document = "\n".join(document_prose(path)[:lines]).strip()
+    return (f"Here is a document:\n\n<document>\n{document}\n</document>\n\nSummarize this document in a few "
+            f"paragraphs. Quote its key sentences word for word, in double quotes, and say in your own words how "
+            f"they connect. Reply with the summary only.")
+
+
 def round_sources(workload: str, repeat: int) -> list[str]:
     """What each round's prompt is made of: a file (relative to the repository) or a question."""
     check_repeat(repeat)
     if workload == "code-edit":
-        return [str((PACKAGE / f).relative_to(PACKAGE.parent)) for f in CODE_FILES[:repeat]]
+        return [str((PACKAGE / f).relative_to(REPOSITORY)) for f in CODE_FILES[:repeat]]
+    if workload == "summary":
+        return list(SUMMARY_DOCS[:repeat])
     return list(CHAT_PROMPTS[:repeat])
 
 
 def user_message(workload: str, source: str, cfg: SpecBenchConfig) -> str:
     """The user's message of a round whose prompt is made of `source` (round_sources)."""
-    return code_edit_prompt(PACKAGE.parent / source, cfg.code_lines) if workload == "code-edit" else source
+    if workload == "code-edit":
+        return code_edit_prompt(REPOSITORY / source, cfg.code_lines)
+    if workload == "summary":
+        return summary_prompt(REPOSITORY / source, cfg.summary_lines)
+    return source
 
 
 @dataclass
@@ -128,6 +178,17 @@ def render_prompt(tokenizer: Tokenizer, content: str, source: str) -> Prompt:
     special_prefix = tokenizer.id_to_token(bos) if adds_bos else ""
     return Prompt(source, text, tokenizer.encode(text, add_special_tokens=False),
                   spec_decode_peer.completion_prompt(text, special_prefix))
+
+
+def check_fits(prompts: dict[str, list[Prompt]], max_tokens: int, max_model_len: int) -> None:
+    """Every round's prompt and its max_tokens within the model's context: an output the context
+    cut short would be timed over fewer tokens than the others, and not be the same text."""
+    for workload, ps in prompts.items():
+        for p in ps:
+            if len(p.token_ids) + max_tokens > max_model_len:
+                raise ValueError(f"{workload} prompt of {p.source}: {len(p.token_ids)} tokens + --max-tokens "
+                                 f"{max_tokens} exceed the model's context of {max_model_len} tokens: lower "
+                                 f"--max-tokens, --code-lines or --summary-lines")
 
 
 def _one_run(llm, prompt: Prompt, max_tokens: int) -> dict:
@@ -172,6 +233,7 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
         tok = llms["plain"].get_tokenizer()
         prompts = {w: [render_prompt(tok, user_message(w, src, cfg), src) for src in round_sources(w, cfg.repeat)]
                    for w in cfg.workloads}
+        check_fits(prompts, cfg.max_tokens, llms["plain"].engine.max_model_len)
         warmup = render_prompt(tok, WARMUP_PROMPT, WARMUP_PROMPT)
         if cfg.peer_types:
             longest = max(len(p.token_ids) for ps in prompts.values() for p in ps)
@@ -226,6 +288,7 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
         results[workload] = entry
     return {"config": asdict(cfg), "model": model_path,
             "code_files": round_sources("code-edit", cfg.repeat) if "code-edit" in cfg.workloads else [],
+            "summary_docs": round_sources("summary", cfg.repeat) if "summary" in cfg.workloads else [],
             "load": {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}, "workloads": results}
 
 
@@ -300,13 +363,16 @@ def print_tables(results: dict) -> None:
         print("\nllama-server on the same prompt text, by --spec-type")
         print(report.format_table(["workload", "spec type", "decode tok/s", "speedup", "acceptance",
                                    "tokens per round", "same prompt tokens"], peer_rows))
-    print(f"code files by round: {', '.join(results.get('code_files', []))}")
+    if results.get("code_files"):
+        print(f"code files by round: {', '.join(results['code_files'])}")
+    if results.get("summary_docs"):
+        print(f"documents summarized by round: {', '.join(results['summary_docs'])}")
     print(f"load average: {results['load']['loadavg_start']} at start, {results['load']['loadavg_end']} at end")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("spec-decode", help="single-stream decode tok/s with and without speculative decoding, on "
-                                           "a code edit and an open chat")
+                                           "a code edit, a summary that quotes its document and an open chat")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     p.add_argument("--method", default="ngram", choices=METHODS,
                    help="the proposer, when --speculative-config is not given: ngram (prompt lookup, k = 4) or "
@@ -318,8 +384,10 @@ def add_parser(sub) -> None:
                         "draft_model on the bundled model, so that its Q4_1 file is the cheaper draft; else auto)")
     p.add_argument("--speculative-config", default=None,
                    help="the speculative system's speculative_config (vLLM's JSON; overrides --method)")
-    p.add_argument("--workloads", default="code-edit,chat", help="comma-separated: code-edit, chat")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
     p.add_argument("--code-lines", type=int, default=300, help="lines of the code file in the code-edit prompt")
+    p.add_argument("--summary-lines", type=int, default=SpecBenchConfig.summary_lines,
+                   help="lines of the document's prose in the summary prompt")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens decoded per request")
     p.add_argument("--repeat", type=int, default=3,
                    help=f"rounds (medians reported), each with prompts of its own: 1 to {max_rounds()}")
@@ -335,11 +403,16 @@ def main(args: argparse.Namespace) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
-        raise ValueError(f"--workloads: unknown {', '.join(unknown)}; choose code-edit, chat")
-    for name in ("code_lines", "max_tokens", "threads"):
+        raise ValueError(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if not workloads:
+        raise ValueError(f"--workloads is empty; choose from {', '.join(WORKLOADS)}")
+    for name in ("code_lines", "summary_lines", "max_tokens", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_repeat(args.repeat)
+    if "summary" in workloads:  # a missing page named before any model loads
+        for source in round_sources("summary", args.repeat):
+            document_prose(REPOSITORY / source)
     peer_types = [t.strip() for t in args.peer.split(",") if t.strip()]
     spec_decode_peer.check_types(peer_types)
     if peer_types and args.model and not args.model.endswith(".gguf"):
@@ -355,7 +428,8 @@ def main(args: argparse.Namespace) -> int:
     quantization = args.quantization or (
         "none" if spec.get("method") == "draft_model" and args.model is None else "auto")
     cfg = SpecBenchConfig(model=args.model, speculative_config=spec, quantization=quantization,
-                          workloads=workloads, code_lines=args.code_lines, max_tokens=args.max_tokens,
+                          workloads=workloads, code_lines=args.code_lines, summary_lines=args.summary_lines,
+                          max_tokens=args.max_tokens,
                           repeat=args.repeat, threads=args.threads,
                           peer_types=peer_types)
     started = time.time()

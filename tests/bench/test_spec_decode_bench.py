@@ -1,4 +1,4 @@
-"""`pagellm bench spec-decode`: both systems measured on both workloads, outputs compared."""
+"""`pagellm bench spec-decode`: both systems measured on every workload, outputs compared."""
 from __future__ import annotations
 
 import json
@@ -11,22 +11,25 @@ from tokenizers import processors
 from pagellm.bench import spec_decode, spec_decode_peer
 from pagellm.cli import main
 from pagellm.envs import llama_cpp_bin
+from pagellm.loader.gguf_loader import read_gguf_config
 from pagellm.loader.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE
 from pagellm.loader.tokenizer import Tokenizer
 
 
 def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
-    """Each round has a code file and a chat question of its own, the same for both systems within
-    the round; every run records its prompt's size and the start of its output."""
+    """Each round has a code file, a document and a chat question of its own, the same for both
+    systems within the round; every run records its prompt's size and the start of its output."""
     stem = tmp_path / "spec"
-    rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--code-lines", "2", "--max-tokens", "6",
-               "--repeat", "2", "--out", str(stem)])
+    rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--code-lines", "2", "--summary-lines", "3",
+               "--max-tokens", "6", "--repeat", "2", "--out", str(stem)])
     assert rc == 0
     data = json.loads(stem.with_suffix(".json").read_text())
     assert data["benchmark"] == "spec-decode" and data["machine"]["cpu"] and len(data["load"]["loadavg_start"]) == 3
-    assert set(data["workloads"]) == {"code-edit", "chat"}
+    assert list(data["workloads"]) == ["code-edit", "summary", "chat"]
     assert data["code_files"] == [f"pagellm/{f}" for f in spec_decode.CODE_FILES[:2]]
-    sources = {"code-edit": data["code_files"], "chat": list(spec_decode.CHAT_PROMPTS[:2])}
+    assert data["summary_docs"] == ["docs/serving.md", "docs/kv-cache.md"]
+    sources = {"code-edit": data["code_files"], "summary": data["summary_docs"],
+               "chat": list(spec_decode.CHAT_PROMPTS[:2])}
     for workload, entry in data["workloads"].items():
         assert entry["outputs_equal"] is True
         assert [r["source"] for r in entry["rounds"]] == sources[workload]
@@ -57,6 +60,53 @@ def test_each_round_edits_another_module_of_300_lines_or_more():
         assert f"def {name}(" in prompt and not name.startswith("_")
     with pytest.raises(ValueError, match=f"--repeat must be between 1 and {spec_decode.max_rounds()}"):
         spec_decode.round_sources("chat", spec_decode.max_rounds() + 1)
+
+
+def test_each_round_summarizes_another_page_that_fits_the_context(smollm2_gguf):
+    """Every round's document is another docs page with 160 lines of prose or more, all of them in
+    the prompt with the instruction to quote it verbatim; with the bundled model's tokenizer each
+    prompt is about the code edit's size and leaves room in its context for 256 output tokens."""
+    sources = spec_decode.round_sources("summary", spec_decode.max_rounds())
+    assert len(set(sources)) == len(sources) == len(spec_decode.SUMMARY_DOCS) == spec_decode.max_rounds()
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    context = read_gguf_config(smollm2_gguf).max_position_embeddings
+    cfg = spec_decode.SpecBenchConfig()
+    sizes = []
+    for source in sources:
+        prose = spec_decode.document_prose(spec_decode.REPOSITORY / source)
+        assert len(prose) >= cfg.summary_lines
+        message = spec_decode.user_message("summary", source, cfg)
+        document = message.split("<document>\n")[1].split("\n</document>")[0]
+        assert document == "\n".join(prose[:cfg.summary_lines]).strip()
+        assert "word for word" in message
+        prompt = spec_decode.render_prompt(tok, message, source)
+        sizes.append(len(prompt.token_ids))
+        spec_decode.check_fits({"summary": [prompt]}, cfg.max_tokens, context)
+    assert 3000 <= min(sizes) and max(sizes) <= 5500, sizes
+
+
+def test_the_document_is_the_pages_prose(tmp_path):
+    """Code blocks, tables and comments (a generated table's markers) are cut from the page; the
+    blank lines they leave merge into one."""
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\nA sentence.\n\n```python\nx = 1\n```\n\n| a | b |\n|---|---|\n\n"
+                    "<!-- marker: generated\nacross lines -->\nThe last sentence.\n")
+    assert spec_decode.document_prose(page) == ["# Title", "", "A sentence.", "", "The last sentence."]
+    with pytest.raises(ValueError, match="document .*none.md is missing .*leave summary out of --workloads"):
+        spec_decode.document_prose(tmp_path / "none.md")
+
+
+def test_a_prompt_the_context_cannot_hold_with_its_output_is_refused(tmp_path, tiny_llama_dir, capsys):
+    """The tiny model's 512 tokens cannot hold a summary's document: refused before any run, naming
+    the round's source, the sizes and the limit (the engine would cut the output short)."""
+    assert main(["bench", "spec-decode", "--model", tiny_llama_dir, "--workloads", "summary", "--repeat", "1",
+                 "--out", str(tmp_path / "a")]) != 0
+    err = capsys.readouterr().err
+    assert "summary prompt of docs/serving.md: " in err and "--max-tokens 256 exceed the model's context of 512" in err
+    assert not (tmp_path / "a.json").exists()
+    assert main(["bench", "spec-decode", "--model", tiny_llama_dir, "--workloads", "summary,poem",
+                 "--out", str(tmp_path / "b")]) != 0
+    assert "unknown poem; choose from code-edit, summary, chat" in capsys.readouterr().err
 
 
 def test_llama_server_is_sent_the_text_pagellm_reads(smollm2_gguf):
@@ -118,7 +168,7 @@ def test_llama_server_reads_the_same_prompt_tokens(tmp_path, smollm2_gguf):
         pytest.skip(f"{binary} is not built (benchmarks/build_llama_cpp.sh)")
     stem = tmp_path / "spec"
     assert main(["bench", "spec-decode", "--model", smollm2_gguf, "--peer", "none", "--code-lines", "20",
-                 "--max-tokens", "4", "--repeat", "2", "--out", str(stem)]) == 0
+                 "--summary-lines", "20", "--max-tokens", "4", "--repeat", "2", "--out", str(stem)]) == 0
     data = json.loads(stem.with_suffix(".json").read_text())
     for entry in data["workloads"].values():
         assert entry["same_prompt_tokens"] is True

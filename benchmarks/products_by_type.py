@@ -21,6 +21,12 @@ from pagellm.bench.report import metadata, write_json  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 
 
+def type_name(qtype: int) -> str:
+    """A product's weight type by name; a layout the kernels repacked at load by its GGUF type's."""
+    base = gguf._repacked_bases().get(qtype)
+    return gguf.NATIVE_TYPES[qtype] if base is None else f"{gguf.NATIVE_TYPES[base]} repacked"
+
+
 def measure(llm: LLM, streams: int, tokens: int, rounds: int, head_rows: int) -> dict:
     """The round with the fastest step: ms per step, and per type ms, MB and GB/s per step."""
     prompts = [{"prompt_token_ids": [1 + i, 2, 3, 4]} for i in range(streams)]
@@ -34,7 +40,7 @@ def measure(llm: LLM, streams: int, tokens: int, rounds: int, head_rows: int) ->
         def timed(x, data, qtype, cols, batch_invariant=False, activations="none"):
             start = time.perf_counter()
             y = product(x, data, qtype, cols, batch_invariant, activations)
-            key = gguf.NATIVE_TYPES[qtype] + (" head" if data.shape[0] == head_rows else "")
+            key = type_name(qtype) + (" head" if data.shape[0] == head_rows else "")
             seconds[key] += time.perf_counter() - start
             nbytes[key] += data.numel()
             calls[key] += 1

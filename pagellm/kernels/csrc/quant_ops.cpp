@@ -1177,6 +1177,17 @@ inline __m256i dot4(__m256i u, __m256i c) {
 #endif
 }
 
+// 128 (u . c) + u . r per 4-byte lane (two codes): without VNNI the factor 128 rides on the
+// widening multiply-add of c's pairs (within int32: 128 * 2 * 32,512), which spares a shift.
+inline __m256i dot4_two(__m256i u, __m256i c, __m256i r) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(dot4(u, c), 7), u, r);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, c), _mm256_set1_epi16(128)),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(u, r), _mm256_set1_epi16(1)));
+#endif
+}
+
 // The scale of n values at x (n a multiple of 8), as the AVX-512 quantizers take it: d = max|x| / 127
 // and its inverse 127 / max|x|; a NaN or infinity makes d NaN (so are the products of that row)
 // and the inverse 0, an all-zero run the inverse 0.
@@ -1329,11 +1340,13 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
               const int64_t at = m * K + 64 * c + 32 * h;
               __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
               if constexpr (kSigned) cx = _mm256_sign_epi8(cx, wh.u);
-              __m256i dot = dot4(u, cx);
+              __m256i dot;
               if constexpr (kTwo) {
                 __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
                 if constexpr (kSigned) rx = _mm256_sign_epi8(rx, wh.u);
-                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), dot4(u, rx));
+                dot = dot4_two(u, cx, rx);
+              } else {
+                dot = dot4(u, cx);
               }
               const __m256 dx = _mm256_loadu_ps(a.scale + at / 4);
               acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wh.dsc, dx), acc[r][m]);
@@ -1533,12 +1546,43 @@ inline XF xf_row_halves(const uint8_t* p, int h) {
 constexpr int kXVecs = kX8Rows / kXRows;
 constexpr int kXBytes = kXRows * 8;  // one vector's share of a 64-byte unit
 
+// AVX2 without a VNNI form (AMD before Zen 4, Intel before Alder Lake) multiplies bytes in two steps,
+// VPMADDUBSW into 16-bit pairs and VPMADDWD into 32-bit lanes. Where a sub-block's products stay
+// within 16 bits (Q4_K: 4 units of 2 products of 15 * 127, at most 15,240 a pair), its pairs are
+// summed in 16 bits and widened once, by the multiply-add that applies the sub-block's scale (the
+// scale in both halves of each lane): 2 instructions a unit and code instead of 3.
+#if !defined(PAGELLM_INT8_VNNI) && !defined(__AVXVNNI__)
+constexpr bool kPairs16 = true;
+#else
+constexpr bool kPairs16 = false;
+#endif
+// acc + u times c, by pairs (kPairs16: 16-bit lanes, each the sum of 2 products) or by quads.
+inline XI xi_dot_pairs(XI acc, XI u, XI c) {
+#if !defined(PAGELLM_INT8_VNNI) && !defined(__AVXVNNI__)
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, c));
+#else
+  return xi_dot4(acc, u, c);
+#endif
+}
+// u0 c0 + u1 c1 by pairs (kPairs16) or quads: at most twice a pair's products, within 16 bits.
+inline XI xi_dot_two(XI u0, XI c0, XI u1, XI c1) { return xi_dot_pairs(xi_dot_pairs(xi_zero(), u0, c0), u1, c1); }
+// xi_dot_pairs' sums as 32-bit lanes, times 2^shift.
+inline XI xi_widen(XI v, int shift) {
+#if !defined(PAGELLM_INT8_VNNI) && !defined(__AVXVNNI__)
+  return _mm256_madd_epi16(v, _mm256_set1_epi16(static_cast<int16_t>(1 << shift)));
+#else
+  return shift ? xi_slli32(v, shift) : v;
+#endif
+}
+
 // Byte-shuffle controls that put the scale byte of each lane's row (of 8 at the start of the
-// shuffled 16 bytes, or of the 8 after them: `second`) into the lane's byte `at`, zeroing the rest.
-inline XI scale_controls(int h, bool second, int at) {
+// shuffled 16 bytes, or of the 8 after them: `second`) into the lane's byte `at` (`pairs`: and
+// `at` + 2, the scale of both 16-bit halves), zeroing the rest.
+inline XI scale_controls(int h, bool second, int at, bool pairs = false) {
   int8_t c[4 * 2 * kXRows];
   for (int i = 0; i < 2 * kXRows; ++i)
-    for (int k = 0; k < 4; ++k) c[4 * i + k] = k == at ? static_cast<int8_t>(kXRows * h + i / 2 + (second ? 8 : 0)) : -1;
+    for (int k = 0; k < 4; ++k)
+      c[4 * i + k] = k == at || (pairs && k == at + 2) ? static_cast<int8_t>(kXRows * h + i / 2 + (second ? 8 : 0)) : -1;
   return xi_controls(c);
 }
 
@@ -1578,7 +1622,7 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
   __m256 mins[R];
   for (int r = 0; r < R; ++r) mins[r] = _mm256_setzero_ps();
   for (int h = 0; h < kXVecs; ++h) {
-    const XI first = scale_controls(h, false, 0), second = scale_controls(h, true, 0);
+    const XI first = scale_controls(h, false, 0, kPairs16), second = scale_controls(h, true, 0, kPairs16);
     for (int r = 0; r < R; ++r) acc[r][h] = xf_zero();
     for (int64_t b = 0; b < supers; ++b) {
       const uint8_t* t = tiles + b * kQ4Tile + h * kXBytes;
@@ -1594,11 +1638,11 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
           const XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
           const int64_t at = QK_K * b + 64 * j + 8 * q;
           for (int r = 0; r < R; ++r) {
-            c0[r] = xi_dot4(c0[r], lo, xi_bcast64(a[r].codes + at));
-            c1[r] = xi_dot4(c1[r], hi, xi_bcast64(a[r].codes + at + 32));
+            c0[r] = xi_dot_pairs(c0[r], lo, xi_bcast64(a[r].codes + at));
+            c1[r] = xi_dot_pairs(c1[r], hi, xi_bcast64(a[r].codes + at + 32));
             if constexpr (kTwo) {
-              r0[r] = xi_dot4(r0[r], lo, xi_bcast64(a[r].residual + at));
-              r1[r] = xi_dot4(r1[r], hi, xi_bcast64(a[r].residual + at + 32));
+              r0[r] = xi_dot_pairs(r0[r], lo, xi_bcast64(a[r].residual + at));
+              r1[r] = xi_dot_pairs(r1[r], hi, xi_bcast64(a[r].residual + at + 32));
             }
           }
         }
@@ -1697,13 +1741,12 @@ void q6_k_x8_rows(const ActView* a, const int32_t* const* offsets, int64_t K, co
             for (int i = 0; i < 4; ++i) {
               const int64_t at = QK_K * b + 128 * n + 32 * i + 16 * gp;
               const int64_t g = 16 * b + 8 * n + 2 * i + gp;
-              XI total = xi_dot4(xi_dot4(xi_zero(), v[0][i], xi_bcast64(a[m].codes + at)), v[1][i],
-                                 xi_bcast64(a[m].codes + at + 8));
-              if constexpr (kTwo) {
-                const XI r = xi_dot4(xi_dot4(xi_zero(), v[0][i], xi_bcast64(a[m].residual + at)), v[1][i],
-                                     xi_bcast64(a[m].residual + at + 8));
-                total = xi_add32(xi_slli32(total, 7), r);
-              }
+              // 6-bit codes: two pairs' products, at most 2 * 2 * 63 * 128, within 16 bits (kPairs16)
+              XI total = xi_widen(xi_dot_two(v[0][i], xi_bcast64(a[m].codes + at), v[1][i],
+                                             xi_bcast64(a[m].codes + at + 8)), kTwo ? 7 : 0);
+              if constexpr (kTwo)
+                total = xi_add32(total, xi_widen(xi_dot_two(v[0][i], xi_bcast64(a[m].residual + at), v[1][i],
+                                                            xi_bcast64(a[m].residual + at + 8)), 0));
               total = xi_sub32(total, xi_bcast64(reinterpret_cast<const int8_t*>(offsets[m] + 2 * g)));
               // quantize_activations' scales take two codes' 1/128 in, quantize_super's do not
               const float dx = kPer32 ? a[m].scale[(QK_K * b + 128 * n + 32 * i) / 32]

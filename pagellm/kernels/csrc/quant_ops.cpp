@@ -2075,7 +2075,9 @@ constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (
 // any number of them, and W's widening into tiles is paid per product (1B shapes, one thread,
 // interleaved, against the row, blocks' and 16-bit kernels: Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
 // 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16; Q8_0 0.6-1.0x at 4, 0.9-1.4x at 6,
-// 1.4-2.3x at 16; Q4_1 (SmolLM2's shapes) 0.8-1.1x at 6, 1.1-1.4x at 8, 1.55-1.85x at 16).
+// 1.4-2.3x at 16; Q4_1 (SmolLM2's shapes) 1.55-1.85x at 16, and since its scales are gathered
+// (amx_block_words) 1.07-1.22x at 5 and 1.38-1.56x at 6 on one thread, yet SmolLM2's decode steps of
+// 5 and 6 streams on two threads ran 7-10% slower from 5 or 6 rows than from 8).
 constexpr int64_t amx_default_rows(int64_t qtype) { return qtype == Q4_K || qtype == Q4_1 ? 8 : 6; }
 constexpr int64_t kAmxTypes[4] = {Q4_K, Q6_K, Q8_0, Q4_1};
 constexpr int amx_slot(int64_t qtype) { return qtype == Q4_K ? 0 : qtype == Q6_K ? 1 : qtype == Q8_0 ? 2 : 3; }
@@ -2350,15 +2352,19 @@ void amx_x8_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_
 // over the whole row (x rounded per 32 values, as the blocks' other kernels round it). A block's
 // 16 rows of codes go into the tiles' layout by a transpose of 4-byte lanes.
 
-// The float16 values at `at` of 16 rows' blocks (row(i): row i's block; rows past `rows` zero), as floats.
-template <class Row>
-inline __m512 amx_block_halves(const Row& row, int64_t rows, int at) {
-  alignas(32) uint16_t half[16];
-  for (int64_t i = 0; i < 16; ++i) {
-    if (i < rows) std::memcpy(&half[i], row(i) + at, 2);
-    else half[i] = 0;
-  }
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half)));
+// The 4 bytes at `block` of 16 rows `row_bytes` apart (rows past `rows` zero), one row a lane, in one
+// gather: the float16 scales at the head of the rows' blocks (amx_lane_halves takes them apart).
+// A row at a time, the scales cost the blocks' builders more than their codes.
+inline __m512i amx_block_words(const uint8_t* block, int64_t row_bytes, int64_t rows) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, block, 1);
+}
+
+// The float16 value in each lane's low (high: its high) 16 bits, as floats.
+inline __m512 amx_lane_halves(__m512i words, bool high) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(words, 16) : words));
 }
 
 // Four vectors' 128-bit parts transposed: out[j] holds part j of v[0], v[1], v[2], v[3] in turn (the
@@ -2378,7 +2384,7 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
   const auto codes = [&](int64_t i) {
     return i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(i) + 2)) : _mm256_setzero_si256();
   };
-  _mm512_storeu_ps(d, amx_block_halves(row, rows, 0));
+  _mm512_storeu_ps(d, amx_lane_halves(amx_block_words(row(0), row_bytes, rows), false));
   // rows 4 g..4 g + 3: their 4-value lanes 0-3 (first) and 4-7 (second), lane j of the 4 rows in
   // 128-bit part j
   __m512i first[4], second[4];
@@ -2403,8 +2409,9 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
 void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
                     float* d, float* m) {
   const auto row = [&](int64_t i) { return w + (n0 + i) * row_bytes + bl * 20; };
-  _mm512_storeu_ps(d, amx_block_halves(row, rows, 0));
-  _mm512_storeu_ps(m, amx_block_halves(row, rows, 2));
+  const __m512i dm = amx_block_words(row(0), row_bytes, rows);  // d, m
+  _mm512_storeu_ps(d, amx_lane_halves(dm, false));
+  _mm512_storeu_ps(m, amx_lane_halves(dm, true));
   const auto codes = [&](int64_t i) {
     return i < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(i) + 4)) : _mm_setzero_si128();
   };

@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagellm.kernels import cpu
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.layers.recurrent import RecurrentMixer, StateTrace
@@ -50,6 +51,19 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     out = decay * q_s + (q * k).sum(-1, keepdim=True) * delta
     state.mul_(decay[..., None]).addcmul_(k[..., None], delta[..., None, :])
     return out
+
+
+def decode_kernel_serves(layer: GatedDeltaNet, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                         meta) -> bool:
+    """Whether cpu.gdn_decode_step computes this step of `layer`: every sequence decoding one token
+    with nothing to trace (verifications run the torch path), float32 on the CPU with the kernels
+    built, and a pool whose blocks are contiguous (not a view of a larger slot) and 4-byte sized."""
+    if meta.verifying or any(n != 1 for n in meta.query_lens) or x.dtype != torch.float32 or not cpu.usable(x):
+        return False
+    k, v = kv_cache
+    return (k.is_cpu and k.dim() >= 2 and k[0].is_contiguous() and v[0].is_contiguous()
+            and k[0].numel() * k.element_size() == v[0].numel() * v.element_size()
+            and k[0].numel() * k.element_size() % 4 == 0)
 
 
 # The smallest decay factor the chunked form uses (see there): 2^-40.
@@ -190,6 +204,17 @@ class GatedDeltaNet(RecurrentMixer):
         self.qkv_splits = [key.local, key.local, value.local]
         self.state_shapes = {"conv": (conv_channels, kernel - 1),
                              "ssm": (self.num_v_heads, self.dk, self.dv)}
+
+    def cached_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+        """A step of decodes in one compiled call (cpu.gdn_decode_step), the states updated in their
+        pool blocks, where the kernel serves (decode_kernel_serves); otherwise the torch path."""
+        if not (self.conv1d.bias is None and self.conv1d.activation == "silu" and not self.norm.unit_offset
+                and decode_kernel_serves(self, x, kv_cache, meta)):
+            return super().cached_forward(x, kv_cache, meta)
+        out = cpu.gdn_decode_step(self.in_proj(x), self.conv1d.weight[:, 0], self.A_log, self.dt_bias,
+                                  self.norm.weight, self.norm.eps, kv_cache, meta.state_block_ids[self.kv_group],
+                                  meta.fresh_states, self.num_k_heads, self.dk, self.dv, self.tiled)
+        return self.out_proj(out)
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int],
                 trace: StateTrace | None = None) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """The compiled decode step of Gated DeltaNet (cpu.gdn_decode_step, through GatedDeltaNet.cached_forward)
 against the layer's torch path (RecurrentMixer.cached_forward: the states copied out of the pool,
 forward, copied back) on the same pool, float32: batches of 1-3 decodes over several steps, key
-heads shared by two value heads, a fresh sequence among them (its blocks holding garbage), pools
-whose block halves cut the state's fields (spans copied out and back) or hold them whole (used in
-place), a bfloat16 pool (the state is its bytes whatever the dtype), a layer's strided view of a
-larger slot, and out_proj's tiled column order. Tolerance: 1e-5 relative, 1e-6 absolute, for
-float32 sums taken in other orders (and SiLU's exp by a polynomial)."""
+heads shared by two value heads, heads as wide as the kernel's vector strips, a fresh sequence
+among them (its blocks holding garbage), pools whose block halves cut the state's fields (spans
+copied out and back) or hold them whole (used in place), a bfloat16 pool (the state is its bytes
+whatever the dtype), a layer's strided view of a larger slot, and out_proj's tiled column order.
+Tolerance: 1e-5 relative and absolute (values of order 1), for float32 sums taken in other orders
+(and SiLU's exp by a polynomial)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -26,18 +27,22 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="the compiled CPU ke
 CONFIG = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
                            layer_types=["linear_attention"])
-RTOL, ATOL = 1e-5, 1e-6
+# Value heads of 80: the kernel's vector strips of the state's columns (64 with AVX-512, 32 with
+# AVX2) and the columns past them.
+WIDE = {"linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 80}
+RTOL, ATOL = 1e-5, 1e-5  # the outputs and states are of order 1: about 1e-5 of their size
 
 
-def random_layer(tiled: bool = False) -> GatedDeltaNet:
-    config = Qwen3_5TextConfig(**{**CONFIG.to_dict(), "linear_out_proj_tiled": tiled})
+def random_layer(tiled: bool = False, **config_changes) -> GatedDeltaNet:
+    config = Qwen3_5TextConfig(**{**CONFIG.to_dict(), "linear_out_proj_tiled": tiled, **config_changes})
     layer = GatedDeltaNet(config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
         layer.conv1d.weight.mul_(2)
-        layer.A_log.copy_(torch.linspace(-4, 0, 4))  # slow to fast heads
+        layer.A_log.copy_(torch.linspace(-4, 0, layer.num_v_heads))  # slow to fast heads
         layer.norm.weight.add_(1)
     return layer
 
@@ -71,18 +76,20 @@ def states(layer, kv, ids) -> torch.Tensor:
     return read_state(kv, ids).view(torch.float32)[:, :layer.state_bytes // 4]
 
 
-@pytest.mark.parametrize("block, dtype, wider", [
-    ((4, 9), torch.float32, 0),     # halves of 36 floats: every ssm head and most conv strips cut
-    ((8, 64), torch.float32, 0),    # halves of 512 floats: some heads whole (in place), one cut
-    ((8, 128), torch.bfloat16, 0),  # the same bytes in a bfloat16 pool
-    ((8, 64), torch.float32, 24),   # a layer's view of a slot sized for larger layers
+@pytest.mark.parametrize("block, dtype, wider, config", [
+    ((4, 9), torch.float32, 0, {}),     # halves of 36 floats: every ssm head and most conv strips cut
+    ((8, 64), torch.float32, 0, {}),    # halves of 512 floats: some heads whole (in place), one cut
+    ((8, 128), torch.bfloat16, 0, {}),  # the same bytes in a bfloat16 pool
+    ((8, 64), torch.float32, 24, {}),   # a layer's view of a slot sized for larger layers
+    ((64, 64), torch.float32, 0, WIDE),  # heads of 32 x 80 floats, each whole in one half
 ])
-def test_decode_steps_equal_the_torch_path(block, dtype, wider):
-    layer = random_layer()
+def test_decode_steps_equal_the_torch_path(block, dtype, wider, config):
+    layer = random_layer(**config)
     kv, ids = pool(layer, block, dtype, seqs=3, wider=wider)
     kv_ref = tuple(t.clone() for t in kv)
     gen = torch.Generator().manual_seed(2)
     assert gated_delta_net.decode_kernel_serves(layer, torch.zeros(3, 64), kv, meta_for(ids, []))
+    assert layer.dv == 80 or not config
     for step, fresh in enumerate([[1], [], []]):  # row 1 starts fresh over garbage, then all carry on
         x = torch.randn(3, 64, generator=gen)
         with torch.no_grad():

@@ -1,15 +1,18 @@
-"""One decode step of one Gated DeltaNet layer of a model's shape (built from its HF config, random
-weights, float32), its states in blocks of a float32 KV pool as the engine keeps them: where the
-time of `GatedDeltaNet.cached_forward` goes without its two projections (in_proj's output given,
-out_proj skipped), and the torch path against the fused decode kernel (cpu.gdn_decode_step) in
-one process, turn about. Also the largest difference of the two paths' outputs and states.
+"""One decode step of a model's Gated DeltaNet layers (one layer of its shape, built from its HF
+config with random weights, float32, run on `--layers` separate pools of states, as many as the
+model has such layers: the states of a step do not stay in the CPU's caches between steps), the
+states in blocks of float32 KV pools as the engine keeps them: where the time of
+`GatedDeltaNet.cached_forward` goes without its two projections (in_proj's output given, out_proj
+skipped), and the torch path against the fused decode kernel (cpu.gdn_decode_step) in one process,
+turn about. Also the largest difference of the two paths' outputs and states. Times are per step
+(all the layers).
 
 Parts of the torch path: "state_io" (read_state + write_state, the states copied out of the pool
 and back), "conv" (the convolution's one-token step), "recurrent_step" (the delta rule), and
 "mixer_torch" the whole of it; "mixer_fused" the kernel's whole.
 
     python benchmarks/gdn_decode_ab.py --config /work/shapes/qwen3.5-4b-random --batch 1 4 \
-        --threads 1 --rounds 21 --out RESULTS/gdn-decode-ab.json
+        --threads 1 --rounds 11 --out RESULTS/gdn-decode-ab.json
 """
 from __future__ import annotations
 
@@ -100,8 +103,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="an HF model folder (config.json) with Gated DeltaNet layers")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="decode batch sizes")
+    ap.add_argument("--layers", type=int, default=24, help="Gated DeltaNet layers of the model (24 in Qwen3.5-4B)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
-    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -114,32 +118,41 @@ def main() -> None:
     def mixer(fused: bool, batch: int) -> Callable[[], tuple[torch.Tensor, tuple]]:
         gen = torch.Generator().manual_seed(batch)
         x = torch.randn(batch, proj, generator=gen) * 0.5
-        kv, ids = pool_for(layer, batch, seed=batch)
-        meta = SimpleNamespace(state_block_ids=ids[None], fresh_states=torch.tensor([], dtype=torch.long),
-                               query_lens=[1] * batch, verifying=None, state_rollbacks=[])
+        pools = [pool_for(layer, batch, seed=batch + 100 * i) for i in range(args.layers)]
+        metas = [SimpleNamespace(state_block_ids=ids[None], fresh_states=torch.tensor([], dtype=torch.long),
+                                 query_lens=[1] * batch, verifying=None, state_rollbacks=[]) for _, ids in pools]
 
         def run() -> tuple[torch.Tensor, tuple]:
             with torch.no_grad(), projections_out(layer, x), kernel(fused):
-                return layer.cached_forward(x, kv, meta), kv
+                for (kv, _), meta in zip(pools, metas):
+                    out = layer.cached_forward(x, kv, meta)
+            return out, kv  # the last layer's
         return run
 
     def parts(batch: int) -> dict[str, Callable[[], object]]:
-        kv, ids = pool_for(layer, batch, seed=batch)
+        pools = [pool_for(layer, batch, seed=batch + 100 * i) for i in range(args.layers)]
         gen = torch.Generator().manual_seed(batch)
-        conv_state = torch.randn(batch, *layer.state_shapes["conv"], generator=gen)
-        qkv = torch.randn(batch, conv_state.shape[1], generator=gen)
+        conv_states = [torch.randn(batch, *layer.state_shapes["conv"], generator=gen) for _ in pools]
+        qkv = torch.randn(batch, conv_states[0].shape[1], generator=gen)
         w = layer.conv1d.weight[:, 0]
         h, dk, dv = layer.num_v_heads, layer.dk, layer.dv
         q, k = (torch.nn.functional.normalize(torch.randn(batch, h, dk, generator=gen), dim=-1) for _ in range(2))
         v = torch.randn(batch, h, dv, generator=gen)
         g, beta = -torch.rand(batch, h, generator=gen), torch.rand(batch, h, generator=gen)
-        ssm = torch.randn(batch, h, dk, dv, generator=gen) * 0.1
+        ssms = [torch.randn(batch, h, dk, dv, generator=gen) * 0.1 for _ in pools]
 
         def state_io() -> None:
-            write_state(kv, ids, read_state(kv, ids))
-        return {"state_io": state_io,
-                "conv": lambda: causal_conv1d(qkv, w, None, conv_state, [1] * batch, "silu"),
-                "recurrent_step": lambda: gated_delta_net.recurrent_step(q, k, v, g, beta, ssm)}
+            for kv, ids in pools:
+                write_state(kv, ids, read_state(kv, ids))
+
+        def conv() -> None:
+            for state in conv_states:
+                causal_conv1d(qkv, w, None, state, [1] * batch, "silu")
+
+        def delta_rule() -> None:
+            for ssm in ssms:
+                gated_delta_net.recurrent_step(q, k, v, g, beta, ssm)
+        return {"state_io": state_io, "conv": conv, "recurrent_step": delta_rule}
 
     # Agreement: the same inputs from the same pooled states through both paths.
     agreement = {}
@@ -176,7 +189,8 @@ def main() -> None:
             print(f"threads {threads} batch {batch}:", med, entry.get("speedup_median", ""), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, {**metadata("gdn_decode_ab"), "config": args.config, "block_shape": BLOCK_SHAPE,
+    write_json(out, {**metadata("gdn_decode_ab"), "config": args.config, "layers": args.layers,
+                     "block_shape": BLOCK_SHAPE,
                      "rounds": args.rounds, "load_avg_before_after": [load, os.getloadavg()],
                      "agreement": agreement, "timings": timings})
 

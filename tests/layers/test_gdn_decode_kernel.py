@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="the compiled CPU ke
 CONFIG = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
                            layer_types=["linear_attention"])
-# Value heads of 80: the kernel's vector strips of the state's columns (64 with AVX-512, 32 with
-# AVX2) and the columns past them.
+# Value heads of 208: several of the kernel's vector strips of the state's columns (64 with
+# AVX-512, 32 with AVX2) and the columns past them.
 WIDE = {"linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 32,
-        "linear_value_head_dim": 80}
+        "linear_value_head_dim": 208}
 RTOL, ATOL = 1e-5, 1e-5  # the outputs and states are of order 1: about 1e-5 of their size
 
 
@@ -81,7 +81,7 @@ def states(layer, kv, ids) -> torch.Tensor:
     ((8, 64), torch.float32, 0, {}),    # halves of 512 floats: some heads whole (in place), one cut
     ((8, 128), torch.bfloat16, 0, {}),  # the same bytes in a bfloat16 pool
     ((8, 64), torch.float32, 24, {}),   # a layer's view of a slot sized for larger layers
-    ((64, 64), torch.float32, 0, WIDE),  # heads of 32 x 80 floats, each whole in one half
+    ((128, 128), torch.float32, 0, WIDE),  # heads of 32 x 208 floats, each whole in one half
 ])
 def test_decode_steps_equal_the_torch_path(block, dtype, wider, config):
     layer = random_layer(**config)
@@ -89,7 +89,7 @@ def test_decode_steps_equal_the_torch_path(block, dtype, wider, config):
     kv_ref = tuple(t.clone() for t in kv)
     gen = torch.Generator().manual_seed(2)
     assert gated_delta_net.decode_kernel_serves(layer, torch.zeros(3, 64), kv, meta_for(ids, []))
-    assert layer.dv == 80 or not config
+    assert layer.dv == 208 or not config
     for step, fresh in enumerate([[1], [], []]):  # row 1 starts fresh over garbage, then all carry on
         x = torch.randn(3, 64, generator=gen)
         with torch.no_grad():

@@ -18,7 +18,9 @@ State per sequence: "conv" [conv channels, K - 1] (the convolution's last inputs
 [value heads, dk, dv] (S), both on this rank's heads. A step's decodes are advanced one token
 together; each prefill (or prefill chunk) goes through the chunked form (chunks of 64 as in
 transformers' torch_chunk_gated_delta_rule) starting from the state its previous chunks left.
-The recurrence is computed in float32.
+The recurrence is computed in float32. A step of decodes alone, float32 on the CPU, is one compiled
+call (cpu.gdn_decode_step: from in_proj's output to out_proj's input, the states updated where they
+lie in the pool) instead of the torch code below, which it matches to float32 rounding.
 """
 from __future__ import annotations
 

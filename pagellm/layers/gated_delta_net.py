@@ -58,9 +58,14 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 def decode_kernel_serves(layer: GatedDeltaNet, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                          meta) -> bool:
     """Whether cpu.gdn_decode_step computes this step of `layer`: every sequence decoding one token
-    with nothing to trace (verifications run the torch path), float32 on the CPU with the kernels
-    built, and a pool whose blocks are contiguous (not a view of a larger slot) and 4-byte sized."""
+    with nothing to trace (verifications run the torch path), float32 inputs and parameters on the
+    CPU with the kernels built, the layer as the kernel knows it (SiLU convolution without bias, a
+    plain norm weight), and a pool each of whose blocks' K and V parts is contiguous (a layer's view
+    of a larger slot is, block by block) and the same whole number of 4-byte words."""
     if meta.verifying or any(n != 1 for n in meta.query_lens) or x.dtype != torch.float32 or not cpu.usable(x):
+        return False
+    if (layer.conv1d.bias is not None or layer.conv1d.activation != "silu" or layer.norm.unit_offset
+            or any(p.dtype != torch.float32 for p in (layer.A_log, layer.dt_bias, layer.norm.weight))):
         return False
     k, v = kv_cache
     return (k.is_cpu and k.dim() >= 2 and k[0].is_contiguous() and v[0].is_contiguous()
@@ -210,8 +215,7 @@ class GatedDeltaNet(RecurrentMixer):
     def cached_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
         """A step of decodes in one compiled call (cpu.gdn_decode_step), the states updated in their
         pool blocks, where the kernel serves (decode_kernel_serves); otherwise the torch path."""
-        if not (self.conv1d.bias is None and self.conv1d.activation == "silu" and not self.norm.unit_offset
-                and decode_kernel_serves(self, x, kv_cache, meta)):
+        if not decode_kernel_serves(self, x, kv_cache, meta):
             return super().cached_forward(x, kv_cache, meta)
         out = cpu.gdn_decode_step(self.in_proj(x), self.conv1d.weight[:, 0], self.A_log, self.dt_bias,
                                   self.norm.weight, self.norm.eps, kv_cache, meta.state_block_ids[self.kv_group],

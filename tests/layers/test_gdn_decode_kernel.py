@@ -126,6 +126,7 @@ def test_the_kernel_leaves_prefills_verifications_and_bfloat16_to_the_torch_path
     assert not serves(layer, x, kv, meta_for(ids, [], verifying=[0]))
     assert not serves(layer, x, kv, SimpleNamespace(**{**vars(meta_for(ids, [])), "query_lens": [1, 2]}))
     assert not serves(layer, x.bfloat16(), kv, meta_for(ids, []))
+    assert not serves(random_layer().to(torch.bfloat16), x, kv, meta_for(ids, []))
 
 
 def test_bad_inputs_are_refused_with_what_is_wrong():

@@ -193,6 +193,12 @@ MUTANTS = [
            ("tests/kernels/test_quant_ops.py::"
             "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q6_K-amx]",), compiled=True,
            cpu_flag="amx_int8"),
+    Mutant("the fused Gated DeltaNet decode step keeps a state span cut by a block boundary in its scratch copy "
+           "(the pool's blocks keep the old state)",
+           "pagellm/kernels/csrc/cpu_ops.cpp",
+           "    pieces(false);",
+           "    (void)pieces;",
+           ("tests/layers/test_gdn_decode_kernel.py::test_decode_steps_equal_the_torch_path",), compiled=True),
     Mutant("a one-token MoE step keeps only its last expert's output",
            "pagellm/layers/moe.py",
            "                out.add_(y)",

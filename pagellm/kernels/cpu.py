@@ -223,3 +223,18 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     that dtype as torch's add rounds it, then rms_norm's roundings."""
     s, normed = _load().add_rms_norm(x, h, weight, eps)  # a list from C++; a pair here
     return s, normed
+
+
+def gdn_decode_step(proj: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    norm_weight: torch.Tensor, eps: float, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    block_ids: torch.Tensor, fresh: torch.Tensor, num_k_heads: int, dk: int, dv: int,
+                    tiled: bool) -> torch.Tensor:
+    """Gated DeltaNet's decode step (layers/gated_delta_net.py) for N sequences of one token each,
+    float32: from in_proj's output proj [N, C + Hv dv + 2 Hv] (qkv, z, b, a) to out_proj's input
+    [N, Hv dv] (the gated norm applied; heads in the tiled order where `tiled`). Each sequence's
+    state (conv [C, K - 1] then ssm [Hv, dk, dv], float32) is read and updated where it lies:
+    the bytes of its row of `block_ids` [N, blocks] in the pool kv_cache, K then V of each block
+    (layers/recurrent.py's layout); the rows in `fresh` start from zeros. conv_weight: [C, K]."""
+    k_cache, v_cache = kv_cache
+    return _load().gdn_decode_step(proj, conv_weight, A_log, dt_bias, norm_weight, eps, k_cache, v_cache, block_ids,
+                                   fresh, num_k_heads, dk, dv, tiled)

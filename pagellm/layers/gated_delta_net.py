@@ -18,7 +18,9 @@ State per sequence: "conv" [conv channels, K - 1] (the convolution's last inputs
 [value heads, dk, dv] (S), both on this rank's heads. A step's decodes are advanced one token
 together; each prefill (or prefill chunk) goes through the chunked form (chunks of 64 as in
 transformers' torch_chunk_gated_delta_rule) starting from the state its previous chunks left.
-The recurrence is computed in float32.
+The recurrence is computed in float32. A step of decodes alone, float32 on the CPU, is one compiled
+call (cpu.gdn_decode_step: from in_proj's output to out_proj's input, the states updated where they
+lie in the pool) instead of the torch code below, which it matches to float32 rounding.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagellm.kernels import cpu
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import TensorParallelGroup, rank_and_size
 from pagellm.layers.recurrent import RecurrentMixer, StateTrace
@@ -50,6 +53,24 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     out = decay * q_s + (q * k).sum(-1, keepdim=True) * delta
     state.mul_(decay[..., None]).addcmul_(k[..., None], delta[..., None, :])
     return out
+
+
+def decode_kernel_serves(layer: GatedDeltaNet, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                         meta) -> bool:
+    """Whether cpu.gdn_decode_step computes this step of `layer`: every sequence decoding one token
+    with nothing to trace (verifications run the torch path), float32 inputs and parameters on the
+    CPU with the kernels built, the layer as the kernel knows it (SiLU convolution without bias, a
+    plain norm weight), and a pool each of whose blocks' K and V parts is contiguous (a layer's view
+    of a larger slot is, block by block) and the same whole number of 4-byte words."""
+    if meta.verifying or any(n != 1 for n in meta.query_lens) or x.dtype != torch.float32 or not cpu.usable(x):
+        return False
+    if (layer.conv1d.bias is not None or layer.conv1d.activation != "silu" or layer.norm.unit_offset
+            or any(p.dtype != torch.float32 for p in (layer.A_log, layer.dt_bias, layer.norm.weight))):
+        return False
+    k, v = kv_cache
+    return (k.is_cpu and k.dim() >= 2 and k[0].is_contiguous() and v[0].is_contiguous()
+            and k[0].numel() * k.element_size() == v[0].numel() * v.element_size()
+            and k[0].numel() * k.element_size() % 4 == 0)
 
 
 # The smallest decay factor the chunked form uses (see there): 2^-40.
@@ -190,6 +211,16 @@ class GatedDeltaNet(RecurrentMixer):
         self.qkv_splits = [key.local, key.local, value.local]
         self.state_shapes = {"conv": (conv_channels, kernel - 1),
                              "ssm": (self.num_v_heads, self.dk, self.dv)}
+
+    def cached_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+        """A step of decodes in one compiled call (cpu.gdn_decode_step), the states updated in their
+        pool blocks, where the kernel serves (decode_kernel_serves); otherwise the torch path."""
+        if not decode_kernel_serves(self, x, kv_cache, meta):
+            return super().cached_forward(x, kv_cache, meta)
+        out = cpu.gdn_decode_step(self.in_proj(x), self.conv1d.weight[:, 0], self.A_log, self.dt_bias,
+                                  self.norm.weight, self.norm.eps, kv_cache, meta.state_block_ids[self.kv_group],
+                                  meta.fresh_states, self.num_k_heads, self.dk, self.dv, self.tiled)
+        return self.out_proj(out)
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], query_lens: list[int],
                 trace: StateTrace | None = None) -> torch.Tensor:

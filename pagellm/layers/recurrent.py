@@ -8,6 +8,8 @@ step order, which it updates in place. Around that call, `cached_forward` copies
 of the sequences' state blocks and back, one pass each way: a sequence's state takes the bytes
 of `state_blocks` blocks of its layer's slot (the K then the V tensor of each block, in table
 order), whatever the pool's dtype. A sequence computing its first tokens starts from zeros.
+(A layer may instead compute on the states where they lie in that layout, as Gated DeltaNet's
+compiled decode step does: layers/gated_delta_net.py.)
 
 Speculative decoding verifies a sequence's k proposals in one step, which advances its state
 through all of them; the rejected ones' must be undone. So the sequences of a step that verify

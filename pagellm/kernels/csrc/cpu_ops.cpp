@@ -27,6 +27,10 @@
 //   and paged_attention from the fused q/k/v projection in one call (the Python-level splitting
 //   and checks around those calls cost more than the attention on a short step).
 // - row_logsumexp: the sampler's logsumexp, each row summed in one order whatever the batch.
+// - gdn_decode_step: Gated DeltaNet's (Qwen3.5's) decode step from in_proj's output to out_proj's
+//   input (convolution step, SiLU, l2norms, gates, delta rule, gated norm), its states read and
+//   updated in place in their pool blocks: the torch path copies each 2 MiB state out and back
+//   and spends about twenty small operations around the arithmetic.
 // The element-wise kernels take float32 or bfloat16; bfloat16 is computed in float32 and
 // rounded once per output.
 //
@@ -1041,6 +1045,271 @@ torch::Tensor decode_attention_qkv(torch::Tensor qkv, int64_t H, int64_t KVH, c1
   return out.view({T, H * D}).to(qkv.scalar_type());
 }
 
+// ---- Gated DeltaNet's decode step (Qwen3.5), its states read and written where they lie in the pool.
+//
+// A sequence's state is the bytes of its state blocks, K then V of each block in table order
+// (layers/recurrent.py's read_state), fields "conv" [C, K - 1] then "ssm" [Hv, dk, dv], float32.
+// PooledState maps a byte of that row to its address; a span of floats that crosses from one
+// block half into the next (the layout does not align fields to blocks) is copied into scratch
+// and back, every other span is used in place.
+struct PooledState {
+  uint8_t* k;
+  uint8_t* v;
+  int64_t k_stride, v_stride, half;  // bytes between blocks; bytes of one block's K (and V) part
+  const int64_t* blocks;             // this sequence's state blocks
+
+  uint8_t* at(int64_t byte) const {
+    const int64_t part = byte / half;
+    const int64_t block = blocks[part / 2];
+    return (part % 2 ? v + block * v_stride : k + block * k_stride) + byte % half;
+  }
+
+  // fn(float*) on floats [first, first + n) of the state, zeroed first if `fresh`; written back.
+  template <typename F>
+  void with_span(int64_t first, int64_t n, bool fresh, std::vector<float>& scratch, F&& fn) const {
+    const int64_t byte = first * 4, len = n * 4;
+    if (byte % half + len <= half) {
+      float* p = reinterpret_cast<float*>(at(byte));
+      if (fresh) std::fill(p, p + n, 0.f);
+      fn(p);
+      return;
+    }
+    scratch.resize(n);
+    uint8_t* s = reinterpret_cast<uint8_t*>(scratch.data());
+    auto pieces = [&](bool in) {
+      for (int64_t done = 0; done < len;) {
+        const int64_t b = byte + done, m = std::min(len - done, half - b % half);
+        if (in) std::memcpy(s + done, at(b), m);
+        else std::memcpy(at(b), s + done, m);
+        done += m;
+      }
+    };
+    if (fresh) std::fill(scratch.begin(), scratch.end(), 0.f);
+    else pieces(true);
+    fn(scratch.data());
+    pieces(false);
+  }
+};
+
+// x * sigmoid(x) in place, vectorized where the file's exp is.
+inline void silu_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xi = _mm512_loadu_ps(x + i);
+    _mm512_storeu_ps(x + i, _mm512_div_ps(xi, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), xi)))));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(x + i, _mm256_div_ps(xi, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), xi)))));
+  }
+#endif
+  for (; i < n; ++i) x[i] = x[i] / (1.f + std::exp(-x[i]));
+}
+
+// k_s = k^T S and q_s = q^T S over S [dk, dv] (rows of dv), read once for both: columns in strips
+// whose two accumulators stay in registers.
+inline void state_products(const float* S, const float* q, const float* k, int64_t dk, int64_t dv, float* q_s,
+                           float* k_s) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 64 <= dv; j += 64) {
+    __m512 aq[4], ak[4];
+    for (int u = 0; u < 4; ++u) aq[u] = ak[u] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* row = S + i * dv + j;
+      const __m512 qi = _mm512_set1_ps(q[i]), ki = _mm512_set1_ps(k[i]);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 r = _mm512_loadu_ps(row + 16 * u);
+        aq[u] = _mm512_fmadd_ps(qi, r, aq[u]);
+        ak[u] = _mm512_fmadd_ps(ki, r, ak[u]);
+      }
+    }
+    for (int u = 0; u < 4; ++u) {
+      _mm512_storeu_ps(q_s + j + 16 * u, aq[u]);
+      _mm512_storeu_ps(k_s + j + 16 * u, ak[u]);
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; j + 32 <= dv; j += 32) {
+    __m256 aq[4], ak[4];
+    for (int u = 0; u < 4; ++u) aq[u] = ak[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* row = S + i * dv + j;
+      const __m256 qi = _mm256_set1_ps(q[i]), ki = _mm256_set1_ps(k[i]);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 r = _mm256_loadu_ps(row + 8 * u);
+        aq[u] = _mm256_fmadd_ps(qi, r, aq[u]);
+        ak[u] = _mm256_fmadd_ps(ki, r, ak[u]);
+      }
+    }
+    for (int u = 0; u < 4; ++u) {
+      _mm256_storeu_ps(q_s + j + 8 * u, aq[u]);
+      _mm256_storeu_ps(k_s + j + 8 * u, ak[u]);
+    }
+  }
+#endif
+  for (int64_t c = j; c < dv; ++c) q_s[c] = k_s[c] = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = S + i * dv;
+#pragma omp simd
+    for (int64_t c = j; c < dv; ++c) {
+      q_s[c] += q[i] * row[c];
+      k_s[c] += k[i] * row[c];
+    }
+  }
+}
+
+inline float sum_of_squares(const float* x, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// proj: [N, C + Hv dv + 2 Hv] float32, in_proj's output for N decode tokens, one per sequence
+// (qkv, z, b, a); conv_weight [C, K]; A_log, dt_bias [Hv]; norm_weight [dv]. The states: each
+// sequence's `block_ids` row in k_cache / v_cache (any dtype: the bytes), `fresh` the rows that
+// start from zeros. Does the convolution's one-token step (its state shifted), SiLU, the q/k
+// l2norms and q's scale, g and beta, the delta rule (S updated) and the gated RMSNorm, and
+// returns [N, Hv dv] float32 with the heads in out_proj's column order (tiled: value head j of
+// each key head's group at j * Hk + key head, llama.cpp's order). The same arithmetic as the
+// torch path (layers/gated_delta_net.py), summed in other orders.
+torch::Tensor gdn_decode_step(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor A_log,
+                              torch::Tensor dt_bias, torch::Tensor norm_weight, double eps, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor block_ids, torch::Tensor fresh, int64_t Hk,
+                              int64_t dk, int64_t dv, bool tiled) {
+  for (const auto* t : {&proj, &conv_weight, &A_log, &dt_bias, &norm_weight})
+    check_cpu_dtype(*t, "gdn_decode_step's float inputs", torch::kFloat);
+  check_cpu_dtype(block_ids, "block_ids", torch::kLong);
+  check_cpu_dtype(fresh, "fresh", torch::kLong);
+  TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.is_contiguous(), "conv_weight must be contiguous [C, K]");
+  const int64_t N = proj.size(0), C = conv_weight.size(0), K = conv_weight.size(1);
+  TORCH_CHECK(Hk > 0 && dk > 0 && dv > 0 && (C - 2 * Hk * dk) > 0 && (C - 2 * Hk * dk) % dv == 0,
+              "conv channels ", C, " are not 2 Hk dk + Hv dv for Hk = ", Hk, ", dk = ", dk, ", dv = ", dv);
+  const int64_t Hv = (C - 2 * Hk * dk) / dv, group = Hv / Hk;
+  TORCH_CHECK(Hv % Hk == 0, "value heads ", Hv, " must be a multiple of key heads ", Hk);
+  TORCH_CHECK(proj.dim() == 2 && proj.stride(1) == 1 && proj.size(1) == C + Hv * dv + 2 * Hv,
+              "proj must be [N, ", C + Hv * dv + 2 * Hv, "] with contiguous rows, got ", proj.sizes());
+  TORCH_CHECK(A_log.numel() == Hv && dt_bias.numel() == Hv && norm_weight.numel() == dv && A_log.is_contiguous() &&
+                  dt_bias.is_contiguous() && norm_weight.is_contiguous(),
+              "A_log, dt_bias must be [", Hv, "], norm_weight [", dv, "]");
+  TORCH_CHECK(block_ids.dim() == 2 && block_ids.size(0) == N && block_ids.is_contiguous(),
+              "block_ids must be contiguous [N, blocks] for N = ", N);
+  TORCH_CHECK(k_cache.dim() >= 2 && v_cache.dim() >= 2 && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.select(0, 0).is_contiguous() && v_cache.select(0, 0).is_contiguous() &&
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "k_cache and v_cache must be CPU pools [num_blocks, ...] of contiguous blocks");
+  const int64_t half = k_cache.select(0, 0).numel() * k_cache.element_size();
+  TORCH_CHECK(half == v_cache.select(0, 0).numel() * v_cache.element_size() && half % 4 == 0,
+              "a block's K and V parts must be the same number of bytes, a multiple of 4; got ", half);
+  const int64_t conv_floats = C * (K - 1), state_bytes = (conv_floats + Hv * dk * dv) * 4;
+  TORCH_CHECK(2 * block_ids.size(1) * half >= state_bytes, "a state of ", state_bytes, " bytes does not fit in ",
+              block_ids.size(1), " blocks of 2 x ", half, " bytes");
+  const int64_t num_blocks = k_cache.size(0), nb = block_ids.size(1);
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N * nb; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "block id ", ids[i], " outside the pool's ", num_blocks);
+  std::vector<char> is_fresh(N, 0);
+  for (int64_t i = 0; i < fresh.numel(); ++i) {
+    const int64_t r = fresh.data_ptr<int64_t>()[i];
+    TORCH_CHECK(r >= 0 && r < N, "fresh row ", r, " outside the step's ", N, " sequences");
+    is_fresh[r] = 1;
+  }
+  auto seq_state = [&](int64_t n) {
+    return PooledState{static_cast<uint8_t*>(k_cache.data_ptr()), static_cast<uint8_t*>(v_cache.data_ptr()),
+                       k_cache.stride(0) * k_cache.element_size(), v_cache.stride(0) * v_cache.element_size(), half,
+                       ids + n * nb};
+  };
+  const float* P = proj.data_ptr<float>();
+  const int64_t prow = proj.stride(0);
+  const float* W = conv_weight.data_ptr<float>();
+
+  // The convolution and SiLU, in strips of channels: conv[n] = silu(w . [state, x]).
+  auto conv = torch::empty({N, C}, proj.options());
+  float* X = conv.data_ptr<float>();
+  constexpr int64_t kStrip = 1024;
+  const int64_t strips = (C + kStrip - 1) / kStrip;
+  at::parallel_for(0, N * strips, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / strips, c0 = item % strips * kStrip, c1 = std::min(C, c0 + kStrip);
+      const float* x = P + n * prow;
+      float* o = X + n * C;
+      seq_state(n).with_span(c0 * (K - 1), (c1 - c0) * (K - 1), is_fresh[n], scratch, [&](float* st) {
+        for (int64_t c = c0; c < c1; ++c) {
+          float* s = st + (c - c0) * (K - 1);
+          const float* w = W + c * K;
+          float acc = w[K - 1] * x[c];
+          for (int64_t j = 0; j < K - 1; ++j) acc += w[j] * s[j];
+          for (int64_t j = 0; j + 1 < K - 1; ++j) s[j] = s[j + 1];
+          if (K > 1) s[K - 2] = x[c];
+          o[c] = acc;
+        }
+      });
+      silu_inplace(o + c0, c1 - c0);
+    }
+  });
+
+  // The delta rule and the gated norm, per (sequence, value head).
+  auto out = torch::empty({N, Hv * dv}, proj.options());
+  float* O = out.data_ptr<float>();
+  const float *alog = A_log.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>(), *nw = norm_weight.data_ptr<float>();
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk)), feps = static_cast<float>(eps);
+  at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch, buf(2 * dk + 3 * dv);
+    float *q = buf.data(), *k = q + dk, *q_s = k + dk, *k_s = q_s + dv, *o = k_s + dv;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / Hv, h = item % Hv, kh = h / group;
+      const float* xn = X + n * C;
+      const float *qx = xn + kh * dk, *kx = xn + Hk * dk + kh * dk, *v = xn + 2 * Hk * dk + h * dv;
+      const float* z = P + n * prow + C + h * dv;
+      const float b = P[n * prow + C + Hv * dv + h], a = P[n * prow + C + Hv * dv + Hv + h];
+      // l2norm with transformers' eps, inside the square root; q also by dk^-1/2.
+      const float qn = q_scale / std::sqrt(sum_of_squares(qx, dk) + 1e-6f);
+      const float kn = 1.f / std::sqrt(sum_of_squares(kx, dk) + 1e-6f);
+      float qk = 0.f;
+      for (int64_t i = 0; i < dk; ++i) {
+        q[i] = qx[i] * qn;
+        k[i] = kx[i] * kn;
+        qk += q[i] * k[i];
+      }
+      const float beta = 1.f / (1.f + std::exp(-b));
+      const float ad = a + dtb[h];
+      const float softplus = ad > 20.f ? ad : std::log1p(std::exp(ad));  // torch's threshold
+      const float decay = std::exp(-std::exp(alog[h]) * softplus);
+      seq_state(n).with_span(conv_floats + h * dk * dv, dk * dv, is_fresh[n], scratch, [&](float* S) {
+        state_products(S, q, k, dk, dv, q_s, k_s);
+        // delta = (v - decay k^T S) beta; o = q^T S' = decay q^T S + (q.k) delta; S' = decay S + k delta^T.
+        float* delta = k_s;
+#pragma omp simd
+        for (int64_t c = 0; c < dv; ++c) {
+          delta[c] = (v[c] - decay * k_s[c]) * beta;
+          o[c] = decay * q_s[c] + qk * delta[c];
+        }
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = S + i * dv;
+          const float ki = k[i];
+#pragma omp simd
+          for (int64_t c = 0; c < dv; ++c) row[c] = row[c] * decay + ki * delta[c];
+        }
+      });
+      // The gated RMSNorm: normalised, scaled by the weight, times silu(z).
+      const float inv = 1.f / std::sqrt(sum_of_squares(o, dv) / static_cast<float>(dv) + feps);
+      const int64_t at_col = (tiled ? (h % group) * Hk + kh : h) * dv;
+      float* dst = O + n * Hv * dv + at_col;
+      for (int64_t c = 0; c < dv; ++c) dst[c] = z[c];
+      silu_inplace(dst, dv);
+#pragma omp simd
+      for (int64_t c = 0; c < dv; ++c) dst[c] *= nw[c] * (o[c] * inv);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens (CPU; float32 q, float32, bfloat16 or 8-bit K/V)");
   m.def("store_kv", &store_kv, "write K/V rows into the paged cache: as its float dtype, or 8-bit codes and a scale (CPU)");
@@ -1050,5 +1319,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_qkv", &decode_attention_qkv,
         "a decode step's q/k norms, RoPE, K/V store and paged attention from the fused q/k/v projection (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "x + h and the RMSNorm of it, in one call (CPU, float32 or bfloat16)");
+  m.def("gdn_decode_step", &gdn_decode_step,
+        "Gated DeltaNet's decode step from in_proj's output, its states updated where they lie in the pool (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");
 }

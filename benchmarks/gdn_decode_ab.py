@@ -37,42 +37,11 @@ from pagellm.layers import gated_delta_net  # noqa: E402
 from pagellm.layers.causal_conv import causal_conv1d  # noqa: E402
 from pagellm.layers.recurrent import STATE_DTYPE, blocks_for_state, read_state, write_state  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from delta_rule_ab import build, projections_out  # noqa: E402  (the layer of random weights, projections given)
+
 # A block of the 4B shape's attention layers: 16 tokens x 4 KV heads x 256, float32, for K and for V.
 BLOCK_SHAPE = (16, 4, 256)
-
-
-def build(hf) -> gated_delta_net.GatedDeltaNet:
-    torch.manual_seed(0)
-    layer = gated_delta_net.GatedDeltaNet(hf)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.02)
-        layer.conv1d.weight.normal_(0, 0.3)
-        layer.A_log.copy_(torch.linspace(-4, 0, layer.num_v_heads))  # slow to fast heads
-        layer.dt_bias.normal_(0, 1)
-        layer.norm.weight.fill_(1)
-    return layer
-
-
-class _Given(torch.nn.Module):
-    """Stands in for a projection: returns `value` (None: its input)."""
-
-    def __init__(self, value: torch.Tensor | None) -> None:
-        super().__init__()
-        self.value = value
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.value is None else self.value
-
-
-@contextlib.contextmanager
-def projections_out(layer, x_proj: torch.Tensor) -> Iterator[None]:
-    in_proj, out_proj = layer.in_proj, layer.out_proj
-    layer.in_proj, layer.out_proj = _Given(x_proj), _Given(None)
-    try:
-        yield
-    finally:
-        layer.in_proj, layer.out_proj = in_proj, out_proj
 
 
 @contextlib.contextmanager
@@ -111,7 +80,7 @@ def main() -> None:
 
     hf = AutoConfig.from_pretrained(args.config)
     hf = getattr(hf, "text_config", hf)
-    layer = build(hf)
+    layer = build(gated_delta_net.GatedDeltaNet, hf)
     proj = layer.in_proj.weight.shape[0]
     has_kernel = hasattr(gated_delta_net, "decode_kernel_serves")
 

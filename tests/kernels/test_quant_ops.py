@@ -73,7 +73,9 @@ def rounded_to_int8(x: torch.Tensor, two_codes: bool, block: int = 32) -> torch.
 # K 128 (the 32-value types only): a row of two 64-value chunks, as a small model's (test_gguf_quantized's
 # mixed model is 128 wide), with every count of x's rows in a group (multiply_group's 1..8) and groups
 # of 8 ending in a partial one; K 512 and 4352: x in groups of 8 rows, past K 4096 of 4.
-INT8_SHAPES = [pytest.param(t, 128, id=f"{t.name}-K128") for t in TYPES if t in (T.Q4_0, T.Q4_1, T.Q8_0)] + [
+# K 128 and 576 (SmolLM2's): 4 and 18 blocks of 32, a part of the 8 blocks AVX2's kernel takes at a time
+INT8_SHAPES = [pytest.param(t, k, id=f"{t.name}-K{k}") for k in (128, 576) for t in TYPES
+               if t in (T.Q4_0, T.Q4_1, T.Q8_0)] + [
     pytest.param(t, k, id=f"{t.name}-K{k}") for k in (512, 4352) for t in TYPES]
 
 

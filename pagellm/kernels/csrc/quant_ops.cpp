@@ -645,10 +645,11 @@ constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 struct ActRows {
   std::vector<int8_t> codes, residual;
   std::vector<float> lane_scale, lane_sum;
-  std::vector<float> block_sum;    // quantize_super only: per 32 values, d * the sum of their codes (for mins)
+  std::vector<float> block_sum;    // quantize_super, AVX2's quantize_activations: per 32 values, d * the sum of their codes
   std::vector<float> super_scale;  // quantize_super only: per 256 values, d (lane_scale, lane_sum empty)
   std::vector<int16_t> sums16;     // quantize_super for Q6_K only: per 16 values, the sum of their codes (its offset)
   std::vector<int16_t> wide;       // quantize_super with `wide` only: 128 c + r per value (codes, residual empty)
+  std::vector<float> block_scale;  // AVX2's quantize_activations: per 32 values, the lanes' scale once
 };
 
 // Rows m0.. of an ActRows, by pointer.
@@ -657,6 +658,7 @@ struct ActView {
   const float *scale, *sum, *block_sum;
   const int16_t* sums16;
   const int16_t* wide;
+  const float* block_scale;
 };
 
 // quantize_activations' rounding of x's first n values per 32-value block: the block's scale (its
@@ -1238,13 +1240,18 @@ inline __m256i round32(const float* x, __m256 inv, int8_t* codes, int8_t* residu
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4)};
+  a.block_scale.resize(M * K / 32);  // for blocks8_rows
+  a.block_sum.resize(M * K / 32);
   for (int64_t i = 0; i < M * K; i += 32) {
     const BlockScale s = block_scale(x + i, 32);
     const __m256i sums = round32(x + i, _mm256_set1_ps(s.inv), a.codes.data() + i,
                                  two_terms ? a.residual.data() + i : nullptr);
     const __m256 dv = _mm256_set1_ps(two_terms ? s.d / 128.f : s.d);
-    _mm256_storeu_ps(a.lane_sum.data() + i / 4, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv));
+    const __m256 lane_sums = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv);
+    _mm256_storeu_ps(a.lane_sum.data() + i / 4, lane_sums);
     _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
+    a.block_scale[i / 32] = _mm256_cvtss_f32(dv);
+    a.block_sum[i / 32] = reduce_add8(lane_sums);
   }
   return a;
 }
@@ -1360,12 +1367,102 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
   }
 }
 
+// The float16 pairs at the head of n (<= 8) consecutive blocks, `block_bytes` apart from `first`, in
+// one gather (lanes past n zero): the first halves (every type's d) and the second (Q4_1's m).
+inline void block_heads8(const uint8_t* first, int64_t block_bytes, int n, __m256& d, __m256& m) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes);
+  const __m256i words = _mm256_mask_i32gather_epi32(
+      _mm256_setzero_si256(), reinterpret_cast<const int*>(first),
+      _mm256_mullo_epi32(lanes, _mm256_set1_epi32(static_cast<int>(block_bytes))), live, 1);
+  // each 128-bit lane's first halves into its low 8 bytes, its second halves into the high 8; then
+  // both lanes' first halves side by side, and their second halves
+  const __m256i split = _mm256_shuffle_epi8(words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);
+  d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+}
+
+// Rows [n0, n1) of y = x @ W^T for the 32-value blocks (Q4_0, Q4_1, Q8_0), as int8_rows computes
+// them but 8 blocks at a time: their float16 scales come in one gather (block_heads8), W's scale
+// times x's (block_scale) is one multiply for the 8 blocks and picked out per block by one
+// permute, and the offset term (Q4_1: m times x's block sum; Q4_0: -8 d times it) is one
+// multiply-add for the 8 instead of one a block. Per block and row of x that leaves the products,
+// one convert and one FMA: the scalar conversions and broadcasts of a block's float16 values had
+// cost about as much as its products.
+template <int64_t T, int M, int NR, bool kTwo>
+void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+  static_assert(T == Q4_0 || T == Q4_1 || T == Q8_0, "blocks8_rows takes the 32-value blocks");
+  constexpr int64_t kBytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34, kHead = T == Q4_1 ? 4 : 2;
+  constexpr bool kSigned = T == Q8_0;
+  const int64_t blocks = K / 32;
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m256 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+      const int nb = static_cast<int>(std::min<int64_t>(8, blocks - b0));
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      if (fetch)
+        for (int r = 0; r < NR; ++r)
+          for (int64_t l = 0; l < nb * kBytes; l += 64) prefetch(w + (n + ahead + r) * row_bytes + b0 * kBytes + l);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* row = w + (n + r) * row_bytes + b0 * kBytes;
+        __m256 d, mh;
+        block_heads8(row, kBytes, nb, d, mh);
+        __m256 scale[M];  // W's d times x's scale, a block a lane
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * blocks + b0;
+          scale[m] = _mm256_mul_ps(d, _mm256_maskload_ps(a.block_scale + at, live));
+          if constexpr (!kSigned) {
+            const __m256 offset = T == Q4_1 ? mh : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            acc[r][m] = _mm256_fmadd_ps(offset, _mm256_maskload_ps(a.block_sum + at, live), acc[r][m]);
+          }
+        }
+        for (int i = 0; i < nb; ++i) {
+          const uint8_t* b = row + i * kBytes + kHead;
+          __m256i u;
+          if constexpr (kSigned) {
+            u = load32(b);
+          } else {
+            const __m128i q = load16(b);
+            u = _mm256_set_m128i(and8(shr(q, 4), 0x0F), and8(q, 0x0F));
+          }
+          const __m256i uu = kSigned ? _mm256_sign_epi8(u, u) : u;
+          const __m256i pick = _mm256_set1_epi32(i);
+          for (int m = 0; m < M; ++m) {
+            const int64_t at = m * K + 32 * (b0 + i);
+            __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
+            if constexpr (kSigned) cx = _mm256_sign_epi8(cx, u);
+            __m256i dot;
+            if constexpr (kTwo) {
+              __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
+              if constexpr (kSigned) rx = _mm256_sign_epi8(rx, u);
+              dot = dot4_two(uu, cx, rx);
+            } else {
+              dot = dot4(uu, cx);
+            }
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[m], pick), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
+  }
+}
+
 template <int64_t T, bool kTwo>
 struct LaneRows {
   template <int M, int NR>
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
-    int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0) blocks8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    else int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
 
@@ -2622,9 +2719,10 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
       const ActView v{wide ? nullptr : a.codes.data() + m0 * K, kTwo && !wide ? a.residual.data() + m0 * K : nullptr,
                       super ? a.super_scale.data() + m0 * K / QK_K : a.lane_scale.data() + m0 * K / 4,
                       super ? nullptr : a.lane_sum.data() + m0 * K / 4,
-                      super ? a.block_sum.data() + m0 * K / 32 : nullptr,
+                      a.block_sum.empty() ? nullptr : a.block_sum.data() + m0 * K / 32,
                       a.sums16.empty() ? nullptr : a.sums16.data() + m0 * K / 16,
-                      a.wide.empty() ? nullptr : a.wide.data() + m0 * K};
+                      a.wide.empty() ? nullptr : a.wide.data() + m0 * K,
+                      a.block_scale.empty() ? nullptr : a.block_scale.data() + m0 * K / 32};
       const int64_t rows = std::min<int64_t>(group, M - m0);
 #if defined(PAGELLM_INT8_VNNI)
       if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)

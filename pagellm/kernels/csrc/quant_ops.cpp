@@ -32,7 +32,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -645,11 +644,11 @@ constexpr int64_t kSuperBytes = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 struct ActRows {
   std::vector<int8_t> codes, residual;
   std::vector<float> lane_scale, lane_sum;
-  std::vector<float> block_sum;    // quantize_super, AVX2's quantize_activations: per 32 values, d * the sum of their codes
+  std::vector<float> block_sum;    // quantize_super and quantize_activations: per 32 values, d * the sum of their codes
   std::vector<float> super_scale;  // quantize_super only: per 256 values, d (lane_scale, lane_sum empty)
   std::vector<int16_t> sums16;     // quantize_super for Q6_K only: per 16 values, the sum of their codes (its offset)
   std::vector<int16_t> wide;       // quantize_super with `wide` only: 128 c + r per value (codes, residual empty)
-  std::vector<float> block_scale;  // AVX2's quantize_activations: per 32 values, the lanes' scale once
+  std::vector<float> block_scale;  // quantize_activations: per 32 values, the lanes' scale once
 };
 
 // Rows m0.. of an ActRows, by pointer.
@@ -661,18 +660,6 @@ struct ActView {
   const float* block_scale;
 };
 
-// quantize_activations' rounding of x's first n values per 32-value block: the block's scale (its
-// lanes share one), and the sum of its values as rounded (its 8 lanes' sums).
-std::vector<float> block_scales(const ActRows& a, int64_t n) {
-  std::vector<float> out(n / 32);
-  for (int64_t b = 0; b < n / 32; ++b) out[b] = a.lane_scale[8 * b];
-  return out;
-}
-std::vector<float> block_sums(const ActRows& a, int64_t n) {
-  std::vector<float> out(n / 32);
-  for (int64_t b = 0; b < n / 32; ++b) out[b] = std::accumulate(a.lane_sum.begin() + 8 * b, a.lane_sum.begin() + 8 * b + 8, 0.f);
-  return out;
-}
 
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
 // K-quants; with two codes per value only Q4_K and Q5_K (Q6_K's offset term would need its
@@ -712,6 +699,8 @@ inline __m256i residual32(__m512 v0, __m512 v1, __m512 inv, __m512 r0, __m512 r1
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4)};
+  a.block_scale.resize(M * K / 32);  // for blocks16_rows
+  a.block_sum.resize(M * K / 32);
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < M * K; i += 32) {
@@ -734,8 +723,11 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
       lane_d = d / 128.f;
     }
     const __m256 dv = _mm256_set1_ps(lane_d);
-    _mm256_storeu_ps(a.lane_sum.data() + i / 4, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv));
+    const __m256 lane_sums = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv);
+    _mm256_storeu_ps(a.lane_sum.data() + i / 4, lane_sums);
     _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
+    a.block_scale[i / 32] = lane_d;
+    a.block_sum[i / 32] = reduce_add8(lane_sums);
   }
   return a;
 }
@@ -1132,13 +1124,94 @@ void wide_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
   }
 }
 
-// The row kernels as types, so that one switch serves both: int8_rows, and int8_super_rows.
+// The float16 pairs at the head of n (<= 16) consecutive blocks, `block_bytes` apart from `first`,
+// in one gather (lanes past n zero): the first halves (every type's d) and the second (Q4_1's m).
+inline void block_heads16(const uint8_t* first, int64_t block_bytes, int n, __m512& d, __m512& m) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int32_t>(block_bytes)));
+  const __mmask16 live = n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, first, 1);
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+  m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+}
+
+// Chunk c of a row of a 32-value type as chunk<T> gives it, its codes only (blocks16_rows has the
+// scales).
+template <int64_t T>
+inline __m512i chunk_codes(const uint8_t* row, int64_t c) {
+  if constexpr (T == Q4_0 || T == Q4_1) {
+    constexpr int64_t kBytes = T == Q4_0 ? 18 : 20, kHead = T == Q4_0 ? 2 : 4;
+    const uint8_t* a = row + 2 * c * kBytes;
+    return nibbles(a + kHead, a + kBytes + kHead);
+  } else {
+    const uint8_t* a = row + 2 * c * 34;
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // signed code + 128
+    return join(_mm256_xor_si256(load32(a + 2), flip), _mm256_xor_si256(load32(a + 36), flip));
+  }
+}
+
+// Rows [n0, n1) of y = x @ W^T for the 32-value blocks (Q4_0, Q4_1, Q8_0), as int8_rows computes
+// them but 16 blocks (8 chunks) at a time: their float16 scales come in one gather (block_heads16),
+// W's scale times x's (block_scale) is one multiply for the 16 blocks and is spread over a chunk's
+// two blocks by one permute, and the offset term (Q4_1: m times x's block sum; Q4_0: -8 d and Q8_0:
+// -128 d times it) is one multiply-add for the 16 instead of one a chunk. Per chunk and row of x
+// that leaves the products, one convert and one FMA (a multiply and two FMAs before), and a chunk's
+// scales are no longer unpacked one pair at a time.
+template <int64_t T, int M, int NR, bool kTwo>
+void blocks16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                   int64_t n1) {
+  static_assert(T == Q4_0 || T == Q4_1 || T == Q8_0, "blocks16_rows takes the 32-value blocks");
+  constexpr int64_t kBytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  const int64_t blocks = K / 32, chunk_bytes = 2 * kBytes;
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m512 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+      const int nb = static_cast<int>(std::min<int64_t>(16, blocks - b0));  // even: K is a multiple of 64
+      const __mmask16 live = nb >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nb) - 1);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* row = w + (n + r) * row_bytes;
+        __m512 d, mh;
+        block_heads16(row + b0 * kBytes, kBytes, nb, d, mh);
+        const __m512 offset = T == Q4_1 ? mh : _mm512_mul_ps(d, _mm512_set1_ps(T == Q4_0 ? -8.f : -128.f));
+        __m512 scale[M];  // W's d times x's scale, a block a lane
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * blocks + b0;
+          scale[m] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, a.block_scale + at));
+          acc[r][m] = _mm512_fmadd_ps(offset, _mm512_maskz_loadu_ps(live, a.block_sum + at), acc[r][m]);
+        }
+        for (int j = 0; j < nb / 2; ++j) {
+          const int64_t c = b0 / 2 + j;
+          if (fetch) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
+          const __m512i u = chunk_codes<T>(row, c);
+          const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
+          for (int m = 0; m < M; ++m) {
+            const int64_t at = m * K + 64 * c;
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.codes + at));
+            if constexpr (kTwo)
+              dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), u, _mm512_loadu_si512(a.residual + at));
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[m]), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+}
+
+// The row kernels as types, so that one switch serves both: int8_rows (the 32-value blocks:
+// blocks16_rows), and int8_super_rows.
 template <int64_t T, bool kTwo>
 struct LaneRows {
   template <int M, int NR>
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
-    int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0) blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    else int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
 template <int64_t T, bool kTwo>
@@ -2093,17 +2166,16 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
   }
   // x's scales of the 16-bit values: per 32 (quantize_activations' lane scales take two codes' 1/128
   // in already) or per 256 (quantize_super's do not)
-  std::vector<float> xs, sums;
+  std::vector<float> xs;
   if (per32) {
-    xs = block_scales(a, M * K);
+    xs = a.block_scale;
   } else {
     xs = a.super_scale;
     if (two_terms)
       for (float& s : xs) s /= 128.f;
   }
   const bool has_mins = qtype == Q4_K || qtype == Q4_1;
-  if (qtype == Q4_1) sums = block_sums(a, M * K);  // x's per-32 sums (quantize_activations keeps them per lane)
-  const float* bsums = qtype == Q4_1 ? sums.data() : a.block_sum.data();
+  const float* bsums = a.block_sum.data();  // x's per-32 sums
   at::parallel_for(0, (N + kX8Rows - 1) / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int16_t> buf(K * kX8Rows);
     std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(has_mins ? K / 4 : 0);
@@ -2584,7 +2656,7 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
   const std::vector<int8_t> residual = kTwo ? amx_tiles(a.residual, M, padded, K) : std::vector<int8_t>();
   // per row and block: x's scale (two codes: its / 128), and (Q4_1) x's sum over the block; rows
   // past M zero
-  std::vector<float> xs = block_scales(a, M * K), xsum = T == Q4_1 ? block_sums(a, M * K) : std::vector<float>();
+  std::vector<float> xs = a.block_scale, xsum = T == Q4_1 ? a.block_sum : std::vector<float>();
   xs.resize(padded * blocks);
   if constexpr (T == Q4_1) xsum.resize(padded * blocks);
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t p0, int64_t p1) {

@@ -660,7 +660,6 @@ struct ActView {
   const float* block_scale;
 };
 
-
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
 // K-quants; with two codes per value only Q4_K and Q5_K (Q6_K's offset term would need its
 // per-16 code sums in 32 bits).
@@ -810,11 +809,6 @@ inline __m128 halves_at(const uint8_t* a, const uint8_t* b, int bytes) {
   return _mm_cvtph_ps(bytes == 2 ? _mm_insert_epi16(_mm_cvtsi32_si128(va), vb, 1)
                                  : _mm_insert_epi32(_mm_cvtsi32_si128(va), vb, 1));
 }
-// Lanes 0..7 take value i of v, lanes 8..15 value j.
-inline __m512 spread(__m128 v, int i, int j) {
-  return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(j), 1),
-                               _mm512_castps128_ps512(v));
-}
 // Two 32-value blocks' 16 bytes of nibbles, at a and b, as 64 codes in value order: block a's low
 // nibbles (its values 0..15), its high nibbles (16..31), then block b's.
 inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
@@ -842,7 +836,7 @@ inline __m128i k4_scales_and_mins(const uint8_t* sb) {
 }
 
 // A Q6_K super-block's 16 groups' scales d * sc, decoded once for its 4 chunks and kept in a
-// register (int8_rows; Q4_K and Q5_K take x per 256 values, int8_super_rows).
+// register (q6_k_rows; Q4_K and Q5_K take x per 256 values, int8_super_rows).
 inline __m512 q6_k_scales(const uint8_t* sb) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)))),
                        _mm512_set1_ps(half_at(sb + 208)));
@@ -887,34 +881,15 @@ inline Chunk q6_k_chunk(const uint8_t* sb, int j, __m512 dm) {
   return {k6_codes(sb, j), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
 }
 
-// Chunk c of a row of a 32-value type: its blocks 2c and 2c + 1 (Q6_K: q6_k_chunk).
-template <int64_t T>
-inline Chunk chunk(const uint8_t* row, int64_t c) {
-  if constexpr (T == Q4_0) {
-    const uint8_t *a = row + 2 * c * 18, *b = a + 18;
-    const __m512 d = spread(halves_at(a, b, 2), 0, 1);
-    return {nibbles(a + 2, b + 2), d, _mm512_mul_ps(d, _mm512_set1_ps(-8.f))};
-  } else if constexpr (T == Q4_1) {
-    const uint8_t *a = row + 2 * c * 20, *b = a + 20;
-    const __m128 dm = halves_at(a, b, 4);  // [d_a, m_a, d_b, m_b]
-    return {nibbles(a + 4, b + 4), spread(dm, 0, 2), spread(dm, 1, 3)};
-  } else if constexpr (T == Q8_0) {
-    const uint8_t *a = row + 2 * c * 34, *b = a + 34;
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // signed code + 128
-    const __m512 d = spread(halves_at(a, b, 2), 0, 1);
-    return {join(_mm256_xor_si256(load32(a + 2), flip), _mm256_xor_si256(load32(b + 2), flip)), d,
-            _mm512_mul_ps(d, _mm512_set1_ps(-128.f))};
-  }
-}
-
-// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded), NR rows of W at a time, prefetching
-// the rows ahead as matmul_rows does (measured there: Q4_K 1B gate/up 10.5 -> 17.9 GB/s). The
-// 32-value types, and Q6_K with two codes per value (the other K-quants: int8_super_rows).
-template <int64_t T, int M, int NR, bool kTwo>
-void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time,
+// for Q6_K with two codes per value (the 32-value blocks: blocks16_rows; the other K-quants, and
+// Q6_K with one code: int8_super_rows), a super-block (4 chunks) at a time, its scales decoded into
+// a register first, prefetching the rows ahead as matmul_rows does (measured there: Q4_K 1B gate/up
+// 10.5 -> 17.9 GB/s).
+template <int M, int NR, bool kTwo>
+void q6_k_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                int64_t n1) {
-  static_assert(T != Q4_K && T != Q5_K, "Q4_K and Q5_K take x per 256 values (int8_super_rows)");
-  // chunk_bytes: a 64-value chunk's share of the row, for the prefetch (Q6_K's 52.5 rounds down).
+  // chunk_bytes: a 64-value chunk's share of the row, for the prefetch (52.5 rounds down).
   const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
   for (int64_t n = n0; n < n1; n += NR) {
@@ -922,22 +897,16 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     const bool fetch = n + ahead + NR <= n1;
-    // Q6_K a super-block (4 chunks) at a time, its scales decoded into a register first.
-    constexpr bool kSuper = T == Q6_K;
-    constexpr int kPer = kSuper ? 4 : 1;
-    for (int64_t c0 = 0; c0 < chunks; c0 += kPer) {
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
       __m512 dm[NR];
-      if constexpr (kSuper)
-        for (int r = 0; r < NR; ++r) dm[r] = q6_k_scales(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>);
+      for (int r = 0; r < NR; ++r) dm[r] = q6_k_scales(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<Q6_K>);
 #pragma GCC unroll 4
-      for (int j = 0; j < kPer; ++j) {
+      for (int j = 0; j < 4; ++j) {
         const int64_t c = c0 + j;
         if (fetch)
           for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
         for (int r = 0; r < NR; ++r) {
-          Chunk ch;
-          if constexpr (kSuper) ch = q6_k_chunk(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, j, dm[r]);
-          else ch = chunk<T>(w + (n + r) * row_bytes, c);
+          const Chunk ch = q6_k_chunk(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<Q6_K>, j, dm[r]);
           for (int m = 0; m < M; ++m) {
             const int64_t at = m * K + 64 * c;
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ch.u, _mm512_loadu_si512(a.codes + at));
@@ -970,11 +939,11 @@ inline float k4_super_header(const uint8_t* sb, const float* block_sum, int64_t 
   return _mm_cvtss_f32(dd);
 }
 
-// int8_rows for the K-quants against x from quantize_super. Per 64-value chunk and row of x:
+// The K-quants against x from quantize_super. Per 64-value chunk and row of x:
 // VPMADDUBSW multiplies codes by x's codes and sums pairs into 16 bits (at most 2 * 63 * 127),
 // VPDPWSSD multiplies those by their sub-blocks' integer scales (Q4_K / Q5_K: 6-bit, per 32
 // values; Q6_K: signed 8-bit, per 16) and accumulates in int32; once per super-block the sums
-// convert to float, times d * dx. Against int8_rows: no convert, scale product or FMA per chunk,
+// convert to float, times d * dx. Against x per 32 values: no convert, scale product or FMA per chunk,
 // which bound that kernel on this machine (Q4_K at one row streamed ~30 GB/s of weights where
 // memory reads ~50; Q6_K at 16 rows ran at a third of Q4_K's weights per second). The codes are
 // unsigned: Q4_K / Q5_K subtract a min per sub-block (summed in float, 8 mins against the 8
@@ -984,7 +953,7 @@ template <int64_t T, int M, int NR, bool kTwo>
 void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                      int64_t n1) {
   constexpr bool kK6 = T == Q6_K;
-  static_assert(!(kK6 && kTwo), "Q6_K with two codes per value takes x per 32 values (int8_rows)");
+  static_assert(!(kK6 && kTwo), "Q6_K with two codes per value takes x per 32 values (q6_k_rows)");
   // 16-bit lane i of chunk j takes the scale of sub-block kPer * j + i / kLanes
   constexpr int kPer = kK6 ? 4 : 2, kShift = kK6 ? 3 : 4;
   const int64_t supers = K / QK_K, chunk_bytes = row_bytes / (K / 64);
@@ -1124,19 +1093,26 @@ void wide_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, 
   }
 }
 
-// The float16 pairs at the head of n (<= 16) consecutive blocks, `block_bytes` apart from `first`,
-// in one gather (lanes past n zero): the first halves (every type's d) and the second (Q4_1's m).
-inline void block_heads16(const uint8_t* first, int64_t block_bytes, int n, __m512& d, __m512& m) {
+// The first n (all past 16) of 16 lanes.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+
+// The 4 bytes at `first` and at every `stride` bytes after it, 16 of them (lanes past n zero), one
+// a lane, in one gather: the float16 scales at the head of blocks (16 of a row's blocks, or one
+// block of 16 rows), which word_halves takes apart. A block at a time, the scales cost about as
+// much as the blocks' codes.
+inline __m512i words16(const uint8_t* first, int64_t stride, int64_t n) {
   const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                        _mm512_set1_epi32(static_cast<int32_t>(block_bytes)));
-  const __mmask16 live = n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, first, 1);
-  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
-  m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+                                        _mm512_set1_epi32(static_cast<int32_t>(stride)));
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), first_lanes(n), at, first, 1);
 }
 
-// Chunk c of a row of a 32-value type as chunk<T> gives it, its codes only (blocks16_rows has the
-// scales).
+// The float16 value in each lane's low (high: its high) 16 bits, as floats.
+inline __m512 word_halves(__m512i words, bool high) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(words, 16) : words));
+}
+
+// Chunk c (blocks 2c and 2c + 1) of a row of a 32-value type: its 64 codes, unsigned (Q8_0's signed
+// code + 128), in value order.
 template <int64_t T>
 inline __m512i chunk_codes(const uint8_t* row, int64_t c) {
   if constexpr (T == Q4_0 || T == Q4_1) {
@@ -1150,8 +1126,8 @@ inline __m512i chunk_codes(const uint8_t* row, int64_t c) {
   }
 }
 
-// Rows [n0, n1) of y = x @ W^T for the 32-value blocks (Q4_0, Q4_1, Q8_0), as int8_rows computes
-// them but 16 blocks (8 chunks) at a time: their float16 scales come in one gather (block_heads16),
+// Rows [n0, n1) of y = x @ W^T for the 32-value blocks (Q4_0, Q4_1, Q8_0), x per 32 values, as
+// q6_k_rows computes Q6_K's but 16 blocks (8 chunks) at a time: their float16 scales come in one gather (words16),
 // W's scale times x's (block_scale) is one multiply for the 16 blocks and is spread over a chunk's
 // two blocks by one permute, and the offset term (Q4_1: m times x's block sum; Q4_0: -8 d and Q8_0:
 // -128 d times it) is one multiply-add for the 16 instead of one a chunk. Per chunk and row of x
@@ -1171,12 +1147,13 @@ void blocks16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, fl
     const bool fetch = n + ahead + NR <= n1;
     for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
       const int nb = static_cast<int>(std::min<int64_t>(16, blocks - b0));  // even: K is a multiple of 64
-      const __mmask16 live = nb >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nb) - 1);
+      const __mmask16 live = first_lanes(nb);
       for (int r = 0; r < NR; ++r) {
         const uint8_t* row = w + (n + r) * row_bytes;
-        __m512 d, mh;
-        block_heads16(row + b0 * kBytes, kBytes, nb, d, mh);
-        const __m512 offset = T == Q4_1 ? mh : _mm512_mul_ps(d, _mm512_set1_ps(T == Q4_0 ? -8.f : -128.f));
+        const __m512i heads = words16(row + b0 * kBytes, kBytes, nb);  // d (Q4_1: and m)
+        const __m512 d = word_halves(heads, false);
+        const __m512 offset = T == Q4_1 ? word_halves(heads, true)
+                                        : _mm512_mul_ps(d, _mm512_set1_ps(T == Q4_0 ? -8.f : -128.f));
         __m512 scale[M];  // W's d times x's scale, a block a lane
         for (int m = 0; m < M; ++m) {
           const int64_t at = m * blocks + b0;
@@ -1203,15 +1180,15 @@ void blocks16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, fl
   }
 }
 
-// The row kernels as types, so that one switch serves both: int8_rows (the 32-value blocks:
-// blocks16_rows), and int8_super_rows.
+// The row kernels as types, so that one switch serves both: x per 32 values (the 32-value blocks,
+// Q6_K with two codes), and per 256 (int8_super_rows).
 template <int64_t T, bool kTwo>
 struct LaneRows {
   template <int M, int NR>
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
-    if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0) blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
-    else int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    if constexpr (T == Q6_K) q6_k_rows<M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    else blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
 template <int64_t T, bool kTwo>
@@ -1334,13 +1311,6 @@ inline __m256i and8(__m256i v, int m) { return _mm256_and_si256(v, _mm256_set1_e
 inline __m256i shr(__m256i v, int s) { return _mm256_srli_epi16(v, s); }
 inline __m256i shl(__m256i v, int s) { return _mm256_slli_epi16(v, s); }
 
-// 32 values of a weight row: their codes in value order (unsigned; Q8_0's and Q6_K's signed), and
-// per 4-value lane a (dsc) and b (msc) of w = a * u + b (b: Q4_0 and Q4_1 only).
-struct Half {
-  __m256i u;
-  __m256 dsc, msc;
-};
-
 // A Q6_K super-block's 16 group scales d * sc as floats, decoded once for its 4 chunks.
 inline void q6_k_scales(const uint8_t* sb, float* s) {
   const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
@@ -1366,38 +1336,15 @@ inline __m256i k_codes(const uint8_t* sb, int j, int h) {
   }
 }
 
-// Half h (0, 1) of 64-value chunk c of a row of type T; for Q6_K, `s` holds its super-block's
-// scales (q6_k_scales).
-template <int64_t T>
-inline Half half_chunk(const uint8_t* row, int64_t c, int h, const float* s) {
-  if constexpr (T == Q4_0 || T == Q4_1) {
-    const uint8_t* b = row + (2 * c + h) * (T == Q4_0 ? 18 : 20);
-    const __m128i q = load16(b + (T == Q4_0 ? 2 : 4));
-    const __m256i u = _mm256_set_m128i(and8(shr(q, 4), 0x0F), and8(q, 0x0F));
-    const float d = half_at(b);
-    return {u, _mm256_set1_ps(d), _mm256_set1_ps(T == Q4_0 ? -8.f * d : half_at(b + 2))};
-  } else if constexpr (T == Q8_0) {
-    const uint8_t* b = row + (2 * c + h) * 34;
-    return {load32(b + 2), _mm256_set1_ps(half_at(b)), _mm256_setzero_ps()};
-  } else {  // Q6_K: two 16-value groups
-    const int j = static_cast<int>(c % 4);
-    return {k_codes<T>(row + (c / 4) * kSuperBytes<T>, j, h),
-            _mm256_set_m128(_mm_set1_ps(s[4 * j + 2 * h + 1]), _mm_set1_ps(s[4 * j + 2 * h])), _mm256_setzero_ps()};
-  }
-}
-
-// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time.
-// Per 32 values and row of x: VPMADDUBSW and VPMADDWD give the 8 lanes' integer sums (signed
-// codes, Q8_0's and Q6_K's: their magnitudes against x's codes with their signs, so a pair stays
-// within 16 bits and no offset term is left), then one convert and one or two FMAs. Of the
-// K-quants only Q6_K with two codes comes here (super_activations), a super-block (4 chunks) at a
-// time, its scales decoded once.
-template <int64_t T, int M, int NR, bool kTwo>
-void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+// Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time,
+// for Q6_K with two codes per value (the 32-value blocks: blocks8_rows; the other K-quants, and
+// Q6_K with one code: int8_super_rows), a super-block (4 chunks) at a time, its scales decoded once.
+// Per 32 values (two 16-value groups) and row of x: VPMADDUBSW and VPMADDWD give the 8 lanes'
+// integer sums (the signed codes' magnitudes against x's codes with their signs, so a pair stays
+// within 16 bits), then one convert and one FMA.
+template <int M, int NR, bool kTwo>
+void q6_k_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                int64_t n1) {
-  static_assert(T != Q4_K && T != Q5_K, "Q4_K and Q5_K take x per 256 values (int8_super_rows)");
-  constexpr bool kSigned = T == Q8_0 || T == Q6_K;
-  constexpr int kPer = T == Q6_K ? 4 : 1;
   const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
   float scales[NR][16];
@@ -1406,31 +1353,31 @@ void int8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     const bool fetch = n + ahead + NR <= n1;
-    for (int64_t c0 = 0; c0 < chunks; c0 += kPer) {
-      if constexpr (T == Q6_K)
-        for (int r = 0; r < NR; ++r) q6_k_scales(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<T>, scales[r]);
-      for (int64_t c = c0; c < c0 + kPer; ++c) {
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+      const int64_t sb = (c0 / 4) * kSuperBytes<Q6_K>;
+      for (int r = 0; r < NR; ++r) q6_k_scales(w + (n + r) * row_bytes + sb, scales[r]);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t c = c0 + j;
         if (fetch)
           for (int r = 0; r < NR; ++r) prefetch(w + (n + ahead + r) * row_bytes + c * chunk_bytes);
         for (int r = 0; r < NR; ++r)
           for (int h = 0; h < 2; ++h) {
-            const Half wh = half_chunk<T>(w + (n + r) * row_bytes, c, h, scales[r]);
-            const __m256i u = kSigned ? _mm256_sign_epi8(wh.u, wh.u) : wh.u;
+            const __m256i codes = k_codes<Q6_K>(w + (n + r) * row_bytes + sb, j, h);
+            const __m256 dsc = _mm256_set_m128(_mm_set1_ps(scales[r][4 * j + 2 * h + 1]), _mm_set1_ps(scales[r][4 * j + 2 * h]));
+            const __m256i u = _mm256_sign_epi8(codes, codes);
             for (int m = 0; m < M; ++m) {
               const int64_t at = m * K + 64 * c + 32 * h;
-              __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
-              if constexpr (kSigned) cx = _mm256_sign_epi8(cx, wh.u);
+              const __m256i cx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at)), codes);
               __m256i dot;
               if constexpr (kTwo) {
-                __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
-                if constexpr (kSigned) rx = _mm256_sign_epi8(rx, wh.u);
+                const __m256i rx =
+                    _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at)), codes);
                 dot = dot4_two(u, cx, rx);
               } else {
                 dot = dot4(u, cx);
               }
               const __m256 dx = _mm256_loadu_ps(a.scale + at / 4);
-              acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wh.dsc, dx), acc[r][m]);
-              if constexpr (!kSigned) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.sum + at / 4), wh.msc, acc[r][m]);
+              acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dsc, dx), acc[r][m]);
             }
           }
       }
@@ -1457,8 +1404,8 @@ inline void block_heads8(const uint8_t* first, int64_t block_bytes, int n, __m25
   m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
 }
 
-// Rows [n0, n1) of y = x @ W^T for the 32-value blocks (Q4_0, Q4_1, Q8_0), as int8_rows computes
-// them but 8 blocks at a time: their float16 scales come in one gather (block_heads8), W's scale
+// Rows [n0, n1) of y = x @ W^T for the 32-value blocks (Q4_0, Q4_1, Q8_0), x per 32 values, as
+// q6_k_rows computes Q6_K's but 8 blocks at a time: their float16 scales come in one gather (block_heads8), W's scale
 // times x's (block_scale) is one multiply for the 8 blocks and picked out per block by one
 // permute, and the offset term (Q4_1: m times x's block sum; Q4_0: -8 d times it) is one
 // multiply-add for the 8 instead of one a block. Per block and row of x that leaves the products,
@@ -1534,8 +1481,8 @@ struct LaneRows {
   template <int M, int NR>
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
-    if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0) blocks8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
-    else int8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    if constexpr (T == Q6_K) q6_k_rows<M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    else blocks8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
 
@@ -1556,11 +1503,11 @@ ActRows quantize_super(const float* x, int64_t M, int64_t K, bool two_terms) {
   return a;
 }
 
-// int8_rows for the K-quants against x from quantize_super, as the AVX-512 int8_super_rows: per 32
+// The K-quants against x from quantize_super, as the AVX-512 int8_super_rows: per 32
 // values and row of x, VPMADDUBSW multiplies codes into 16-bit pair sums and VPMADDWD applies the
 // sub-blocks' integer scales (Q4_K / Q5_K: 6-bit, per 32 values; Q6_K: signed 8-bit, per 16) into
 // int32; once per super-block the sums convert to float, times d * dx. Q6_K's codes are signed
-// (k_codes), so no offset term; Q4_K / Q5_K's mins as in int8_rows.
+// (k_codes), so no offset term; Q4_K / Q5_K's mins as in the AVX-512 kernel.
 template <int64_t T, int M, int NR, bool kTwo>
 void int8_super_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                      int64_t n1) {
@@ -1722,13 +1669,14 @@ constexpr int kXBytes = kXRows * 8;  // one vector's share of a 64-byte unit
 // summed in 16 bits and widened once, by the multiply-add that applies the sub-block's scale (the
 // scale in both halves of each lane): 2 instructions a unit and code instead of 3.
 #if !defined(PAGELLM_INT8_VNNI) && !defined(__AVXVNNI__)
+#define PAGELLM_PAIRS16
 constexpr bool kPairs16 = true;
 #else
 constexpr bool kPairs16 = false;
 #endif
 // acc + u times c, by pairs (kPairs16: 16-bit lanes, each the sum of 2 products) or by quads.
 inline XI xi_dot_pairs(XI acc, XI u, XI c) {
-#if !defined(PAGELLM_INT8_VNNI) && !defined(__AVXVNNI__)
+#if defined(PAGELLM_PAIRS16)
   return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, c));
 #else
   return xi_dot4(acc, u, c);
@@ -1738,7 +1686,7 @@ inline XI xi_dot_pairs(XI acc, XI u, XI c) {
 inline XI xi_dot_two(XI u0, XI c0, XI u1, XI c1) { return xi_dot_pairs(xi_dot_pairs(xi_zero(), u0, c0), u1, c1); }
 // xi_dot_pairs' sums as 32-bit lanes, times 2^shift.
 inline XI xi_widen(XI v, int shift) {
-#if !defined(PAGELLM_INT8_VNNI) && !defined(__AVXVNNI__)
+#if defined(PAGELLM_PAIRS16)
   return _mm256_madd_epi16(v, _mm256_set1_epi16(static_cast<int16_t>(1 << shift)));
 #else
   return shift ? xi_slli32(v, shift) : v;
@@ -1873,7 +1821,7 @@ std::vector<int32_t> q6_k_x8_offsets(const ActRows& a, int64_t m, int64_t K, boo
 }
 
 // 8 rows of a Q6_K_X8 weight times M (1..4) rows of x, rounded as the blocks' kernels round them
-// (kPer32: two codes per 32 values, quantize_activations, as int8_rows; else per 256 values,
+// (kPer32: two codes per 32 values, quantize_activations, as q6_k_rows; else per 256 values,
 // quantize_super, as int8_super_rows and wide_super_rows). One load of ql's units p and p + 4 and of qh's unit p (per
 // 128-value half) gives 4 vectors of codes (values 8p, 32 + 8p, 64 + 8p and 96 + 8p of the half, as
 // dequant_q6_k), unpacked once for the M rows of x, as are the groups' scales; per 16-value group a
@@ -2245,7 +2193,7 @@ constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (
 // interleaved, against the row, blocks' and 16-bit kernels: Q4_K 0.6x at 4 rows, 1.1x at 8, 1.9x at
 // 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16; Q8_0 0.6-1.0x at 4, 0.9-1.4x at 6,
 // 1.4-2.3x at 16; Q4_1 (SmolLM2's shapes) 1.55-1.85x at 16, and since its scales are gathered
-// (amx_block_words) 1.07-1.22x at 5 and 1.38-1.56x at 6 on one thread, yet SmolLM2's decode steps of
+// (words16) 1.07-1.22x at 5 and 1.38-1.56x at 6 on one thread, yet SmolLM2's decode steps of
 // 5 and 6 streams on two threads ran 7-10% slower from 5 or 6 rows than from 8).
 constexpr int64_t amx_default_rows(int64_t qtype) { return qtype == Q4_K || qtype == Q4_1 ? 8 : 6; }
 constexpr int64_t kAmxTypes[4] = {Q4_K, Q6_K, Q8_0, Q4_1};
@@ -2521,21 +2469,6 @@ void amx_x8_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_
 // over the whole row (x rounded per 32 values, as the blocks' other kernels round it). A block's
 // 16 rows of codes go into the tiles' layout by a transpose of 4-byte lanes.
 
-// The 4 bytes at `block` of 16 rows `row_bytes` apart (rows past `rows` zero), one row a lane, in one
-// gather: the float16 scales at the head of the rows' blocks (amx_lane_halves takes them apart).
-// A row at a time, the scales cost the blocks' builders more than their codes.
-inline __m512i amx_block_words(const uint8_t* block, int64_t row_bytes, int64_t rows) {
-  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                        _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
-  const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
-  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, block, 1);
-}
-
-// The float16 value in each lane's low (high: its high) 16 bits, as floats.
-inline __m512 amx_lane_halves(__m512i words, bool high) {
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(words, 16) : words));
-}
-
 // Four vectors' 128-bit parts transposed: out[j] holds part j of v[0], v[1], v[2], v[3] in turn (the
 // last step of the blocks' transposes, each part the same 4-value lane of 4 rows).
 inline void amx_transpose_parts(const __m512i* v, __m512i* out) {
@@ -2553,7 +2486,7 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
   const auto codes = [&](int64_t i) {
     return i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(i) + 2)) : _mm256_setzero_si256();
   };
-  _mm512_storeu_ps(d, amx_lane_halves(amx_block_words(row(0), row_bytes, rows), false));
+  _mm512_storeu_ps(d, word_halves(words16(row(0), row_bytes, rows), false));
   // rows 4 g..4 g + 3: their 4-value lanes 0-3 (first) and 4-7 (second), lane j of the 4 rows in
   // 128-bit part j
   __m512i first[4], second[4];
@@ -2578,9 +2511,9 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
 void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
                     float* d, float* m) {
   const auto row = [&](int64_t i) { return w + (n0 + i) * row_bytes + bl * 20; };
-  const __m512i dm = amx_block_words(row(0), row_bytes, rows);  // d, m
-  _mm512_storeu_ps(d, amx_lane_halves(dm, false));
-  _mm512_storeu_ps(m, amx_lane_halves(dm, true));
+  const __m512i dm = words16(row(0), row_bytes, rows);  // d, m
+  _mm512_storeu_ps(d, word_halves(dm, false));
+  _mm512_storeu_ps(m, word_halves(dm, true));
   const auto codes = [&](int64_t i) {
     return i < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(i) + 4)) : _mm_setzero_si128();
   };
@@ -2882,7 +2815,7 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 #if defined(PAGELLM_INT8_ACTIVATIONS)
 // With two codes per value, the K-quants' products of at least this many rows of x take the 16-bit
 // kernel (wide_super_rows), whose per-chunk widening the rows share; fewer take int8_super_rows
-// (Q4_K, Q5_K) or int8_rows (Q6_K, x per 32 values). 1B shapes, ms at 1 / 2 / 4 / 16 rows, int8
+// (Q4_K, Q5_K) or q6_k_rows (Q6_K, x per 32 values). 1B shapes, ms at 1 / 2 / 4 / 16 rows, int8
 // codes against 16 bits: Q4_K 0.55 / 0.81 / 1.29 / 5.24 against 0.71 / 0.93 / 1.16 / 3.74, Q6_K
 // 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41.
 constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 4 : 0; }
@@ -3172,6 +3105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool on) { return amx_wanted.exchange(on); });
   m.def("set_amx_min_rows", [id_of](int64_t id, int64_t rows) {
+    TORCH_CHECK(amx_permitted(), "set_amx_min_rows: this process may not use AMX tiles (Linux refused their state)");
     for (int64_t t : kAmxTypes)
       if (id_of(t) == id) {
         TORCH_CHECK(rows >= 1, "set_amx_min_rows: rows must be >= 1, got ", rows);

@@ -293,6 +293,7 @@ def test_the_avx2_build_repacks_and_multiplies_as_the_blocks(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:]
 
 
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
 def test_int8x2_products_take_the_integer_kernel_up_to_their_bound_and_the_float32_one_past_it(qtype):
     # The bound depends on the type and the build (gguf.wide_int8_types): Q4_K's super-block kernel

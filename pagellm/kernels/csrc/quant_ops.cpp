@@ -881,6 +881,15 @@ inline Chunk q6_k_chunk(const uint8_t* sb, int j, __m512 dm) {
   return {k6_codes(sb, j), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.f))};
 }
 
+// A 64-value chunk of W's unsigned codes u times x's codes at `at` (x rounded per 32 values): per
+// lane the sum of 4 products, with two codes 128 (u . c) + u . r.
+template <bool kTwo>
+inline __m512i x_dot(__m512i u, const ActView& a, int64_t at) {
+  const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.codes + at));
+  if constexpr (!kTwo) return dot;
+  return _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), u, _mm512_loadu_si512(a.residual + at));
+}
+
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time,
 // for Q6_K with two codes per value (the 32-value blocks: blocks16_rows; the other K-quants, and
 // Q6_K with one code: int8_super_rows), a super-block (4 chunks) at a time, its scales decoded into
@@ -909,9 +918,7 @@ void q6_k_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
           const Chunk ch = q6_k_chunk(w + (n + r) * row_bytes + (c0 / 4) * kSuperBytes<Q6_K>, j, dm[r]);
           for (int m = 0; m < M; ++m) {
             const int64_t at = m * K + 64 * c;
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ch.u, _mm512_loadu_si512(a.codes + at));
-            if constexpr (kTwo)
-              dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), ch.u, _mm512_loadu_si512(a.residual + at));
+            const __m512i dot = x_dot<kTwo>(ch.u, a, at);
             const __m512 dx = _mm512_loadu_ps(a.scale + at / 4);
             acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ch.dsc, dx), acc[r][m]);
             acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum + at / 4), ch.msc, acc[r][m]);
@@ -1166,10 +1173,7 @@ void blocks16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, fl
           const __m512i u = chunk_codes<T>(row, c);
           const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
           for (int m = 0; m < M; ++m) {
-            const int64_t at = m * K + 64 * c;
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.codes + at));
-            if constexpr (kTwo)
-              dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), u, _mm512_loadu_si512(a.residual + at));
+            const __m512i dot = x_dot<kTwo>(u, a, m * K + 64 * c);
             acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[m]), acc[r][m]);
           }
         }
@@ -1238,6 +1242,18 @@ inline __m256i dot4_two(__m256i u, __m256i c, __m256i r) {
   return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, c), _mm256_set1_epi16(128)),
                           _mm256_madd_epi16(_mm256_maddubs_epi16(u, r), _mm256_set1_epi16(1)));
 #endif
+}
+
+// 32 values of W (u: unsigned codes; with `signs`, the magnitudes of signed codes whose signs go
+// onto x's) times x's codes at `at` (x rounded per 32 values): dot4, or with two codes dot4_two.
+template <bool kTwo, bool kSigned>
+inline __m256i x_dot(__m256i u, __m256i signs, const ActView& a, int64_t at) {
+  __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
+  if constexpr (kSigned) cx = _mm256_sign_epi8(cx, signs);
+  if constexpr (!kTwo) return dot4(u, cx);
+  __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
+  if constexpr (kSigned) rx = _mm256_sign_epi8(rx, signs);
+  return dot4_two(u, cx, rx);
 }
 
 // The scale of n values at x (n a multiple of 8), as the AVX-512 quantizers take it: d = max|x| / 127
@@ -1367,15 +1383,7 @@ void q6_k_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
             const __m256i u = _mm256_sign_epi8(codes, codes);
             for (int m = 0; m < M; ++m) {
               const int64_t at = m * K + 64 * c + 32 * h;
-              const __m256i cx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at)), codes);
-              __m256i dot;
-              if constexpr (kTwo) {
-                const __m256i rx =
-                    _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at)), codes);
-                dot = dot4_two(u, cx, rx);
-              } else {
-                dot = dot4(u, cx);
-              }
+              const __m256i dot = x_dot<kTwo, true>(u, codes, a, at);
               const __m256 dx = _mm256_loadu_ps(a.scale + at / 4);
               acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dsc, dx), acc[r][m]);
             }
@@ -1455,17 +1463,7 @@ void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, flo
           const __m256i uu = kSigned ? _mm256_sign_epi8(u, u) : u;
           const __m256i pick = _mm256_set1_epi32(i);
           for (int m = 0; m < M; ++m) {
-            const int64_t at = m * K + 32 * (b0 + i);
-            __m256i cx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + at));
-            if constexpr (kSigned) cx = _mm256_sign_epi8(cx, u);
-            __m256i dot;
-            if constexpr (kTwo) {
-              __m256i rx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.residual + at));
-              if constexpr (kSigned) rx = _mm256_sign_epi8(rx, u);
-              dot = dot4_two(uu, cx, rx);
-            } else {
-              dot = dot4(uu, cx);
-            }
+            const __m256i dot = x_dot<kTwo, kSigned>(uu, u, a, m * K + 32 * (b0 + i));
             acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[m], pick), acc[r][m]);
           }
         }

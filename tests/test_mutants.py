@@ -199,6 +199,13 @@ MUTANTS = [
            "    pieces(false);",
            "    (void)pieces;",
            ("tests/layers/test_gdn_decode_kernel.py::test_decode_steps_equal_the_torch_path",), compiled=True),
+    Mutant("the attention lanes kernel lets every token of a verification group read the group's longest context "
+           "(a proposal sees the keys after it)",
+           "pagellm/kernels/csrc/cpu_ops.cpp",
+           "n[i] = static_cast<int32_t>(lens[(g * kLanes + i) / G]);",
+           "n[i] = static_cast<int32_t>(lens[w.nq - 1]);",
+           ("tests/kernels/test_cpu_ops.py::test_attention_lanes_kernel_is_attend_run_in_another_order",),
+           compiled=True, cpu_flag="avx512f"),
     Mutant("a one-token MoE step keeps only its last expert's output",
            "pagellm/layers/moe.py",
            "                out.add_(y)",

@@ -161,6 +161,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
+def set_attention_lanes_from(lanes: int) -> int | None:
+    """From how many lanes (a run's query tokens times the query heads sharing a KV head)
+    paged_attention reads a bfloat16 or 8-bit cache with its lanes kernel (csrc/cpu_ops.cpp,
+    attend_run_lanes), for every head size; 0 restores the built-in crossovers (8 lanes at head
+    size 64, 12 at 128). Returns the previous setting, or None in builds without AVX-512, which have
+    one kernel only. For the measurements and tests that compare the two kernels."""
+    return _load().set_attention_lanes_from(lanes)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, kv_format: KVFormat | None = None) -> None:
     """Write k, v [T, KVH, D] into the caches' rows at `slots` [T]: float32 or bfloat16 caches

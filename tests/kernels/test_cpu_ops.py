@@ -304,3 +304,51 @@ def test_paged_attention_groups_a_sequences_query_tokens_as_each_token_alone(win
             scores = torch.cat([scores, sink.double()[:, None]], dim=1)
         p = scores.softmax(-1)[:, :k.shape[0]]
         torch.testing.assert_close(out[i].double(), torch.einsum("hk,khd->hd", p, v), rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (16, 4, 128), (32, 2, 64)])
+def test_attention_lanes_kernel_is_attend_run_in_another_order(cache, h, kvh, d):
+    """The lanes kernel (query heads sharing a KV head as one vector's lanes; a bfloat16 or 8-bit
+    cache's rows widened once per tile) against attend_run on the same tokens, both forced by the
+    crossover, and against a float64 oracle over the cache's own values: verification groups of
+    2-5 tokens (lane groups full, partial and past 16 lanes), tokens ending alike, a window, sinks,
+    contexts split into runs and contexts shorter than a tile; a NaN in one query head stays in
+    that head's lane."""
+    if cpu.set_attention_lanes_from(0) is None:
+        pytest.skip("this build has one attention kernel (no AVX-512)")
+    torch.manual_seed(h * d + len(cache))
+    fmt = resolve_kv_format(cache, torch.float32)
+    bs, nb = 16, 420
+    k_cache = fmt.encode(torch.randn(nb, bs, kvh, d) * 2)
+    v_cache = fmt.encode(torch.randn(nb, bs, kvh, d))
+    k_vals, v_vals = fmt.decode(k_cache, torch.float64), fmt.decode(v_cache, torch.float64)
+    tables = torch.stack([torch.randperm(nb)[:200] for _ in range(3)])
+    token_seq = torch.tensor([0, 0, 0, 0, 0, 1, 1, 2, 2, 2])
+    lens = torch.tensor([2996, 2997, 2998, 2999, 3000, 40, 41, 9, 10, 10])
+    q = torch.randn(len(lens), h, d)
+    q[2, 1, 5] = float("nan")
+    for window, sink in ((0, None), (50, None), (0, torch.randn(h))):
+        def attend(lanes_from: int) -> torch.Tensor:
+            before = cpu.set_attention_lanes_from(lanes_from)
+            try:
+                return cpu.paged_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, sliding_window=window or None,
+                                           sinks=sink, token_seq=token_seq, kv_format=fmt)
+            finally:
+                cpu.set_attention_lanes_from(before)
+
+        lanes, plain = attend(1), attend(1 << 30)
+        assert torch.isnan(lanes[2, 1]).all() and torch.isnan(plain[2, 1]).all()
+        lanes[2, 1] = plain[2, 1] = 0
+        assert not lanes.isnan().any()
+        torch.testing.assert_close(lanes, plain, rtol=0, atol=5e-6)
+        for i in (0, 4, 5, 6, 8, 9):
+            n, row = int(lens[i]), tables[int(token_seq[i])]
+            first = max(0, n - window) if window else 0
+            k = k_vals[row].flatten(0, 1)[first:n].repeat_interleave(h // kvh, dim=1)
+            v = v_vals[row].flatten(0, 1)[first:n].repeat_interleave(h // kvh, dim=1)
+            scores = torch.einsum("hd,khd->hk", q[i].double(), k) * d ** -0.5
+            if sink is not None:
+                scores = torch.cat([scores, sink.double()[:, None]], dim=1)
+            p = scores.softmax(-1)[:, :k.shape[0]]
+            torch.testing.assert_close(lanes[i].double(), torch.einsum("hk,khd->hd", p, v), rtol=0, atol=5e-6)

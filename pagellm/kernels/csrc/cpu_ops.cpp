@@ -14,7 +14,9 @@
 //   the kernel is bound by the bytes it moves through the caches, not by the widening.) With
 //   AVX-512, a block's 16 query-key dot products
 //   are reduced together and the softmax's exp is vectorized (scores16, exp16); other
-//   CPUs run the portable loops.
+//   CPUs run the portable loops. A bfloat16 or 8-bit cache read by many query heads per KV
+//   head at once (a large GQA group, a verification's 1 + k tokens) is widened once per tile
+//   for all of them instead (attend_run_lanes, AVX-512).
 // - rotary_embedding_: rotate-half RoPE applied in place to q and k, one pass instead
 //   of torch's five (two slices, a negation, a concatenation, two products, a sum).
 //   Same arithmetic as the reference (x * cos + rotate_half(x) * sin, no fused
@@ -43,10 +45,12 @@
 #endif
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -250,6 +254,54 @@ inline float max_of(const float* s, int64_t n, float init) {
   return mx;
 }
 
+// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
+// boundary and each thread would wait on DRAM latency: the blocks of the tile that starts at t1
+// are asked for while the one before it is attended (one tile ahead is enough to hide it).
+template <typename T>
+inline void prefetch_tile(const T* kp, const T* vp, const int64_t* table, int64_t BS, int64_t row, int64_t t1,
+                          int64_t end) {
+  for (int64_t j = t1 / BS; j * BS < std::min(end, t1 + kTile); ++j) {
+    const T* kn = kp + table[j] * BS * row;
+    const T* vn = vp + table[j] * BS * row;
+    for (int64_t i = 0; i < BS * row; i += 64 / static_cast<int64_t>(sizeof(T))) {  // one cache line at a time
+      __builtin_prefetch(kn + i, 0, 3);
+      __builtin_prefetch(vn + i, 0, 3);
+    }
+  }
+}
+
+// The end of a run for its NQ query tokens: from each head's accumulator acc [NQ, H, D], running
+// max m and sum l [NQ, H], the normalised output when the run is the whole context (sinks joining
+// the denominator), else (max, sum, unnormalised accumulator) for the combine step.
+inline void finish_run(const WorkItem& w, int64_t H, int64_t D, const float* accs, const float* ms, const float* ls,
+                       const float* sinks, float* out, float* part_acc, float* part_ml) {
+  for (int64_t qi = 0; qi < w.nq; ++qi) {
+    const float* acc = accs + qi * H * D;
+    const float* m = ms + qi * H;
+    const float* l = ls + qi * H;
+    if (w.part < 0) {
+      float* o = out + qi * H * D;
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float scale_acc = 1.f, denom = l[hh];
+        if (sinks != nullptr) {  // gpt-oss: the sink's logit joins the denominator, attending to nothing
+          const float mx = std::max(m[hh], sinks[hh]);
+          scale_acc = std::exp(m[hh] - mx);
+          denom = l[hh] * scale_acc + std::exp(sinks[hh] - mx);
+        }
+        const float inv = scale_acc / denom;
+        for (int64_t i = 0; i < D; ++i) o[hh * D + i] = acc[hh * D + i] * inv;
+      }
+    } else {  // a token with no key in this run leaves (-inf, 0, zeros), which the combine weighs 0
+      const int64_t part = w.part + qi;
+      std::copy(acc, acc + H * D, part_acc + part * H * D);
+      for (int64_t hh = 0; hh < H; ++hh) {
+        part_ml[(part * H + hh) * 2] = m[hh];
+        part_ml[(part * H + hh) * 2 + 1] = l[hh];
+      }
+    }
+  }
+}
+
 // Online softmax over the run, one tile of keys at a time, for every query head of every query
 // token of the item: each K/V row is read once (all KV heads of a token are one contiguous row)
 // and serves the G query heads that share it, and each block of the tile serves every query
@@ -273,17 +325,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
   auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
   for (int64_t t0 = w.begin; t0 < w.end;) {
     const int64_t t1 = std::min(w.end, (t0 / kTile + 1) * kTile);
-    // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every
-    // block boundary and each thread would wait on DRAM latency: ask for the next tile's blocks
-    // now (one tile ahead is enough to hide it).
-    for (int64_t j = t1 / BS; j * BS < std::min(w.end, t1 + kTile); ++j) {
-      const T* kn = kp + table[j] * BS * row;
-      const T* vn = vp + table[j] * BS * row;
-      for (int64_t i = 0; i < BS * row; i += 64 / static_cast<int64_t>(sizeof(T))) {  // one cache line at a time
-        __builtin_prefetch(kn + i, 0, 3);
-        __builtin_prefetch(vn + i, 0, 3);
-      }
-    }
+    prefetch_tile(kp, vp, table, BS, row, t1, w.end);
     // This token's keys in the tile.
     auto keys_of = [&](int64_t qi) { return std::min(t1, lens[qi]) - t0; };
     // f(u0, qi, n) for each run of contiguous keys (the part of the tile in one block) and, while
@@ -421,32 +463,163 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     });
     t0 = t1;
   }
-  for (int64_t qi = 0; qi < NQ; ++qi) {
-    const float* acc = accs + qi * H * D;
-    const float* m = ms + qi * H;
-    const float* l = ls + qi * H;
-    if (w.part < 0) {
-      float* o = out + qi * H * D;
-      for (int64_t hh = 0; hh < H; ++hh) {
-        float scale_acc = 1.f, denom = l[hh];
-        if (sinks != nullptr) {  // gpt-oss: the sink's logit joins the denominator, attending to nothing
-          const float mx = std::max(m[hh], sinks[hh]);
-          scale_acc = std::exp(m[hh] - mx);
-          denom = l[hh] * scale_acc + std::exp(sinks[hh] - mx);
+  finish_run(w, H, D, accs, ms, ls, sinks, out, part_acc, part_ml);
+}
+
+#if defined(__AVX512F__)
+// attend_run with the query heads that share a KV head as the lanes of one vector, for caches
+// whose elements must be widened (bfloat16, 8-bit): lane i is query token i / G's head h G + i % G,
+// for the run's NQ tokens (NQ G lanes, 16 to a vector). Each tile's K/V rows of a head are widened
+// once into float32 rows (their 8-bit scales beside) and serve every lane, where attend_run widens
+// every element again for each query head and token that reads it. A score is 16 lanes' dot
+// products at once: q transposed once per run ([D][16], times the scale) and each key's elements
+// broadcast from memory into the FMA, with no horizontal sums; the online softmax's max, exp and
+// sums run down the lanes, once per key for all of them. The products are as many as attend_run's
+// (with a lane group full), so a float32 cache, read in place, gains nothing here (measured
+// 0.7-1.2x against attend_run) and stays there, as do runs of fewer lanes than lanes_built_in (a
+// decode token of a small GQA group: most of each vector would idle). A verification step's 1 + k
+// tokens, or a large group, come here: 1.04-2.0x from 8 lanes at head size 64 (a decode token of
+// a group of 8, as gpt-oss's), from 12 at 128, where 8 lanes measured 0.85-1.07x (bfloat16 and
+// int8 caches, contexts of 1,024 and 4,000; benchmarks/attention_lanes_ab.py). Same roundings per
+// element as attend_run, in another summation order.
+constexpr int64_t kLanes = 16;
+constexpr int64_t lanes_built_in(int64_t D) { return D <= 64 ? 8 : 12; }
+// set_attention_lanes_from's setting, for the measurements and tests that compare the two kernels
+// (0: the built-in crossovers).
+std::atomic<int64_t> lanes_override{0};
+inline int64_t lanes_from(int64_t D) {
+  const int64_t n = lanes_override.load(std::memory_order_relaxed);
+  return n > 0 ? n : lanes_built_in(D);
+}
+
+template <int DT, typename T>
+void attend_run_lanes(const WorkItem& w, int64_t H, int64_t KVH, int64_t BS, const float* q, const int64_t* lens,
+                      const T* kp, const T* vp, const int64_t* table, float scale, const float* sinks, float* out,
+                      float* part_acc, float* part_ml, std::vector<float>& buf) {
+  static_assert(DT % 16 == 0 && DT > 0, "the lanes kernel takes head sizes of whole vectors");
+  constexpr int64_t D = DT, C = D / 16;
+  // Lanes per pass over a tile's V rows: their accumulators (C vectors each) and a V row in registers.
+  constexpr int64_t kPass = C <= 4 ? 6 : 2;
+  const int64_t G = H / KVH, HS = head_stride<T>(D), row = KVH * HS, NQ = w.nq;
+  const int64_t lanes = NQ * G, groups = (lanes + kLanes - 1) / kLanes;
+  const int64_t n_acc = NQ * H * D, n_qt = KVH * groups * D * kLanes, n_ml = KVH * groups * kLanes;
+  buf.assign(static_cast<size_t>(n_acc + 2 * NQ * H + n_qt + 2 * n_ml + 2 * kTile * D + kTile * kLanes + 2 * kTile), 0.f);
+  float* accs = buf.data();        // [NQ, H, D], as attend_run's
+  float* ms = accs + n_acc;        // [NQ, H]
+  float* ls = ms + NQ * H;         // [NQ, H]
+  float* qt = ls + NQ * H;         // [KVH, groups, D, 16]: q times the scale, lanes across
+  float* lm = qt + n_qt;           // [KVH, groups, 16]: running max per lane
+  float* ll = lm + n_ml;           // [KVH, groups, 16]: running sum per lane
+  float* kf = ll + n_ml;           // [kTile, D]: the tile's K rows of one head, widened
+  float* vf = kf + kTile * D;      // [kTile, D]: its V rows
+  float* sc = vf + kTile * D;      // [kTile, 16]: scores, then softmax weights (times V's row scale)
+  float* ks = sc + kTile * kLanes;  // [kTile]: K's row scales
+  float* vs = ks + kTile;          // [kTile]: V's
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::fill(lm, lm + n_ml, ninf);
+  for (int64_t h = 0; h < KVH; ++h)
+    for (int64_t i = 0; i < lanes; ++i) {
+      const float* qh = q + ((i / G) * H + h * G + i % G) * D;
+      float* to = qt + ((h * groups + i / kLanes) * D) * kLanes + i % kLanes;
+      for (int64_t d = 0; d < D; ++d) to[d * kLanes] = qh[d] * scale;
+    }
+  // Each lane's key count (0 past the last lane: it reads nothing).
+  std::vector<__m512i> lane_lens(static_cast<size_t>(groups));
+  for (int64_t g = 0; g < groups; ++g) {
+    alignas(64) int32_t n[kLanes] = {};
+    for (int64_t i = 0; i < kLanes && g * kLanes + i < lanes; ++i) n[i] = static_cast<int32_t>(lens[(g * kLanes + i) / G]);
+    lane_lens[g] = _mm512_load_si512(n);
+  }
+  auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
+  for (int64_t t0 = w.begin; t0 < w.end;) {
+    const int64_t t1 = std::min(w.end, (t0 / kTile + 1) * kTile), nt = t1 - t0;
+    prefetch_tile(kp, vp, table, BS, row, t1, w.end);
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t u = 0; u < nt; ++u) {
+        const T* k = key_row(kp, t0 + u) + h * HS;
+        const T* v = key_row(vp, t0 + u) + h * HS;
+        for (int64_t c = 0; c < C; ++c) {
+          _mm512_storeu_ps(kf + u * D + 16 * c, load16(k + 16 * c));
+          _mm512_storeu_ps(vf + u * D + 16 * c, load16(v + 16 * c));
         }
-        const float inv = scale_acc / denom;
-        for (int64_t i = 0; i < D; ++i) o[hh * D + i] = acc[hh * D + i] * inv;
+        ks[u] = row_scale(k, DT);
+        vs[u] = row_scale(v, DT);
       }
-    } else {  // a token with no key in this run leaves (-inf, 0, zeros), which the combine weighs 0
-      const int64_t part = w.part + qi;
-      std::copy(acc, acc + H * D, part_acc + part * H * D);
-      for (int64_t hh = 0; hh < H; ++hh) {
-        part_ml[(part * H + hh) * 2] = m[hh];
-        part_ml[(part * H + hh) * 2 + 1] = l[hh];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* qg = qt + (h * groups + g) * D * kLanes;
+        // Scores of 8 keys at a time (rows past nt are stale and masked below).
+        for (int64_t u = 0; u < nt; u += 8) {
+          __m512 a[8];
+          for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; ++d) {
+            const __m512 qd = _mm512_loadu_ps(qg + d * kLanes);
+            for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(kf[(u + j) * D + d]), qd, a[j]);
+          }
+          for (int j = 0; j < 8; ++j) _mm512_storeu_ps(sc + (u + j) * kLanes, _mm512_mul_ps(a[j], _mm512_set1_ps(ks[u + j])));
+        }
+        // Online softmax down the lanes: a lane's keys end at its token's length.
+        float* mg = lm + (h * groups + g) * kLanes;
+        float* lg = ll + (h * groups + g) * kLanes;
+        const __m512 m_old = _mm512_loadu_ps(mg);
+        __m512 mx = m_old;
+        for (int64_t u = 0; u < nt; ++u) {
+          const __mmask16 live = _mm512_cmpgt_epi32_mask(lane_lens[g], _mm512_set1_epi32(static_cast<int32_t>(t0 + u)));
+          mx = _mm512_mask_max_ps(mx, live, mx, _mm512_loadu_ps(sc + u * kLanes));
+        }
+        // A lane with no key yet keeps -inf; it subtracts 0 so that nothing becomes NaN.
+        const __mmask16 none = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(ninf), _CMP_EQ_OQ);
+        const __m512 base = _mm512_mask_mov_ps(mx, none, _mm512_setzero_ps());
+        const __m512 alpha = _mm512_maskz_mov_ps(static_cast<__mmask16>(~none), exp16(_mm512_sub_ps(m_old, base)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t u = 0; u < nt; ++u) {
+          const __mmask16 live = _mm512_cmpgt_epi32_mask(lane_lens[g], _mm512_set1_epi32(static_cast<int32_t>(t0 + u)));
+          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + u * kLanes), base)));
+          sum = _mm512_add_ps(sum, e);
+          _mm512_storeu_ps(sc + u * kLanes, _mm512_mul_ps(e, _mm512_set1_ps(vs[u])));
+        }
+        _mm512_storeu_ps(lg, _mm512_fmadd_ps(_mm512_loadu_ps(lg), alpha, sum));
+        _mm512_storeu_ps(mg, mx);
+        alignas(64) float al[kLanes];
+        _mm512_store_ps(al, alpha);
+        // Weighted V rows into each lane's accumulator, up to kPass lanes a pass (passes of equal size).
+        const int64_t live_lanes = std::min(kLanes, lanes - g * kLanes);
+        const int64_t passes = (live_lanes + kPass - 1) / kPass, per_pass = (live_lanes + passes - 1) / passes;
+        for (int64_t i0 = 0; i0 < live_lanes; i0 += per_pass) {
+          const int64_t np = std::min(per_pass, live_lanes - i0);
+          float* at[kPass] = {};
+          __m512 acc[kPass][C];
+          for (int64_t i = 0; i < kPass; ++i) {
+            if (i >= np) break;
+            const int64_t lane = g * kLanes + i0 + i;
+            at[i] = accs + ((lane / G) * H + h * G + lane % G) * D;
+            for (int64_t c = 0; c < C; ++c)
+              acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(at[i] + 16 * c), _mm512_set1_ps(al[i0 + i]));
+          }
+          for (int64_t u = 0; u < nt; ++u) {
+            __m512 v[C];
+            for (int64_t c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vf + u * D + 16 * c);
+            const float* p = sc + u * kLanes + i0;
+            for (int64_t i = 0; i < kPass; ++i)
+              if (i < np)
+                for (int64_t c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), v[c], acc[i][c]);
+          }
+          for (int64_t i = 0; i < kPass; ++i)
+            if (i < np)
+              for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(at[i] + 16 * c, acc[i][c]);
+        }
       }
     }
+    t0 = t1;
   }
+  for (int64_t h = 0; h < KVH; ++h)
+    for (int64_t i = 0; i < lanes; ++i) {
+      const int64_t at = (i / G) * H + h * G + i % G, from = (h * groups + i / kLanes) * kLanes + i % kLanes;
+      ms[at] = lm[from];
+      ls[at] = ll[from];
+    }
+  finish_run(w, H, D, accs, ms, ls, sinks, out, part_acc, part_ml);
 }
+#endif
 
 void check_cpu_dtype(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of ", dtype,
@@ -550,6 +723,19 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       const float* q_b = qp + w.q0 * H * D;
       const int64_t* table = bt + (token_seq != nullptr ? token_seq[w.q0] : w.q0) * max_blocks;
       float* o = op + w.q0 * H * D;
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<T, float>) {
+        if ((D == 64 || D == 128) && fcap == 0.f && w.nq * (H / KVH) >= lanes_from(D)) {
+          if (D == 64)
+            attend_run_lanes<64, T>(w, H, KVH, BS, q_b, sl + w.q0, kp, vp, table, fscale, sinks, o, part_acc.data(),
+                                    part_ml.data(), buf);
+          else
+            attend_run_lanes<128, T>(w, H, KVH, BS, q_b, sl + w.q0, kp, vp, table, fscale, sinks, o,
+                                     part_acc.data(), part_ml.data(), buf);
+          continue;
+        }
+      }
+#endif
       if (D == 64)
         attend_run<64, T>(w, D, H, KVH, BS, q_b, sl + w.q0, kp, vp, table, fscale, fcap, sinks, o, part_acc.data(),
                           part_ml.data(), buf);
@@ -1322,4 +1508,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_decode_step", &gdn_decode_step,
         "Gated DeltaNet's decode step from in_proj's output, its states updated where they lie in the pool (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");
+  // From how many lanes (query tokens of a run times the query heads per KV head) a run of a
+  // bfloat16 or 8-bit cache takes attend_run_lanes: set_attention_lanes_from(n) sets it for every
+  // head size (0: the built-in crossovers) and returns the previous setting (None in builds without
+  // AVX-512, which have only attend_run).
+  m.def("set_attention_lanes_from", [](int64_t n) -> std::optional<int64_t> {
+#if defined(__AVX512F__)
+    TORCH_CHECK(n >= 0, "set_attention_lanes_from: n must be >= 0 (0: the built-in crossovers), got ", n);
+    return lanes_override.exchange(n);
+#else
+    (void)n;
+    return std::nullopt;
+#endif
+  });
 }

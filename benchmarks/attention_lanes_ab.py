@@ -1,0 +1,104 @@
+"""The compiled paged attention's two kernels on the same query tokens, turn about in one process:
+attend_run (each query head's scores reduced across a vector, every element widened for each head
+that reads it) against attend_run_lanes (the query heads sharing a KV head as one vector's lanes,
+each tile's K/V rows widened once), by moving the crossover (cpu.set_attention_lanes_from).
+
+Each case is one sequence of `--context` keys and `--tokens` consecutive query tokens (1: a
+decode step; 1 + k: a speculative verification), attended in each of `--layers` layers whose
+blocks lie scattered in a pool too large for the caches, as in a model's step. Times are per
+layer, the best of `--rounds` rounds of all the layers.
+
+    python benchmarks/attention_lanes_ab.py --out benchmarks/results/attention-lanes-ab-DATE.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pagellm.bench.report import metadata, write_json  # noqa: E402
+from pagellm.kernels import cpu  # noqa: E402
+from pagellm.kv_format import resolve_kv_format  # noqa: E402
+
+BLOCK = 16
+# (query heads, KV heads, head size): SmolLM2-135M, a GQA group of 4 at 64 (Llama 3.2 1B), at 128
+# (Qwen3), a group of 7 (Qwen2.5 7B) and of 8.
+SHAPES = ((9, 3, 64), (32, 8, 64), (16, 4, 128), (28, 4, 128), (32, 4, 64))
+CACHES = ("float32", "bfloat16", "int8")
+
+
+def make_cache(kind: str, blocks: int, kvh: int, d: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """K and V pools of `kind`: normal values, or for int8 codes with a float16 scale per row."""
+    if kind == "int8":
+        fmt = resolve_kv_format("int8", torch.float32)
+        k, v = (torch.randn(blocks, BLOCK, kvh, d) for _ in range(2))
+        return fmt.encode(k), fmt.encode(v), fmt
+    dtype = getattr(torch, kind)
+    return torch.randn(blocks, BLOCK, kvh, d).to(dtype), torch.randn(blocks, BLOCK, kvh, d).to(dtype), None
+
+
+def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, layers: int, rounds: int,
+             lanes_from: int) -> float:
+    h, kvh, d = shape
+    per_layer = (context + BLOCK - 1) // BLOCK
+    k_cache, v_cache, fmt = make_cache(kind, per_layer * layers + 1, kvh, d)
+    order = torch.randperm(per_layer * layers)
+    tables = [order[i * per_layer:(i + 1) * per_layer].view(1, -1) for i in range(layers)]
+    q = torch.randn(tokens, h, d)
+    lens = torch.arange(context - tokens + 1, context + 1)
+    seq = torch.zeros(tokens, dtype=torch.long)
+    before = cpu.set_attention_lanes_from(lanes_from)
+    try:
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for table in tables:
+                cpu.paged_attention(q, k_cache, v_cache, table, lens, d ** -0.5, token_seq=seq, kv_format=fmt)
+            best = min(best, (time.perf_counter() - start) / layers)
+    finally:
+        cpu.set_attention_lanes_from(before)
+    return 1000 * best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4000])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5])
+    ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    if cpu.set_attention_lanes_from(0) is None:
+        sys.exit("this build has one attention kernel (no AVX-512): nothing to compare")
+    load = os.getloadavg()
+    cases = []
+    for shape in SHAPES:
+        for context in args.contexts:
+            for tokens in args.tokens:
+                for kind in args.caches:
+                    # lanes_from past any run's lanes: attend_run; 1: attend_run_lanes wherever it can
+                    runs = [layer_ms(shape, kind, context, tokens, args.layers, args.rounds, n) for n in (1 << 30, 1)]
+                    lanes = tokens * shape[0] // shape[1]
+                    cases.append({"heads": shape[0], "kv_heads": shape[1], "head_size": shape[2], "cache": kind,
+                                  "context": context, "tokens": tokens, "lanes": lanes,
+                                  "attend_run_ms": runs[0], "lanes_ms": runs[1], "speedup": runs[0] / runs[1]})
+                    print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: lanes {lanes:3d}  "
+                          f"{runs[0]:.3f} -> {runs[1]:.3f} ms  {runs[0] / runs[1]:.2f}x", flush=True)
+    write_json(Path(args.out), {**metadata("attention_lanes_ab"), "threads": args.threads, "layers": args.layers,
+                                "rounds": args.rounds, "block_size": BLOCK,
+                                "load_avg_before_after": [load, os.getloadavg()], "cases": cases})
+
+
+if __name__ == "__main__":
+    main()

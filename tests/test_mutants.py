@@ -206,6 +206,18 @@ MUTANTS = [
            "n[i] = static_cast<int32_t>(lens[w.nq - 1]);",
            ("tests/kernels/test_cpu_ops.py::test_attention_lanes_kernel_is_attend_run_in_another_order",),
            compiled=True, cpu_flag="avx512f"),
+    Mutant("a verification masks every position with the grammar's mask for its first (not the state after "
+           "the proposals before it)",
+           "pagellm/worker/rejection_sampler.py",
+           "token_bitmask=None if masks is None else masks[j])",
+           "token_bitmask=None if masks is None else masks[0])",
+           ("tests/engine/test_spec_decode.py::test_structured_outputs_speculate_and_decode_as_without",)),
+    Mutant("a structured output stops at the first token a step appends once its grammar has ended anywhere in "
+           "that step (cutting a verification's accepted run short)",
+           "pagellm/core/request.py",
+           "self.grammar.end is not None and n_out >= self.grammar.end:",
+           "self.grammar.end is not None:",
+           ("tests/engine/test_spec_decode.py::test_structured_outputs_speculate_and_decode_as_without",)),
     Mutant("a one-token MoE step keeps only its last expert's output",
            "pagellm/layers/moe.py",
            "                out.add_(y)",

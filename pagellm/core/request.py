@@ -146,8 +146,9 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether its next tokens can be proposed and verified: not while its caller picks them
-        (beam search), nor under a grammar (whose mask would be needed at every proposed position)."""
-        return not self.caller_appends and self.grammar is None
+        (beam search). Under a grammar, each verified position gets the mask of the grammar's state
+        after the proposals before it (structured_outputs.attach_bitmasks)."""
+        return not self.caller_appends
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -159,7 +160,9 @@ class Request:
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
-        if self.grammar is not None and self.grammar.is_terminated:  # the structured output is complete
+        # The structured output is complete: at the token that completed it, not at the tokens a
+        # verification accepted after it in the same step (the grammar has seen them all by now).
+        if self.grammar is not None and self.grammar.end is not None and n_out >= self.grammar.end:
             return self.finish(RequestStatus.FINISHED_STOPPED)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:

@@ -145,7 +145,9 @@ class EngineCore:
                 if i in errors:
                     failures.setdefault(seq.group_id, (RuntimeError(ROW_ERRORS[errors[i]]), errors[i]))
                     continue
-                if seq.grammar is not None and not seq.grammar.accept(token):  # the mask allows only what it accepts
+                # The mask allows only what the grammar accepts; tokens a verification kept past the
+                # grammar's end are not the output's (the scheduler stops the sequence at the end).
+                if seq.grammar is not None and seq.grammar.end is None and not seq.grammar.accept(token):
                     failures.setdefault(seq.group_id, (RuntimeError(f"the structured-output grammar rejected "
                                                                     f"token {token}"), "grammar_error"))
                     continue

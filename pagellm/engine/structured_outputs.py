@@ -129,9 +129,21 @@ class Grammar:
         self.spec = spec
         self.backend = backend
         self.gate = gate
+        self.num_accepted = 0  # tokens accepted so far: the sequence's output tokens
+        # The output's length when the grammar was complete (its stop token accepted), None before:
+        # a verification may append tokens past it in one step, which the sequence must not keep.
+        self.end: int | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False if the grammar does not allow it."""
+        if not self._accept(token_id):
+            return False
+        self.num_accepted += 1
+        if self.end is None and self.is_terminated:
+            self.end = self.num_accepted
+        return True
+
+    def _accept(self, token_id: int) -> bool:
         if self.gate is not None and not self.gate.answering:
             taken = self.gate.accept(token_id)
             if taken is not None:
@@ -139,7 +151,21 @@ class Grammar:
         return self.matcher.accept(token_id)
 
     def fork(self) -> Grammar:
-        return Grammar(self.matcher.fork(), self.spec, self.backend, self.gate and self.gate.fork())
+        twin = Grammar(self.matcher.fork(), self.spec, self.backend, self.gate and self.gate.fork())
+        twin.num_accepted, twin.end = self.num_accepted, self.end
+        return twin
+
+    def along(self, token_ids: list[int]) -> list[Grammar | None]:
+        """The states after each prefix of `token_ids` (proposed tokens), this one first: entry j is
+        the grammar after token_ids[:j], a fork (this one is not moved); None from a token the
+        grammar refuses on, and after the token that completes it: no token is expected there,
+        and a verification keeps none."""
+        states: list[Grammar | None] = [self]
+        for token in token_ids:
+            last = states[-1]
+            nxt = None if last is None else last.fork()
+            states.append(nxt if nxt is not None and nxt.accept(token) and nxt.end is None else None)
+        return states
 
     @property
     def masks(self) -> bool:
@@ -230,28 +256,49 @@ class GrammarCompiler:
         return Grammar(self.backend(name).matcher(compiled), spec, name, gate)
 
     def attach_bitmasks(self, plan: StepPlan, requests: dict[str, Request]) -> StepPlan:
-        """The plan with a token bitmask on every sampling row whose sequence has a grammar."""
-        rows = [(i, j) for i, s in enumerate(plan.seqs) for j, spec in enumerate(s.samplers)
-                if requests[spec.request_id].grammar is not None and requests[spec.request_id].grammar.masks]
-        if not rows:
+        """The plan with a token bitmask on every sampling row whose sequence has a grammar. A
+        sequence verifying k proposed tokens gets k + 1 rows, [k + 1, ceil(V / 32)]: row j masks the
+        token after proposals 0 .. j - 1, from the grammar's state after them, so a proposal the
+        grammar refuses is never drawn at its position and ends the accepted run there (rows past
+        it, or past the grammar's end, allow everything: the verification keeps nothing from them)."""
+        # (seq, sampler, the grammar states of its rows); the states of a plain row: [its grammar]
+        entries = []
+        for i, s in enumerate(plan.seqs):
+            for j, spec in enumerate(s.samplers):
+                grammar = requests[spec.request_id].grammar
+                if grammar is None:
+                    continue
+                states = grammar.along(list(s.draft_token_ids)) if s.draft_token_ids and j == 0 else [grammar]
+                if any(g is not None and g.masks for g in states):
+                    entries.append((i, j, states))
+        if not entries:
             return plan
-        # Every bit set: a backend that fills no row leaves every token allowed (none does).
-        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        # Every bit set: a row no backend fills (a state past a refused token, in free reasoning)
+        # allows every token.
+        bitmask = torch.full((sum(len(states) for _, _, states in entries), (self.vocab_size + 31) // 32), -1,
+                             dtype=torch.int32)
         by_backend: dict[str, tuple[list, list[int]]] = {}
-        for row, (i, j) in enumerate(rows):
-            grammar = requests[plan.seqs[i].samplers[j].request_id].grammar
-            matchers, indices = by_backend.setdefault(grammar.backend, ([], []))
-            matchers.append(grammar.matcher)
-            indices.append(row)
+        gated: list[tuple[Grammar, int]] = []
+        row = 0
+        for _, _, states in entries:
+            for g in states:
+                if g is not None and g.masks:
+                    matchers, indices = by_backend.setdefault(g.backend, ([], []))
+                    matchers.append(g.matcher)
+                    indices.append(row)
+                    if g.gate is not None:
+                        gated.append((g, row))
+                row += 1
         for name, (matchers, indices) in by_backend.items():
             self.backend(name).fill(matchers, bitmask, indices)
-        for row, (i, j) in enumerate(rows):
-            grammar = requests[plan.seqs[i].samplers[j].request_id].grammar
-            if grammar.gate is not None:
-                grammar.adjust(bitmask[row])
+        for g, r in gated:
+            g.adjust(bitmask[r])
         seqs = list(plan.seqs)
-        for row, (i, j) in enumerate(rows):
+        row = 0
+        for i, j, states in entries:
+            rows = bitmask[row] if len(states) == 1 else bitmask[row:row + len(states)]
+            row += len(states)
             samplers = list(seqs[i].samplers)
-            samplers[j] = replace(samplers[j], token_bitmask=bitmask[row])
+            samplers[j] = replace(samplers[j], token_bitmask=rows)
             seqs[i] = replace(seqs[i], samplers=samplers)
         return replace(plan, seqs=seqs)

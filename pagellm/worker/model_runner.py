@@ -454,8 +454,11 @@ class ModelRunner:
         for s in asking:
             spec = s.samplers[0]
             output = [*spec.output_token_ids, *new[s.request_id]]
+            # No grammar mask: the runner cannot know the grammar's state after this step's tokens,
+            # so proposals are drawn freely and the verification's rows mask them (a refused one
+            # ends the accepted run; a draft model's q stays the distribution they came from).
             queries.append(ProposalQuery(s.request_id, [*spec.prompt_token_ids, *output], s.num_proposals,
-                                         replace(spec, output_token_ids=output)))
+                                         replace(spec, output_token_ids=output, token_bitmask=None)))
         proposals = self.proposer.propose_for(queries)
         for s, p in zip(asking, proposals):
             if p.probs is not None and p.token_ids:

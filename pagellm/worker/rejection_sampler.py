@@ -39,9 +39,13 @@ DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0x5EED_D4AF, 0x5EED_ACC7, 0x5EED_
 
 def verification_specs(spec: SampleSpec, draft_token_ids: Sequence[int]) -> list[SampleSpec]:
     """The k + 1 sampling rows of a sequence verifying k drafts: row j samples the token after
-    drafts 0 .. j-1, so its penalties, min_tokens and seeded uniform see them as output."""
-    output = list(spec.output_token_ids)
-    return [replace(spec, output_token_ids=output + list(draft_token_ids[:j])) for j in range(len(draft_token_ids) + 1)]
+    drafts 0 .. j-1, so its penalties, min_tokens and seeded uniform see them as output, and a
+    grammar's mask is row j of the sequence's [k + 1, words] bitmask (its state after them)."""
+    output, k, masks = list(spec.output_token_ids), len(draft_token_ids), spec.token_bitmask
+    if masks is not None and masks.shape[0] != k + 1:
+        raise ValueError(f"a sequence verifying {k} drafts needs {k + 1} bitmask rows, got {tuple(masks.shape)}")
+    return [replace(spec, output_token_ids=output + list(draft_token_ids[:j]),
+                    token_bitmask=None if masks is None else masks[j]) for j in range(k + 1)]
 
 
 def num_accepted(draft_token_ids: Sequence[int], sampled_token_ids: Sequence[int]) -> int:

@@ -170,3 +170,35 @@ def test_the_bundled_model_copying_accepts_proposals_and_decodes_as_without(smol
             [lp[t].logprob for t, lp in zip(w.token_ids, w.logprobs)], abs=5e-4)
     assert got[1].finish_reason == "stop" and got[1].stop_reason == " island"
     assert _accepted(spec) >= sum(len(c.token_ids) for c in got) // 3
+
+
+ECHO = ('Return this JSON object unchanged.\n{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", '
+        '"known_for": ["the analytical engine", "the first program"], "country": "England"}\nJSON: ')
+ECHO_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "born": {"type": "integer"}, "field": {"type": "string"},
+    "known_for": {"type": "array", "items": {"type": "string"}}, "country": {"type": "string"}},
+    "required": ["name", "born", "field", "known_for", "country"]}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_structured_outputs_speculate_and_decode_as_without(smollm2, backend):
+    """A request under a grammar speculates: each verified position is masked by the grammar's
+    state after the proposals before it, so the JSON it echoes from its prompt is proposed and
+    accepted, a proposal the grammar refuses ends the accepted run, and the output (greedy, and
+    seeded sampling, token for token), its text and finish reason are plain decoding's; tokens a
+    verification accepts after the grammar's end are not kept."""
+    import json
+
+    from pagellm import StructuredOutputsParams
+
+    plain, spec = smollm2
+    so = StructuredOutputsParams(json=json.dumps(ECHO_SCHEMA), backend=backend)
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so, logprobs=0),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=80, structured_outputs=so)]
+    before = _accepted(spec)
+    want, got = ([o.outputs[0] for o in llm.generate([ECHO] * len(params), params, use_tqdm=False)]
+                 for llm in (plain, spec))
+    assert [(c.token_ids, c.text, c.finish_reason) for c in got] == \
+        [(c.token_ids, c.text, c.finish_reason) for c in want]
+    assert got[0].finish_reason == "stop" and json.loads(got[0].text)["born"] == 1815
+    assert _accepted(spec) - before >= len(got[0].token_ids) // 3

@@ -1,16 +1,18 @@
 """`pagellm bench spec-decode`: single-stream decode speed with and without speculative decoding.
 
-Three workloads, one request at a time, greedy: a code edit (a source file of about 300 lines in
+Four workloads, one request at a time, greedy: a code edit (a source file of about 300 lines in
 the prompt, to be returned with a one-line change: the model copies, and prompt lookup proposes
 what it copies), a summary of a document that quotes its key sentences verbatim (copied spans
-between words of the model's own) and an open chat (little to copy: speculation must not cost much
-there). Decode tokens per second are measured from the first token to the last, so the prompt's
+between words of the model's own), an open chat (little to copy: speculation must not cost much
+there) and a JSON echo (a record in the prompt returned under its JSON schema, a structured output:
+each verified position masked by the grammar's state after the proposals before it). Decode tokens per second are measured from the first token to the last, so the prompt's
 prefill is not counted. The systems run interleaved, each once per workload per round (on shared
 cores the machine's speed drifts), and the load average is recorded at every run.
 
 Every round has prompts of its own: another of this package's modules for the code edit
 (CODE_FILES), another page of the repository's docs for the summary (SUMMARY_DOCS), another
-question for the chat (CHAT_PROMPTS), the same for every system within the round. A proposer that
+question for the chat (CHAT_PROMPTS), a record of another module for the JSON echo (JSON_MODULES),
+the same for every system within the round. A proposer that
 keeps what it saw across requests (llama-server's ngram-mod pools the n-grams of earlier outputs)
 would otherwise find from the second round on the very text it is asked to write again, and accept
 nearly every draft. Outputs with and without speculation must be equal (it is lossless); the JSON
@@ -63,12 +65,18 @@ CHAT_PROMPTS = (
     "What were the main causes of the fall of the Western Roman Empire?",
     "Describe how bread rises, from the yeast to the oven.",
 )
+# The JSON echo's module of each round, likewise: its record (json_record) is the prompt's JSON.
+JSON_MODULES = ("core/block_pool.py", "engine/detokenizer.py", "worker/logits_processors.py", "loader/tokenizer.py",
+                "kv_format.py")
+# Names of imports, classes and functions a record lists at most: a record and its echo come to
+# about 100 to 250 tokens with the bundled tokenizer, within --max-tokens' default 256.
+JSON_NAMES = 12
 # The warm-up's question: in no round, so that no system has seen a round's prompt before it.
 WARMUP_PROMPT = "Name three rivers of Europe."
 WARMUP_TOKENS = 8
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 METHODS = ("ngram", "draft_model")
-WORKLOADS = ("code-edit", "summary", "chat")
+WORKLOADS = ("code-edit", "summary", "chat", "json-echo")
 
 
 @dataclass
@@ -88,13 +96,13 @@ class SpecBenchConfig:
 
 def max_rounds() -> int:
     """The most rounds with a prompt of their own in every workload."""
-    return min(len(CODE_FILES), len(SUMMARY_DOCS), len(CHAT_PROMPTS))
+    return min(len(CODE_FILES), len(SUMMARY_DOCS), len(CHAT_PROMPTS), len(JSON_MODULES))
 
 
 def check_repeat(repeat: int) -> None:
     if not 1 <= repeat <= max_rounds():
-        raise ValueError(f"--repeat must be between 1 and {max_rounds()} (each round needs a code file, a document "
-                         f"and a chat question no earlier round used), got {repeat}")
+        raise ValueError(f"--repeat must be between 1 and {max_rounds()} (each round needs a code file, a document, "
+                         f"a chat question and a module's record no earlier round used), got {repeat}")
 
 
 def code_edit_prompt(path: Path, lines: int) -> str:
@@ -140,6 +148,39 @@ def summary_prompt(path: Path, lines: int) -> str:
             f"they connect. Reply with the summary only.")
 
 
+def json_record(path: Path) -> dict:
+    """A record of a Python module of this package: its path, its length and the first JSON_NAMES
+    modules it imports from, top-level classes and functions."""
+    code = path.read_text()
+    imports = re.findall(r"^(?:from|import) ([\w.]+)", code, re.MULTILINE)
+    return {"module": str(path.relative_to(REPOSITORY)),
+            "lines": len(code.splitlines()),
+            "imports": list(dict.fromkeys(imports))[:JSON_NAMES],
+            "classes": re.findall(r"^class (\w+)", code, re.MULTILINE)[:JSON_NAMES],
+            "functions": re.findall(r"^(?:async )?def (\w+)", code, re.MULTILINE)[:JSON_NAMES]}
+
+
+def json_schema(record: dict) -> dict:
+    """The JSON schema a record's echo is held to: its keys, each with its value's type."""
+    def kind(value) -> dict:
+        if isinstance(value, bool):
+            return {"type": "boolean"}
+        if isinstance(value, int):
+            return {"type": "integer"}
+        if isinstance(value, list):
+            return {"type": "array", "items": {"type": "string"}}
+        return {"type": "string"}
+    return {"type": "object", "properties": {k: kind(v) for k, v in record.items()}, "required": list(record),
+            "additionalProperties": False}
+
+
+def json_echo_prompt(path: Path) -> str:
+    """The record of `path` (json_record), to be returned as it is: a model that follows copies it
+    whole, under json_schema's grammar."""
+    return (f"Here is a JSON record of a Python module:\n{json.dumps(json_record(path))}\n"
+            f"Return the record exactly as it is, as JSON.")
+
+
 def round_sources(workload: str, repeat: int) -> list[str]:
     """What each round's prompt is made of: a file (relative to the repository) or a question."""
     check_repeat(repeat)
@@ -147,6 +188,8 @@ def round_sources(workload: str, repeat: int) -> list[str]:
         return [str((PACKAGE / f).relative_to(REPOSITORY)) for f in CODE_FILES[:repeat]]
     if workload == "summary":
         return list(SUMMARY_DOCS[:repeat])
+    if workload == "json-echo":
+        return [str((PACKAGE / f).relative_to(REPOSITORY)) for f in JSON_MODULES[:repeat]]
     return list(CHAT_PROMPTS[:repeat])
 
 
@@ -156,20 +199,29 @@ def user_message(workload: str, source: str, cfg: SpecBenchConfig) -> str:
         return code_edit_prompt(REPOSITORY / source, cfg.code_lines)
     if workload == "summary":
         return summary_prompt(REPOSITORY / source, cfg.summary_lines)
+    if workload == "json-echo":
+        return json_echo_prompt(REPOSITORY / source)
     return source
+
+
+def response_schema(workload: str, source: str) -> dict | None:
+    """The JSON schema a round's output is held to (the JSON echo's), or None."""
+    return json_schema(json_record(REPOSITORY / source)) if workload == "json-echo" else None
 
 
 @dataclass
 class Prompt:
     """One round's prompt, rendered once with pagellm's tokenizer and its chat template: pagellm
-    reads `token_ids`, llama-server is sent `peer_text` (the same text, tokenized by itself)."""
+    reads `token_ids`, llama-server is sent `peer_text` (the same text, tokenized by itself). `schema`:
+    the JSON schema its output is held to (both systems' structured outputs), or None."""
     source: str
     text: str
     token_ids: list[int]
     peer_text: str
+    schema: dict | None = None
 
 
-def render_prompt(tokenizer: Tokenizer, content: str, source: str) -> Prompt:
+def render_prompt(tokenizer: Tokenizer, content: str, source: str, schema: dict | None = None) -> Prompt:
     """`content` as the user's message, rendered as LLM.chat renders it (no special tokens added
     beyond what the template writes)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
@@ -177,7 +229,7 @@ def render_prompt(tokenizer: Tokenizer, content: str, source: str) -> Prompt:
     adds_bos = bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos]
     special_prefix = tokenizer.id_to_token(bos) if adds_bos else ""
     return Prompt(source, text, tokenizer.encode(text, add_special_tokens=False),
-                  spec_decode_peer.completion_prompt(text, special_prefix))
+                  spec_decode_peer.completion_prompt(text, special_prefix), schema)
 
 
 def check_fits(prompts: dict[str, list[Prompt]], max_tokens: int, max_model_len: int) -> None:
@@ -192,12 +244,13 @@ def check_fits(prompts: dict[str, list[Prompt]], max_tokens: int, max_model_len:
 
 
 def _one_run(llm, prompt: Prompt, max_tokens: int) -> dict:
-    from pagellm.sampling_params import SamplingParams
+    from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
     before = (llm.stats()["spec_decode"] or {}).get("num_accepted_tokens", 0)
     drafts_before = (llm.stats()["spec_decode"] or {}).get("num_draft_tokens", 0)
+    so = None if prompt.schema is None else StructuredOutputsParams(json=json.dumps(prompt.schema))
     out = llm.generate({"prompt_token_ids": prompt.token_ids},
-                       SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0]
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so), use_tqdm=False)[0]
     m, tokens = out.metrics, out.outputs[0].token_ids
     decode_s = m.finished_time - m.first_token_time
     spec = llm.stats()["spec_decode"] or {}
@@ -210,7 +263,7 @@ def _one_run(llm, prompt: Prompt, max_tokens: int) -> dict:
 
 
 def _peer_run(url: str, prompt: Prompt, max_tokens: int) -> dict:
-    return {"source": prompt.source, **spec_decode_peer.one_run(url, prompt.peer_text, max_tokens)}
+    return {"source": prompt.source, **spec_decode_peer.one_run(url, prompt.peer_text, max_tokens, prompt.schema)}
 
 
 def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
@@ -231,8 +284,8 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
     try:
         model_path = llms["plain"].engine.model_path
         tok = llms["plain"].get_tokenizer()
-        prompts = {w: [render_prompt(tok, user_message(w, src, cfg), src) for src in round_sources(w, cfg.repeat)]
-                   for w in cfg.workloads}
+        prompts = {w: [render_prompt(tok, user_message(w, src, cfg), src, response_schema(w, src))
+                       for src in round_sources(w, cfg.repeat)] for w in cfg.workloads}
         check_fits(prompts, cfg.max_tokens, llms["plain"].engine.max_model_len)
         warmup = render_prompt(tok, WARMUP_PROMPT, WARMUP_PROMPT)
         if cfg.peer_types:
@@ -289,6 +342,7 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
     return {"config": asdict(cfg), "model": model_path,
             "code_files": round_sources("code-edit", cfg.repeat) if "code-edit" in cfg.workloads else [],
             "summary_docs": round_sources("summary", cfg.repeat) if "summary" in cfg.workloads else [],
+            "json_modules": round_sources("json-echo", cfg.repeat) if "json-echo" in cfg.workloads else [],
             "load": {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}, "workloads": results}
 
 
@@ -367,12 +421,15 @@ def print_tables(results: dict) -> None:
         print(f"code files by round: {', '.join(results['code_files'])}")
     if results.get("summary_docs"):
         print(f"documents summarized by round: {', '.join(results['summary_docs'])}")
+    if results.get("json_modules"):
+        print(f"modules whose JSON records are echoed, by round: {', '.join(results['json_modules'])}")
     print(f"load average: {results['load']['loadavg_start']} at start, {results['load']['loadavg_end']} at end")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("spec-decode", help="single-stream decode tok/s with and without speculative decoding, on "
-                                           "a code edit, a summary that quotes its document and an open chat")
+                                           "a code edit, a summary that quotes its document, an open chat and a "
+                                           "JSON record echoed under its schema")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     p.add_argument("--method", default="ngram", choices=METHODS,
                    help="the proposer, when --speculative-config is not given: ngram (prompt lookup, k = 4) or "

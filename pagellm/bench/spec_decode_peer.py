@@ -67,9 +67,11 @@ def completion_prompt(text: str, special_prefix: str) -> str:
     return text[len(special_prefix):] if special_prefix and text.startswith(special_prefix) else text
 
 
-def request_body(prompt: str, max_tokens: int) -> dict:
-    """The body of one greedy `/completion` request: the raw text, no template applied."""
-    return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "seed": 0, "stream": False}
+def request_body(prompt: str, max_tokens: int, schema: dict | None = None) -> dict:
+    """The body of one greedy `/completion` request: the raw text, no template applied; with a JSON
+    schema, held to it (llama-server's `json_schema`, its grammar from the schema)."""
+    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "seed": 0, "stream": False}
+    return body if schema is None else {**body, "json_schema": schema}
 
 
 def tokenize(url: str, prompt: str) -> list[int]:
@@ -81,11 +83,12 @@ def tokenize(url: str, prompt: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def one_run(url: str, prompt: str, max_tokens: int) -> dict:
-    """One greedy completion of `prompt` (completion_prompt's text); the server's own timings of it."""
+def one_run(url: str, prompt: str, max_tokens: int, schema: dict | None = None) -> dict:
+    """One greedy completion of `prompt` (completion_prompt's text, held to `schema` if given); the
+    server's own timings of it."""
     import httpx
 
-    r = httpx.post(url + "/completion", timeout=600, json=request_body(prompt, max_tokens))
+    r = httpx.post(url + "/completion", timeout=600, json=request_body(prompt, max_tokens, schema))
     r.raise_for_status()
     body = r.json()
     t = body.get("timings") or {}

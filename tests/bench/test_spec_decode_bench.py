@@ -17,19 +17,23 @@ from pagellm.loader.tokenizer import Tokenizer
 
 
 def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
-    """Each round has a code file, a document and a chat question of its own, the same for both
-    systems within the round; every run records its prompt's size and the start of its output."""
+    """Each round has a code file, a document, a chat question and a module's record of its own, the
+    same for both systems within the round; every run records its prompt's size and the start of its
+    output; the JSON echo's outputs are JSON under its schema, with and without speculation."""
     stem = tmp_path / "spec"
     rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--code-lines", "2", "--summary-lines", "3",
                "--max-tokens", "6", "--repeat", "2", "--out", str(stem)])
     assert rc == 0
     data = json.loads(stem.with_suffix(".json").read_text())
     assert data["benchmark"] == "spec-decode" and data["machine"]["cpu"] and len(data["load"]["loadavg_start"]) == 3
-    assert list(data["workloads"]) == ["code-edit", "summary", "chat"]
+    assert list(data["workloads"]) == ["code-edit", "summary", "chat", "json-echo"]
     assert data["code_files"] == [f"pagellm/{f}" for f in spec_decode.CODE_FILES[:2]]
     assert data["summary_docs"] == ["docs/serving.md", "docs/kv-cache.md"]
+    assert data["json_modules"] == [f"pagellm/{f}" for f in spec_decode.JSON_MODULES[:2]]
     sources = {"code-edit": data["code_files"], "summary": data["summary_docs"],
-               "chat": list(spec_decode.CHAT_PROMPTS[:2])}
+               "chat": list(spec_decode.CHAT_PROMPTS[:2]), "json-echo": data["json_modules"]}
+    for system in ("plain", "speculative"):  # 6 tokens of the schema's object: its start, whatever the model
+        assert all(r["text_head"].lstrip().startswith("{") for r in data["workloads"]["json-echo"][system]["runs"])
     for workload, entry in data["workloads"].items():
         assert entry["outputs_equal"] is True
         assert [r["source"] for r in entry["rounds"]] == sources[workload]
@@ -42,7 +46,12 @@ def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
             assert all(isinstance(r["text_head"], str) and 0 < len(r["text_head"]) <= 200 for r in runs)
             assert entry[system]["decode_tokens_per_s"] > 0
         assert entry["speedup"] > 0
-        assert [r["steps"] for r in entry["lookup_replay"]["rounds"]] == [n - 1 for n in entry["output_tokens"]]
+        # A random model copies nothing, but its JSON's start may be the prompt's record's: proposed.
+        steps = [r["steps"] for r in entry["lookup_replay"]["rounds"]]
+        if workload == "json-echo":
+            assert all(0 < s <= n - 1 for s, n in zip(steps, entry["output_tokens"]))
+        else:
+            assert steps == [n - 1 for n in entry["output_tokens"]]
     for name, entry in data["workloads"].items():  # other files, other questions: prompts of other sizes here
         sizes = sorted(r["prompt_tokens"]["pagellm"] for r in entry["rounds"])
         assert sizes[0] < sizes[1] and f"{name} ({sizes[0]} to {sizes[1]} prompt tokens)" in spec_decode.doc_table(data)
@@ -176,6 +185,9 @@ def test_llama_server_reads_the_same_prompt_tokens(tmp_path, smollm2_gguf):
         assert [r["source"] for r in runs] == [r["source"] for r in entry["rounds"]]
         assert [r["prompt_tokens"] for r in runs] == [r["prompt_tokens"]["pagellm"] for r in entry["rounds"]]
         assert all(r["text_head"] for r in runs)
+    # Held to the record's schema there too (its json_schema): its output opens the object.
+    assert all(r["text_head"].lstrip().startswith("{")
+               for r in data["workloads"]["json-echo"]["llama-server"]["none"]["runs"])
 
 
 def test_lookup_replay_counts_the_steps_a_copy_saves():
@@ -208,3 +220,22 @@ def test_lookup_replay_proposes_and_keeps_what_the_engine_did(smollm2_gguf):
                                        spec_decode.SpeculativeConfig.from_dict(options), params.max_tokens)
     assert replay["draft_tokens"] > 20 and len(out.outputs[0].token_ids) == 64
     assert (replay["draft_tokens"], replay["accepted_tokens"]) == (spec["num_draft_tokens"], spec["num_accepted_tokens"])
+
+
+def test_each_round_echoes_another_modules_record_under_its_schema():
+    """The JSON echo's rounds: another module's record each, whole in the prompt, and a schema that
+    names every key of the record with its value's type and admits no other key."""
+    sources = spec_decode.round_sources("json-echo", spec_decode.max_rounds())
+    assert len(set(sources)) == len(sources) == len(spec_decode.JSON_MODULES) == spec_decode.max_rounds()
+    cfg = spec_decode.SpecBenchConfig()
+    for source in sources:
+        record = spec_decode.json_record(spec_decode.REPOSITORY / source)
+        assert record["module"] == source and record["lines"] == len((spec_decode.REPOSITORY / source).read_text()
+                                                                      .splitlines())
+        assert record["classes"] or record["functions"]
+        assert json.dumps(record) in spec_decode.user_message("json-echo", source, cfg)
+        schema = spec_decode.response_schema("json-echo", source)
+        assert schema["required"] == list(record) and schema["additionalProperties"] is False
+        assert {k: v["type"] for k, v in schema["properties"].items()} == {
+            "module": "string", "lines": "integer", "imports": "array", "classes": "array", "functions": "array"}
+    assert spec_decode.response_schema("chat", spec_decode.CHAT_PROMPTS[0]) is None

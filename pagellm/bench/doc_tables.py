@@ -88,7 +88,7 @@ def tables() -> list[DocTable]:
         json_table("batch-invariant-table", "python.md", "batch-invariant-2026-12-01.json",
                    throughput.invariant_doc_table),
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),
-        json_table("spec-decode-table", "speculative-decoding.md", "spec-decode-smollm2-2026-12-05d-intel-amx.json",
+        json_table("spec-decode-table", "speculative-decoding.md", "spec-decode-smollm2-2026-12-06-intel-amx.json",
                    spec_decode.doc_table),
     ]
 

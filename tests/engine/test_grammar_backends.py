@@ -83,3 +83,32 @@ def test_required_beside_an_allof_ref_holds_in_every_sample(llm, backend):  # no
     assert finished
     for o in finished:
         jsonschema.validate(json.loads(o.text), REF_REQUIRED)
+
+
+def test_xgrammar_fills_a_few_rows_as_its_thread_pool_fills_many(llm):  # noqa: F811
+    """A step's few rows are filled in the engine's thread, many by xgrammar's thread pool: the same
+    bits either way, each row from its own matcher's state (70 matchers along one JSON text)."""
+    import torch
+
+    from pagellm.engine.grammars import xgrammar_backend
+
+    grammars = llm.engine.grammars
+    tok = llm.get_tokenizer()
+    spec = StructuredOutputsParams(json=json.dumps(BASE), backend="xgrammar")
+    text = tok.encode('{"a": 12345, "b": "xyz"}', add_special_tokens=False)
+    matchers = []
+    for i in range(70):
+        g = grammars.grammar(spec)
+        for t in text[:i % (len(text) + 1)]:
+            assert g.accept(t)
+        matchers.append(g.matcher)
+    assert len(matchers) >= xgrammar_backend.BATCH_FILL_FROM
+    words = (grammars.vocab_size + 31) // 32
+    backend = grammars.backend("xgrammar")
+    pooled = torch.zeros(len(matchers), words, dtype=torch.int32)
+    backend.fill(matchers, pooled, list(range(len(matchers))))
+    one_by_one = torch.zeros_like(pooled)
+    for i, m in enumerate(matchers):
+        backend.fill([m], one_by_one, [i])
+    assert torch.equal(pooled, one_by_one)
+    assert len({tuple(row.tolist()) for row in pooled}) > 3  # the states differ, and so do their masks

@@ -20,8 +20,8 @@ logger = logging.getLogger("pagellm.engine")
 def load_draft_proposer(config: EngineConfig, target: ModelSource, device: torch.device, dtype: torch.dtype,
                         max_model_len: int, eos_token_ids: set[int]) -> DraftModelProposer:
     """The draft model of `config.speculative`, weights loaded, as a proposer (its cache comes with
-    split_kv_budget). ValueError for a draft the engine cannot use: another vocabulary, recurrent
-    layers, tensor parallelism."""
+    split_kv_budget). ValueError for a draft the engine cannot use: another vocabulary, tensor
+    parallelism."""
     spec = config.speculative
     if config.tensor_parallel_size > 1:
         raise ValueError(f"speculative_config method 'draft_model' does not run with tensor_parallel_size "
@@ -37,11 +37,6 @@ def load_draft_proposer(config: EngineConfig, target: ModelSource, device: torch
                          weight_format=source.weight_format, batch_invariant=config.batch_invariant,
                          sliding_kv=True, kv_cache_dtype=config.kv_cache_dtype,
                          activation_quantization=activations)
-    if runner.recurrent:
-        kinds = ", ".join(sorted({type(m).__name__ for m in runner.recurrent}))
-        raise ValueError(f"speculative_config model {spec.model!r} ({source.arch.architecture}) has recurrent "
-                         f"layers ({kinds}): their per-sequence state cannot be rolled back past rejected "
-                         f"drafts yet; use a draft model with attention layers only")
     runner.load_weights(source.weights())
     logger.info("draft model %s (%s, %s family, %s products)", source.path, source.format,
                 source.arch.architecture, activations)

@@ -26,7 +26,7 @@ from pagellm.kernels import cpu as cpu_kernels
 from pagellm.layers.attention import Attention
 from pagellm.layers.moe import FusedMoE
 from pagellm.layers.quant import linear_methods
-from pagellm.layers.recurrent import RecurrentMixer, blocks_for_state, roll_back_states
+from pagellm.layers.recurrent import RecurrentMixer, blocks_for_state, read_state, roll_back_states, write_state
 from pagellm.models.arch import ModelArchConfig
 from pagellm.models.registry import build_model
 from pagellm.timing import PhaseTimer, phase
@@ -174,6 +174,8 @@ class ModelRunner:
             for m in layers])
         # (heads, K row, V row) of each caching layer's tokens: one shape for most models.
         self.layer_rows = [self.model.layer_kv_rows(m) for m in layers]
+        # Each recurrent layer with its index in kv_caches (read_states, write_states).
+        self._state_layers = [(i, m) for i, m in enumerate(layers) if isinstance(m, RecurrentMixer)]
         self.state_groups = frozenset(g for g, w in enumerate(self.kv_groups.windows) if w == STATE)
         for layer, group in zip(layers, self.kv_groups.layer_group):
             layer.kv_group = group
@@ -225,6 +227,17 @@ class ModelRunner:
         without recurrent layers."""
         per_layer = self.bytes_per_block(block_size) // self.kv_groups.slots  # K and V of one slot
         return max((blocks_for_state(m.state_bytes, per_layer) for m in self.recurrent), default=0)
+
+    def read_states(self, tables: Sequence[list[int]]) -> list[torch.Tensor]:
+        """One sequence's recurrent states as its state blocks hold them now, a copy per recurrent
+        layer (`tables`: its block table in each KV group); write_states puts them back."""
+        return [read_state(self.kv_caches[i], torch.tensor([tables[m.kv_group]], device=self.device))
+                for i, m in self._state_layers]
+
+    def write_states(self, tables: Sequence[list[int]], states: list[torch.Tensor]) -> None:
+        """read_states' copies back into the sequence's state blocks."""
+        for (i, m), raw in zip(self._state_layers, states):
+            write_state(self.kv_caches[i], torch.tensor([tables[m.kv_group]], device=self.device), raw)
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None:

@@ -174,12 +174,30 @@ def test_a_draft_with_another_vocabulary_is_refused(models, tmp_path):
     assert all(w in str(e.value) for w in ("token id 200", "renamed", repr(token)))
 
 
-@pytest.mark.slow  # building the recurrent model takes a while
-def test_a_recurrent_draft_is_refused(models, tmp_path):
+def test_a_recurrent_draft_rolls_back_to_the_accepted_drafts(models, tmp_path, monkeypatch):
+    """A draft with recurrent layers (LFM2's short convolutions) keeps its states after each of a
+    proposal's passes and starts the next proposal from the one after the accepted drafts: its
+    proposals, and so what the target accepts, are those of a draft that reads every sequence
+    again from its start at each proposal; the target's greedy outputs are plain decoding's."""
+    target, _, requests, expected = models
     lfm2 = str(build("lfm2", tmp_path / "lfm2", vocab_size=320))
-    with pytest.raises(ValueError) as e:
-        LLM(models[0], num_kv_blocks=64, speculative_config=_spec(lfm2))
-    assert all(w in str(e.value) for w in ("speculative_config model", "recurrent", "ShortConv"))
+
+    def run(reread: bool) -> tuple[list, dict]:
+        llm = LLM(target, num_kv_blocks=512, block_size=4, speculative_config=_spec(lfm2))
+        proposer = llm.engine.executor.driver.proposer
+        assert proposer.runner.recurrent
+        if reread:  # every proposal from the sequence's start, with fresh states
+            start = type(proposer)._start
+            monkeypatch.setattr(proposer, "_start", lambda q: (proposer.release([q.request_id]), start(proposer, q))[1])
+        got = _run(llm, requests)
+        _assert_nothing_held(llm)
+        return got, llm.stats()["spec_decode"]
+
+    kept, kept_stats = run(reread=False)
+    fresh, fresh_stats = run(reread=True)
+    assert [t for t, _ in kept] == [t for t, _ in expected] == [t for t, _ in fresh]
+    assert 0 < kept_stats["num_accepted_tokens"] < kept_stats["num_draft_tokens"]
+    assert kept_stats == fresh_stats
 
 
 def test_the_draft_cache_takes_its_share_of_the_kv_budget(models, caplog):

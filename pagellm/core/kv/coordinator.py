@@ -624,8 +624,9 @@ class KVCoordinator(KVManager):
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Drop every attention group's blocks past the first `num_tokens` tokens, tail first (a
         sliding group's tail is inside its window: real blocks). They hold no computed full block
-        (none was hashed), so they go back as plain free blocks. State groups are not positions:
-        their state cannot be rolled back, which is why speculative decoding refuses recurrent models."""
+        (none was hashed), so they go back as plain free blocks. State groups are not positions and
+        keep their blocks: the state in them is rolled back by the runner that wrote it (a target's
+        from the states it traced while verifying, a draft model's from the ones it kept while drafting)."""
         tables = self._tables.get(request.request_id)
         if not tables:
             return

@@ -33,10 +33,13 @@ if TYPE_CHECKING:
 @dataclass
 class DraftSequence:
     """A sequence as the draft's KV coordinator sees it: its id and how many of its tokens have
-    K/V in the draft's cache (`tokens`, the tokens read, drafts included)."""
+    K/V in the draft's cache (`tokens`, the tokens read, drafts included). A draft with recurrent
+    layers also keeps, from its last proposal, its states after each forward pass (`states`, by
+    tokens read then): the next proposal starts from the one after the accepted drafts."""
 
     request_id: str
     tokens: list[int] = field(default_factory=list)
+    states: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -77,7 +80,7 @@ class ModelProposer(Proposer):
         self.runner.allocate_kv_cache(num_blocks, block_size, asked_by)
         self.kv = make_kv_manager("paged", num_blocks, block_size, self.runner.max_model_len,
                                   enable_prefix_caching=False, windows=self.runner.kv_groups.windows,
-                                  max_chunk_tokens=max_chunk_tokens)
+                                  max_chunk_tokens=max_chunk_tokens, state_blocks=self.runner.state_blocks(block_size))
 
 
 class DraftModelProposer(ModelProposer):
@@ -123,9 +126,18 @@ class DraftModelProposer(ModelProposer):
                 break
             common += 1
         common = min(common, len(context) - 1)  # the last token is always read: its logits propose
+        if common < len(seq.tokens) and self.runner.recurrent and common not in seq.states:
+            # No state kept at that point (a proposal's first pass starts after it): read the
+            # sequence again from its start.
+            self.release([query.request_id])
+            seq = self.seqs.setdefault(query.request_id, DraftSequence(query.request_id))
+            common = 0
         if common < len(seq.tokens):
             self.kv.truncate(seq, common)
             del seq.tokens[common:]
+            if self.runner.recurrent:  # the recurrent layers' states back to the accepted tokens'
+                self.runner.write_states(self.kv.group_tables(query.request_id), seq.states[common])
+        seq.states.clear()
         if not self.kv.allocate_slots(seq, len(context) - common + k - 1):
             self.release([query.request_id])
             return None
@@ -142,6 +154,8 @@ class DraftModelProposer(ModelProposer):
         tokens, probs = draw_proposals(logits, specs, self.eos_token_ids, self.vocab_size, self.generator)
         for i, r in enumerate(runs):
             r.seq.tokens.extend(r.pending)
+            if self.runner.recurrent and len(r.drafts) < r.k - 1:  # a state the next proposal may start from
+                r.seq.states[len(r.seq.tokens)] = self.runner.read_states(self.kv.group_tables(r.seq.request_id))
             if not specs[i].params.greedy:
                 r.probs.append(probs[i])
             r.drafts.append(tokens[i])

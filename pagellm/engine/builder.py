@@ -121,7 +121,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             raise ValueError(f"preemption_mode {config.preemption_mode!r} moves KV blocks to the second tier: it "
                              f"needs kv_offload_dir")
         if config.speculative is not None:
-            _check_speculation(config, runner)
+            _check_speculation(config)
     except BaseException:
         executor.shutdown()  # tensor-parallel workers must not outlive a failed start
         raise
@@ -148,15 +148,10 @@ def _start_executor(config: EngineConfig, spec: WorkerSpec, device: torch.device
     return UniProcExecutor(ModelRunner(*args, batch_invariant=config.batch_invariant, proposer=proposer, **kwargs))
 
 
-def _check_speculation(config: EngineConfig, runner: ModelRunner) -> None:
+def _check_speculation(config: EngineConfig) -> None:
     """Speculative decoding rolls rejected tokens back by shortening block tables, and recurrent
-    layers' states by writing back the state traced after the last accepted token (layers/recurrent.py):
-    refuse what cannot be rolled back that way (yet)."""
-    if runner.recurrent and config.tensor_parallel_size > 1:
-        kinds = ", ".join(sorted({type(m).__name__ for m in runner.recurrent}))
-        raise ValueError(f"speculative_config with tensor_parallel_size > 1 is not supported for "
-                         f"{runner.arch.architecture} yet: its recurrent layers ({kinds}) are rolled back to the "
-                         f"accepted tokens' state on rank 0 only; use tensor_parallel_size 1")
+    layers' states by writing back the state traced after the last accepted token (layers/recurrent.py;
+    every tensor-parallel rank its shard): refuse what cannot be rolled back that way."""
     if config.kv_policy != "paged":
         raise ValueError(f"speculative_config needs kv_policy 'paged' (rejected tokens are dropped from block "
                          f"tables), got {config.kv_policy!r}")

@@ -31,7 +31,8 @@ class TensorParallelExecutor(Executor):
         try:
             def build() -> ModelRunner:
                 args, kwargs = spec.runner_arguments(self.workers.device, self.workers.tp)
-                runner = ModelRunner(*args, **kwargs, **driver_kwargs, mirror=partial(_mirror_step, self.workers))
+                runner = ModelRunner(*args, **kwargs, **driver_kwargs, mirror=partial(_mirror_step, self.workers),
+                                     mirror_call=self.workers.call)
                 warm_up_kernels(self.workers.device)
                 return runner
 

@@ -115,6 +115,9 @@ class StepResult:
 # Rank 0's way to run a step's tensor work (StepInputs -> run_step's value) on every rank: it is
 # handed the inputs and this runner's own run_step.
 StepMirror = Callable[["StepInputs", Callable[["StepInputs"], Any]], Any]
+# How rank 0 runs a ModelRunner method on every rank: (its name, its arguments, rank 0's own call)
+# -> every rank's value, rank 0's first (distributed/driver.py, WorkerGroup.call).
+RankCall = Callable[[str, tuple, Callable[[], Any]], list[Any]]
 
 
 class ModelRunner:
@@ -123,7 +126,8 @@ class ModelRunner:
                  tp: TensorParallelGroup | None = None, weight_format: str = "dense",
                  batch_invariant: bool = False, sliding_kv: bool = False, kv_cache_dtype: str = "auto",
                  activation_quantization: str = "none", proposer: Proposer | None = None,
-                 mirror: StepMirror | None = None, model_class: type | None = None) -> None:
+                 mirror: StepMirror | None = None, mirror_call: RankCall | None = None,
+                 model_class: type | None = None) -> None:
         """`weight_format` "gguf": linear layers keep the GGUF blocks they are loaded with.
         `batch_invariant`: a token's logits do not depend on what else runs (layers/invariant.py).
         `sliding_kv`: sliding-window layers get their own KV groups (block tables whose slid-out
@@ -133,7 +137,8 @@ class ModelRunner:
         codes (layers/quant/gguf.py).
         `proposer`: speculative decoding's, on the rank that samples (None: no speculation).
         `mirror`: how rank 0 of a tensor-parallel engine runs a step's tensor work on every rank
-        (pagellm/executor/tensor_parallel.py); None: on this one alone.
+        (pagellm/executor/tensor_parallel.py), `mirror_call` any other runner method (a verification's
+        roll-back of the recurrent states every rank traced); None: on this one alone.
         `model_class`: the model to build instead of `arch`'s family (an MTP layer, built as the
         family is: `model_class(arch, backend, max_model_len, tp)`)."""
         self.arch = arch
@@ -188,6 +193,9 @@ class ModelRunner:
         # The draft distributions of the proposals made last step, by sequence, for their verification.
         self._draft_probs: dict[str, Proposal] = {}
         self.mirror = mirror
+        self.mirror_call = mirror_call
+        # The recurrent layers' states the last step traced while verifying (roll_back_verified).
+        self._traced_states: list = []
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -430,8 +438,12 @@ class ModelRunner:
             if self._draft_probs:
                 self._verify_with_draft_probs(seqs, logits, samplers, sampled, eos_token_ids)
         accepted = _accepted(seqs, sampled)
-        if inputs.meta.state_rollbacks:  # recurrent layers: back to the state after the kept tokens
-            roll_back_states(inputs.meta.state_rollbacks, {i: a + 1 for i, a in enumerate(accepted) if a is not None})
+        if inputs.meta.state_rollbacks:  # recurrent layers: back to the state after the kept tokens, on every rank
+            kept = {i: a + 1 for i, a in enumerate(accepted) if a is not None}
+            if self.mirror_call is None:
+                self.roll_back_verified(kept)
+            else:
+                self.mirror_call("roll_back_verified", (kept,), lambda: self.roll_back_verified(kept))
         kept = _kept_rows(seqs, accepted)
         result = StepResult([samplers[i].request_id for i in kept], sampled.select(kept), prompt, pooled)
         if any(s.num_proposals for s in seqs):
@@ -480,6 +492,13 @@ class ModelRunner:
                 self._draft_probs.pop(s.request_id, None)
         return {s.request_id: p.token_ids for s, p in zip(asking, proposals) if p.token_ids}
 
+    def roll_back_verified(self, kept: dict[int, int]) -> None:
+        """The last step's verifying rows (`kept`: row -> tokens kept, its last token and its accepted
+        proposals) back to their states after the kept tokens, in every recurrent layer of this rank
+        (rank 0 has every rank do it: each holds its shard of the states)."""
+        roll_back_states(self._traced_states, kept)
+        self._traced_states = []
+
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A step's tensor work: copy-on-write block copies, the forward pass, the logits of the
@@ -494,6 +513,7 @@ class ModelRunner:
         # A captured graph replays decode-only steps; anything else runs eagerly.
         with phase(self.timer, "model_forward"):
             hidden = (self.cuda_graphs or self.model)(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self._traced_states = inputs.meta.state_rollbacks
         if self.proposer is not None and self.proposer.reads_hidden_states:
             self._step_hidden = hidden
         pooled = _pool_chunks(hidden, inputs.pool_rows) if inputs.pool_rows else None

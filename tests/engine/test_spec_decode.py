@@ -135,11 +135,19 @@ def test_what_cannot_roll_back_is_refused(tiny_llama_dir, options, words):
     assert all(w in str(e.value) for w in words)
 
 
-def test_recurrent_models_are_refused_under_tensor_parallelism(tmp_path):
+def test_recurrent_models_roll_back_on_every_tensor_parallel_rank(tmp_path):
+    """LFM2's short convolutions split across two ranks: each rank traces its shard of the states
+    while verifying and rolls it back to the accepted tokens', so tokens and logprobs are one
+    rank's plain decoding's, with proposals accepted and rejected."""
     path = str(build("lfm2", tmp_path / "lfm2"))
-    with pytest.raises(ValueError) as e:
-        LLM(path, num_kv_blocks=64, speculative_config=SPEC, tensor_parallel_size=2)
-    assert all(w in str(e.value) for w in ("speculative_config", "tensor_parallel_size", "recurrent layers (ShortConv)"))
+    requests = _requests()[:4]  # two restricted to three tokens: proposals accepted
+    expected = _run(LLM(path, num_kv_blocks=256, block_size=4), requests)
+    with LLM(path, num_kv_blocks=256, block_size=4, speculative_config=SPEC, tensor_parallel_size=2) as llm:
+        got = _run(llm, requests)
+        stats = llm.stats()["spec_decode"]
+        assert llm.stats()["used_blocks"] == 0
+    _assert_same(got, expected)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +201,8 @@ def test_structured_outputs_speculate_and_decode_as_without(smollm2, backend):
 
     plain, spec = smollm2
     so = StructuredOutputsParams(json=json.dumps(ECHO_SCHEMA), backend=backend)
-    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so, logprobs=0),
-              SamplingParams(temperature=0.8, seed=11, max_tokens=80, structured_outputs=so)]
+    params = [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=so, logprobs=0),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=64, structured_outputs=so)]
     before = _accepted(spec)
     want, got = ([o.outputs[0] for o in llm.generate([ECHO] * len(params), params, use_tqdm=False)]
                  for llm in (plain, spec))

@@ -20,13 +20,9 @@ logger = logging.getLogger("pagellm.engine")
 def load_draft_proposer(config: EngineConfig, target: ModelSource, device: torch.device, dtype: torch.dtype,
                         max_model_len: int, eos_token_ids: set[int]) -> DraftModelProposer:
     """The draft model of `config.speculative`, weights loaded, as a proposer (its cache comes with
-    split_kv_budget). ValueError for a draft the engine cannot use: another vocabulary, tensor
-    parallelism."""
+    split_kv_budget). ValueError for a draft the engine cannot use (another vocabulary). Under tensor
+    parallelism it runs whole on rank 0, between the ranks' steps."""
     spec = config.speculative
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"speculative_config method 'draft_model' does not run with tensor_parallel_size "
-                         f"{config.tensor_parallel_size} yet (the draft would run on rank 0 alone, outside the "
-                         f"ranks' step); use tensor_parallel_size 1 or method 'ngram'")
     # A GGUF draft keeps its quantized blocks on the CPU (cheap steps), whatever the target does.
     source = load_model_source(spec.model, "auto", "auto" if device.type == "cpu" else "none")
     check_same_vocabulary(target, source)

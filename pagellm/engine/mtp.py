@@ -38,7 +38,7 @@ def load_mtp_proposer(config: EngineConfig, target: ModelSource, device: torch.d
                       max_model_len: int, eos_token_ids: set[int]) -> MTPProposer:
     """The target's first MTP layer, weights loaded, as a proposer (its cache comes with
     split_kv_budget). ValueError, naming what is missing or why, for a target without one, a GGUF
-    file, a family whose MTP layers are not run, or tensor parallelism."""
+    file or a family whose MTP layers are not run. Under tensor parallelism it runs whole on rank 0."""
     arch = target.arch
     where = f"speculative_config method 'mtp' on {target.path!r} ({arch.architecture})"
     if target.format == "gguf":
@@ -50,9 +50,6 @@ def load_mtp_proposer(config: EngineConfig, target: ModelSource, device: torch.d
         raise ValueError(f"{where}: this family has no multi-token-prediction layers pagellm runs (it runs "
                          f"DeepSeek-V3's, num_nextn_predict_layers, and Qwen3.5's, mtp_num_hidden_layers); use method "
                          f"'ngram' or 'draft_model'")
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"{where}: not with tensor_parallel_size {config.tensor_parallel_size} yet (the MTP layer "
-                         f"would run on rank 0 alone, outside the ranks' step); use tensor_parallel_size 1")
     field = model_class.layers_field
     layers = model_class.num_layers(arch)
     if layers < 1:

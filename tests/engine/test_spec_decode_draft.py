@@ -97,6 +97,23 @@ def test_greedy_with_a_draft_model_equals_plain_decoding(models, setup, which, t
     _assert_nothing_held(llm)
 
 
+def test_under_tensor_parallelism_the_draft_proposes_as_on_one_rank(models):
+    """Two ranks: the draft runs whole on rank 0, between the ranks' steps; it proposes and keeps
+    what it does on one rank (the target itself as its draft: every proposal right), and the outputs
+    are plain decoding's."""
+    target, _, requests, expected = models
+    one = LLM(target, num_kv_blocks=512, block_size=4, speculative_config=_spec(target))
+    with LLM(target, num_kv_blocks=512, block_size=4, speculative_config=_spec(target), tensor_parallel_size=2) as llm:
+        got = _run(llm, requests)
+        stats = llm.stats()["spec_decode"]
+        _assert_nothing_held(llm)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, lps), (_, want) in zip(got, expected):
+        assert lps == pytest.approx(want, abs=1e-4)
+    _run(one, requests)
+    assert stats == one.stats()["spec_decode"] and stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+
+
 def test_a_recurrent_target_rolls_back_to_the_accepted_tokens(models, tmp_path):
     """A target with recurrent layers (LFM2's short convolutions) under a draft model of another
     family, preempted by swapping: its states are rolled back to the accepted tokens' in every

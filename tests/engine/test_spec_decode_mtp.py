@@ -185,6 +185,19 @@ def test_greedy_with_mtp_equals_plain_decoding(ds, coin, which, name):
     assert proposer.kv.num_used_blocks == 0 and llm.stats()["used_blocks"] == 0
 
 
+def test_under_tensor_parallelism_the_layer_proposes_as_on_one_rank(coin):
+    """Two ranks: the MTP layer runs whole on rank 0 from the target's hidden states there (the
+    ranks' all-reduced ones), between the ranks' steps; it proposes and keeps what it does on one
+    rank, and the outputs are plain decoding's."""
+    path, requests, plain = coin
+    one = LLM(str(path), num_kv_blocks=256, block_size=4, speculative_config=MTP)
+    assert _run(one, requests) == plain
+    with LLM(str(path), num_kv_blocks=256, block_size=4, speculative_config=MTP, tensor_parallel_size=2) as llm:
+        assert _run(llm, requests) == plain
+        stats = llm.stats()["spec_decode"]
+    assert stats == one.stats()["spec_decode"] and stats["num_accepted_tokens"] > 0
+
+
 def test_sampled_requests_keep_the_targets_logprobs(coin):
     """Seeded samples over three tokens, their proposals drawn from the layer's distribution and
     verified by rejection sampling against it: some accepted, every token reported with the
@@ -216,8 +229,6 @@ def test_checkpoints_without_mtp_layers_are_refused(ds, tmp_path, tiny_llama_dir
     (bare / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0: this checkpoint has no MTP layer"):
         LLM(str(bare), num_kv_blocks=16, speculative_config=MTP)
-    with pytest.raises(ValueError, match="not with tensor_parallel_size 2 yet"):
-        LLM(str(path), num_kv_blocks=16, speculative_config=MTP, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="this family has no multi-token-prediction layers"):
         LLM(tiny_llama_dir, num_kv_blocks=16, speculative_config=MTP)
     with pytest.raises(ValueError, match="a GGUF file carries no MTP layer"):

@@ -43,3 +43,21 @@ def forward_in_two_chunks(llm: LLM, hidden_size: int):
     first = runner.forward_hidden([PlannedSeq("a", tokens[:8], 0, table)], hidden[:8])
     rest = runner.forward_hidden([PlannedSeq("a", tokens[8:], 8, table)], hidden[8:])  # reads the cached 8
     return runner, tokens, hidden, torch.cat([first, rest])
+
+
+def check_two_ranks_propose_as_one(path, requests, speculative_config: dict, plain: list[list[int]]) -> dict:
+    """Two tensor-parallel ranks, the MTP layer whole on rank 0 from the target's hidden states
+    there (the ranks' all-reduced ones), between the ranks' steps: greedy outputs are plain
+    decoding's, and the proposals and what is kept are one rank's. Returns the two ranks' stats."""
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    one = LLM(str(path), num_kv_blocks=256, block_size=4, speculative_config=speculative_config)
+    assert run(one) == plain
+    with LLM(str(path), num_kv_blocks=256, block_size=4, speculative_config=speculative_config,
+             tensor_parallel_size=2) as llm:
+        assert run(llm) == plain
+        stats = llm.stats()["spec_decode"]
+    assert stats == one.stats()["spec_decode"] and stats["num_accepted_tokens"] > 0
+    return stats

@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
 
 from pagellm import LLM, SamplingParams
-from tests.engine.mtp_checks import check_sampled_requests_keep_the_targets_logprobs, forward_in_two_chunks
+from tests.engine.mtp_checks import (check_sampled_requests_keep_the_targets_logprobs, check_two_ranks_propose_as_one,
+                                     forward_in_two_chunks)
 from tests.models.families import COMMON, FAMILIES, _perturb, build
 
 N_NEW = 16
@@ -186,16 +187,8 @@ def test_greedy_with_mtp_equals_plain_decoding(ds, coin, which, name):
 
 
 def test_under_tensor_parallelism_the_layer_proposes_as_on_one_rank(coin):
-    """Two ranks: the MTP layer runs whole on rank 0 from the target's hidden states there (the
-    ranks' all-reduced ones), between the ranks' steps; it proposes and keeps what it does on one
-    rank, and the outputs are plain decoding's."""
     path, requests, plain = coin
-    one = LLM(str(path), num_kv_blocks=256, block_size=4, speculative_config=MTP)
-    assert _run(one, requests) == plain
-    with LLM(str(path), num_kv_blocks=256, block_size=4, speculative_config=MTP, tensor_parallel_size=2) as llm:
-        assert _run(llm, requests) == plain
-        stats = llm.stats()["spec_decode"]
-    assert stats == one.stats()["spec_decode"] and stats["num_accepted_tokens"] > 0
+    check_two_ranks_propose_as_one(path, requests, MTP, plain)
 
 
 def test_sampled_requests_keep_the_targets_logprobs(coin):

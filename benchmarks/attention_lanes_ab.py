@@ -9,6 +9,11 @@ blocks lie scattered in a pool too large for the caches, as in a model's step. T
 layer, the best of `--rounds` rounds of all the layers.
 
     python benchmarks/attention_lanes_ab.py --out benchmarks/results/attention-lanes-ab-DATE.json
+
+`--kernels default` times the build's own dispatch alone (a build without AVX-512 has one kernel),
+for comparing two builds or two versions of csrc/cpu_ops.cpp run one after the other:
+
+    PAGELLM_CPU_MARCH=x86-64-v3 python benchmarks/attention_lanes_ab.py --kernels default --out ...
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ def make_cache(kind: str, blocks: int, kvh: int, d: int) -> tuple[torch.Tensor, 
 
 
 def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, layers: int, rounds: int,
-             lanes_from: int) -> float:
+             lanes_from: int | None) -> float:
+    """ms per layer (the best round); `lanes_from` the crossover to set (None: the build's own)."""
     h, kvh, d = shape
     per_layer = (context + BLOCK - 1) // BLOCK
     k_cache, v_cache, fmt = make_cache(kind, per_layer * layers + 1, kvh, d)
@@ -54,7 +60,7 @@ def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, 
     q = torch.randn(tokens, h, d)
     lens = torch.arange(context - tokens + 1, context + 1)
     seq = torch.zeros(tokens, dtype=torch.long)
-    before = cpu.set_attention_lanes_from(lanes_from)
+    before = None if lanes_from is None else cpu.set_attention_lanes_from(lanes_from)
     try:
         best = float("inf")
         for _ in range(rounds):
@@ -63,7 +69,8 @@ def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, 
                 cpu.paged_attention(q, k_cache, v_cache, table, lens, d ** -0.5, token_seq=seq, kv_format=fmt)
             best = min(best, (time.perf_counter() - start) / layers)
     finally:
-        cpu.set_attention_lanes_from(before)
+        if before is not None:
+            cpu.set_attention_lanes_from(before)
     return 1000 * best
 
 
@@ -75,27 +82,37 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernels", choices=("both", "default"), default="both",
+                    help="both: attend_run against attend_run_lanes; default: the build's dispatch alone")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    if cpu.set_attention_lanes_from(0) is None:
-        sys.exit("this build has one attention kernel (no AVX-512): nothing to compare")
+    both = args.kernels == "both"
+    if both and cpu.set_attention_lanes_from(0) is None:
+        sys.exit("this build has one attention kernel (no AVX-512): nothing to compare (--kernels default times it)")
     load = os.getloadavg()
     cases = []
     for shape in SHAPES:
         for context in args.contexts:
             for tokens in args.tokens:
                 for kind in args.caches:
+                    lanes = tokens * shape[0] // shape[1]
+                    case = {"heads": shape[0], "kv_heads": shape[1], "head_size": shape[2], "cache": kind,
+                            "context": context, "tokens": tokens, "lanes": lanes}
+                    if not both:
+                        case["default_ms"] = layer_ms(shape, kind, context, tokens, args.layers, args.rounds, None)
+                        cases.append(case)
+                        print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: {case['default_ms']:.3f} ms",
+                              flush=True)
+                        continue
                     # lanes_from past any run's lanes: attend_run; 1: attend_run_lanes wherever it can
                     runs = [layer_ms(shape, kind, context, tokens, args.layers, args.rounds, n) for n in (1 << 30, 1)]
-                    lanes = tokens * shape[0] // shape[1]
-                    cases.append({"heads": shape[0], "kv_heads": shape[1], "head_size": shape[2], "cache": kind,
-                                  "context": context, "tokens": tokens, "lanes": lanes,
-                                  "attend_run_ms": runs[0], "lanes_ms": runs[1], "speedup": runs[0] / runs[1]})
+                    cases.append({**case, "attend_run_ms": runs[0], "lanes_ms": runs[1], "speedup": runs[0] / runs[1]})
                     print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: lanes {lanes:3d}  "
                           f"{runs[0]:.3f} -> {runs[1]:.3f} ms  {runs[0] / runs[1]:.2f}x", flush=True)
-    write_json(Path(args.out), {**metadata("attention_lanes_ab"), "threads": args.threads, "layers": args.layers,
+    write_json(Path(args.out), {**metadata("attention_lanes_ab"), "kernels": args.kernels, "threads": args.threads,
+                                "layers": args.layers,
                                 "rounds": args.rounds, "block_size": BLOCK,
                                 "load_avg_before_after": [load, os.getloadavg()], "cases": cases})
 

@@ -249,3 +249,23 @@ def test_the_grammar_starts_where_the_reasoning_ends(llm):
         answer = run(llm, [(PROMPTS[0] + head, SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec))])
         assert out.token_ids[len(head):] == answer["r0"].outputs[0].token_ids, name
         assert re.fullmatch(REGEX, answer["r0"].outputs[0].text) and out.finish_reason == "stop", name
+
+
+def test_reasoning_and_grammars_under_speculation_decode_as_without(llm, tiny_llama_dir):
+    """Prompt lookup on: the masks of each verified position come from the grammar (and its
+    reasoning gate) walked along the proposals before it, so replies that reason freely and then
+    answer under a regex or a schema, or that open the reasoning themselves, are token for token
+    those decoded without speculation, with proposals verified under them."""
+    spec_llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=256, max_model_len=256,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    free = run(llm, [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))])["r0"].outputs[0]
+    free = free.token_ids
+    sections = [None, ReasoningSection(((free[2],),)), ReasoningSection(((free[2],),), start_token_ids=(free[0],))]
+    reqs = [(prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint, reasoning_section=s))
+            for prompt in PROMPTS[:2] for s in sections
+            for constraint in (StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(json=json.dumps(SCHEMA)))]
+    want, got = run(llm, reqs), run(spec_llm, reqs)
+    assert {k: o.outputs[0].token_ids for k, o in got.items()} == {k: o.outputs[0].token_ids for k, o in want.items()}
+    stats = spec_llm.stats()["spec_decode"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagellm.bench import report, spec_decode_peer
-from pagellm.config import SpeculativeConfig
+from pagellm.config import KV_CACHE_DTYPES, SpeculativeConfig
 from pagellm.core.spec_decode import next_lookahead
 from pagellm.worker.proposers.ngram import lookup
 
@@ -84,6 +84,7 @@ class SpecBenchConfig:
     model: str | None = None
     speculative_config: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
     quantization: str = "auto"  # the target's (both systems'): "none" serves a GGUF dequantized
+    kv_cache_dtype: str = "auto"  # both pagellm systems' (llama-server keeps its own f16 cache)
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     code_lines: int = 300
     summary_lines: int = 160  # of the document's prose (document_prose)
@@ -275,8 +276,8 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     load_start = os.getloadavg()
     systems = {"plain": {}, "speculative": {"speculative_config": cfg.speculative_config}}
-    llms = {name: LLM(cfg.model, device="cpu", quantization=cfg.quantization, **options)
-            for name, options in systems.items()}
+    llms = {name: LLM(cfg.model, device="cpu", quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
+                      **options) for name, options in systems.items()}
     runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in cfg.workloads}
     peer_runs: dict[str, dict[str, list[dict]]] = {w: {t: [] for t in cfg.peer_types} for w in cfg.workloads}
     peers: dict = {}
@@ -406,8 +407,8 @@ def print_tables(results: dict) -> None:
         rows.append([workload, e["plain"]["decode_tokens_per_s"], e["speculative"]["decode_tokens_per_s"],
                      e["speedup"], e.get("lookup_replay", {}).get("ceiling"), e["speculative"].get("acceptance_rate"),
                      _tokens(e["output_tokens"]), e["outputs_equal"]])
-    print(f"\n{results['model']} (quantization {results['config'].get('quantization', 'auto')}): one stream, "
-          f"greedy, {results['config']['speculative_config']}")
+    print(f"\n{results['model']} (quantization {results['config'].get('quantization', 'auto')}, KV cache "
+          f"{results['config'].get('kv_cache_dtype', 'auto')}): one stream, greedy, {results['config']['speculative_config']}")
     print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "lookup ceiling", "acceptance",
                                "tokens per round", "same output"], rows))
     peer_rows = [[workload, kind, p["decode_tokens_per_s"], p["speedup"], p["acceptance_rate"],
@@ -439,6 +440,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quantization", default=None,
                    help="the target's quantization (default: none, i.e. dequantized float32, for --method "
                         "draft_model on the bundled model, so that its Q4_1 file is the cheaper draft; else auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="how both pagellm systems store K/V (8-bit and bfloat16 caches take other attention kernels)")
     p.add_argument("--speculative-config", default=None,
                    help="the speculative system's speculative_config (vLLM's JSON; overrides --method)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
@@ -485,6 +488,7 @@ def main(args: argparse.Namespace) -> int:
     quantization = args.quantization or (
         "none" if spec.get("method") == "draft_model" and args.model is None else "auto")
     cfg = SpecBenchConfig(model=args.model, speculative_config=spec, quantization=quantization,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           workloads=workloads, code_lines=args.code_lines, summary_lines=args.summary_lines,
                           max_tokens=args.max_tokens,
                           repeat=args.repeat, threads=args.threads,

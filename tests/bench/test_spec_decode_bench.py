@@ -159,11 +159,12 @@ def test_spec_decode_bench_with_a_draft_model(tmp_path, tiny_llama_dir):
     """--method draft_model with the target as its own draft: every proposal accepted, same output."""
     stem = tmp_path / "spec"
     rc = main(["bench", "spec-decode", "--model", tiny_llama_dir, "--method", "draft_model", "--draft-model",
-               tiny_llama_dir, "--workloads", "chat", "--max-tokens", "6", "--repeat", "1", "--out", str(stem)])
+               tiny_llama_dir, "--workloads", "chat", "--max-tokens", "6", "--repeat", "1", "--kv-cache-dtype", "int8",
+               "--out", str(stem)])
     assert rc == 0
     data = json.loads(stem.with_suffix(".json").read_text())
     assert data["config"]["speculative_config"]["method"] == "draft_model"
-    assert data["config"]["quantization"] == "auto"
+    assert data["config"]["quantization"] == "auto" and data["config"]["kv_cache_dtype"] == "int8"
     entry = data["workloads"]["chat"]
     assert entry["outputs_equal"] is True and entry["speculative"]["acceptance_rate"] == 1.0
 

@@ -228,6 +228,13 @@ MUTANTS = [
            "            if self.mirror_call is None:\n                self.roll_back_verified(kept)",
            "            if True:\n                self.roll_back_verified(kept)",
            ("tests/engine/test_spec_decode.py::test_recurrent_models_roll_back_on_every_tensor_parallel_rank",)),
+    Mutant("the attention kernel is chosen by a run's query tokens times its group (a token verified among "
+           "others is summed in another order than decoded alone, and greedy speculation drifts)",
+           "pagellm/kernels/csrc/cpu_ops.cpp",
+           "fcap == 0.f && H / KVH >= lanes_from(D)) {",
+           "fcap == 0.f && w.nq * (H / KVH) >= lanes_from(D)) {",
+           ("tests/kernels/test_cpu_ops.py::test_attention_lanes_kernel_is_attend_run_in_another_order",),
+           compiled=True, cpu_flag="avx512f"),
     Mutant("a one-token MoE step keeps only its last expert's output",
            "pagellm/layers/moe.py",
            "                out.add_(y)",

@@ -162,11 +162,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def set_attention_lanes_from(lanes: int) -> int | None:
-    """From how many lanes (a run's query tokens times the query heads sharing a KV head)
-    paged_attention reads a bfloat16 or 8-bit cache with its lanes kernel (csrc/cpu_ops.cpp,
-    attend_run_lanes), for every head size; 0 restores the built-in crossovers (8 lanes at head
-    size 64, 12 at 128). Returns the previous setting, or None in builds without AVX-512, which have
-    one kernel only. For the measurements and tests that compare the two kernels."""
+    """From how many query heads per KV head paged_attention reads a bfloat16 or 8-bit cache with
+    its lanes kernel (csrc/cpu_ops.cpp, attend_run_lanes), for every head size; 0 restores the
+    built-in crossovers (8 at head size 64, 12 at 128). Returns the previous setting, or None in
+    builds without AVX-512, which have one kernel only. For the measurements and tests that compare
+    the two kernels."""
     return _load().set_attention_lanes_from(lanes)
 
 

@@ -314,7 +314,8 @@ def test_attention_lanes_kernel_is_attend_run_in_another_order(cache, h, kvh, d)
     crossover, and against a float64 oracle over the cache's own values: verification groups of
     2-5 tokens (lane groups full, partial and past 16 lanes), tokens ending alike, a window, sinks,
     contexts split into runs and contexts shorter than a tile; a NaN in one query head stays in
-    that head's lane."""
+    that head's lane. With the built-in crossovers (by the group alone), a short context's token
+    gets the same bits verified among others as decoded alone, whichever kernel its group takes."""
     if cpu.set_attention_lanes_from(0) is None:
         pytest.skip("this build has one attention kernel (no AVX-512)")
     torch.manual_seed(h * d + len(cache))
@@ -338,6 +339,18 @@ def test_attention_lanes_kernel_is_attend_run_in_another_order(cache, h, kvh, d)
                 cpu.set_attention_lanes_from(before)
 
         lanes, plain = attend(1), attend(1 << 30)
+        # With the built-in crossovers a model takes one kernel whatever the run's tokens: a token of
+        # a short context (one run, no split) gets the same bits verified among others as alone.
+        together = attend(0)
+        for i in range(5, len(lens)):
+            before = cpu.set_attention_lanes_from(0)
+            try:
+                alone = cpu.paged_attention(q[i:i + 1], k_cache, v_cache, tables, lens[i:i + 1], d ** -0.5,
+                                            sliding_window=window or None, sinks=sink, token_seq=token_seq[i:i + 1],
+                                            kv_format=fmt)
+            finally:
+                cpu.set_attention_lanes_from(before)
+            assert torch.equal(together[i], alone[0])
         assert torch.isnan(lanes[2, 1]).all() and torch.isnan(plain[2, 1]).all()
         lanes[2, 1] = plain[2, 1] = 0
         assert not lanes.isnan().any()

@@ -14,9 +14,9 @@
 //   the kernel is bound by the bytes it moves through the caches, not by the widening.) With
 //   AVX-512, a block's 16 query-key dot products
 //   are reduced together and the softmax's exp is vectorized (scores16, exp16); AVX2 does
-//   the same with 8 (scores8, exp8); other CPUs run the portable loops. A bfloat16 or 8-bit cache read by many query heads per KV
-//   head at once (a large GQA group, a verification's 1 + k tokens) is widened once per tile
-//   for all of them instead (attend_run_lanes, AVX-512).
+//   the same with 8 (scores8, exp8); other CPUs run the portable loops. A bfloat16 or
+//   8-bit cache read by a large GQA group is widened once per tile for all its query heads
+//   and tokens instead (attend_run_lanes, AVX-512).
 // - rotary_embedding_: rotate-half RoPE applied in place to q and k, one pass instead
 //   of torch's five (two slices, a negation, a concatenation, two products, a sum).
 //   Same arithmetic as the reference (x * cos + rotate_half(x) * sin, no fused
@@ -550,16 +550,19 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
 // broadcast from memory into the FMA, with no horizontal sums; the online softmax's max, exp and
 // sums run down the lanes, once per key for all of them. The products are as many as attend_run's
 // (with a lane group full), so a float32 cache, read in place, gains nothing here (measured
-// 0.7-1.2x against attend_run) and stays there, as do runs of fewer lanes than lanes_built_in (a
-// decode token of a small GQA group: most of each vector would idle). A verification step's 1 + k
-// tokens, or a large group, come here: 1.04-2.0x from 8 lanes at head size 64 (a decode token of
-// a group of 8, as gpt-oss's), from 12 at 128, where 8 lanes measured 0.85-1.07x (bfloat16 and
-// int8 caches, contexts of 1,024 and 4,000; benchmarks/attention_lanes_ab.py). Same roundings per
+// 0.7-1.2x against attend_run) and stays there.
+// Which kernel a model takes depends on its group G alone, never on the run's query tokens: a
+// token's sums are then the same decoded alone as verified among a speculative step's 1 + k, and
+// greedy speculation keeps plain decoding's tokens exactly (taken by the tokens, the lanes kernel
+// moved SmolLM2's int8-cache outputs at its 39th to 76th token, from a last-bit difference). From
+// G = 8 at head size 64 (gpt-oss's groups) it measured 1.04-1.31x on a decode token and 1.68-1.97x
+// on 5 tokens; at 128 a group of 12 is required (8 lanes measured 0.85-1.07x) (bfloat16 and int8
+// caches, contexts of 1,024 and 4,000; benchmarks/attention_lanes_ab.py). Same roundings per
 // element as attend_run, in another summation order.
 constexpr int64_t kLanes = 16;
 constexpr int64_t lanes_built_in(int64_t D) { return D <= 64 ? 8 : 12; }
 // set_attention_lanes_from's setting, for the measurements and tests that compare the two kernels
-// (0: the built-in crossovers).
+// (0: the built-in crossovers): the query heads per KV head from which the lanes kernel is taken.
 std::atomic<int64_t> lanes_override{0};
 inline int64_t lanes_from(int64_t D) {
   const int64_t n = lanes_override.load(std::memory_order_relaxed);
@@ -799,7 +802,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       float* o = op + w.q0 * H * D;
 #if defined(__AVX512F__)
       if constexpr (!std::is_same_v<T, float>) {
-        if ((D == 64 || D == 128) && fcap == 0.f && w.nq * (H / KVH) >= lanes_from(D)) {
+        if ((D == 64 || D == 128) && fcap == 0.f && H / KVH >= lanes_from(D)) {
           if (D == 64)
             attend_run_lanes<64, T>(w, H, KVH, BS, q_b, sl + w.q0, kp, vp, table, fscale, sinks, o, part_acc.data(),
                                     part_ml.data(), buf);
@@ -1582,10 +1585,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_decode_step", &gdn_decode_step,
         "Gated DeltaNet's decode step from in_proj's output, its states updated where they lie in the pool (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");
-  // From how many lanes (query tokens of a run times the query heads per KV head) a run of a
-  // bfloat16 or 8-bit cache takes attend_run_lanes: set_attention_lanes_from(n) sets it for every
-  // head size (0: the built-in crossovers) and returns the previous setting (None in builds without
-  // AVX-512, which have only attend_run).
+  // From how many query heads per KV head a model's bfloat16 or 8-bit cache is read by
+  // attend_run_lanes: set_attention_lanes_from(n) sets it for every head size (0: the built-in
+  // crossovers) and returns the previous setting (None in builds without AVX-512, which have only
+  // attend_run).
   m.def("set_attention_lanes_from", [](int64_t n) -> std::optional<int64_t> {
 #if defined(__AVX512F__)
     TORCH_CHECK(n >= 0, "set_attention_lanes_from: n must be >= 0 (0: the built-in crossovers), got ", n);

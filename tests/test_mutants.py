@@ -202,8 +202,8 @@ MUTANTS = [
     Mutant("the attention lanes kernel lets every token of a verification group read the group's longest context "
            "(a proposal sees the keys after it)",
            "pagellm/kernels/csrc/cpu_ops.cpp",
-           "n[i] = static_cast<int32_t>(lens[(g * kLanes + i) / G]);",
-           "n[i] = static_cast<int32_t>(lens[w.nq - 1]);",
+           "lane_lens[i] = static_cast<int32_t>(lens[i / G]);",
+           "lane_lens[i] = static_cast<int32_t>(lens[w.nq - 1]);",
            ("tests/kernels/test_cpu_ops.py::test_attention_lanes_kernel_is_attend_run_in_another_order",),
            compiled=True, cpu_flag="avx512f"),
     Mutant("a verification masks every position with the grammar's mask for its first (not the state after "
@@ -225,8 +225,8 @@ MUTANTS = [
            ("tests/engine/test_spec_decode_draft.py::test_a_recurrent_draft_rolls_back_to_the_accepted_drafts",)),
     Mutant("under tensor parallelism only rank 0 rolls its recurrent states back after a verification",
            "pagellm/worker/model_runner.py",
-           "            if self.mirror_call is None:\n                self.roll_back_verified(kept)",
-           "            if True:\n                self.roll_back_verified(kept)",
+           "            if self.mirror_call is None:\n                self.roll_back_verified(tokens_kept)",
+           "            if True:\n                self.roll_back_verified(tokens_kept)",
            ("tests/engine/test_spec_decode.py::test_recurrent_models_roll_back_on_every_tensor_parallel_rank",)),
     Mutant("the attention kernel is chosen by a run's query tokens times its group (a token verified among "
            "others is summed in another order than decoded alone, and greedy speculation drifts)",

@@ -164,8 +164,6 @@ def json_record(path: Path) -> dict:
 def json_schema(record: dict) -> dict:
     """The JSON schema a record's echo is held to: its keys, each with its value's type."""
     def kind(value) -> dict:
-        if isinstance(value, bool):
-            return {"type": "boolean"}
         if isinstance(value, int):
             return {"type": "integer"}
         if isinstance(value, list):

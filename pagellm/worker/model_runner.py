@@ -439,11 +439,11 @@ class ModelRunner:
                 self._verify_with_draft_probs(seqs, logits, samplers, sampled, eos_token_ids)
         accepted = _accepted(seqs, sampled)
         if inputs.meta.state_rollbacks:  # recurrent layers: back to the state after the kept tokens, on every rank
-            kept = {i: a + 1 for i, a in enumerate(accepted) if a is not None}
+            tokens_kept = {i: a + 1 for i, a in enumerate(accepted) if a is not None}
             if self.mirror_call is None:
-                self.roll_back_verified(kept)
+                self.roll_back_verified(tokens_kept)
             else:
-                self.mirror_call("roll_back_verified", (kept,), lambda: self.roll_back_verified(kept))
+                self.mirror_call("roll_back_verified", (tokens_kept,), lambda: self.roll_back_verified(tokens_kept))
         kept = _kept_rows(seqs, accepted)
         result = StepResult([samplers[i].request_id for i in kept], sampled.select(kept), prompt, pooled)
         if any(s.num_proposals for s in seqs):

@@ -600,13 +600,9 @@ void attend_run_lanes(const WorkItem& w, int64_t H, int64_t KVH, int64_t BS, con
       float* to = qt + ((h * groups + i / kLanes) * D) * kLanes + i % kLanes;
       for (int64_t d = 0; d < D; ++d) to[d * kLanes] = qh[d] * scale;
     }
-  // Each lane's key count (0 past the last lane: it reads nothing).
-  std::vector<__m512i> lane_lens(static_cast<size_t>(groups));
-  for (int64_t g = 0; g < groups; ++g) {
-    alignas(64) int32_t n[kLanes] = {};
-    for (int64_t i = 0; i < kLanes && g * kLanes + i < lanes; ++i) n[i] = static_cast<int32_t>(lens[(g * kLanes + i) / G]);
-    lane_lens[g] = _mm512_load_si512(n);
-  }
+  // Each lane's key count (0 past the last lane: it reads nothing), [groups, 16].
+  std::vector<int32_t> lane_lens(static_cast<size_t>(groups * kLanes), 0);
+  for (int64_t i = 0; i < lanes; ++i) lane_lens[i] = static_cast<int32_t>(lens[i / G]);
   auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
   for (int64_t t0 = w.begin; t0 < w.end;) {
     const int64_t t1 = std::min(w.end, (t0 / kTile + 1) * kTile), nt = t1 - t0;
@@ -638,10 +634,12 @@ void attend_run_lanes(const WorkItem& w, int64_t H, int64_t KVH, int64_t BS, con
         float* mg = lm + (h * groups + g) * kLanes;
         float* lg = ll + (h * groups + g) * kLanes;
         const __m512 m_old = _mm512_loadu_ps(mg);
+        const __m512i lens_g = _mm512_loadu_si512(lane_lens.data() + g * kLanes);
+        __mmask16 live[kTile];  // the lanes whose token reads key t0 + u
         __m512 mx = m_old;
         for (int64_t u = 0; u < nt; ++u) {
-          const __mmask16 live = _mm512_cmpgt_epi32_mask(lane_lens[g], _mm512_set1_epi32(static_cast<int32_t>(t0 + u)));
-          mx = _mm512_mask_max_ps(mx, live, mx, _mm512_loadu_ps(sc + u * kLanes));
+          live[u] = _mm512_cmpgt_epi32_mask(lens_g, _mm512_set1_epi32(static_cast<int32_t>(t0 + u)));
+          mx = _mm512_mask_max_ps(mx, live[u], mx, _mm512_loadu_ps(sc + u * kLanes));
         }
         // A lane with no key yet keeps -inf; it subtracts 0 so that nothing becomes NaN.
         const __mmask16 none = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(ninf), _CMP_EQ_OQ);
@@ -649,8 +647,7 @@ void attend_run_lanes(const WorkItem& w, int64_t H, int64_t KVH, int64_t BS, con
         const __m512 alpha = _mm512_maskz_mov_ps(static_cast<__mmask16>(~none), exp16(_mm512_sub_ps(m_old, base)));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t u = 0; u < nt; ++u) {
-          const __mmask16 live = _mm512_cmpgt_epi32_mask(lane_lens[g], _mm512_set1_epi32(static_cast<int32_t>(t0 + u)));
-          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + u * kLanes), base)));
+          const __m512 e = _mm512_maskz_mov_ps(live[u], exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + u * kLanes), base)));
           sum = _mm512_add_ps(sum, e);
           _mm512_storeu_ps(sc + u * kLanes, _mm512_mul_ps(e, _mm512_set1_ps(vs[u])));
         }

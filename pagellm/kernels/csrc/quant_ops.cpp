@@ -1588,8 +1588,10 @@ struct SuperRows {
 #if defined(PAGELLM_INT8_ACTIVATIONS)
 // ---- single-row kernels over repacked tiles (Q4_K_X8, Q6_K_X8) --------------------------------
 // One vector holds kXRows rows' lanes, two 32-bit lanes a row (the row's 8 bytes of a unit: 4
-// values each); AVX-512 one vector for a tile's 8 rows, AVX2 two of 4 (taken one after the other
-// over the whole row, so that the accumulators fit its 16 registers).
+// values each); AVX-512 one vector for a tile's 8 rows, AVX2 two of 4, taken one after the other
+// within each tile. (Taken over the whole row one after the other, as they were, the second half's
+// pass found every line in cache and the first's every line in memory, so the core computed half
+// the time with no line to fetch: Q6_K one row, one thread, 1.1-1.2x slower.)
 #if defined(PAGELLM_INT8_VNNI)
 using XI = __m512i;
 using XF = __m512;
@@ -1702,14 +1704,16 @@ inline XI scale_controls(int h, bool second, int at, bool pairs = false) {
   return xi_controls(c);
 }
 
-// The tiles are one stream in the order the kernels read them. Q6_K's kernel, which reads each
-// tile's lines out of order (ql, ql + 32, qh), fetches the lines kIntPrefetchBytes ahead while a
-// tile is multiplied (lines [l0, l1) of a tile of `bytes` at t), as matmul_rows does for GGUF's rows.
-// Q4_K's, which reads its tiles in order, leaves short rows to the hardware's prefetcher (measured
-// faster without on rows of 2048 values) and fetches ahead only on longer rows, whose group of 8 is
-// one long stream (benchmarks/kernel_ab.py measures both).
+// The tiles are one stream in the order the kernels read them. While a tile is multiplied, both
+// kernels fetch its lines kIntPrefetchBytes ahead (lines [l0, l1) of a tile of `bytes` at t) into
+// L2, not L1 (PREFETCHT1): on the Intel Xeon an L1 prefetch holds one of the core's few L1 miss
+// buffers until its line arrives, and a stream fetched into L1 ran the one-row products at 6-8 GB/s
+// of the core's 16; into L2, 8-11 (benchmarks/kernel_ab.py, one thread: Q4_K 1.1-1.4x, Q6_K
+// 1.1-1.5x, in AVX-512 and AVX2 builds). AMD's cores before Zen 4 take T1 as T0. Q4_K's kernel
+// used to leave rows of 2048 values to the hardware's prefetcher alone (faster than an L1
+// prefetch); with the L2 one, fetching ahead wins on every shape.
 inline void prefetch_tile(const uint8_t* t, int64_t bytes, int l0, int l1) {
-  for (int l = l0; l < l1 && 64 * l < bytes; ++l) prefetch(t + kIntPrefetchBytes + 64 * l);
+  for (int l = l0; l < l1 && 64 * l < bytes; ++l) __builtin_prefetch(t + kIntPrefetchBytes + 64 * l, 0, 2);
 }
 
 // Rows' two lanes summed: the 8 rows' sums from the kXVecs accumulators' lanes.
@@ -1732,20 +1736,23 @@ inline void row_sums(const XF* acc, float* y) {
 template <int R, bool kTwo>
 void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
   const int64_t supers = K / QK_K;
-  const bool fetch = K > 4096;  // see prefetch_tile
   const XI low = xi_bytes(0x0F);
   XF acc[R][kXVecs];
   __m256 mins[R];
+  XI firsts[kXVecs], seconds[kXVecs];
   for (int r = 0; r < R; ++r) mins[r] = _mm256_setzero_ps();
   for (int h = 0; h < kXVecs; ++h) {
-    const XI first = scale_controls(h, false, 0, kPairs16), second = scale_controls(h, true, 0, kPairs16);
+    firsts[h] = scale_controls(h, false, 0, kPairs16), seconds[h] = scale_controls(h, true, 0, kPairs16);
     for (int r = 0; r < R; ++r) acc[r][h] = xf_zero();
-    for (int64_t b = 0; b < supers; ++b) {
+  }
+  for (int64_t b = 0; b < supers; ++b) {
+    for (int h = 0; h < kXVecs; ++h) {
+      const XI first = firsts[h], second = seconds[h];
       const uint8_t* t = tiles + b * kQ4Tile + h * kXBytes;
       XI sums[R], second_sums[R];
       for (int r = 0; r < R; ++r) sums[r] = second_sums[r] = xi_zero();
       for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles), 2j + 1 (high)
-        if (h == 0 && fetch) prefetch_tile(tiles + b * kQ4Tile, kQ4Tile, 5 * j, 5 * j + 5);
+        if (h == 0) prefetch_tile(tiles + b * kQ4Tile, kQ4Tile, 5 * j, 5 * j + 5);
         XI c0[R], c1[R], r0[R], r1[R];
         for (int r = 0; r < R; ++r) c0[r] = c1[r] = r0[r] = r1[r] = xi_zero();
 #pragma GCC unroll 4
@@ -1830,10 +1837,14 @@ void q6_k_x8_rows(const ActView* a, const int32_t* const* offsets, int64_t K, co
   const int64_t supers = K / QK_K;
   const XI low = xi_bytes(0x0F), top = xi_bytes(0x30);
   XF acc[M][kXVecs];
+  XI firsts[kXVecs], seconds[kXVecs];
   for (int h = 0; h < kXVecs; ++h) {
-    const XI first = scale_controls(h, false, 3), second = scale_controls(h, true, 3);
+    firsts[h] = scale_controls(h, false, 3), seconds[h] = scale_controls(h, true, 3);
     for (int m = 0; m < M; ++m) acc[m][h] = xf_zero();
-    for (int64_t b = 0; b < supers; ++b) {
+  }
+  for (int64_t b = 0; b < supers; ++b) {
+    for (int h = 0; h < kXVecs; ++h) {
+      const XI first = firsts[h], second = seconds[h];
       const uint8_t* t = tiles + b * kQ6Tile + h * kXBytes;
       const XF d = xf_row_halves(tiles + b * kQ6Tile + kQ6D, h);
       for (int n = 0; n < 2; ++n) {

@@ -186,6 +186,12 @@ MUTANTS = [
            "mins[bl * 8 + r] = n < N ? half_at(b + 2) : 0.f;",
            ("tests/kernels/test_quant_ops.py::"
             "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q4_1]",), compiled=True),
+    Mutant("Q6_K's products of 2-5 rows round x per 256 values (one row alone: per 32)",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "return qtype == Q6_K || qtype == Q4_K || qtype == Q5_K ? 6 : 0;",
+           "return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 6 : 0;",
+           ("tests/kernels/test_quant_ops.py::test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it[Q6_K]",),
+           compiled=True, cpu_flag="avx512_vnni"),
     Mutant("AMX products join Q6_K's two parts of W as 32 hi + lo (they are 64 hi + lo)",
            "pagellm/kernels/csrc/quant_ops.cpp",
            "constexpr int kShift = T == Q4_K ? 3 : 6;",

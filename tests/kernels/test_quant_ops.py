@@ -182,6 +182,28 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False) == kernels.repacked_types[int(T.Q6_K)]
 
 
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
+    """In the integer modes a row of x multiplied with up to 4 others (a speculative verification of
+    4 proposals) gets the bits it gets alone (a decode step), in GGUF's blocks and repacked: how x is
+    rounded and which kernel sums it must not depend on the rows beside it below 6 rows, or greedy
+    speculation would leave plain decoding's tokens at near-ties."""
+    kernels, cols = cpu.quant_kernels(), 1280
+    raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=7))
+    forms = [(raw, int(qtype))]
+    if int(qtype) in kernels.repacked_types:
+        forms.append((kernels.gguf_repack(raw, int(qtype), cols), kernels.repacked_types[int(qtype)]))
+    torch.manual_seed(0)
+    for w, kind in forms:
+        for activations in ("int8", "int8x2"):
+            x = torch.randn(5, cols)
+            alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations=activations) for i in range(5)])
+            for m in range(2, 6):
+                together = q.gguf_matmul(x[:m], w, kind, cols, activations=activations)
+                assert torch.equal(together, alone[:m]), (kind, activations, m)
+
+
 def amx_cases() -> list:
     """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
     them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels always
@@ -218,8 +240,9 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
         kind = kernels.repacked_types[int(qtype)]
         w = kernels.gguf_repack(w, int(qtype), cols)
     # Q6_K with two codes below 33 rows: per 32 values, but per 256 from the rows where AVX-512 VNNI
-    # builds join the two codes into 16 bits (as test_int8_activation_products...)
-    wide_from = getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
+    # builds join the two codes into 16 bits (as test_int8_activation_products...), and on AMX tiles
+    # (which the -amx cases give every product of AMX_TEST_MIN_ROWS rows and more)
+    wide_from = AMX_TEST_MIN_ROWS if amx_tiles else getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
     torch.manual_seed(3)
     for two in (True, False):
         for m in (2, 3, 4, 5, 6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12

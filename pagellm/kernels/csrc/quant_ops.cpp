@@ -1805,12 +1805,10 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
 }
 
 // Rows of x that q4_k_x8_rows takes together: AVX-512's 32 registers hold two rows' accumulators
-// (with two codes, 7 vectors a row) beside the shared ones; AVX2's 16 hold one.
-#if defined(PAGELLM_INT8_VNNI)
+// (with two codes, 7 vectors a row) beside the shared ones. AVX2's 16 do not, but two rows that
+// share each tile's loads and unpacking, some accumulators in L1, still beat one row after the
+// other (kernel_ab.py, AVX2 build, one thread: 2 rows 1.11-1.19x, 16 rows 1.02-1.05x).
 constexpr int64_t kQ4TileRows = 2;
-#else
-constexpr int64_t kQ4TileRows = 1;
-#endif
 
 // Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
 // q6_k_x8_rows takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
@@ -2826,10 +2824,15 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int
 // kernel (wide_super_rows), whose per-chunk widening the rows share; fewer take int8_super_rows
 // (Q4_K, Q5_K) or q6_k_rows (Q6_K, x per 32 values). 1B shapes, ms at 1 / 2 / 4 / 16 rows, int8
 // codes against 16 bits: Q4_K 0.55 / 0.81 / 1.29 / 5.24 against 0.71 / 0.93 / 1.16 / 3.74, Q6_K
-// 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41.
-constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K ? 2 : qtype == Q4_K || qtype == Q5_K ? 4 : 0; }
+// 0.30 / 0.64 / 1.21 / 4.01 against 0.38 / 0.45 / 0.60 / 2.41. All three nevertheless keep the row
+// kernels up to 5 rows: the bound decides how x is rounded (per 256 values here, per 32 in q6_k_rows
+// and in the repacked Q6_K tiles, the form a load gives Q6_K in these modes), and a row whose sums
+// depend on the rows beside it made a speculative verification of up to 4 proposals (5 rows) give
+// other logits than decoding the same tokens one by one (Q6_K was taken from 2 rows, Q4_K and Q5_K
+// from 4). From the 6th row the AMX tiles take these products on CPUs that have them anyway.
+constexpr int64_t wide_min_rows(int64_t qtype) { return qtype == Q6_K || qtype == Q4_K || qtype == Q5_K ? 6 : 0; }
 
-// Rows of x that take the tiles' kernels (q4_k_x8_rows 2 rows at once (AVX2: 1), q6_k_x8_rows up to 4
+// Rows of x that take the tiles' kernels (q4_k_x8_rows 2 rows at once, q6_k_x8_rows up to 4
 // rows at once), each group of 8 rows of W read from memory once and from cache by the next rows of
 // x: every batch the integer kernels take (32 rows; ratios against the blocks: docs/quantization.md,
 // "Repacked Q4_K and Q6_K"). More (prefills) take x8_prefill, which widens each group once for all of them.

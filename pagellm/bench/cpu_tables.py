@@ -42,7 +42,9 @@ def system_mode(result: dict) -> str | None:
     return result.get("activation_quantization") or options.get("activation_quantization", "none")
 
 
-def _cpu(doc: dict) -> str:
+def cpu_label(doc: dict) -> str:
+    """The machine a result file was measured on, as the tables name it: the CPU, its instruction
+    sets and, where pagellm's kernels were built for another target than this CPU, that target."""
     m = doc.get("machine", {})
     isa = m.get("isa")
     if isa is None:
@@ -71,7 +73,7 @@ def row(name: str, doc: dict) -> list[str]:
     cells = [f"{tg[m]:.3g}" if m in tg else "-" for m in (*MODES, LLAMA_BENCH)]
     ratios = " / ".join(f"{tg[m] / ref:.2f}" if m in tg else "-" for m in MODES)
     pp_ratio = f"{pp['int8x2'] / pp[LLAMA_BENCH]:.2f}" if "int8x2" in pp else "-"
-    return [f"`{name}`", _model(doc), _cpu(doc), _load(doc), *cells, ratios, pp_ratio]
+    return [f"`{name}`", _model(doc), cpu_label(doc), _load(doc), *cells, ratios, pp_ratio]
 
 
 def render(runs: list[tuple[str, dict]]) -> str:

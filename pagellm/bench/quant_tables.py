@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from pagellm.bench import doc_sections
+from pagellm.bench.cpu_tables import cpu_label
 from pagellm.layers.quant.gguf_types import BLOCK_TYPES, KERNEL_SOURCES
 
 BLOCK_TYPES_SOURCE = "pagellm/layers/quant/gguf_types.py"
@@ -88,8 +89,7 @@ def streams_table(runs: list[dict]) -> str:
         # --model: the file every launched server serves; llama-server's command line names it.
         model = Path(_option(theirs.get("engine_args", []), "-m") or "?").stem
         mode = _option(ours.get("engine_args", []), "--activation-quantization") or "default"
-        machine = doc.get("machine", {})
-        cpu = f"{machine.get('cpu', '?')}, {machine.get('isa', '?')}"
+        cpu = cpu_label(doc)
         groups.setdefault((model, mode, cpu), []).append((ours["rates"][0], theirs["rates"][0]))
     rows = []
     for (model, mode, cpu), pairs in groups.items():

@@ -186,6 +186,12 @@ MUTANTS = [
            "mins[bl * 8 + r] = n < N ? half_at(b + 2) : 0.f;",
            ("tests/kernels/test_quant_ops.py::"
             "test_repacked_prefill_products_are_the_rounded_activations_exact_product[Q4_1]",), compiled=True),
+    Mutant("the repacked Q4_1 kernel multiplies a unit's high nibbles by x's values 8p.. (they are 16 + 8p..)",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "hi, xi_bcast64(a[r].codes + at + 16)",
+           "hi, xi_bcast64(a[r].codes + at)",
+           ("tests/kernels/test_quant_ops.py::test_repacked_k_quants_multiply_as_their_blocks[Q4_1]",),
+           compiled=True),
     Mutant("Q6_K's products of 2-5 rows round x per 256 values (one row alone: per 32)",
            "pagellm/kernels/csrc/quant_ops.cpp",
            "return qtype == Q6_K || qtype == Q4_K || qtype == Q5_K ? 6 : 0;",

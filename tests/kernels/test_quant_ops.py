@@ -148,9 +148,9 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_repacked_k_quants_multiply_as_their_blocks(qtype):
-    """Q4_K / Q6_K weights repacked into tiles of 8 rows (a layer's Q4_K and Q6_K in the integer modes):
+    """Q4_1 / Q4_K / Q6_K weights repacked into tiles of 8 rows (a layer's in the integer modes):
     the same bytes back; rows and float32 products equal to the blocks'; integer products (of 1, 3
     and 5 rows of x: Q6_K's kernel takes up to 4 together; x rounded alike) within float32 summation
     order of the blocks'."""
@@ -176,10 +176,11 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
         x = torch.randn(1, cols)
         x[0, 700] = float("nan")
         assert q.gguf_matmul(x, packed, packed_id, cols, activations=activations).isnan().all()
-    assert q.repacked_type(int(T.Q4_K), 24, "int8x2", batch_invariant=False) == kernels.repacked_types[int(T.Q4_K)]
-    assert q.repacked_type(int(T.Q4_K), 24, "none", batch_invariant=False) is None  # mode none keeps the blocks
-    assert q.repacked_type(int(T.Q4_K), 20, "int8x2", batch_invariant=False) is None  # not whole tiles
-    assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False) == kernels.repacked_types[int(T.Q6_K)]
+    assert q.repacked_type(int(T.Q4_K), 24, "int8x2", batch_invariant=False, cols=256) == kernels.repacked_types[int(T.Q4_K)]
+    assert q.repacked_type(int(T.Q4_K), 24, "none", batch_invariant=False, cols=256) is None  # mode none keeps the blocks
+    assert q.repacked_type(int(T.Q4_K), 20, "int8x2", batch_invariant=False, cols=256) is None  # not whole tiles
+    assert q.repacked_type(int(T.Q4_1), 24, "int8x2", batch_invariant=False, cols=96) is None  # rows the kernels refuse
+    assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False, cols=256) == kernels.repacked_types[int(T.Q6_K)]
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
@@ -230,9 +231,15 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     gives them. With AMX tiles (the -amx cases), every product of at least AMX_TEST_MIN_ROWS rows: 2,
     3, 4, 5, 6, 7 and 9 rows fill part of one tile, 16 rows x's rows in one tile, 17 a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and Q4_1's 21, a part
     of 16 rows); the other cases run without them."""
-    kernels, cols = cpu.quant_kernels(), 1280
-    blocks = qtype in (T.Q8_0, T.Q4_1)  # kept in GGUF's blocks (not gguf.REPACKED)
-    rows = 21 if blocks else 24
+    kernels = cpu.quant_kernels()
+    # Q8_0 kept in GGUF's blocks (not gguf.REPACKED); Q4_1 repacked, as a load gives it, and in
+    # blocks (a weight whose rows are not whole tiles of 8)
+    for blocks in ((True, False) if qtype == T.Q4_1 else (qtype == T.Q8_0,)):
+        _prefill_products_case(kernels, qtype, amx_tiles, blocks)
+
+
+def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> None:
+    cols, rows = 1280, 21 if blocks else 24
     raw = random_blocks(qtype, rows, cols, seed=8)
     dense = reference(raw, qtype, cols).double()
     w, kind = torch.from_numpy(raw), int(qtype)
@@ -246,7 +253,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     torch.manual_seed(3)
     for two in (True, False):
         for m in (2, 3, 4, 5, 6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
-            per32 = blocks or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
+            per32 = qtype in (T.Q8_0, T.Q4_1) or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
             block = 32 if per32 else 256
             x = torch.randn(m, cols)
             x[0, 256:512] = 0  # an all-zero super-block: scale 0
@@ -275,7 +282,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
 
 def test_a_layer_repacks_its_k_quant_segments_in_the_integer_modes():
     """q in Q4_K and k in Q6_K (repacked), v in Q8_0 (kept in blocks: gguf.REPACKED); products as the layer kept in blocks."""
-    if q.repacked_type(int(T.Q4_K), 8, "int8x2", batch_invariant=False) is None:
+    if q.repacked_type(int(T.Q4_K), 8, "int8x2", batch_invariant=False, cols=256) is None:
         pytest.skip("no repacking kernels in this build")
     types = (T.Q4_K, T.Q6_K, T.Q8_0)
     parts = [random_blocks(t, rows, 512, seed=7 + i) for i, (t, rows) in enumerate(zip(types, (8, 16, 16)))]

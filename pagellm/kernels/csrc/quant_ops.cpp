@@ -373,7 +373,7 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // integer dot product against 8 bytes of x broadcast then sums 4 values of one row per 32-bit
 // lane, two lanes a row, so no row needs a reduction until its last super-block, and the scales
 // sit one byte per (sub-block, row), ready for a byte shuffle. Ids of our own, past GGML's:
-enum : int64_t { Q4_K_X8 = 1012, Q6_K_X8 = 1014 };
+enum : int64_t { Q4_1_X8 = 1003, Q4_K_X8 = 1012, Q6_K_X8 = 1014 };
 constexpr int64_t kX8Rows = 8;
 // Tile (8 rows x 256 values) offsets, in whole cache lines. Each keeps its rows' scales also as
 // GGUF packs them (`raw`), so that a group goes back to GGUF's layout by copies alone (products of
@@ -385,13 +385,44 @@ constexpr int64_t kQ4Tile = 1280, kQ4D = 1024, kQ4Dmin = 1040, kQ4Sc = 1056, kQ4
 // Q6_K: ql [16 units][8 rows][8 bytes], qh [8 units][8 rows][8 bytes], sc [16 groups][8 rows]
 // (int8), raw [8 rows][16], d [8] (float16): 1856 bytes for 8 x 210 (1.10x).
 constexpr int64_t kQ6Tile = 1856, kQ6Qh = 1024, kQ6Sc = 1536, kQ6Raw = 1664, kQ6D = 1792;
+// Q4_1 (8 rows x 32 values, one block of each row): qs [2 units][8 rows][8 bytes] (unit p: the row's
+// code bytes 8p..8p+7: values 8p.. in the low nibbles, 16 + 8p.. in the high), d [8] and m [8]
+// (float16): 160 bytes for 8 x 20, the blocks' own bytes.
+constexpr int64_t kQ41Tile = 160, kQ41D = 128, kQ41M = 144;
 
-inline bool is_x8(int64_t qtype) { return qtype == Q4_K_X8 || qtype == Q6_K_X8; }
-inline int64_t base_type(int64_t qtype) { return qtype == Q4_K_X8 ? Q4_K : qtype == Q6_K_X8 ? Q6_K : qtype; }
-inline int64_t repacked_id(int64_t qtype) { return qtype == Q4_K ? Q4_K_X8 : Q6_K_X8; }
-inline int64_t x8_tile(int64_t qtype) { return base_type(qtype) == Q4_K ? kQ4Tile : kQ6Tile; }
+inline bool is_x8(int64_t qtype) { return qtype == Q4_1_X8 || qtype == Q4_K_X8 || qtype == Q6_K_X8; }
+inline int64_t base_type(int64_t qtype) {
+  return qtype == Q4_1_X8 ? Q4_1 : qtype == Q4_K_X8 ? Q4_K : qtype == Q6_K_X8 ? Q6_K : qtype;
+}
+inline int64_t repacked_id(int64_t qtype) {
+  return qtype == Q4_1 ? Q4_1_X8 : qtype == Q4_K ? Q4_K_X8 : qtype == Q6_K ? Q6_K_X8 : 0;
+}
+inline int64_t x8_tile(int64_t qtype) {
+  return base_type(qtype) == Q4_1 ? kQ41Tile : base_type(qtype) == Q4_K ? kQ4Tile : kQ6Tile;
+}
+// Values of a row that one tile holds: a Q4_1 block, a K-quant super-block.
+inline int64_t x8_values(int64_t qtype) { return base_type(qtype) == Q4_1 ? 32 : QK_K; }
 
-// Super-block b of GGUF rows src[0..8) (row_bytes apart) into `tile`, or back (kBack).
+// Row n's Q4_1 block bl (rows of K values): d, m and its 16 bytes of codes, from GGUF's blocks or
+// (x8) from a Q4_1_X8 tile, for the kernels that read Q4_1 a block at a time in either layout.
+struct Q41Block {
+  float d, m;
+  __m128i codes;
+};
+inline Q41Block q4_1_block(const uint8_t* w, int64_t K, bool x8, int64_t n, int64_t bl) {
+  const int64_t blocks = K / 32;
+  if (!x8) {
+    const uint8_t* b = w + (n * blocks + bl) * 20;
+    return {half_at(b), half_at(b + 2), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4))};
+  }
+  const uint8_t* t = w + (n / kX8Rows * blocks + bl) * kQ41Tile;
+  const int r = static_cast<int>(n % kX8Rows);
+  return {half_at(t + kQ41D + 2 * r), half_at(t + kQ41M + 2 * r),
+          _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 8 * r)),
+                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 8 * r)))};
+}
+
+// Super-block b (Q4_1: block b) of GGUF rows src[0..8) (row_bytes apart) into `tile`, or back (kBack).
 template <bool kBack>
 void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* tile) {
   // n a constant at each call, so each copy is one move (not a call to memcpy)
@@ -404,7 +435,12 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
   using B8 = std::integral_constant<size_t, 8>;
   if (!kBack) std::memset(tile, 0, x8_tile(qtype));
   for (int r = 0; r < kX8Rows; ++r) {
-    if (base_type(qtype) == Q4_K) {
+    if (base_type(qtype) == Q4_1) {
+      uint8_t* bl = src + r * row_bytes + b * 20;
+      move(bl, tile + kQ41D + 2 * r, B2{});
+      move(bl + 2, tile + kQ41M + 2 * r, B2{});
+      for (int p = 0; p < 2; ++p) move(bl + 4 + 8 * p, tile + 64 * p + 8 * r, B8{});
+    } else if (base_type(qtype) == Q4_K) {
       uint8_t* sb = src + r * row_bytes + b * 144;
       move(sb, tile + kQ4D + 2 * r, B2{});
       move(sb + 2, tile + kQ4Dmin + 2 * r, B2{});
@@ -428,20 +464,21 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
 
 // Rows [8 g, 8 g + 8) of a repacked weight back in GGUF's layout, at dst (row_bytes apart).
 void x8_unpack_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t g, uint8_t* dst, int64_t row_bytes) {
-  const int64_t supers = K / QK_K;
-  for (int64_t b = 0; b < supers; ++b)
-    x8_tile_rows<true>(qtype, dst, row_bytes, b,
-                       const_cast<uint8_t*>(w + (g * supers + b) * x8_tile(qtype)));
+  const int64_t tiles = K / x8_values(qtype);
+  for (int64_t b = 0; b < tiles; ++b)
+    x8_tile_rows<true>(qtype, dst, row_bytes, b, const_cast<uint8_t*>(w + (g * tiles + b) * x8_tile(qtype)));
 }
 
 // A repacked weight: [N, K / 256 * tile / 8] uint8, N a multiple of 8; returns GGUF's row bytes.
 int64_t checked_x8(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "repacked weight: a contiguous uint8 [rows, row_bytes] tensor expected");
-  TORCH_CHECK(K % QK_K == 0 && w.size(0) % kX8Rows == 0 && w.size(1) == K / QK_K * x8_tile(qtype) / kX8Rows,
+  TORCH_CHECK(K % x8_values(qtype) == 0 && w.size(0) % kX8Rows == 0 &&
+                  w.size(1) == K / x8_values(qtype) * x8_tile(qtype) / kX8Rows,
               "repacked weight: ", w.size(0), " x ", w.size(1), " bytes do not hold rows of ", K,
               " values of type ", qtype);
-  return K / QK_K * format_of(base_type(qtype)).bytes;
+  const Format f = format_of(base_type(qtype));
+  return K / f.block * f.bytes;
 }
 
 // Rows of x per group in the fused kernel: one block unpacked serves them all, each with its own
@@ -1804,6 +1841,81 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
   }
 }
 
+// 8 rows of a Q4_1_X8 weight (tiles: their K / 32 tiles) times R rows of x from quantize_activations
+// (x per 32 values): y[r][0..8). Per block and row of x, a lane's products (unsigned 4-bit codes
+// times x's codes, by pairs: at most 4 * 2 * 15 * 127, within 16 bits) widen once into int32,
+// convert once and take d * dx in one FMA; m times x's block sum beside, as blocks16_rows. The R rows
+// share each tile's loads and unpacking; each row's arithmetic is the one-row kernel's, in the same
+// order, so a row's sums do not depend on R.
+template <int R, bool kTwo>
+void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
+  const int64_t blocks = K / 32;
+  const XI low = xi_bytes(0x0F);
+  XF acc[R][kXVecs];
+  __m256 mins[R];
+  for (int r = 0; r < R; ++r) {
+    mins[r] = _mm256_setzero_ps();
+    for (int h = 0; h < kXVecs; ++h) acc[r][h] = xf_zero();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* tile = tiles + b * kQ41Tile;
+    prefetch_tile(tile, kQ41Tile, 0, 3);
+    for (int h = 0; h < kXVecs; ++h) {
+      XI c[R], e[R];
+      for (int r = 0; r < R; ++r) c[r] = e[r] = xi_zero();
+      for (int p = 0; p < 2; ++p) {
+        const XI v = xi_load(tile + 64 * p + h * kXBytes);
+        const XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
+        const int64_t at = 32 * b + 8 * p;  // lo: values 8p.., hi: 16 + 8p..
+        for (int r = 0; r < R; ++r) {
+          c[r] = xi_dot_pairs(xi_dot_pairs(c[r], lo, xi_bcast64(a[r].codes + at)), hi, xi_bcast64(a[r].codes + at + 16));
+          if constexpr (kTwo)
+            e[r] = xi_dot_pairs(xi_dot_pairs(e[r], lo, xi_bcast64(a[r].residual + at)), hi,
+                                xi_bcast64(a[r].residual + at + 16));
+        }
+      }
+      const XF d = xf_row_halves(tile + kQ41D, h);
+      for (int r = 0; r < R; ++r) {
+        XI total = xi_widen(c[r], kTwo ? 7 : 0);
+        if constexpr (kTwo) total = xi_add32(total, xi_widen(e[r], 0));
+        acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(a[r].block_scale[b])), acc[r][h]);
+      }
+    }
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41M)));
+    for (int r = 0; r < R; ++r) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].block_sum[b]), mins[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    row_sums(acc[r], y[r]);
+    alignas(32) float mv[8];
+    _mm256_store_ps(mv, mins[r]);
+    for (int i = 0; i < kX8Rows; ++i) y[r][i] += mv[i];
+  }
+}
+
+// Up to kX8MaxRowLoop rows of x times a Q4_1_X8 weight, two rows at a time, x rounded per 32 values
+// as the blocks' kernels round it.
+void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, bool two_terms, float* y) {
+  const ActRows a = quantize_activations(x, M, K, two_terms);
+  std::vector<ActView> views;
+  for (int64_t m = 0; m < M; ++m)
+    views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr, nullptr, nullptr,
+                     a.block_sum.data() + m * K / 32, nullptr, nullptr, a.block_scale.data() + m * K / 32});
+  const int64_t group_bytes = K / 32 * kQ41Tile;
+  at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* tiles = w + g * group_bytes;
+      for (int64_t m = 0; m < M; m += 2) {
+        float* yg[2] = {y + m * N + kX8Rows * g, y + std::min(m + 1, M - 1) * N + kX8Rows * g};
+        const ActView* v = views.data() + m;
+        if (m + 1 < M)
+          two_terms ? q4_1_x8_rows<2, true>(v, K, tiles, yg) : q4_1_x8_rows<2, false>(v, K, tiles, yg);
+        else
+          two_terms ? q4_1_x8_rows<1, true>(v, K, tiles, yg) : q4_1_x8_rows<1, false>(v, K, tiles, yg);
+      }
+    }
+  });
+}
+
 // Rows of x that q4_k_x8_rows takes together: AVX-512's 32 registers hold two rows' accumulators
 // (with two codes, 7 vectors a row) beside the shared ones. AVX2's 16 do not, but two rows that
 // share each tile's loads and unpacking, some accumulators in L1, still beat one row after the
@@ -1932,7 +2044,7 @@ constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q
 // rest zero) as 16-bit values at buf [K / 8 slices][8 rows][8], the float scale of each span of
 // flush_slices at dvec [spans][8 rows][4 lanes], and Q4_K's dmin * m_j at mins [K / 32][8 rows].
 void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64_t g, int16_t* buf, float* dvec,
-                    float* mins) {
+                    float* mins, bool x8 = false) {
   const __m128i low = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
   const __m256i off = _mm256_set1_epi16(32);
   const auto put = [&](int16_t* out, int slice, int k, __m128i codes, __m256i scale, bool centred) {
@@ -1956,15 +2068,15 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
   };
   const int64_t supers = K / QK_K;
   if (qtype == Q4_1) {  // codes u (0..15) as they are; d per block a float scale, m * (x's block sum) beside
-    const int64_t blocks = K / 32, row_bytes = blocks * 20;
+    const int64_t blocks = K / 32;
     for (int r = 0; r < kX8Rows; ++r) {
       const int64_t n = kX8Rows * g + r;
       for (int64_t bl = 0; bl < blocks; ++bl) {
-        const uint8_t* b = w + n * row_bytes + bl * 20;
-        lanes(bl, r, n < N ? half_at(b) : 0.f);
+        const Q41Block b = n < N ? q4_1_block(w, K, x8, n, bl) : Q41Block{0.f, 0.f, _mm_setzero_si128()};
+        lanes(bl, r, b.d);
         // stored negated: the mins' pass subtracts (Q4_K's are dmin * m_j), Q4_1's w = d * u + m adds
-        mins[bl * 8 + r] = n < N ? -half_at(b + 2) : 0.f;
-        const __m128i q = n < N ? load(b + 4) : _mm_setzero_si128();
+        mins[bl * 8 + r] = -b.m;
+        const __m128i q = b.codes;
         for (int h = 0; h < 2; ++h)  // values 16 h.. (low nibbles, then high)
           put_half_block(bl, h, r, _mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low)));
       }
@@ -2104,7 +2216,7 @@ void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K,
 // Q8_0 blocks; y [M, N], x rounded with one or two codes (see above). Each thread widens a group of
 // 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
 void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
-                      bool two_terms, float* y) {
+                      bool two_terms, float* y, bool x8) {
   const bool per32 = qtype == Q8_0 || qtype == Q4_1;
 #if defined(PAGELLM_INT8_VNNI)
   const ActRows a = per32 ? quantize_activations(x, M, K, two_terms) : quantize_super(x, M, K, two_terms, false, two_terms);
@@ -2135,7 +2247,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
     std::vector<int16_t> buf(K * kX8Rows);
     std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(has_mins ? K / 4 : 0);
     for (int64_t g = g0; g < g1; ++g) {
-      x8_widen_group(qtype, w, K, N, g, buf.data(), dvec.data(), mins.data());
+      x8_widen_group(qtype, w, K, N, g, buf.data(), dvec.data(), mins.data(), x8);
       switch (qtype) {
         case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
         case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
@@ -2168,11 +2280,11 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
 // against one chunk: 2048 x 2048 1.3x faster in chunks of 256; 2048 x 8192 0.9x in chunks of 64,
 // 0.95x in chunks of 256 (4 MiB, past L2). Rows are rounded each on its own: chunks change no value.
 void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
-                float* y) {
+                float* y, bool x8) {
   const int64_t fit = (int64_t{1} << 20) / (2 * K) / 4 * 4;
   const int64_t chunk = fit >= 256 ? fit : M;
   for (int64_t m0 = 0; m0 < M; m0 += chunk)
-    x8_prefill_chunk(x + m0 * K, std::min(chunk, M - m0), w, qtype, K, N, two_terms, y + m0 * N);
+    x8_prefill_chunk(x + m0 * K, std::min(chunk, M - m0), w, qtype, K, N, two_terms, y + m0 * N, x8);
 }
 #endif  // PAGELLM_INT8_ACTIVATIONS
 
@@ -2513,27 +2625,48 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
   }
 }
 
-// Q4_1's block bl of W's rows n0.. (`rows` of them, the rest zero) as a tile: [8][16 rows][4 values]
-// (low nibbles: values 0-15, tile rows 0-3; high: 16-31, rows 4-7), the rows' d[16] and m[16].
+// Q4_1's block bl of W's rows n0.. (`rows` of them, the rest zero; x8: from Q4_1_X8 tiles) as a
+// tile: [8][16 rows][4 values] (low nibbles: values 0-15, tile rows 0-3; high: 16-31, rows 4-7), the
+// rows' d[16] and m[16].
 void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
-                    float* d, float* m) {
-  const auto row = [&](int64_t i) { return w + (n0 + i) * row_bytes + bl * 20; };
-  const __m512i dm = words16(row(0), row_bytes, rows);  // d, m
-  _mm512_storeu_ps(d, word_halves(dm, false));
-  _mm512_storeu_ps(m, word_halves(dm, true));
-  const auto codes = [&](int64_t i) {
-    return i < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(i) + 4)) : _mm_setzero_si128();
-  };
-  // rows 4 g..4 g + 3, 128 bits each, then lane j of the 4 rows in 128-bit part j
+                    float* d, float* m, bool x8) {
+  // rows 4 g..4 g + 3's 16 bytes of codes, 128 bits each (a[g]), then lane j of the 4 rows in 128-bit part j
+  __m512i a[4];
+  if (x8) {  // two tiles of 8 rows (N a multiple of 8: rows is 8 or 16)
+    const int64_t blocks = row_bytes / 20;
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int t = 0; t < 2; ++t) {
+      if (8 * t >= rows) {
+        a[2 * t] = a[2 * t + 1] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; ++i) d[8 * t + i] = m[8 * t + i] = 0.f;
+        continue;
+      }
+      const uint8_t* tile = w + ((n0 / kX8Rows + t) * blocks + bl) * kQ41Tile;
+      _mm256_storeu_ps(d + 8 * t, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41D))));
+      _mm256_storeu_ps(m + 8 * t, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41M))));
+      // units 0 and 1 hold bytes 0-7 and 8-15 of each row: joined by qwords, rows 0, 2, 4, 6 and 1, 3, 5, 7
+      const __m512i u0 = _mm512_loadu_si512(tile), u1 = _mm512_loadu_si512(tile + 64);
+      const __m512i even = _mm512_unpacklo_epi64(u0, u1), odd = _mm512_unpackhi_epi64(u0, u1);
+      a[2 * t] = _mm512_permutex2var_epi64(even, first, odd);
+      a[2 * t + 1] = _mm512_permutex2var_epi64(even, second, odd);
+    }
+  } else {
+    const auto row = [&](int64_t i) { return w + (n0 + i) * row_bytes + bl * 20; };
+    const __m512i dm = words16(row(0), row_bytes, rows);  // d, m
+    _mm512_storeu_ps(d, word_halves(dm, false));
+    _mm512_storeu_ps(m, word_halves(dm, true));
+    const auto codes = [&](int64_t i) {
+      return i < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(i) + 4)) : _mm_setzero_si128();
+    };
+    for (int g = 0; g < 4; ++g)
+      a[g] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(codes(4 * g)),
+                                                                      codes(4 * g + 1), 1), codes(4 * g + 2), 2),
+                                codes(4 * g + 3), 3);
+  }
   alignas(64) static const int32_t pick[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
   const __m512i order = _mm512_load_si512(pick);
   __m512i v[4];
-  for (int g = 0; g < 4; ++g) {
-    const __m512i a = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(codes(4 * g)),
-                                                                                codes(4 * g + 1), 1), codes(4 * g + 2), 2),
-                                         codes(4 * g + 3), 3);
-    v[g] = _mm512_permutexvar_epi32(order, a);
-  }
+  for (int g = 0; g < 4; ++g) v[g] = _mm512_permutexvar_epi32(order, a[g]);
   __m512i lanes[4];
   amx_transpose_parts(v, lanes);
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -2588,7 +2721,7 @@ inline void amx_block_sums(bool odd, const int8_t* codes, const int8_t* residual
 // every block of them into a tile once, and run every 16 rows of x past them. Q4_1's w = d u + m
 // adds m times x's sum over the block (quantize_activations' lane sums) beside.
 template <int64_t T, bool kTwo>
-void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y) {
+void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y, bool x8) {
   const ActRows a = quantize_activations(x, M, K, kTwo);
   const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = K / 32;
   const int64_t row_bytes = blocks * (T == Q8_0 ? 34 : 20);
@@ -2608,7 +2741,7 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
       const int64_t n0 = 16 * p, rows = std::min<int64_t>(16, N - n0);
       for (int64_t b = 0; b < blocks; ++b) {
         if constexpr (T == Q8_0) amx_q8_0_block(w, row_bytes, n0, rows, b, tiles.data() + b * 512, d.data() + b * 16);
-        else amx_q4_1_block(w, row_bytes, n0, rows, b, tiles.data() + b * 512, d.data() + b * 16, mins.data() + b * 16);
+        else amx_q4_1_block(w, row_bytes, n0, rows, b, tiles.data() + b * 512, d.data() + b * 16, mins.data() + b * 16, x8);
       }
       for (int64_t t = 0; t < padded / kAmxRows; ++t) {
         __m512 acc[16];
@@ -2646,14 +2779,14 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
 // x [M, K] times a repacked Q4_K / Q6_K weight or Q8_0's or Q4_1's blocks on AMX tiles, into y [M, N]:
 // over chunks of x's rows whose codes take about 1 MiB (L2), as x8_prefill.
 void amx_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
-                 float* y) {
+                 float* y, bool x8) {
   const int64_t fit = std::max<int64_t>(kAmxRows, (int64_t{1} << 20) / (2 * K) / kAmxRows * kAmxRows);
   for (int64_t m0 = 0; m0 < M; m0 += fit) {
     const int64_t rows = std::min(fit, M - m0);
     const float* xc = x + m0 * K;
     float* yc = y + m0 * N;
-    if (qtype == Q8_0) two_terms ? amx_blocks_chunk<Q8_0, true>(xc, rows, w, K, N, yc) : amx_blocks_chunk<Q8_0, false>(xc, rows, w, K, N, yc);
-    else if (qtype == Q4_1) two_terms ? amx_blocks_chunk<Q4_1, true>(xc, rows, w, K, N, yc) : amx_blocks_chunk<Q4_1, false>(xc, rows, w, K, N, yc);
+    if (qtype == Q8_0) two_terms ? amx_blocks_chunk<Q8_0, true>(xc, rows, w, K, N, yc, false) : amx_blocks_chunk<Q8_0, false>(xc, rows, w, K, N, yc, false);
+    else if (qtype == Q4_1) two_terms ? amx_blocks_chunk<Q4_1, true>(xc, rows, w, K, N, yc, x8) : amx_blocks_chunk<Q4_1, false>(xc, rows, w, K, N, yc, x8);
     else if (qtype == Q4_K) two_terms ? amx_x8_chunk<Q4_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q4_K, false>(xc, rows, w, K, N, yc);
     else two_terms ? amx_x8_chunk<Q6_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q6_K, false>(xc, rows, w, K, N, yc);
   }
@@ -2863,6 +2996,7 @@ inline bool widens(int64_t qtype, int64_t M) {
 // round it for these rows: the same codes, so the same sums up to float32 summation order.
 void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
                  float* y) {
+  if (qtype == Q4_1) return q4_1_x8_row_loop(x, M, w, K, N, two_terms, y);
 #if defined(PAGELLM_INT8_VNNI)
   const bool wide = two_terms && M >= wide_min_rows(qtype);  // the blocks' wide_super_rows: x per 256 values
 #else
@@ -2942,7 +3076,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (amx_takes(x8, qtype, M)) {
 #if defined(PAGELLM_AMX)
-    amx_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+    amx_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>(), x8);
 #endif
     return y;
   }
@@ -2952,7 +3086,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   }
   // prefills, and the decode-sized batches of widen_min_rows: each group of 8 rows of W widened once
   if (x8 || (qtype == Q8_0 && M > kX8MaxRowLoop) || ((qtype == Q4_1 || qtype == Q8_0) && widens(qtype, M))) {
-    x8_prefill(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+    x8_prefill(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>(), x8);
     return y;
   }
 #if defined(PAGELLM_INT8_VNNI)
@@ -3027,13 +3161,13 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t packed_type, 
   return out;
 }
 
-// A Q4_K / Q6_K weight [N, row_bytes] (N a multiple of 8) in tiles of 8 rows (Q4_K_X8 / Q6_K_X8),
+// A Q4_1 / Q4_K / Q6_K weight [N, row_bytes] (N a multiple of 8) in tiles of 8 rows (Q4_1_X8 ...),
 // or (`back`) a repacked one in GGUF's layout again.
 torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool back) {
-  const int64_t packed = back ? qtype : (qtype == Q4_K ? Q4_K_X8 : qtype == Q6_K ? Q6_K_X8 : 0);
-  TORCH_CHECK(is_x8(packed), "gguf_repack: Q4_K or Q6_K weights (or, back, their repacked ids), got type ", qtype);
+  const int64_t packed = back ? qtype : repacked_id(qtype);
+  TORCH_CHECK(is_x8(packed), "gguf_repack: Q4_1, Q4_K or Q6_K weights (or, back, their repacked ids), got type ", qtype);
   TORCH_CHECK(w.size(0) % kX8Rows == 0, "gguf_repack: ", w.size(0), " rows are not a multiple of ", kX8Rows);
-  const int64_t N = w.size(0), supers = K / QK_K, tile = x8_tile(packed);
+  const int64_t N = w.size(0), supers = K / x8_values(packed), tile = x8_tile(packed);
   const int64_t row_bytes = back ? checked_x8(w, packed, K) : (checked(w, base_type(packed), K), w.size(1));
   torch::Tensor out = back ? torch::empty({N, row_bytes}, w.options())
                            : torch::empty({N, supers * tile / kX8Rows}, w.options());
@@ -3101,6 +3235,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_repack", &gguf_repack, "Q4_K / Q6_K rows in tiles of 8 for one-row products, or back",
         py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false);
   py::dict repacked;  // GGUF type -> the id of its repacked layout
+  repacked[py::int_(static_cast<int64_t>(Q4_1))] = static_cast<int64_t>(Q4_1_X8);
   repacked[py::int_(static_cast<int64_t>(Q4_K))] = static_cast<int64_t>(Q4_K_X8);
   repacked[py::int_(static_cast<int64_t>(Q6_K))] = static_cast<int64_t>(Q6_K_X8);
   m.attr("repacked_types") = repacked;
@@ -3111,7 +3246,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // returning the previous one; amx_min_rows keeps the built-in ones.
   py::dict amx_from;
 #if defined(PAGELLM_AMX)
-  const auto id_of = [](int64_t t) { return t == Q4_K || t == Q6_K ? repacked_id(t) : t; };
+  // by the id a load gives the type in the integer modes: Q8_0 stays in blocks, the others are repacked
+  const auto id_of = [](int64_t t) { return t == Q8_0 ? t : repacked_id(t); };
   if (amx_permitted())
     for (int64_t t : kAmxTypes) amx_from[py::int_(id_of(t))] = amx_default_rows(t);
   m.attr("amx_min_rows") = amx_from;

@@ -278,21 +278,23 @@ def prefill_types(activations: str) -> frozenset[int]:
 
 
 # The types repacked at load: the ones whose tiles' kernels (csrc/quant_ops.cpp, "Q4_K / Q6_K
-# repacked") beat the blocks' at one row of x (a decode step of one sequence) and keep up with them
-# at every batch the integer kernels take (the measured ratios: docs/quantization.md, "Repacked Q4_K
-# and Q6_K"). Q6_K carries a Q4_K_M file's output matrix, a quarter of the bytes a 1B decode step reads.
-REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_K", "Q6_K"))
+# repacked", q4_1_x8_rows) beat the blocks' at one row of x (a decode step of one sequence) and keep
+# up with them at every batch the integer kernels take (the measured ratios: docs/quantization.md,
+# "Repacked Q4_K and Q6_K", "Repacked Q4_1"). Q6_K carries a Q4_K_M file's output matrix, a quarter
+# of the bytes a 1B decode step reads; Q4_1 all of the bundled SmolLM2's layers.
+REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_1", "Q4_K", "Q6_K"))
 
 
-def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool) -> int | None:
-    """The id of the layout the kernels repack a weight of `qtype` with `rows` rows into at load,
-    or None to keep GGUF's blocks. The types of REPACKED, in the integer modes, whose products of up
+def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool, cols: int) -> int | None:
+    """The id of the layout the kernels repack a weight of `qtype` with `rows` rows of `cols` values
+    into at load, or None to keep GGUF's blocks (rows not whole tiles of 8, or rows of values the
+    integer kernels do not take: not a multiple of 64). The types of REPACKED, in the integer modes, whose products of up
     to 32 rows read tiles of 8 rows without unpacking scales per token (csrc/quant_ops.cpp, "Q4_K /
     Q6_K repacked"); larger products widen each tile back in cache, so mode none, whose products
     never take the integer kernels, keeps the blocks."""
     kernels = cpu.quant_kernels()
     if (activations not in INT8_MAX_ROWS or batch_invariant or kernels is None or not kernels.has_int8_activations
-            or rows % 8 or qtype not in REPACKED):
+            or rows % 8 or cols % 64 or qtype not in REPACKED):
         return None
     return getattr(kernels, "repacked_types", {}).get(qtype)
 
@@ -372,7 +374,7 @@ class GGUFLinearMethod(LinearMethod):
         """Segment i's blocks in the kernels' tiles of 8 rows where repacked_type says so (its
         Parameter's data replaced in place); the type id the products take."""
         data = layer.segments[i].data
-        packed = repacked_type(qtype, data.shape[0], self.activations, self.batch_invariant)
+        packed = repacked_type(qtype, data.shape[0], self.activations, self.batch_invariant, layer.gguf_shape[1])
         if packed is not None and data.is_cpu:
             layer.segments[i].data = cpu.quant_kernels().gguf_repack(data, qtype, layer.gguf_shape[1])
             return packed

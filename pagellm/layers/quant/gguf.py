@@ -7,8 +7,8 @@ A fused layer (q/k/v, gate/up) is filled from several file tensors, which may ha
 types (a Q4_K_M file keeps v in Q6_K and q, k in Q4_K): each run of rows of one type is a
 segment, multiplied on its own, and the segments' outputs are concatenated. Rows of a type
 with no kernel arrive dequantized (the loader warns) and form dense segments. In the integer
-activation modes a Q4_K segment is repacked at load into the kernels' tiles of 8 rows
-(repacked_type): `segment_types` keeps the file's type, `gguf_products` the layout's id.
+activation modes a Q4_1, Q4_K or Q6_K segment is repacked at load into the kernels' tiles of 8
+rows (repacked_type): `segment_types` keeps the file's type, `gguf_products` the layout's id.
 
 Products (csrc/quant_ops.cpp): with `activation_quantization` "int8" (or "int8x2"), batches up to
 int8_max_rows rows (by mode, weight type and build, as measured) round their activations to one int8

@@ -469,7 +469,7 @@ void x8_unpack_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t g, uint
     x8_tile_rows<true>(qtype, dst, row_bytes, b, const_cast<uint8_t*>(w + (g * tiles + b) * x8_tile(qtype)));
 }
 
-// A repacked weight: [N, K / 256 * tile / 8] uint8, N a multiple of 8; returns GGUF's row bytes.
+// A repacked weight: [N, K / x8_values * tile / 8] uint8, N a multiple of 8; returns GGUF's row bytes.
 int64_t checked_x8(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "repacked weight: a contiguous uint8 [rows, row_bytes] tensor expected");
@@ -1623,7 +1623,7 @@ struct SuperRows {
 #endif
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
-// ---- single-row kernels over repacked tiles (Q4_K_X8, Q6_K_X8) --------------------------------
+// ---- single-row kernels over repacked tiles (Q4_1_X8, Q4_K_X8, Q6_K_X8) -----------------------
 // One vector holds kXRows rows' lanes, two 32-bit lanes a row (the row's 8 bytes of a unit: 4
 // values each); AVX-512 one vector for a tile's 8 rows, AVX2 two of 4, taken one after the other
 // within each tile. (Taken over the whole row one after the other, as they were, the second half's
@@ -1746,9 +1746,9 @@ inline XI scale_controls(int h, bool second, int at, bool pairs = false) {
 // L2, not L1 (PREFETCHT1): on the Intel Xeon an L1 prefetch holds one of the core's few L1 miss
 // buffers until its line arrives, and a stream fetched into L1 ran the one-row products at 6-8 GB/s
 // of the core's 16; into L2, 8-11 (benchmarks/kernel_ab.py, one thread: Q4_K 1.1-1.4x, Q6_K
-// 1.1-1.5x, in AVX-512 and AVX2 builds). AMD's cores before Zen 4 take T1 as T0. Q4_K's kernel
-// used to leave rows of 2048 values to the hardware's prefetcher alone (faster than an L1
-// prefetch); with the L2 one, fetching ahead wins on every shape.
+// 1.1-1.5x, in AVX-512 and AVX2 builds). AMD documents T1 into L2 from Zen 4 on; its earlier cores
+// fetch into L1 as T0 does. Q4_K's kernel used to leave rows of 2048 values to the hardware's
+// prefetcher alone (faster than an L1 prefetch); with the L2 one, fetching ahead wins on every shape.
 inline void prefetch_tile(const uint8_t* t, int64_t bytes, int l0, int l1) {
   for (int l = l0; l < l1 && 64 * l < bytes; ++l) __builtin_prefetch(t + kIntPrefetchBytes + 64 * l, 0, 2);
 }
@@ -2044,7 +2044,7 @@ constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q
 // rest zero) as 16-bit values at buf [K / 8 slices][8 rows][8], the float scale of each span of
 // flush_slices at dvec [spans][8 rows][4 lanes], and Q4_K's dmin * m_j at mins [K / 32][8 rows].
 void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64_t g, int16_t* buf, float* dvec,
-                    float* mins, bool x8 = false) {
+                    float* mins, bool x8) {
   const __m128i low = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
   const __m256i off = _mm256_set1_epi16(32);
   const auto put = [&](int16_t* out, int slice, int k, __m128i codes, __m256i scale, bool centred) {

@@ -1761,6 +1761,13 @@ inline void row_sums(const XF* acc, float* y) {
     for (int r = 0; r < kXRows; ++r) y[kXRows * h + r] = lanes[2 * r] + lanes[2 * r + 1];
   }
 }
+// As row_sums, then each row's term of the blocks' minimums (mins: the 8 rows' lanes) added.
+inline void row_sums(const XF* acc, __m256 mins, float* y) {
+  row_sums(acc, y);
+  alignas(32) float mv[kX8Rows];
+  _mm256_store_ps(mv, mins);
+  for (int i = 0; i < kX8Rows; ++i) y[i] += mv[i];
+}
 
 // 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times R rows of x from quantize_super:
 // y[r][0..8). Per sub-block the 16 values a lane sums (unsigned 4-bit codes times x's codes: within
@@ -1833,12 +1840,7 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    row_sums(acc[r], y[r]);
-    alignas(32) float mv[8];
-    _mm256_store_ps(mv, mins[r]);
-    for (int i = 0; i < kX8Rows; ++i) y[r][i] += mv[i];
-  }
+  for (int r = 0; r < R; ++r) row_sums(acc[r], mins[r], y[r]);
 }
 
 // 8 rows of a Q4_1_X8 weight (tiles: their K / 32 tiles) times R rows of x from quantize_activations
@@ -1884,12 +1886,7 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41M)));
     for (int r = 0; r < R; ++r) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].block_sum[b]), mins[r]);
   }
-  for (int r = 0; r < R; ++r) {
-    row_sums(acc[r], y[r]);
-    alignas(32) float mv[8];
-    _mm256_store_ps(mv, mins[r]);
-    for (int i = 0; i < kX8Rows; ++i) y[r][i] += mv[i];
-  }
+  for (int r = 0; r < R; ++r) row_sums(acc[r], mins[r], y[r]);
 }
 
 // Rows of x that q4_1_x8_rows takes together: AVX-512's 32 registers hold four rows' accumulators
@@ -3244,7 +3241,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("float_lanes") = 0;
 #endif
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)");
-  m.def("gguf_repack", &gguf_repack, "Q4_K / Q6_K rows in tiles of 8 for one-row products, or back",
+  m.def("gguf_repack", &gguf_repack, "Q4_1 / Q4_K / Q6_K rows in tiles of 8 for one-row products, or back",
         py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false);
   py::dict repacked;  // GGUF type -> the id of its repacked layout
   repacked[py::int_(static_cast<int64_t>(Q4_1))] = static_cast<int64_t>(Q4_1_X8);

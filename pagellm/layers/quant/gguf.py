@@ -15,7 +15,7 @@ int8_max_rows rows (by mode, weight type and build, as measured) round their act
 code per value (or two) and multiply them by the blocks with integer dot products (AVX-512 VNNI,
 or AVX2's byte products on CPUs without it: the same rounding), as llama.cpp does: one scale per
 32 values, or per 256 against the K-quants (Q4_K, Q5_K, Q6_K; in mode "int8x2" Q4_K and Q5_K, and
-Q6_K in AVX-512 VNNI builds from 2 rows, whose two codes then join into one 16-bit value) as
+Q6_K in AVX-512 VNNI builds from 6 rows, whose two codes then join into one 16-bit value) as
 llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batches in mode
 "int8" (prefills, and decode steps that a prefill joins) round their activations to bfloat16
 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a product is
@@ -288,10 +288,10 @@ REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_1", "
 def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool, cols: int) -> int | None:
     """The id of the layout the kernels repack a weight of `qtype` with `rows` rows of `cols` values
     into at load, or None to keep GGUF's blocks (rows not whole tiles of 8, or rows of values the
-    integer kernels do not take: not a multiple of 64). The types of REPACKED, in the integer modes, whose products of up
-    to 32 rows read tiles of 8 rows without unpacking scales per token (csrc/quant_ops.cpp, "Q4_K /
-    Q6_K repacked"); larger products widen each tile back in cache, so mode none, whose products
-    never take the integer kernels, keeps the blocks."""
+    integer kernels do not take: not a multiple of 64). The types of REPACKED, in the integer modes,
+    whose products of up to 32 rows read tiles of 8 rows without unpacking scales per token
+    (csrc/quant_ops.cpp, "Q4_K / Q6_K repacked", q4_1_x8_rows); larger products widen each tile back
+    in cache, so mode none, whose products never take the integer kernels, keeps the blocks."""
     kernels = cpu.quant_kernels()
     if (activations not in INT8_MAX_ROWS or batch_invariant or kernels is None or not kernels.has_int8_activations
             or rows % 8 or cols % 64 or qtype not in REPACKED):

@@ -36,6 +36,9 @@ class Mutant:
     compiled: bool = False
     # A CPU flag (as /proc/cpuinfo names it) without which the edited code never runs: skipped there.
     cpu_flag: str = ""
+    # The -march its copy builds the kernels for (PAGELLM_CPU_MARCH), where the edited code is one
+    # instruction set's: x86-64-v3 reaches the AVX2 kernels on AVX-512 machines too.
+    march: str = ""
 
 
 MUTANTS = [
@@ -252,6 +255,19 @@ MUTANTS = [
            "                out.add_(y)",
            "                out.copy_(y)",
            ("tests/models/test_gpt_oss.py::test_moe_block_of_one_token_equals_transformers",)),
+    Mutant("AVX2's many-row Q4_K kernel adds the minimums' term to one lane's sum before the other's",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "_mm256_add_ps(_mm256_add_ps(acc[2 * m], acc[2 * m + 1]), mins[m])",
+           "_mm256_add_ps(acc[2 * m], _mm256_add_ps(acc[2 * m + 1], mins[m]))",
+           ("tests/kernels/test_quant_ops.py::test_repacked_k_quant_rows_keep_their_bits_beside_many_rows[Q4_K]",),
+           compiled=True, cpu_flag="avx2", march="x86-64-v3"),
+    Mutant("AVX2's many-row Q6_K kernel sums a lane's 16-value groups in their order (the tile kernel: "
+           "0, 2, 4, 6, 1, 3, ...)",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "kQ6GroupOrder[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};",
+           "kQ6GroupOrder[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};",
+           ("tests/kernels/test_quant_ops.py::test_repacked_k_quant_rows_keep_their_bits_beside_many_rows[Q6_K]",),
+           compiled=True, cpu_flag="avx2", march="x86-64-v3"),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode
@@ -292,7 +308,7 @@ def run_mutant(m: Mutant, workdir: Path) -> dict[str, bool]:
     # The torch path instead of the compiled CPU kernels: a copy at a new path would rebuild them
     # (30 s a mutant), and every mutant here edits Python code that both paths run through.
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{copy}", "PYTHONDONTWRITEBYTECODE": "1",
-           "PAGELLM_CPU_KERNELS": "1" if m.compiled else "0"}
+           "PAGELLM_CPU_KERNELS": "1" if m.compiled else "0", **({"PAGELLM_CPU_MARCH": m.march} if m.march else {})}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *m.tests],
                        cwd=copy, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode not in (0, 1):  # 2+: the tests could not even run (a bad mutant or test id)

@@ -205,6 +205,28 @@ def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
                 assert torch.equal(together, alone[:m]), (kind, activations, m)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_repacked_k_quant_rows_keep_their_bits_beside_many_rows(qtype):
+    """AVX2 builds multiply repacked Q4_K / Q6_K by a few rows of x or more (decode steps of many
+    streams) with kernels of their own (csrc q4_k_x8_many, q6_k_x8_many: each tile widened once into
+    16-bit pairs for every row of x), which give each row the bits the tile kernel gives it alone,
+    with up to 32 rows beside it: a step's logits do not depend on how many streams share it. Rows
+    from the kernel's bound, and past each pass of 8 rows, in both integer modes; 5 super-blocks."""
+    kernels, cols = cpu.quant_kernels(), 1280
+    kind = kernels.repacked_types[int(qtype)] if kernels else None
+    from_rows = getattr(kernels, "pair_min_rows", {}).get(kind)
+    if not from_rows:
+        pytest.skip("no many-row kernels for the repacked K-quants in this build (AVX2 builds have them)")
+    w = kernels.gguf_repack(torch.from_numpy(random_blocks(qtype, 24, cols, seed=11)), int(qtype), cols)
+    torch.manual_seed(1)
+    for activations in ("int8", "int8x2"):
+        x = torch.randn(32, cols)
+        alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations=activations) for i in range(32)])
+        for m in [m for m in (from_rows, from_rows + 1, 8, 9, 16, 23, 32) if m <= q.int8_max_rows(activations, int(qtype))]:
+            together = q.gguf_matmul(x[:m], w, kind, cols, activations=activations)
+            assert torch.equal(together, alone[:m]), (activations, m)
+
+
 def amx_cases() -> list:
     """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
     them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels always

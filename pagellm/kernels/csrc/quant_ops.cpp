@@ -1931,6 +1931,276 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
 // other (kernel_ab.py, AVX2 build, one thread: 2 rows 1.11-1.19x, 16 rows 1.02-1.05x).
 constexpr int64_t kQ4TileRows = 2;
 
+#if !defined(PAGELLM_INT8_VNNI)
+// ---- AVX2: decode steps of many streams over repacked Q4_K and Q6_K --------------------------
+// With two codes per value, AVX2 has no VNNI form for bytes: q4_k_x8_rows spends two VPMADDUBSW and
+// two 16-bit adds per unit of 4 rows x 8 values and row of x, unpacks each tile again per 2 rows of
+// x, applies the scales per sub-block and spills accumulators past its 16 registers, so a step of
+// 16 streams ran at a third of the byte multipliers' rate. Here each tile is widened once into
+// 16-bit values, the sub-blocks' scales folded in (u * sc <= 15 * 63), one vector per pair of
+// adjacent values of all 8 rows (q4_k_tile_pairs); a row of x then takes one VPMADDWD + VPADDD
+// (AVX-VNNI: one VPDPWSSD) per pair against its 16-bit value 128 c + r broadcast, and up to
+// kPairRows rows of x share each vector of W, their accumulators in registers.
+//
+// The sums are q4_k_x8_rows' own bits: the tile kernel sums each row in two 32-bit lanes (the first
+// 4 bytes of each of the row's 8-byte units, values 0..3 of every 8, and the last 4), exact integers
+// per super-block that then take one convert and one FMA times d * dx. Here the pairs of each lane's
+// set go to an accumulator of their own (`set` 0 and 1), whose exact integer sum (at most
+// 128 * 945 * 16320 < 2^31) is the same, and the float steps are the same in the same order; so a
+// row gets the same bits whichever kernel takes it, and with whichever rows beside it.
+constexpr int kPairsPerTile = QK_K / 2;  // vectors of 8 rows x 2 values per super-block
+constexpr int kPairRows = 8;  // rows of x per pass: 8 accumulators, W's vector, x's pair
+// From this many rows of x q4_k_x8_many and q6_k_x8_many take the products (the same bits as the
+// tile kernels), by type. kernel_ab.py, AVX2 build, one thread, against the tile kernels: Q4_K at
+// 2 / 3 / 4 / 8 / 16 rows 0.8x / 0.94x / 1.05-1.14x / 1.32-1.40x / 1.48-1.57x; Q6_K at 4 / 5 / 8 /
+// 16 0.85-0.90x / 1.06-1.16x / 1.17-1.21x / 1.40-1.45x.
+constexpr int64_t pair_min_rows(int64_t qtype) { return qtype == Q4_K ? 4 : 5; }
+
+// The value (within its super-block) of the first of the pair at `at` of q4_k_tile_pairs' layout:
+// [set][sub-block][u], u = 2 q + k: values 8 q + 4 set + 2 k.. of the sub-block (q = 0..3, k = 0, 1).
+constexpr int pair_value(int at) {
+  return 32 * (at / 8 % 8) + 8 * (at % 8 / 2) + 4 * (at / 64) + 2 * (at % 2);
+}
+
+// A unit of 8 rows' 8 bytes each (v0: rows 0-3, v1: rows 4-7, a row's 8 bytes together; 4-bit or
+// 6-bit codes, one a byte) as 4 vectors of 16-bit values: out[k], lane r: row r's bytes 2k, 2k + 1.
+inline void row_byte_pairs(__m256i v0, __m256i v1, __m256i* out) {
+  // per 128-bit half (2 rows x 8 bytes): byte pairs 2k, 2k + 1 of both rows side by side, k = 0..3
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10,
+                                         11, 4, 5, 12, 13, 6, 7, 14, 15);
+  const __m256i halves = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // rows 0-3's byte pair k in qword k
+  const __m256i p0 = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v0, pairs), halves);
+  const __m256i p1 = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v1, pairs), halves);
+  const __m256i k02 = _mm256_unpacklo_epi64(p0, p1), k13 = _mm256_unpackhi_epi64(p0, p1);  // pairs 0 | 2, 1 | 3
+  out[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(k02));
+  out[1] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(k13));
+  out[2] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(k02, 1));
+  out[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(k13, 1));
+}
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Super-block tile t of a Q4_K_X8 weight as kPairsPerTile vectors (layout: pair_value) of the 8 rows'
+// 16-bit values u * sc, lane r: row r's pair.
+inline void q4_k_tile_pairs(const uint8_t* t, __m256i* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int sb = 0; sb < 8; ++sb) {
+    const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + kQ4Sc + 8 * sb));
+    const __m256i scale = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s));  // row r's scale in lane r's halves
+    const int j = sb / 2, nib = sb % 2;  // sub-block 2j: the low nibbles of units 4j.., 2j + 1 the high
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* u = t + 64 * (4 * j + q);
+      __m256i v0 = load256(u), v1 = load256(u + 32), pairs[4];
+      if (nib) v0 = _mm256_srli_epi16(v0, 4), v1 = _mm256_srli_epi16(v1, 4);
+      row_byte_pairs(_mm256_and_si256(v0, low), _mm256_and_si256(v1, low), pairs);
+      for (int k = 0; k < 4; ++k)  // byte pairs 0, 1: set 0; 2, 3: set 1
+        out[64 * (k / 2) + 8 * sb + 2 * q + k % 2] = _mm256_mullo_epi16(pairs[k], scale);
+    }
+  }
+}
+
+inline __m256i pair_dot(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+// R rows of x (xb: their 16-bit values at this super-block, QK_K apart) times one widened tile's
+// pairs of one set: per row the set's exact integer sum.
+template <int R, int kSet>
+inline void q4_k_pair_rows(const int16_t* xb, const __m256i* pairs, __m256i (*sums)[2]) {
+  __m256i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  // a loop per sub-block, 8 pairs unrolled: the whole set unrolled (512 multiply-adds at 8 rows)
+  // ran from the legacy decoders, past the micro-op cache, at half the multipliers' rate
+#pragma GCC unroll 1
+  for (int sb = 0; sb < 8; ++sb) {
+    const __m256i* w8 = pairs + 64 * kSet + 8 * sb;
+    const int16_t* x8 = xb + 32 * sb;
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      const __m256i w = _mm256_load_si256(w8 + u);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x8 + QK_K * r + pair_value(64 * kSet + u), 4);
+        acc[r] = pair_dot(acc[r], w, _mm256_set1_epi32(pair));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r][kSet] = acc[r];
+}
+template <int R>
+inline void q4_k_pair_rows(const int16_t* xb, const __m256i* pairs, __m256i (*sums)[2]) {
+  q4_k_pair_rows<R, 0>(xb, pairs, sums);
+  q4_k_pair_rows<R, 1>(xb, pairs, sums);
+}
+
+// q4_k_pair_rows<n>, n = 1..kPairRows.
+template <int R = kPairRows>
+inline void q4_k_pair_rows_of(int n, const int16_t* xb, const __m256i* pairs, __m256i (*sums)[2]) {
+  if constexpr (R > 1)
+    if (n < R) return q4_k_pair_rows_of<R - 1>(n, xb, pairs, sums);
+  q4_k_pair_rows<R>(xb, pairs, sums);
+}
+
+// x's rows as the many-row kernels read them: 16-bit values 128 c + r (or c), in blocks of kPairRows
+// rows whose super-blocks lie together, [M / kPairRows blocks][K / QK_K][kPairRows][QK_K], so that
+// one pointer with constant offsets reaches every row of a pass.
+std::vector<int16_t> pair_rows_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms) {
+  const int64_t blocks = (M + kPairRows - 1) / kPairRows, supers = K / QK_K;
+  std::vector<int16_t> x16(blocks * kPairRows * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < supers; ++b) {
+      int16_t* out = x16.data() + ((m / kPairRows * supers + b) * kPairRows + m % kPairRows) * QK_K;
+      const int64_t at = m * K + QK_K * b;
+      for (int64_t i = 0; i < QK_K; ++i)
+        out[i] = static_cast<int16_t>(two_terms ? 128 * a.codes[at + i] + a.residual[at + i] : a.codes[at + i]);
+    }
+  return x16;
+}
+
+// Group g (8 rows) of a Q4_K_X8 weight times M rows of x (views: quantize_super's; x16:
+// pair_rows_x16): y[m][8 g..8 g + 8), q4_k_x8_rows' bits.
+void q4_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, bool two_terms,
+                  float* y, int64_t N, int64_t g) {
+  const int64_t supers = K / QK_K;
+  std::vector<__m256> acc(2 * M, _mm256_setzero_ps()), mins(M, _mm256_setzero_ps());
+  alignas(32) __m256i pairs[kPairsPerTile];
+  __m256i sums[kPairRows][2];
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* t = tiles + b * kQ4Tile;
+    prefetch_tile(t, kQ4Tile, 0, kQ4Tile / 64);
+    q4_k_tile_pairs(t, pairs);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ4D)));
+    for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
+      const int16_t* xb = x16 + (m0 / kPairRows * supers + b) * kPairRows * QK_K;
+      q4_k_pair_rows_of(n, xb, pairs, sums);
+      for (int r = 0; r < n; ++r) {
+        const float dx = two_terms ? a[m0 + r].scale[b] / 128.f : a[m0 + r].scale[b];
+        const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(dx));
+        for (int set = 0; set < 2; ++set)
+          acc[2 * (m0 + r) + set] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][set]), ddx, acc[2 * (m0 + r) + set]);
+      }
+    }
+    // the mins' term, as q4_k_x8_rows: per row the sub-blocks' m against x's per-32 sums, then dmin
+    __m256 mv[8];
+    for (int sb = 0; sb < 8; ++sb)
+      mv[sb] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + kQ4M + 8 * sb))));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ4Dmin)));
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 s = _mm256_setzero_ps();
+      for (int sb = 0; sb < 8; ++sb) s = _mm256_fmadd_ps(mv[sb], _mm256_set1_ps(a[m].block_sum[8 * b + sb]), s);
+      mins[m] = _mm256_fnmadd_ps(s, dmin, mins[m]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    _mm256_storeu_ps(y + m * N + kX8Rows * g, _mm256_add_ps(_mm256_add_ps(acc[2 * m], acc[2 * m + 1]), mins[m]));
+}
+
+// ---- the same for repacked Q6_K -------------------------------------------------------------
+// q6_k_x8_rows sums a row's two lanes per 16-value group (lane 2r: values 0..3 and 8..11 of the
+// group, 2r + 1: 4..7 and 12..15), converts each sum once, times the group's scale, then d * dx
+// into the lane's float accumulator, groups in the order 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, ... Here
+// the tile's values are widened as (u - 32) * sc (within [-4096, 4096]) in pairs, per group 4
+// vectors of each lane's set ([set][group][4]: values 16 g + 8 (p / 2) + 4 set + 2 (p % 2)), and
+// each lane's integer sum is the same exact integer times sc: its conversion rounds the exact
+// product once, as the tile kernel's float multiply of an exactly converted sum does (that sum is
+// below 2^24). So the same bits, in the same order.
+constexpr int q6_pair_value(int set, int grp, int p) { return 16 * grp + 8 * (p / 2) + 4 * set + 2 * (p % 2); }
+constexpr int kQ6GroupOrder[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+
+// Super-block tile t of a Q6_K_X8 weight as kPairsPerTile vectors (layout above) of the 8 rows'
+// 16-bit values (u - 32) * sc, lane r: row r's pair.
+inline void q6_k_tile_pairs(const uint8_t* t, __m256i* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), off = _mm256_set1_epi16(32);
+  for (int n = 0; n < 2; ++n) {
+    for (int u = 0; u < 4; ++u) {  // values 128 n + 32 i + 8 u.. (i = 0..3), as q6_k_x8_rows
+      __m256i codes[2][4];
+      for (int hv = 0; hv < 2; ++hv) {  // rows 0-3, 4-7
+        const __m256i A = load256(t + 64 * (8 * n + u) + 32 * hv), B = load256(t + 64 * (8 * n + 4 + u) + 32 * hv);
+        const __m256i H = load256(t + kQ6Qh + 64 * (4 * n + u) + 32 * hv);
+        codes[hv][0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), top));
+        codes[hv][1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi16(H, 2), top));
+        codes[hv][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low), _mm256_and_si256(H, top));
+        codes[hv][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
+                                       _mm256_and_si256(_mm256_srli_epi16(H, 2), top));
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int grp = 8 * n + 2 * i + u / 2;
+        const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + kQ6Sc + 8 * grp));
+        const __m256i scale = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
+        __m256i pairs[4];
+        row_byte_pairs(codes[0][i], codes[1][i], pairs);
+        for (int k = 0; k < 4; ++k)
+          out[64 * (k / 2) + 4 * grp + 2 * (u % 2) + k % 2] = _mm256_mullo_epi16(_mm256_sub_epi16(pairs[k], off), scale);
+      }
+    }
+  }
+}
+
+// R rows of x (xb: their 16-bit values at this super-block, QK_K apart; ddx[r][j]: d * dx of
+// their values 32 j..) times one widened Q6_K tile, into their lanes' float sums acc[r][set].
+template <int R>
+inline void q6_k_pair_rows(const int16_t* xb, const __m256i* pairs, const __m256 (*ddx)[8], __m256 (*acc)[2]) {
+#pragma GCC unroll 1
+  for (int step = 0; step < 16; ++step) {
+    const int grp = kQ6GroupOrder[step];
+    for (int set = 0; set < 2; ++set) {
+      const __m256i* w4 = pairs + 64 * set + 4 * grp;
+      __m256i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i w = _mm256_load_si256(w4 + p);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xb + QK_K * r + q6_pair_value(set, grp, p), 4);
+          s[r] = pair_dot(s[r], w, _mm256_set1_epi32(pair));
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[r][set] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), ddx[r][grp / 2], acc[r][set]);
+    }
+  }
+}
+
+template <int R = kPairRows>
+inline void q6_k_pair_rows_of(int n, const int16_t* xb, const __m256i* pairs, const __m256 (*ddx)[8], __m256 (*acc)[2]) {
+  if constexpr (R > 1)
+    if (n < R) return q6_k_pair_rows_of<R - 1>(n, xb, pairs, ddx, acc);
+  q6_k_pair_rows<R>(xb, pairs, ddx, acc);
+}
+
+// Group g (8 rows) of a Q6_K_X8 weight times M rows of x (views as x8_row_loop gives q6_k_x8_rows;
+// per32: their scales per 32 values, else per super-block; x16: pair_rows_x16): q6_k_x8_rows' bits.
+void q6_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, bool two_terms,
+                  bool per32, float* y, int64_t N, int64_t g) {
+  const int64_t supers = K / QK_K;
+  std::vector<__m256> acc(2 * M, _mm256_setzero_ps());
+  alignas(32) __m256i pairs[kPairsPerTile];
+  __m256 ddx[kPairRows][8];
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* t = tiles + b * kQ6Tile;
+    prefetch_tile(t, kQ6Tile, 0, (kQ6Tile + 63) / 64);
+    q6_k_tile_pairs(t, pairs);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ6D)));
+    for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
+      for (int r = 0; r < n; ++r)
+        for (int j = 0; j < 8; ++j) {
+          // quantize_activations' scales take two codes' 1/128 in, quantize_super's do not
+          const float dx = per32 ? a[m0 + r].scale[8 * b + j] : two_terms ? a[m0 + r].scale[b] / 128.f : a[m0 + r].scale[b];
+          ddx[r][j] = _mm256_mul_ps(d, _mm256_set1_ps(dx));
+        }
+      q6_k_pair_rows_of(n, x16 + (m0 / kPairRows * supers + b) * kPairRows * QK_K, pairs, ddx,
+                        reinterpret_cast<__m256 (*)[2]>(acc.data() + 2 * m0));
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N + kX8Rows * g, _mm256_add_ps(acc[2 * m], acc[2 * m + 1]));
+}
+
+#endif
+
 // Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
 // q6_k_x8_rows takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
 // 128 c + r): the offset term of the codes stored + 32, subtracted in integers per group.
@@ -3035,9 +3305,20 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr,
                      per_super ? a.super_scale.data() + m * K / QK_K : scale32.data() + m * K / 32, nullptr,
                      per_super ? a.block_sum.data() + m * K / 32 : nullptr, nullptr, nullptr});
+#if !defined(PAGELLM_INT8_VNNI)
+  const bool many = M >= pair_min_rows(qtype);
+  const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms) : std::vector<int16_t>();
+#endif
   at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
+#if !defined(PAGELLM_INT8_VNNI)
+      if (many) {
+        if (qtype == Q4_K) q4_k_x8_many(views.data(), x16.data(), M, K, tiles, two_terms, y, N, g);
+        else q6_k_x8_many(views.data(), x16.data(), M, K, tiles, two_terms, !per_super, y, N, g);
+        continue;
+      }
+#endif
       if (qtype == Q4_K) {
         for (int64_t m = 0; m < M; m += kQ4TileRows) {
           float* yg[kQ4TileRows];
@@ -3226,12 +3507,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::dict wide;  // two codes per value: the 16-bit kernel from this many rows, by GGUF type
   for (int64_t t : {Q4_K, Q5_K, Q6_K}) wide[py::int_(t)] = wide_min_rows(t);
   m.attr("int8x2_wide_min_rows") = wide;
+  m.attr("pair_min_rows") = py::dict();
 #elif defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("int8_kernel") = "avx2";
   m.attr("int8x2_wide_min_rows") = py::dict();
+  py::dict pairs;  // the repacked K-quants' many-row kernels (q4_k_x8_many, q6_k_x8_many) from this many rows
+  for (int64_t t : {Q4_K, Q6_K}) pairs[py::int_(repacked_id(t))] = pair_min_rows(t);
+  m.attr("pair_min_rows") = pairs;
 #else
   m.attr("int8_kernel") = "";
   m.attr("int8x2_wide_min_rows") = py::dict();
+  m.attr("pair_min_rows") = py::dict();
 #endif
 #if defined(__AVX512F__)
   m.attr("float_lanes") = 16;

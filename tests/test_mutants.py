@@ -259,14 +259,14 @@ MUTANTS = [
            "pagellm/kernels/csrc/quant_ops.cpp",
            "_mm256_add_ps(_mm256_add_ps(acc[2 * m], acc[2 * m + 1]), mins[m])",
            "_mm256_add_ps(acc[2 * m], _mm256_add_ps(acc[2 * m + 1], mins[m]))",
-           ("tests/kernels/test_quant_ops.py::test_repacked_k_quant_rows_keep_their_bits_beside_many_rows[Q4_K]",),
+           ("tests/kernels/test_quant_ops.py::test_repacked_and_block_rows_keep_their_bits_beside_many_rows[Q4_K]",),
            compiled=True, cpu_flag="avx2", march="x86-64-v3"),
     Mutant("AVX2's many-row Q6_K kernel sums a lane's 16-value groups in their order (the tile kernel: "
            "0, 2, 4, 6, 1, 3, ...)",
            "pagellm/kernels/csrc/quant_ops.cpp",
            "kQ6GroupOrder[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};",
            "kQ6GroupOrder[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};",
-           ("tests/kernels/test_quant_ops.py::test_repacked_k_quant_rows_keep_their_bits_beside_many_rows[Q6_K]",),
+           ("tests/kernels/test_quant_ops.py::test_repacked_and_block_rows_keep_their_bits_beside_many_rows[Q6_K]",),
            compiled=True, cpu_flag="avx2", march="x86-64-v3"),
 ]
 

@@ -205,26 +205,33 @@ def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
                 assert torch.equal(together, alone[:m]), (kind, activations, m)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_repacked_k_quant_rows_keep_their_bits_beside_many_rows(qtype):
-    """AVX2 builds multiply repacked Q4_K / Q6_K by a few rows of x or more (decode steps of many
-    streams) with kernels of their own (csrc q4_k_x8_many, q6_k_x8_many: each tile widened once into
-    16-bit pairs for every row of x), which give each row the bits the tile kernel gives it alone,
-    with up to 32 rows beside it: a step's logits do not depend on how many streams share it. Rows
-    from the kernel's bound, and past each pass of 8 rows, in both integer modes; 5 super-blocks."""
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_repacked_and_block_rows_keep_their_bits_beside_many_rows(qtype):
+    """In AVX2 builds a row of x gets the same bits multiplied with other rows, up to the mode's
+    integer bound (32 rows in int8x2, the default mode), as alone, for every type, in blocks and
+    repacked: a step's logits do not depend on how many streams share it, and a speculative
+    verification of any length keeps plain decoding's logits. The repacked K-quants take kernels of
+    their own from a few rows (csrc q4_k_x8_many, q6_k_x8_many: each tile widened once into 16-bit
+    pairs for every row of x), which must keep the tile kernels' bits. (AVX-512 VNNI builds keep
+    them to 5 rows: test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it.)"""
     kernels, cols = cpu.quant_kernels(), 1280
-    kind = kernels.repacked_types[int(qtype)] if kernels else None
-    from_rows = getattr(kernels, "pair_min_rows", {}).get(kind)
-    if not from_rows:
-        pytest.skip("no many-row kernels for the repacked K-quants in this build (AVX2 builds have them)")
-    w = kernels.gguf_repack(torch.from_numpy(random_blocks(qtype, 24, cols, seed=11)), int(qtype), cols)
+    if getattr(kernels, "int8_kernel", "") != "avx2":
+        pytest.skip("AVX2 builds' bound (PAGELLM_CPU_MARCH=x86-64-v3 builds them on AVX-512 machines)")
+    raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=11))
+    forms = [(raw, int(qtype))]
+    if int(qtype) in kernels.repacked_types:
+        forms.append((kernels.gguf_repack(raw, int(qtype), cols), kernels.repacked_types[int(qtype)]))
     torch.manual_seed(1)
-    for activations in ("int8", "int8x2"):
-        x = torch.randn(32, cols)
-        alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations=activations) for i in range(32)])
-        for m in [m for m in (from_rows, from_rows + 1, 8, 9, 16, 23, 32) if m <= q.int8_max_rows(activations, int(qtype))]:
-            together = q.gguf_matmul(x[:m], w, kind, cols, activations=activations)
-            assert torch.equal(together, alone[:m]), (activations, m)
+    for w, kind in forms:
+        pairs_from = kernels.pair_min_rows.get(kind, 2)
+        for activations in ("int8", "int8x2"):
+            bound = q.int8_max_rows(activations, kind)
+            x = torch.randn(bound, cols)
+            alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations=activations) for i in range(bound)])
+            # the many-row kernels' bound, and past each of their passes of 8 rows
+            for m in sorted({2, 5, pairs_from, pairs_from + 1, 8, 9, 16, 17, 23, bound} & set(range(2, bound + 1))):
+                together = q.gguf_matmul(x[:m], w, kind, cols, activations=activations)
+                assert torch.equal(together, alone[:m]), (kind, activations, m)
 
 
 def amx_cases() -> list:

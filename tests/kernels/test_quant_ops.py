@@ -249,7 +249,8 @@ def amx_cases() -> list:
 @pytest.mark.parametrize("qtype, amx_tiles", amx_cases() if cpu.quant_kernels() else [], indirect=["amx_tiles"])
 def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype, amx_tiles):
     """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (csrc
-    x8_prefill) widen each group of 8 rows of W once for every row of x, and so do those of Q8_0 and
+    x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
+    for every row of x, and so do those of Q8_0 and
     Q4_1 from 9 rows, Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds (csrc widen_min_rows): x
     rounded as the mode's products of fewer rows round it (one or two codes; per 256 values against
     the K-quants, per 32 against Q8_0 and Q4_1) times the exact weights, so the float64 product of the

@@ -209,8 +209,8 @@ def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
 def test_repacked_and_block_rows_keep_their_bits_beside_many_rows(qtype):
     """In AVX2 builds a row of x gets the same bits multiplied with other rows, up to the mode's
     integer bound (32 rows in int8x2, the default mode), as alone, for every type, in blocks and
-    repacked: a step's logits do not depend on how many streams share it, and a speculative
-    verification of any length keeps plain decoding's logits. The repacked K-quants take kernels of
+    repacked: a row's logits do not depend on what shares a step of up to that many rows (other
+    streams, a speculative verification's proposals). The repacked K-quants take kernels of
     their own from a few rows (csrc q4_k_x8_many, q6_k_x8_many: each tile widened once into 16-bit
     pairs for every row of x), which must keep the tile kernels' bits. (AVX-512 VNNI builds keep
     them to 5 rows: test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it.)"""

@@ -183,6 +183,17 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False, cols=256) == kernels.repacked_types[int(T.Q6_K)]
 
 
+def blocks_and_repacked(qtype, cols: int, seed: int) -> list[tuple[torch.Tensor, int]]:
+    """24 random rows of `qtype` as (weight, type id) pairs: GGUF's blocks, and repacked where this
+    build repacks the type."""
+    kernels = cpu.quant_kernels()
+    raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=seed))
+    forms = [(raw, int(qtype))]
+    if int(qtype) in kernels.repacked_types:
+        forms.append((kernels.gguf_repack(raw, int(qtype), cols), kernels.repacked_types[int(qtype)]))
+    return forms
+
+
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
@@ -190,11 +201,8 @@ def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
     4 proposals) gets the bits it gets alone (a decode step), in GGUF's blocks and repacked: how x is
     rounded and which kernel sums it must not depend on the rows beside it below 6 rows, or greedy
     speculation would leave plain decoding's tokens at near-ties."""
-    kernels, cols = cpu.quant_kernels(), 1280
-    raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=7))
-    forms = [(raw, int(qtype))]
-    if int(qtype) in kernels.repacked_types:
-        forms.append((kernels.gguf_repack(raw, int(qtype), cols), kernels.repacked_types[int(qtype)]))
+    cols = 1280
+    forms = blocks_and_repacked(qtype, cols, seed=7)
     torch.manual_seed(0)
     for w, kind in forms:
         for activations in ("int8", "int8x2"):
@@ -217,10 +225,7 @@ def test_repacked_and_block_rows_keep_their_bits_beside_many_rows(qtype):
     kernels, cols = cpu.quant_kernels(), 1280
     if getattr(kernels, "int8_kernel", "") != "avx2":
         pytest.skip("AVX2 builds' bound (PAGELLM_CPU_MARCH=x86-64-v3 builds them on AVX-512 machines)")
-    raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=11))
-    forms = [(raw, int(qtype))]
-    if int(qtype) in kernels.repacked_types:
-        forms.append((kernels.gguf_repack(raw, int(qtype), cols), kernels.repacked_types[int(qtype)]))
+    forms = blocks_and_repacked(qtype, cols, seed=11)
     torch.manual_seed(1)
     for w, kind in forms:
         pairs_from = kernels.pair_min_rows.get(kind, 2)

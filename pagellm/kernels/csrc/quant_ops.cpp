@@ -1977,7 +1977,6 @@ inline void row_byte_pairs(__m256i v0, __m256i v1, __m256i* out) {
   out[2] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(k02, 1));
   out[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(k13, 1));
 }
-inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // Super-block tile t of a Q4_K_X8 weight as kPairsPerTile vectors (layout: pair_value) of the 8 rows'
 // 16-bit values u * sc, lane r: row r's pair.
@@ -1989,7 +1988,7 @@ inline void q4_k_tile_pairs(const uint8_t* t, __m256i* out) {
     const int j = sb / 2, nib = sb % 2;  // sub-block 2j: the low nibbles of units 4j.., 2j + 1 the high
     for (int q = 0; q < 4; ++q) {
       const uint8_t* u = t + 64 * (4 * j + q);
-      __m256i v0 = load256(u), v1 = load256(u + 32), pairs[4];
+      __m256i v0 = xi_load(u), v1 = xi_load(u + 32), pairs[4];
       if (nib) v0 = _mm256_srli_epi16(v0, 4), v1 = _mm256_srli_epi16(v1, 4);
       row_byte_pairs(_mm256_and_si256(v0, low), _mm256_and_si256(v1, low), pairs);
       for (int k = 0; k < 4; ++k)  // byte pairs 0, 1: set 0; 2, 3: set 1
@@ -2004,6 +2003,20 @@ inline __m256i pair_dot(__m256i acc, __m256i w, __m256i x) {
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 #endif
+}
+// The two 16-bit values of x at p in every 32-bit lane.
+inline __m256i x_pair(const int16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, 4);
+  return _mm256_set1_epi32(pair);
+}
+// f(std::integral_constant<int, n>) for the rows of a pass, n = 1..kPairRows: the kernels' row count
+// a compile-time constant, so each row's accumulator stays in a register.
+template <int R = kPairRows, class F>
+inline void with_pair_rows(int n, F&& f) {
+  if constexpr (R > 1)
+    if (n < R) return with_pair_rows<R - 1>(n, f);
+  f(std::integral_constant<int, R>{});
 }
 
 // R rows of x (xb: their 16-bit values at this super-block, QK_K apart) times one widened tile's
@@ -2021,11 +2034,7 @@ inline void q4_k_pair_rows(const int16_t* xb, const __m256i* pairs, __m256i (*su
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       const __m256i w = _mm256_load_si256(w8 + u);
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x8 + QK_K * r + pair_value(64 * kSet + u), 4);
-        acc[r] = pair_dot(acc[r], w, _mm256_set1_epi32(pair));
-      }
+      for (int r = 0; r < R; ++r) acc[r] = pair_dot(acc[r], w, x_pair(x8 + QK_K * r + pair_value(64 * kSet + u)));
     }
   }
   for (int r = 0; r < R; ++r) sums[r][kSet] = acc[r];
@@ -2034,14 +2043,6 @@ template <int R>
 inline void q4_k_pair_rows(const int16_t* xb, const __m256i* pairs, __m256i (*sums)[2]) {
   q4_k_pair_rows<R, 0>(xb, pairs, sums);
   q4_k_pair_rows<R, 1>(xb, pairs, sums);
-}
-
-// q4_k_pair_rows<n>, n = 1..kPairRows.
-template <int R = kPairRows>
-inline void q4_k_pair_rows_of(int n, const int16_t* xb, const __m256i* pairs, __m256i (*sums)[2]) {
-  if constexpr (R > 1)
-    if (n < R) return q4_k_pair_rows_of<R - 1>(n, xb, pairs, sums);
-  q4_k_pair_rows<R>(xb, pairs, sums);
 }
 
 // x's rows as the many-row kernels read them: 16-bit values 128 c + r (or c), in blocks of kPairRows
@@ -2076,7 +2077,7 @@ void q4_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
     for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
       const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
       const int16_t* xb = x16 + (m0 / kPairRows * supers + b) * kPairRows * QK_K;
-      q4_k_pair_rows_of(n, xb, pairs, sums);
+      with_pair_rows(n, [&](auto rows) { q4_k_pair_rows<decltype(rows)::value>(xb, pairs, sums); });
       for (int r = 0; r < n; ++r) {
         const float dx = two_terms ? a[m0 + r].scale[b] / 128.f : a[m0 + r].scale[b];
         const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(dx));
@@ -2119,8 +2120,8 @@ inline void q6_k_tile_pairs(const uint8_t* t, __m256i* out) {
     for (int u = 0; u < 4; ++u) {  // values 128 n + 32 i + 8 u.. (i = 0..3), as q6_k_x8_rows
       __m256i codes[2][4];
       for (int hv = 0; hv < 2; ++hv) {  // rows 0-3, 4-7
-        const __m256i A = load256(t + 64 * (8 * n + u) + 32 * hv), B = load256(t + 64 * (8 * n + 4 + u) + 32 * hv);
-        const __m256i H = load256(t + kQ6Qh + 64 * (4 * n + u) + 32 * hv);
+        const __m256i A = xi_load(t + 64 * (8 * n + u) + 32 * hv), B = xi_load(t + 64 * (8 * n + 4 + u) + 32 * hv);
+        const __m256i H = xi_load(t + kQ6Qh + 64 * (4 * n + u) + 32 * hv);
         codes[hv][0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), top));
         codes[hv][1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi16(H, 2), top));
         codes[hv][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low), _mm256_and_si256(H, top));
@@ -2153,22 +2154,11 @@ inline void q6_k_pair_rows(const int16_t* xb, const __m256i* pairs, const __m256
       for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; ++p) {
         const __m256i w = _mm256_load_si256(w4 + p);
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, xb + QK_K * r + q6_pair_value(set, grp, p), 4);
-          s[r] = pair_dot(s[r], w, _mm256_set1_epi32(pair));
-        }
+        for (int r = 0; r < R; ++r) s[r] = pair_dot(s[r], w, x_pair(xb + QK_K * r + q6_pair_value(set, grp, p)));
       }
       for (int r = 0; r < R; ++r) acc[r][set] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), ddx[r][grp / 2], acc[r][set]);
     }
   }
-}
-
-template <int R = kPairRows>
-inline void q6_k_pair_rows_of(int n, const int16_t* xb, const __m256i* pairs, const __m256 (*ddx)[8], __m256 (*acc)[2]) {
-  if constexpr (R > 1)
-    if (n < R) return q6_k_pair_rows_of<R - 1>(n, xb, pairs, ddx, acc);
-  q6_k_pair_rows<R>(xb, pairs, ddx, acc);
 }
 
 // Group g (8 rows) of a Q6_K_X8 weight times M rows of x (views as x8_row_loop gives q6_k_x8_rows;
@@ -2192,8 +2182,10 @@ void q6_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
           const float dx = per32 ? a[m0 + r].scale[8 * b + j] : two_terms ? a[m0 + r].scale[b] / 128.f : a[m0 + r].scale[b];
           ddx[r][j] = _mm256_mul_ps(d, _mm256_set1_ps(dx));
         }
-      q6_k_pair_rows_of(n, x16 + (m0 / kPairRows * supers + b) * kPairRows * QK_K, pairs, ddx,
-                        reinterpret_cast<__m256 (*)[2]>(acc.data() + 2 * m0));
+      const int16_t* xb = x16 + (m0 / kPairRows * supers + b) * kPairRows * QK_K;
+      with_pair_rows(n, [&](auto rows) {
+        q6_k_pair_rows<decltype(rows)::value>(xb, pairs, ddx, reinterpret_cast<__m256 (*)[2]>(acc.data() + 2 * m0));
+      });
     }
   }
   for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N + kX8Rows * g, _mm256_add_ps(acc[2 * m], acc[2 * m + 1]));
@@ -3295,10 +3287,15 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 #endif
   // Q6_K: x's scales one per 32 values (not per lane: a row of 8192 values' lanes with its codes
   // and the tiles streaming through overflowed L1), and the offsets' sums
+#if !defined(PAGELLM_INT8_VNNI)
+  const bool many = M >= pair_min_rows(qtype);  // the pair kernels (q4_k_x8_many, q6_k_x8_many)
+#else
+  constexpr bool many = false;
+#endif
   std::vector<float> scale32;
-  std::vector<int32_t> offsets;
+  std::vector<int32_t> offsets;  // q6_k_x8_rows' alone
   if (qtype == Q6_K) {
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < M && !many; ++m) {
       const std::vector<int32_t> o = q6_k_x8_offsets(a, m, K, two_terms);
       offsets.insert(offsets.end(), o.begin(), o.end());
     }
@@ -3312,7 +3309,6 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
                      per_super ? a.super_scale.data() + m * K / QK_K : scale32.data() + m * K / 32, nullptr,
                      per_super ? a.block_sum.data() + m * K / 32 : nullptr, nullptr, nullptr});
 #if !defined(PAGELLM_INT8_VNNI)
-  const bool many = M >= pair_min_rows(qtype);
   const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms) : std::vector<int16_t>();
 #endif
   at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {

@@ -261,6 +261,12 @@ MUTANTS = [
            "_mm256_add_ps(acc[2 * m], _mm256_add_ps(acc[2 * m + 1], mins[m]))",
            ("tests/kernels/test_quant_ops.py::test_repacked_and_block_rows_keep_their_bits_beside_many_rows[Q4_K]",),
            compiled=True, cpu_flag="avx2", march="x86-64-v3"),
+    Mutant("repacked Q4_1's products of 9-16 rows leave its row loop for the AMX tiles or the widening",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "const bool q4_1_rows = x8 && qtype == Q4_1 && M <= kQ41RowLoopMax;",
+           "const bool q4_1_rows = x8 && qtype == Q4_1 && M <= 8;",
+           ("tests/kernels/test_quant_ops.py::test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows",),
+           compiled=True, cpu_flag="avx512_vnni"),
     Mutant("AVX2's many-row Q6_K kernel sums a lane's 16-value groups in their order (the tile kernel: "
            "0, 2, 4, 6, 1, 3, ...)",
            "pagellm/kernels/csrc/quant_ops.cpp",

@@ -239,6 +239,24 @@ def test_repacked_and_block_rows_keep_their_bits_beside_many_rows(qtype):
                 assert torch.equal(together, alone[:m]), (kind, activations, m)
 
 
+def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows():
+    """Repacked Q4_1 (SmolLM2's layers) keeps its row loop, whose rows' sums do not depend on the
+    rows beside them, up to q4_1_row_loop_max rows in every build, ahead of the AMX tiles and the
+    widening: a speculative verification of up to 15 proposals gets the bits of decoding its tokens
+    one by one in these products, on AVX-512 VNNI builds too (whose other types keep them to 5 rows:
+    test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it)."""
+    kernels, cols = cpu.quant_kernels(), 1280
+    if not getattr(kernels, "q4_1_row_loop_max", 0) or int(T.Q4_1) not in kernels.repacked_types:
+        pytest.skip("no integer kernels for repacked Q4_1 in this build")
+    (_, _), (w, kind) = blocks_and_repacked(T.Q4_1, cols, seed=12)
+    most = kernels.q4_1_row_loop_max
+    torch.manual_seed(2)
+    x = torch.randn(most + 1, cols)
+    alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations="int8x2") for i in range(most + 1)])
+    for m in range(2, most + 1):
+        assert torch.equal(q.gguf_matmul(x[:m], w, kind, cols, activations="int8x2"), alone[:m]), m
+
+
 def amx_cases() -> list:
     """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
     them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels always
@@ -256,14 +274,16 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (csrc
     x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
     for every row of x, and so do those of Q8_0 and
-    Q4_1 from 9 rows, Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds (csrc widen_min_rows): x
+    Q4_1's blocks from 9 rows, repacked Q4_1 and Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds
+    (csrc widen_min_rows, kQ41RowLoopMax): x
     rounded as the mode's products of fewer rows round it (one or two codes; per 256 values against
     the K-quants, per 32 against Q8_0 and Q4_1) times the exact weights, so the float64 product of the
     rounded x and the dequantized W up to float32 summation order. Rows 33-36 and 38 leave every
     remainder of the passes of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves
     each; Q8_0's and Q4_1's 21 rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17
     and 25 rows, decode-sized (either side of each type's widen_min_rows), whichever kernel the build
-    gives them. With AMX tiles (the -amx cases), every product of at least AMX_TEST_MIN_ROWS rows: 2,
+    gives them. With AMX tiles (the -amx cases), every product of at least AMX_TEST_MIN_ROWS rows
+    (repacked Q4_1's from 17, past its row loop's kQ41RowLoopMax): 2,
     3, 4, 5, 6, 7 and 9 rows fill part of one tile, 16 rows x's rows in one tile, 17 a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and Q4_1's 21, a part
     of 16 rows); the other cases run without them."""
     kernels = cpu.quant_kernels()

@@ -2584,7 +2584,8 @@ constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (
 // 16, 3x at 64; Q6_K 0.8-0.9x at 4, 1.1-1.3x at 6, 2-3x at 16; Q8_0 0.6-1.0x at 4, 0.9-1.4x at 6,
 // 1.4-2.3x at 16; Q4_1 (SmolLM2's shapes) 1.55-1.85x at 16, and since its scales are gathered
 // (words16) 1.07-1.22x at 5 and 1.38-1.56x at 6 on one thread, yet SmolLM2's decode steps of
-// 5 and 6 streams on two threads ran 7-10% slower from 5 or 6 rows than from 8).
+// 5 and 6 streams on two threads ran 7-10% slower from 5 or 6 rows than from 8). Repacked Q4_1
+// keeps its row loop to kQ41RowLoopMax rows whatever these say (see there).
 constexpr int64_t amx_default_rows(int64_t qtype) { return qtype == Q4_K || qtype == Q4_1 ? 8 : 6; }
 constexpr int64_t kAmxTypes[4] = {Q4_K, Q6_K, Q8_0, Q4_1};
 constexpr int amx_slot(int64_t qtype) { return qtype == Q4_K ? 0 : qtype == Q6_K ? 1 : qtype == Q8_0 ? 2 : 3; }
@@ -3258,6 +3259,12 @@ constexpr int64_t widen_min_rows(int64_t qtype) {
   return 0;
 #endif
 }
+// Repacked Q4_1's row loop (q4_1_x8_row_loop) runs products of up to this many rows of x, ahead of
+// the AMX tiles and the widening: 8 rows 1.2-1.4x as fast as the tiles, 9-16 rows 1.0-1.5x the
+// tiles and 1.0-1.3x the widening (SmolLM2's four Q4_1 shapes, two threads, turn about), which win
+// from 24. These are the sizes of speculative verifications and of steps of 8-16 streams.
+constexpr int64_t kQ41RowLoopMax = 16;
+
 inline bool widens(int64_t qtype, int64_t M) {
 #if !defined(PAGELLM_INT8_VNNI)
   // AVX2 builds' many-row Q4_K kernel takes prompts too (the same rounding of x, per 256 values):
@@ -3366,13 +3373,14 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  if (amx_takes(x8, qtype, M)) {
+  const bool q4_1_rows = x8 && qtype == Q4_1 && M <= kQ41RowLoopMax;
+  if (!q4_1_rows && amx_takes(x8, qtype, M)) {
 #if defined(PAGELLM_AMX)
     amx_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>(), x8);
 #endif
     return y;
   }
-  if (x8 && !widens(qtype, M)) {
+  if (x8 && (q4_1_rows || !widens(qtype, M))) {
     x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
@@ -3496,7 +3504,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int64_t t : {Q4_1, Q8_0, Q4_K, Q6_K})
     if (widen_min_rows(t) > 0) widen_from[py::int_(t)] = widen_min_rows(t);
   m.attr("widen_min_rows") = widen_from;
+  m.attr("q4_1_row_loop_max") = kQ41RowLoopMax;
 #else
+  m.attr("q4_1_row_loop_max") = 0;
   m.attr("widen_min_rows") = py::dict();
   m.attr("has_int8_activations") = false;
   m.attr("prefill_types") = py::tuple();

@@ -305,21 +305,46 @@ inline float max_of(const float* s, int64_t n, float init) {
   return mx;
 }
 
-// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
-// boundary and each thread would wait on DRAM latency: the blocks of the tile that starts at t1
-// are asked for while the one before it is attended (one tile ahead is enough to hide it).
+// The cache lines of keys [t, t1)'s rows of K or V (all KV heads of a token), asked for into L2 a
+// share at a time while attend_run's arithmetic goes on, kAhead keys before it reads them. Asked
+// for a tile at once, they filled the core's few miss buffers and held the arithmetic back until
+// they came: a run took the memory's time plus the arithmetic's, not the larger of the two, and a
+// decode step streamed its K/V at half the rate one core reads memory.
 template <typename T>
-inline void prefetch_tile(const T* kp, const T* vp, const int64_t* table, int64_t BS, int64_t row, int64_t t1,
-                          int64_t end) {
-  for (int64_t j = t1 / BS; j * BS < std::min(end, t1 + kTile); ++j) {
-    const T* kn = kp + table[j] * BS * row;
-    const T* vn = vp + table[j] * BS * row;
-    for (int64_t i = 0; i < BS * row; i += 64 / static_cast<int64_t>(sizeof(T))) {  // one cache line at a time
-      __builtin_prefetch(kn + i, 0, 3);
-      __builtin_prefetch(vn + i, 0, 3);
+class RowPrefetch {
+ public:
+  // `shares`: how many ask() calls the lines are spread over
+  RowPrefetch(const T* base, const int64_t* table, int64_t BS, int64_t row, int64_t t, int64_t t1, int64_t shares)
+      : base_(base), table_(table), BS_(BS), row_(row), row_bytes_(row * static_cast<int64_t>(sizeof(T))), t_(t), t1_(t1) {
+    left_ = std::max<int64_t>(0, t1 - t) * ((row_bytes_ + 63) / 64);
+    share_ = (left_ + shares - 1) / std::max<int64_t>(1, shares);
+    if (t_ < t1_) line_ = row_start(t_);
+  }
+  void ask() { ask(share_); }
+  void rest() { ask(left_); }
+
+ private:
+  const char* row_start(int64_t t) const {
+    return reinterpret_cast<const char*>(base_ + (table_[t / BS_] * BS_ + t % BS_) * row_);
+  }
+  void ask(int64_t count) {
+    for (count = std::min(count, left_); count > 0; --count, --left_) {
+      __builtin_prefetch(line_ + offset_, 0, 2);  // PREFETCHT1: into L2, as the quantized products fetch
+      offset_ += 64;
+      if (offset_ >= row_bytes_) {  // the next key's row: beside it in its block, or the next block's first
+        offset_ = 0;
+        if (++t_ < t1_) line_ = t_ % BS_ ? line_ + row_bytes_ : row_start(t_);
+      }
     }
   }
-}
+  const T* base_;
+  const int64_t* table_;
+  int64_t BS_, row_, row_bytes_, t_, t1_, offset_ = 0, left_ = 0, share_ = 0;
+  const char* line_ = nullptr;
+};
+// One tile: its K rows (kTile x 768 bytes for SmolLM2's 3 KV heads of 64) stay within L2 beside
+// the tile being read; two or more measured no faster.
+constexpr int64_t kAhead = kTile;
 
 // The end of a run for its NQ query tokens: from each head's accumulator acc [NQ, H, D], running
 // max m and sum l [NQ, H], the normalised output when the run is the whole context (sinks joining
@@ -376,41 +401,47 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
   auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
   for (int64_t t0 = w.begin; t0 < w.end;) {
     const int64_t t1 = std::min(w.end, (t0 / kTile + 1) * kTile);
-    prefetch_tile(kp, vp, table, BS, row, t1, w.end);
     // This token's keys in the tile.
     auto keys_of = [&](int64_t qi) { return std::min(t1, lens[qi]) - t0; };
-    // f(u0, qi, n) for each run of contiguous keys (the part of the tile in one block) and, while
-    // the run is in L1, each query token reading some of it: keys t0 + u0 .. + n - 1.
-    auto each_run = [&](auto&& f) {
+    // f(u0, qi, n, pf) for each run of contiguous keys (the part of the tile in one block) and, while
+    // the run is in L1, each query token reading some of it: keys t0 + u0 .. + n - 1; pf asks for
+    // the rows of `ahead` (K's or V's) kAhead keys further on, a share per query head (pf.ask()).
+    auto each_run = [&](const T* ahead, auto&& f) {
       for (int64_t u0 = 0; u0 < t1 - t0;) {
         const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
+        RowPrefetch<T> pf(ahead, table, BS, row, t0 + u0 + kAhead, std::min(w.end, t0 + u0 + kAhead + seg), NQ * H);
         for (int64_t qi = 0; qi < NQ; ++qi) {
           const int64_t n = std::min(seg, keys_of(qi) - u0);
-          if (n > 0) f(u0, qi, n);
+          if (n > 0) f(u0, qi, n, pf);
         }
+        pf.rest();
         u0 += seg;
       }
     };
     // Scores.
-    each_run([&](int64_t u0, int64_t qi, int64_t n) {
+    each_run(kp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
         const T* kb = key_row(kp, t0 + u0);
         const float* qt = q + qi * H * D;
         float* s = ss + qi * H * kTile + u0;
 #if defined(__AVX512F__)
         if constexpr (DT > 0 && DT % 16 == 0) {
           for (int64_t h = 0; h < KVH; ++h)
-            for (int64_t g = 0; g < G; ++g)
+            for (int64_t g = 0; g < G; ++g) {
+              pf.ask();
               for (int64_t u = 0; u < n; u += 16)
                 scores16<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, n - u),
                                 scale, s + (h * G + g) * kTile + u);
+            }
         } else
 #elif defined(PAGELLM_SCORES8)
         if constexpr (DT > 0 && DT % 8 == 0) {
           for (int64_t h = 0; h < KVH; ++h)
-            for (int64_t g = 0; g < G; ++g)
+            for (int64_t g = 0; g < G; ++g) {
+              pf.ask();
               for (int64_t u = 0; u < n; u += 8)
                 scores8<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(8, n - u),
                                scale, s + (h * G + g) * kTile + u);
+            }
         } else
 #endif
         {
@@ -480,10 +511,11 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     }
     // Softmax-weighted V rows, block by block, every token's heads while the block is in L1; each
     // head's accumulator stays in registers over the block's keys.
-    each_run([&](int64_t u0, int64_t qi, int64_t n) {
+    each_run(vp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
         for (int64_t h = 0; h < KVH; ++h) {
           const T* vb = key_row(vp, t0 + u0) + h * HS;
           for (int64_t g = 0; g < G; ++g) {
+            pf.ask();
             float* a = accs + (qi * H + h * G + g) * D;
             const float* p = ss + (qi * H + h * G + g) * kTile + u0;
 #if defined(__AVX512F__)
@@ -606,8 +638,12 @@ void attend_run_lanes(const WorkItem& w, int64_t H, int64_t KVH, int64_t BS, con
   auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
   for (int64_t t0 = w.begin; t0 < w.end;) {
     const int64_t t1 = std::min(w.end, (t0 / kTile + 1) * kTile), nt = t1 - t0;
-    prefetch_tile(kp, vp, table, BS, row, t1, w.end);
+    // the next tile's rows, a share per KV head's widening and arithmetic
+    RowPrefetch<T> pk(kp, table, BS, row, t1, std::min(w.end, t1 + kTile), KVH);
+    RowPrefetch<T> pv(vp, table, BS, row, t1, std::min(w.end, t1 + kTile), KVH);
     for (int64_t h = 0; h < KVH; ++h) {
+      pk.ask();
+      pv.ask();
       for (int64_t u = 0; u < nt; ++u) {
         const T* k = key_row(kp, t0 + u) + h * HS;
         const T* v = key_row(vp, t0 + u) + h * HS;

@@ -306,7 +306,7 @@ inline float max_of(const float* s, int64_t n, float init) {
 }
 
 // The cache lines of keys [t, t1)'s rows of K or V (all KV heads of a token), asked for into L2 a
-// share at a time while attend_run's arithmetic goes on, kAhead keys before it reads them. Asked
+// share at a time while the attention kernels' arithmetic goes on, ahead of their reading them. Asked
 // for a tile at once, they filled the core's few miss buffers and held the arithmetic back until
 // they came: a run took the memory's time plus the arithmetic's, not the larger of the two, and a
 // decode step streamed its K/V at half the rate one core reads memory.

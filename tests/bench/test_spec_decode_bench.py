@@ -91,7 +91,10 @@ def test_each_round_summarizes_another_page_that_fits_the_context(smollm2_gguf):
         prompt = spec_decode.render_prompt(tok, message, source)
         sizes.append(len(prompt.token_ids))
         spec_decode.check_fits({"summary": [prompt]}, cfg.max_tokens, context)
-    assert 3000 <= min(sizes) and max(sizes) <= 5500, sizes
+    # about the code edit's size: no shorter than 3/4 of its shortest, no longer than its longest
+    code = [len(spec_decode.render_prompt(tok, spec_decode.user_message("code-edit", source, cfg), source).token_ids)
+            for source in spec_decode.round_sources("code-edit", spec_decode.max_rounds())]
+    assert 0.75 * min(code) <= min(sizes) and max(sizes) <= max(code), (sizes, code)
 
 
 def test_the_document_is_the_pages_prose(tmp_path):

@@ -300,14 +300,18 @@ def _copy_tree(dst: Path) -> None:
                 shutil.copy2(ROOT / rel, dst / rel)
 
 
+def edit_is_there(m: Mutant, root: Path = ROOT) -> bool:
+    """Whether the code `m` edits appears exactly once in its file under `root`."""
+    return (root / m.path).read_text().count(m.old) == 1
+
+
 def run_mutant(m: Mutant, workdir: Path) -> dict[str, bool]:
     """Apply `m` in a fresh copy and run its tests; returns test id -> failed."""
     copy = workdir / m.name.replace(" ", "_")[:40]
     _copy_tree(copy)
     target = copy / m.path
-    text = target.read_text()
-    assert text.count(m.old) == 1, f"mutant {m.name!r}: the code it edits has changed ({m.path})"
-    target.write_text(text.replace(m.old, m.new))
+    assert edit_is_there(m, copy), f"mutant {m.name!r}: the code it edits has changed ({m.path})"
+    target.write_text(target.read_text().replace(m.old, m.new))
     site = copy / "_mutant_site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
@@ -328,7 +332,7 @@ def test_every_mutant_edits_code_that_is_there():
     """Each mutant's edit appears exactly once in its file: in the fast suite, so that a change to the
     code a mutant edits is seen when it lands, not at the next slow run (a rewritten Q4_1 widening left
     one mutant pointing at a line that no longer existed)."""
-    stale = [m.name for m in MUTANTS if (ROOT / m.path).read_text().count(m.old) != 1]
+    stale = [m.name for m in MUTANTS if not edit_is_there(m)]
     assert not stale, f"mutants whose edit is no longer in their file (or not once): {stale}"
 
 

@@ -194,6 +194,16 @@ def blocks_and_repacked(qtype, cols: int, seed: int) -> list[tuple[torch.Tensor,
     return forms
 
 
+def assert_rows_keep_their_bits(x: torch.Tensor, w: torch.Tensor, kind: int, cols: int, activations: str,
+                                counts) -> None:
+    """The first m rows of x multiplied together give, for each m in `counts`, each row's product
+    alone, bit for bit."""
+    alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations=activations) for i in range(len(x))])
+    for m in counts:
+        together = q.gguf_matmul(x[:m], w, kind, cols, activations=activations)
+        assert torch.equal(together, alone[:m]), (kind, activations, m)
+
+
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
@@ -206,11 +216,7 @@ def test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it(qtype):
     torch.manual_seed(0)
     for w, kind in forms:
         for activations in ("int8", "int8x2"):
-            x = torch.randn(5, cols)
-            alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations=activations) for i in range(5)])
-            for m in range(2, 6):
-                together = q.gguf_matmul(x[:m], w, kind, cols, activations=activations)
-                assert torch.equal(together, alone[:m]), (kind, activations, m)
+            assert_rows_keep_their_bits(torch.randn(5, cols), w, kind, cols, activations, range(2, 6))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
@@ -231,12 +237,9 @@ def test_repacked_and_block_rows_keep_their_bits_beside_many_rows(qtype):
         pairs_from = kernels.pair_min_rows.get(kind, 2)
         for activations in ("int8", "int8x2"):
             bound = q.int8_max_rows(activations, kind)
-            x = torch.randn(bound, cols)
-            alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations=activations) for i in range(bound)])
             # the many-row kernels' bound, and past each of their passes of 8 rows
-            for m in sorted({2, 5, pairs_from, pairs_from + 1, 8, 9, 16, 17, 23, bound} & set(range(2, bound + 1))):
-                together = q.gguf_matmul(x[:m], w, kind, cols, activations=activations)
-                assert torch.equal(together, alone[:m]), (kind, activations, m)
+            counts = sorted({2, 5, pairs_from, pairs_from + 1, 8, 9, 16, 17, 23, bound} & set(range(2, bound + 1)))
+            assert_rows_keep_their_bits(torch.randn(bound, cols), w, kind, cols, activations, counts)
 
 
 def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows():
@@ -251,10 +254,7 @@ def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows():
     (_, _), (w, kind) = blocks_and_repacked(T.Q4_1, cols, seed=12)
     most = kernels.q4_1_row_loop_max
     torch.manual_seed(2)
-    x = torch.randn(most + 1, cols)
-    alone = torch.cat([q.gguf_matmul(x[i:i + 1], w, kind, cols, activations="int8x2") for i in range(most + 1)])
-    for m in range(2, most + 1):
-        assert torch.equal(q.gguf_matmul(x[:m], w, kind, cols, activations="int8x2"), alone[:m]), m
+    assert_rows_keep_their_bits(torch.randn(most, cols), w, kind, cols, "int8x2", range(2, most + 1))
 
 
 def amx_cases() -> list:

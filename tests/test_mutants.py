@@ -274,6 +274,13 @@ MUTANTS = [
            "kQ6GroupOrder[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};",
            ("tests/kernels/test_quant_ops.py::test_repacked_and_block_rows_keep_their_bits_beside_many_rows[Q6_K]",),
            compiled=True, cpu_flag="avx2", march="x86-64-v3"),
+    Mutant("AVX2's Q8_0 kernel multiplies a block's second 16 codes by x's first 16",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "_mm256_madd_epi16(w1, x1[m])",
+           "_mm256_madd_epi16(w1, x0[m])",
+           ("tests/kernels/test_quant_ops.py::"
+            "test_int8_activation_products_are_the_rounded_activations_exact_product[Q8_0-K128-int8x2]",),
+           compiled=True, cpu_flag="avx2", march="x86-64-v3"),
 ]
 
 # Imported first by every Python started in the copy: the package installed in editable mode

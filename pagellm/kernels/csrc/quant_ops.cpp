@@ -686,6 +686,7 @@ struct ActRows {
   std::vector<int16_t> sums16;     // quantize_super for Q6_K only: per 16 values, the sum of their codes (its offset)
   std::vector<int16_t> wide;       // quantize_super with `wide` only: 128 c + r per value (codes, residual empty)
   std::vector<float> block_scale;  // quantize_activations: per 32 values, the lanes' scale once
+  std::vector<int16_t> joined;     // AVX2 quantize_activations with `joined`: join_codes' 16-bit values (Q8_0)
 };
 
 // Rows m0.. of an ActRows, by pointer.
@@ -695,6 +696,7 @@ struct ActView {
   const int16_t* sums16;
   const int16_t* wide;
   const float* block_scale;
+  const int16_t* joined;
 };
 
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
@@ -702,6 +704,18 @@ struct ActView {
 // per-16 code sums in 32 bits).
 constexpr bool super_activations(int64_t qtype, bool two_terms) {
   return qtype == Q4_K || qtype == Q5_K || (qtype == Q6_K && !two_terms);
+}
+
+// x's codes as one 16-bit value each, for the kernels that multiply 16-bit words: 128 c + r with
+// two codes (within +-16,320), c with one (residual null). n a multiple of 16.
+inline void join_codes(const int8_t* codes, const int8_t* residual, int64_t n, int16_t* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    if (residual != nullptr)
+      v = _mm256_add_epi16(_mm256_slli_epi16(v, 7),
+                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(residual + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), v);
+  }
 }
 #endif
 
@@ -1339,16 +1353,19 @@ inline __m256i round32(const float* x, __m256 inv, int8_t* codes, int8_t* residu
   return _mm256_add_epi32(_mm256_slli_epi32(sums, 7), dot4(ones, res));
 }
 
-// As the AVX-512 quantize_activations, 8 lanes at a time: the same codes, scales and sums.
-ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
+// As the AVX-512 quantize_activations, 8 lanes at a time: the same codes, scales and sums. With
+// `joined`, also each value's codes as one 16-bit value (join_codes), for q8_0_joined_rows.
+ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms, bool joined = false) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4)};
   a.block_scale.resize(M * K / 32);  // for blocks8_rows
   a.block_sum.resize(M * K / 32);
+  if (joined) a.joined.resize(M * K);
   for (int64_t i = 0; i < M * K; i += 32) {
     const BlockScale s = block_scale(x + i, 32);
     const __m256i sums = round32(x + i, _mm256_set1_ps(s.inv), a.codes.data() + i,
                                  two_terms ? a.residual.data() + i : nullptr);
+    if (joined) join_codes(a.codes.data() + i, two_terms ? a.residual.data() + i : nullptr, 32, a.joined.data() + i);
     const __m256 dv = _mm256_set1_ps(two_terms ? s.d / 128.f : s.d);
     const __m256 lane_sums = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dv);
     _mm256_storeu_ps(a.lane_sum.data() + i / 4, lane_sums);
@@ -1511,12 +1528,65 @@ void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, flo
   }
 }
 
+// Rows [n0, n1) of y = x @ W^T for Q8_0, x's codes joined into one 16-bit value each (ActRows::joined:
+// 128 c + r with two codes, within +-16,320; c with one) and W's codes sign-extended to 16 bits:
+// two VPMADDWD per 32 values and row of x give 8 lanes' integer sums (4 values each, within 2^23,
+// so exact in float32), then one convert and one FMA by W's d times x's block scale (scalars,
+// broadcast). blocks8_rows' form of the same products took eight multiply-pipe instructions a block
+// with two codes (three sign fixes, two VPMADDUBSW, two VPMADDWD, the FMA) and a gather of 8
+// blocks' scales and a permute per block; AMD's Zen 3 runs all the multiplies and sign fixes on the
+// same two pipes and gathers slowly, and there this form is 1.35-1.65x as fast at one row (one
+// thread: 12.5-14.4 GB/s against 8.4-9.3 on the 1B shapes, a core streams 15) and 1.3-2.0x at 2-8
+// rows (benchmarks/kernel_ab.py). Blocks in order, each row's lanes in one FMA chain, whatever M
+// and NR are: a row's sums keep their bits beside other rows of x.
+template <int M, int NR>
+void q8_0_joined_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                      int64_t n1) {
+  constexpr int64_t kBytes = 34;
+  const int64_t blocks = K / 32;
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m256 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+      const int64_t b1 = std::min<int64_t>(blocks, b0 + 8);
+      if (fetch)
+        for (int r = 0; r < NR; ++r)
+          for (int64_t l = 0; l < (b1 - b0) * kBytes; l += 64) prefetch(w + (n + ahead + r) * row_bytes + b0 * kBytes + l);
+      for (int64_t b = b0; b < b1; ++b) {
+        __m256i x0[M], x1[M];
+        float xs[M];
+        for (int m = 0; m < M; ++m) {
+          const int16_t* xv = a.joined + m * K + 32 * b;
+          x0[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xv));
+          x1[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xv + 16));
+          xs[m] = a.block_scale[m * blocks + b];
+        }
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
+          const __m256i w0 = _mm256_cvtepi8_epi16(load16(blk + 2)), w1 = _mm256_cvtepi8_epi16(load16(blk + 18));
+          const float d = half_at(blk);
+          for (int m = 0; m < M; ++m) {
+            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, x0[m]), _mm256_madd_epi16(w1, x1[m]));
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xs[m]), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
+  }
+}
+
 template <int64_t T, bool kTwo>
 struct LaneRows {
   template <int M, int NR>
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
     if constexpr (T == Q6_K) q6_k_rows<M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    else if constexpr (T == Q8_0) q8_0_joined_rows<M, NR>(a, K, w, row_bytes, y, N, n0, n1);
     else blocks8_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
@@ -2498,8 +2568,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
   const int16_t* x16 = a.wide.data();
   if (a.wide.empty()) {  // one code c, or the two joined here: 128 c + r, as the wide quantizer stores them
     joined.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i)
-      joined[i] = static_cast<int16_t>(two_terms ? 128 * a.codes[i] + a.residual[i] : a.codes[i]);
+    join_codes(a.codes.data(), two_terms ? a.residual.data() : nullptr, M * K, joined.data());
     x16 = joined.data();
   }
   // x's scales of the 16-bit values: per 32 (quantize_activations' lane scales take two codes' 1/128
@@ -3139,7 +3208,8 @@ void int8_multiply(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int
                       a.block_sum.empty() ? nullptr : a.block_sum.data() + m0 * K / 32,
                       a.sums16.empty() ? nullptr : a.sums16.data() + m0 * K / 16,
                       a.wide.empty() ? nullptr : a.wide.data() + m0 * K,
-                      a.block_scale.empty() ? nullptr : a.block_scale.data() + m0 * K / 32};
+                      a.block_scale.empty() ? nullptr : a.block_scale.data() + m0 * K / 32,
+                      a.joined.empty() ? nullptr : a.joined.data() + m0 * K};
       const int64_t rows = std::min<int64_t>(group, M - m0);
 #if defined(PAGELLM_INT8_VNNI)
       if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
@@ -3400,7 +3470,11 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
 #else
                         ? quantize_super(x.data_ptr<float>(), M, K, two_terms)
 #endif
+#if defined(PAGELLM_INT8_VNNI)
                         : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
+#else
+                        : quantize_activations(x.data_ptr<float>(), M, K, two_terms, qtype == Q8_0);
+#endif
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const auto rows = [&](const uint8_t* wp, float* yp, int64_t n0, int64_t n1) {

@@ -1466,7 +1466,7 @@ inline void block_heads8(const uint8_t* first, int64_t block_bytes, int n, __m25
   m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
 }
 
-// Rows [n0, n1) of y = x @ W^T for the 32-value blocks (Q4_0, Q4_1, Q8_0), x per 32 values, as
+// Rows [n0, n1) of y = x @ W^T for Q4_0 and Q4_1 blocks (Q8_0: q8_0_joined_rows), x per 32 values, as
 // q6_k_rows computes Q6_K's but 8 blocks at a time: their float16 scales come in one gather (block_heads8), W's scale
 // times x's (block_scale) is one multiply for the 8 blocks and picked out per block by one
 // permute, and the offset term (Q4_1: m times x's block sum; Q4_0: -8 d times it) is one
@@ -1476,9 +1476,8 @@ inline void block_heads8(const uint8_t* first, int64_t block_bytes, int n, __m25
 template <int64_t T, int M, int NR, bool kTwo>
 void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
-  static_assert(T == Q4_0 || T == Q4_1 || T == Q8_0, "blocks8_rows takes the 32-value blocks");
-  constexpr int64_t kBytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34, kHead = T == Q4_1 ? 4 : 2;
-  constexpr bool kSigned = T == Q8_0;
+  static_assert(T == Q4_0 || T == Q4_1, "blocks8_rows takes the 4-bit 32-value blocks");
+  constexpr int64_t kBytes = T == Q4_0 ? 18 : 20, kHead = T == Q4_1 ? 4 : 2;
   const int64_t blocks = K / 32;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
   for (int64_t n = n0; n < n1; n += NR) {
@@ -1500,24 +1499,15 @@ void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, flo
         for (int m = 0; m < M; ++m) {
           const int64_t at = m * blocks + b0;
           scale[m] = _mm256_mul_ps(d, _mm256_maskload_ps(a.block_scale + at, live));
-          if constexpr (!kSigned) {
-            const __m256 offset = T == Q4_1 ? mh : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-            acc[r][m] = _mm256_fmadd_ps(offset, _mm256_maskload_ps(a.block_sum + at, live), acc[r][m]);
-          }
+          const __m256 offset = T == Q4_1 ? mh : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+          acc[r][m] = _mm256_fmadd_ps(offset, _mm256_maskload_ps(a.block_sum + at, live), acc[r][m]);
         }
         for (int i = 0; i < nb; ++i) {
-          const uint8_t* b = row + i * kBytes + kHead;
-          __m256i u;
-          if constexpr (kSigned) {
-            u = load32(b);
-          } else {
-            const __m128i q = load16(b);
-            u = _mm256_set_m128i(and8(shr(q, 4), 0x0F), and8(q, 0x0F));
-          }
-          const __m256i uu = kSigned ? _mm256_sign_epi8(u, u) : u;
+          const __m128i q = load16(row + i * kBytes + kHead);
+          const __m256i u = _mm256_set_m128i(and8(shr(q, 4), 0x0F), and8(q, 0x0F));
           const __m256i pick = _mm256_set1_epi32(i);
           for (int m = 0; m < M; ++m) {
-            const __m256i dot = x_dot<kTwo, kSigned>(uu, u, a, m * K + 32 * (b0 + i));
+            const __m256i dot = x_dot<kTwo, false>(u, u, a, m * K + 32 * (b0 + i));
             acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[m], pick), acc[r][m]);
           }
         }

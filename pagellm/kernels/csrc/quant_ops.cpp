@@ -1406,6 +1406,21 @@ inline __m256i k_codes(const uint8_t* sb, int j, int h) {
   }
 }
 
+// The loop the AVX2 row kernels share: rows [n0, n1) of W, NR at a time, with an accumulator per row
+// of W and of x; blocks(n, fetch, acc) adds group n's products (fetch: the rows `ahead` further on
+// exist, to prefetch), and each accumulator's 8 lanes, summed in one fixed order, are y's value.
+template <int M, int NR, class Blocks>
+inline void row_groups(int64_t n0, int64_t n1, int64_t ahead, float* y, int64_t N, Blocks&& blocks) {
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m256 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    blocks(n, n + ahead + NR <= n1, acc);
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
+  }
+}
+
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time,
 // for Q6_K with two codes per value (the 32-value blocks: blocks8_rows; the other K-quants, and
 // Q6_K with one code: int8_super_rows), a super-block (4 chunks) at a time, its scales decoded once.
@@ -1418,11 +1433,7 @@ void q6_k_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
   const int64_t chunks = K / 64, chunk_bytes = row_bytes / chunks;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
   float scales[NR][16];
-  for (int64_t n = n0; n < n1; n += NR) {
-    __m256 acc[NR][M];
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    const bool fetch = n + ahead + NR <= n1;
+  row_groups<M, NR>(n0, n1, ahead, y, N, [&](int64_t n, bool fetch, __m256 (&acc)[NR][M]) {
     for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
       const int64_t sb = (c0 / 4) * kSuperBytes<Q6_K>;
       for (int r = 0; r < NR; ++r) q6_k_scales(w + (n + r) * row_bytes + sb, scales[r]);
@@ -1444,9 +1455,7 @@ void q6_k_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float*
           }
       }
     }
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
-  }
+  });
 }
 
 // The float16 pairs at the head of n (<= 8) consecutive blocks, `block_bytes` apart from `first`, in
@@ -1480,11 +1489,7 @@ void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, flo
   constexpr int64_t kBytes = T == Q4_0 ? 18 : 20, kHead = T == Q4_1 ? 4 : 2;
   const int64_t blocks = K / 32;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
-  for (int64_t n = n0; n < n1; n += NR) {
-    __m256 acc[NR][M];
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    const bool fetch = n + ahead + NR <= n1;
+  row_groups<M, NR>(n0, n1, ahead, y, N, [&](int64_t n, bool fetch, __m256 (&acc)[NR][M]) {
     for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
       const int nb = static_cast<int>(std::min<int64_t>(8, blocks - b0));
       const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -1513,9 +1518,7 @@ void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, flo
         }
       }
     }
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
-  }
+  });
 }
 
 // Rows [n0, n1) of y = x @ W^T for Q8_0, x's codes joined into one 16-bit value each (ActRows::joined:
@@ -1535,11 +1538,7 @@ void q8_0_joined_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes,
   constexpr int64_t kBytes = 34;
   const int64_t blocks = K / 32;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
-  for (int64_t n = n0; n < n1; n += NR) {
-    __m256 acc[NR][M];
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    const bool fetch = n + ahead + NR <= n1;
+  row_groups<M, NR>(n0, n1, ahead, y, N, [&](int64_t n, bool fetch, __m256 (&acc)[NR][M]) {
     for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
       const int64_t b1 = std::min<int64_t>(blocks, b0 + 8);
       if (fetch)
@@ -1565,9 +1564,7 @@ void q8_0_joined_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes,
         }
       }
     }
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
-  }
+  });
 }
 
 template <int64_t T, bool kTwo>

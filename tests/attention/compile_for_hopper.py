@@ -3,7 +3,8 @@
 The interpreter runs kernels in NumPy and never lowers them, so it cannot see what only the
 GPU compiler rejects (dot shapes, layouts, types, shared memory); this script runs that compiler
 ahead of time. Run in a process without TRITON_INTERPRET (test_triton_compile.py does).
-`--all` also compiles the benchmark sweep's configs.
+`--all` also compiles the benchmark sweep's configs; `--each-kernel` only the first case of each
+kernel in each precision (the suite's quick check; every case runs in the slow one).
 """
 from __future__ import annotations
 
@@ -118,7 +119,12 @@ def cases(full: bool):
 
 
 def main() -> int:
+    seen = set()
     for (name, dt), fn, pointers, scalars, constexprs, warps, stages in cases("--all" in sys.argv):
+        if "--each-kernel" in sys.argv:
+            if (fn, dt) in seen:
+                continue
+            seen.add((fn, dt))
         compiled = compile_kernel(fn, pointers, scalars, constexprs, warps, stages)
         print(f"ok {dt:4s} {name}: shared memory {compiled.metadata.shared} bytes", flush=True)
     return 0

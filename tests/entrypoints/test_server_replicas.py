@@ -11,6 +11,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from pagellm import LLM, SamplingParams
 from tests.entrypoints.server_utils import RemoteServer, Stream, metric_value
@@ -29,6 +30,9 @@ def _ray_processes() -> list[str]:
     return names
 
 
+# The served form of tests/serving/test_replicas.py (whose fast tests keep the routing, the outputs and a
+# replica's death): Ray and two replica servers behind the HTTP front take about half a minute on 2 cores.
+@pytest.mark.slow
 def test_replicas_serve_route_report_and_survive_a_death(tiny_llama_dir):
     prompts = [s + q for q in ("one?", "two?", "three?") for s in SYSTEMS]  # 4 system prompts x 3 users
     want = [o.outputs[0].text for o in LLM(tiny_llama_dir, block_size=4, num_kv_blocks=128).generate(

@@ -1,0 +1,49 @@
+/* Vector instruction throughput on this core: each line runs 12 independent chains (an instruction
+ * alone, or two alternating), so latency does not bound them; two instructions that share pipes run
+ * no faster mixed than alone. What docs/quantization.md ("A real AVX2-only CPU") cites for AMD Zen 3.
+ *
+ *   cc -O2 benchmarks/vector_pipes.c -o /tmp/vector_pipes && /tmp/vector_pipes
+ *
+ * Instructions per nanosecond; divide by the clock (GHz) for instructions per cycle. x86-64 with AVX2. */
+#include <stdio.h>
+#include <time.h>
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+static long long buf[8] __attribute__((aligned(64)));
+
+#define LOOP(name, ins)                                                                                     \
+  {                                                                                                         \
+    long n = 100000000;                                                                                     \
+    double t0 = now();                                                                                      \
+    __asm__ volatile("1:\n" ins "dec %0\n jnz 1b\n"                                                         \
+                     : "+r"(n)                                                                              \
+                     : "r"(buf)                                                                             \
+                     : "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10",     \
+                       "ymm11");                                                                            \
+    printf("%-40s %5.2f instructions/ns\n", name, 100000000.0 * 12 / (now() - t0) / 1e9);                  \
+  }
+
+int main(void) {
+  LOOP("vpaddd", "vpaddd %%ymm15, %%ymm0, %%ymm0\n" "vpaddd %%ymm15, %%ymm1, %%ymm1\n" "vpaddd %%ymm15, %%ymm2, %%ymm2\n" "vpaddd %%ymm15, %%ymm3, %%ymm3\n" "vpaddd %%ymm15, %%ymm4, %%ymm4\n" "vpaddd %%ymm15, %%ymm5, %%ymm5\n" "vpaddd %%ymm15, %%ymm6, %%ymm6\n" "vpaddd %%ymm15, %%ymm7, %%ymm7\n" "vpaddd %%ymm15, %%ymm8, %%ymm8\n" "vpaddd %%ymm15, %%ymm9, %%ymm9\n" "vpaddd %%ymm15, %%ymm10, %%ymm10\n" "vpaddd %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpmaddubsw", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vpmaddubsw %%ymm15, %%ymm1, %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vpmaddubsw %%ymm15, %%ymm3, %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vpmaddubsw %%ymm15, %%ymm5, %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vpmaddubsw %%ymm15, %%ymm7, %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vpmaddubsw %%ymm15, %%ymm9, %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vpmaddubsw %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpmaddwd", "vpmaddwd %%ymm15, %%ymm0, %%ymm0\n" "vpmaddwd %%ymm15, %%ymm1, %%ymm1\n" "vpmaddwd %%ymm15, %%ymm2, %%ymm2\n" "vpmaddwd %%ymm15, %%ymm3, %%ymm3\n" "vpmaddwd %%ymm15, %%ymm4, %%ymm4\n" "vpmaddwd %%ymm15, %%ymm5, %%ymm5\n" "vpmaddwd %%ymm15, %%ymm6, %%ymm6\n" "vpmaddwd %%ymm15, %%ymm7, %%ymm7\n" "vpmaddwd %%ymm15, %%ymm8, %%ymm8\n" "vpmaddwd %%ymm15, %%ymm9, %%ymm9\n" "vpmaddwd %%ymm15, %%ymm10, %%ymm10\n" "vpmaddwd %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpsignb", "vpsignb %%ymm15, %%ymm0, %%ymm0\n" "vpsignb %%ymm15, %%ymm1, %%ymm1\n" "vpsignb %%ymm15, %%ymm2, %%ymm2\n" "vpsignb %%ymm15, %%ymm3, %%ymm3\n" "vpsignb %%ymm15, %%ymm4, %%ymm4\n" "vpsignb %%ymm15, %%ymm5, %%ymm5\n" "vpsignb %%ymm15, %%ymm6, %%ymm6\n" "vpsignb %%ymm15, %%ymm7, %%ymm7\n" "vpsignb %%ymm15, %%ymm8, %%ymm8\n" "vpsignb %%ymm15, %%ymm9, %%ymm9\n" "vpsignb %%ymm15, %%ymm10, %%ymm10\n" "vpsignb %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vfmadd231ps", "vfmadd231ps %%ymm15, %%ymm14, %%ymm0\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm1\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm2\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm3\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm4\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm5\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm6\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm7\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm8\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm9\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm10\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm11\n")
+  LOOP("vcvtdq2ps", "vcvtdq2ps %%ymm15, %%ymm0\n" "vcvtdq2ps %%ymm15, %%ymm1\n" "vcvtdq2ps %%ymm15, %%ymm2\n" "vcvtdq2ps %%ymm15, %%ymm3\n" "vcvtdq2ps %%ymm15, %%ymm4\n" "vcvtdq2ps %%ymm15, %%ymm5\n" "vcvtdq2ps %%ymm15, %%ymm6\n" "vcvtdq2ps %%ymm15, %%ymm7\n" "vcvtdq2ps %%ymm15, %%ymm8\n" "vcvtdq2ps %%ymm15, %%ymm9\n" "vcvtdq2ps %%ymm15, %%ymm10\n" "vcvtdq2ps %%ymm15, %%ymm11\n")
+  LOOP("vpshufb", "vpshufb %%ymm15, %%ymm0, %%ymm0\n" "vpshufb %%ymm15, %%ymm1, %%ymm1\n" "vpshufb %%ymm15, %%ymm2, %%ymm2\n" "vpshufb %%ymm15, %%ymm3, %%ymm3\n" "vpshufb %%ymm15, %%ymm4, %%ymm4\n" "vpshufb %%ymm15, %%ymm5, %%ymm5\n" "vpshufb %%ymm15, %%ymm6, %%ymm6\n" "vpshufb %%ymm15, %%ymm7, %%ymm7\n" "vpshufb %%ymm15, %%ymm8, %%ymm8\n" "vpshufb %%ymm15, %%ymm9, %%ymm9\n" "vpshufb %%ymm15, %%ymm10, %%ymm10\n" "vpshufb %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vphaddd", "vphaddd %%ymm15, %%ymm0, %%ymm0\n" "vphaddd %%ymm15, %%ymm1, %%ymm1\n" "vphaddd %%ymm15, %%ymm2, %%ymm2\n" "vphaddd %%ymm15, %%ymm3, %%ymm3\n" "vphaddd %%ymm15, %%ymm4, %%ymm4\n" "vphaddd %%ymm15, %%ymm5, %%ymm5\n" "vphaddd %%ymm15, %%ymm6, %%ymm6\n" "vphaddd %%ymm15, %%ymm7, %%ymm7\n" "vphaddd %%ymm15, %%ymm8, %%ymm8\n" "vphaddd %%ymm15, %%ymm9, %%ymm9\n" "vphaddd %%ymm15, %%ymm10, %%ymm10\n" "vphaddd %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpermps", "vpermps %%ymm15, %%ymm14, %%ymm0\n" "vpermps %%ymm15, %%ymm14, %%ymm1\n" "vpermps %%ymm15, %%ymm14, %%ymm2\n" "vpermps %%ymm15, %%ymm14, %%ymm3\n" "vpermps %%ymm15, %%ymm14, %%ymm4\n" "vpermps %%ymm15, %%ymm14, %%ymm5\n" "vpermps %%ymm15, %%ymm14, %%ymm6\n" "vpermps %%ymm15, %%ymm14, %%ymm7\n" "vpermps %%ymm15, %%ymm14, %%ymm8\n" "vpermps %%ymm15, %%ymm14, %%ymm9\n" "vpermps %%ymm15, %%ymm14, %%ymm10\n" "vpermps %%ymm15, %%ymm14, %%ymm11\n")
+  LOOP("vpmaddubsw + vpsignb", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vpsignb %%ymm15, %%ymm1, %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vpsignb %%ymm15, %%ymm3, %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vpsignb %%ymm15, %%ymm5, %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vpsignb %%ymm15, %%ymm7, %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vpsignb %%ymm15, %%ymm9, %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vpsignb %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpmaddubsw + vpmaddwd", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vpmaddwd %%ymm15, %%ymm1, %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vpmaddwd %%ymm15, %%ymm3, %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vpmaddwd %%ymm15, %%ymm5, %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vpmaddwd %%ymm15, %%ymm7, %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vpmaddwd %%ymm15, %%ymm9, %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vpmaddwd %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpmaddubsw + vfmadd231ps", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vfmadd231ps %%ymm15, %%ymm14, %%ymm11\n")
+  LOOP("vpmaddubsw + vpaddd", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vpaddd %%ymm15, %%ymm1, %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vpaddd %%ymm15, %%ymm3, %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vpaddd %%ymm15, %%ymm5, %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vpaddd %%ymm15, %%ymm7, %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vpaddd %%ymm15, %%ymm9, %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vpaddd %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpmaddubsw + vpshufb", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vpshufb %%ymm15, %%ymm1, %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vpshufb %%ymm15, %%ymm3, %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vpshufb %%ymm15, %%ymm5, %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vpshufb %%ymm15, %%ymm7, %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vpshufb %%ymm15, %%ymm9, %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vpshufb %%ymm15, %%ymm11, %%ymm11\n")
+  LOOP("vpmaddubsw + vpbroadcastq m64", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vpbroadcastq (%1), %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vpbroadcastq (%1), %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vpbroadcastq (%1), %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vpbroadcastq (%1), %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vpbroadcastq (%1), %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vpbroadcastq (%1), %%ymm11\n")
+  LOOP("vpmaddubsw + vbroadcastsd m64", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vbroadcastsd (%1), %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vbroadcastsd (%1), %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vbroadcastsd (%1), %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vbroadcastsd (%1), %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vbroadcastsd (%1), %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vbroadcastsd (%1), %%ymm11\n")
+  LOOP("vpmaddubsw + vbroadcasti128 m128", "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n" "vbroadcasti128 (%1), %%ymm1\n" "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n" "vbroadcasti128 (%1), %%ymm3\n" "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n" "vbroadcasti128 (%1), %%ymm5\n" "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n" "vbroadcasti128 (%1), %%ymm7\n" "vpmaddubsw %%ymm15, %%ymm8, %%ymm8\n" "vbroadcasti128 (%1), %%ymm9\n" "vpmaddubsw %%ymm15, %%ymm10, %%ymm10\n" "vbroadcasti128 (%1), %%ymm11\n")
+  return 0;
+}

@@ -6,6 +6,7 @@ for the process it starts.
 | variable | default | what it does |
 | --- | --- | --- |
 | PAGELLM_CPU_KERNELS | 1 | 0 runs the torch code instead of the compiled CPU kernels |
+| PAGELLM_DECODE_PLANS | 1 | 0 runs every decode step through the layers' modules instead of their direct kernel calls (layers/decode_plan.py; the same bits, slower) |
 | PAGELLM_CPU_MARCH | native | the `-march` the CPU kernels are compiled for: `x86-64-v3` builds the AVX2 code on an AVX-512 machine (to test or measure what an AVX2-only CPU runs) |
 | PAGELLM_TP_TIMEOUT | 300 | seconds a tensor-parallel collective waits for a peer before it fails |
 | PAGELLM_API_KEY | unset | `pagellm serve`'s default `--api-key` |
@@ -28,6 +29,10 @@ def _flag(name: str, default: str) -> bool:
 
 def cpu_kernels_enabled() -> bool:
     return _flag("PAGELLM_CPU_KERNELS", "1")
+
+
+def decode_plans_enabled() -> bool:
+    return _flag("PAGELLM_DECODE_PLANS", "1")
 
 
 def cpu_march() -> str:

@@ -59,6 +59,12 @@ MUTANTS = [
            "            loader = getattr(param, \"weight_loader\", None)\n"
            "            if ckpt_name.endswith('k_proj.bias'):\n                tensor = torch.zeros_like(tensor)",
            ("tests/engine/test_hf_equivalence.py::test_batched_matches_transformers[qwen2]",)),
+    Mutant("a decode plan attends through KV group 0's block tables on every layer",
+           "pagellm/layers/decode_plan.py",
+           "        meta = meta.for_group(self.kv_group)\n",
+           "",
+           ("tests/models/test_decode_plan.py::test_llama_shaped_families_decode_the_same_bits_with_plans[qwen3-options1]",
+            "tests/models/test_families.py::test_batched_matches_transformers[qwen3]")),
     Mutant("copy-on-write copies skipped",
            "pagellm/worker/model_runner.py",
            "        if inputs.block_copies:\n            self.copy_blocks(inputs.block_copies)",

@@ -7,6 +7,7 @@ through `kv_cache_shape` and fills the metadata.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,15 @@ class AttentionBackend(ABC):
         k weight, eps, per_head) where the family normalizes them (QKNorm.kernel_args): [T, H * D],
         or None where this backend has no such path for these inputs (the caller then splits qkv and
         calls forward). A fused path must give what the split one gives."""
+        return None
+
+    def decode_call(self, num_heads: int, num_kv_heads: int, options: AttentionOptions, sinks: torch.Tensor | None,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None, qkv: torch.Tensor,
+                    k_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """decode_from_qkv's work for one layer, its fixed arguments bound once (layers/decode_plan.py):
+        a call `(qkv, rope, k_cache, v_cache, slot_mapping, block_tables, seq_lens_tensor)` on a
+        decode-only step, with q/k/v like `qkv` and this cache, whose rope covers every head's
+        features (the caller checks both). None where this backend has no such call."""
         return None
 
     def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

@@ -150,6 +150,13 @@ class TorchAttentionBackend(AttentionBackend):
                                         options.sliding_window, options.softcap, sinks, self.kv_format, qk_norm=qk_norm,
                                         attention_chunk=options.attention_chunk)
 
+    def decode_call(self, num_heads, num_kv_heads, options: AttentionOptions, sinks, qk_norm, qkv,
+                    k_cache) -> cpu.DecodeAttention | None:
+        if self.batch_invariant or not self._use_compiled(qkv, k_cache):
+            return None
+        return cpu.DecodeAttention(num_heads, num_kv_heads, options.scale, options.sliding_window, options.softcap,
+                                   sinks, self.kv_format, qk_norm, options.attention_chunk)
+
     def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                        scale: float, v_dim: int) -> torch.Tensor:
         """Decodes through the compiled kernel, reading the latent rows in place: a latent row is

@@ -194,12 +194,32 @@ def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     rope = (cos, sin) [T, D] (None: no rotation), store_kv, then paged_attention (with its window,
     chunk, soft-cap and sinks), in one call.
     Returns [T, H * D] in qkv's dtype."""
-    cos, sin = rope if rope is not None else (None, None)
-    q_norm, k_norm, eps, per_head = qk_norm if qk_norm is not None else (None, None, 0.0, False)
-    return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
-                                        block_tables, seq_lens, scale, sliding_window or 0, attention_chunk or 0,
-                                        softcap or 0.0, sinks,
-                                        kernel_code(kv_format), q_norm, k_norm, eps, per_head)
+    return DecodeAttention(num_heads, num_kv_heads, scale, sliding_window, softcap, sinks, kv_format, qk_norm,
+                           attention_chunk)(qkv, rope, k_cache, v_cache, slots, block_tables, seq_lens)
+
+
+class DecodeAttention:
+    """decode_attention_qkv with one layer's fixed arguments bound once (layers/decode_plan.py):
+    a call passes only what changes between steps."""
+
+    __slots__ = ("kernel", "num_heads", "num_kv_heads", "tail")
+
+    def __init__(self, num_heads: int, num_kv_heads: int, scale: float, sliding_window: int | None,
+                 softcap: float | None, sinks: torch.Tensor | None, kv_format: KVFormat | None,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None,
+                 attention_chunk: int | None) -> None:
+        self.kernel = _load().decode_attention_qkv
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        q_norm, k_norm, eps, per_head = qk_norm if qk_norm is not None else (None, None, 0.0, False)
+        self.tail = (scale, sliding_window or 0, attention_chunk or 0, softcap or 0.0, sinks, kernel_code(kv_format),
+                     q_norm, k_norm, eps, per_head)
+
+    def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope if rope is not None else (None, None)
+        return self.kernel(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache, slots, block_tables,
+                           seq_lens, *self.tail)
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,17 @@ from torch import nn
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import HeadSplit, divide, load_whole, rank_and_size
+
+
+class DirectProduct(NamedTuple):
+    """A layer's product as one compiled call, its arguments fixed once (layers/decode_plan.py):
+    `fn(x, *args)` is what the layer's forward returns for a float32 x of at most `max_rows`
+    rows, bias included where `bias` is not None (added after, as forward adds it)."""
+
+    fn: Callable[..., torch.Tensor]
+    args: tuple
+    max_rows: int
+    bias: torch.Tensor | None = None
 
 
 class LinearMethod(ABC):
@@ -46,6 +58,11 @@ class LinearMethod(ABC):
         """Rows `ids` of W (the token embedding's lookup)."""
         return F.embedding(ids, layer.weight)
 
+    def direct_product(self, layer: nn.Module) -> DirectProduct | None:
+        """`apply` for float32 x as one call whose arguments do not change between steps (bias
+        left out), or None where the method has none: it must give apply's bits."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A dense [out, in] weight in the model's dtype (a quantized checkpoint tensor is
@@ -56,6 +73,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight)
+
+    def direct_product(self, layer: nn.Module) -> DirectProduct | None:
+        if layer.weight.dtype != torch.float32:
+            return None
+        return DirectProduct(F.linear, (layer.weight,), 1 << 30)
 
 
 # The method a layer built without an explicit one gets: the model loader sets it around
@@ -105,6 +127,14 @@ class LinearBase(HotModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
         return y if self.bias is None else y + self.bias
+
+    def direct_product(self) -> DirectProduct | None:
+        """This layer's forward on float32 rows as one fixed call (LinearMethod.direct_product), or
+        None: its method has none, or a rank's output needs the others' (tensor parallelism)."""
+        if self.tp_size != 1:
+            return None
+        product = self.method.direct_product(self)
+        return None if product is None else product._replace(bias=self.bias)
 
 
 class ReplicatedLinear(LinearBase):

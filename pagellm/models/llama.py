@@ -6,10 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm import envs
+from pagellm.kernels import cpu
+
 from pagellm.attention.backend import AttentionBackend
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.activation import act_and_mul, check_activation
 from pagellm.layers.attention import Attention
+from pagellm.layers.decode_plan import PreNormDecodePlan, direct_products, norm_serves
 from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagellm.layers.module import HotModule
 from pagellm.layers.norm import QKNorm, RMSNorm, ShardedRMSNorm
@@ -93,13 +97,51 @@ class LlamaDecoderLayer(HotModule):
         self.mlp = mlp
         self.rope_name = rope_name
         self.residual_scale = residual_scale
+        self.decode_plan: PreNormDecodePlan | None = None  # made on the first call (make_decode_plan)
 
     def forward(self, rope, x, kv_cache, meta):
+        plan = self.decode_plan
+        if plan is None or plan.k_cache is not kv_cache[0]:
+            plan = self.decode_plan = self.make_decode_plan(rope, x, kv_cache)
+        if plan.serves:
+            out = plan(rope, x, kv_cache, meta)
+            if out is not None:
+                return out
         h = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         x, normed = self.post_attention_layernorm.add_and_norm(
             x, h if self.residual_scale == 1.0 else h * self.residual_scale)
         h = self.mlp(normed)
         return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
+
+    def make_decode_plan(self, rope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> PreNormDecodePlan:
+        """This layer's decode steps as direct kernel calls (layers/decode_plan.py) where every part
+        has one, for x's dtype and this cache; else a plan that serves no step."""
+        unserved = PreNormDecodePlan(kv_cache[0], 0)
+        attn = self.self_attn
+        if (not envs.decode_plans_enabled() or self.residual_scale != 1.0 or x.dtype != torch.float32
+                or type(attn).forward is not LlamaAttention.forward or attn.output_gate):
+            return unserved
+        products = direct_products(attn.qkv_proj, attn.o_proj)
+        if not (norm_serves(self.input_layernorm, x) and norm_serves(self.post_attention_layernorm, x)) \
+                or products is None:
+            return unserved
+        if rope is not None and (len(rope) != 2 or rope[0].shape[-1] != attn.head_dim):
+            return unserved  # scaled queries (Llama 4) or a partial rotation: the modules' split path
+        norm_args = attn.qk_norm.kernel_args(x) if attn.qk_norm is not None else None
+        if attn.qk_norm is not None and norm_args is None:
+            return unserved
+        call = attn.attn.backend.decode_call(attn.num_heads, attn.num_kv_heads, attn.attn.options, attn.attn.sinks,
+                                             norm_args, x, kv_cache[0])
+        if call is None:
+            return unserved
+        mlp = self.mlp
+        mlp_products = None
+        if type(mlp).forward is LlamaMLP.forward and mlp.act in ("silu", "swish") and cpu.usable(x):
+            mlp_products = direct_products(mlp.gate_up_proj, mlp.down_proj)
+        gate_up, down = mlp_products or (None, None)
+        return PreNormDecodePlan(kv_cache[0], attn.attn.kv_group, call, attn.attn.backend,
+                                 (self.input_layernorm, self.post_attention_layernorm), *products, gate_up, down,
+                                 None if mlp_products else mlp)
 
 
 class LlamaForCausalLM(CausalLM):

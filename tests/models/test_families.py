@@ -148,44 +148,42 @@ def test_sliding_layers_give_back_what_slid_out(name, tmp_path):
     assert_matches(tokens_and_logprobs(got), [hf_greedy_logprobs(hf, longer, 8)])
 
 
-@pytest.mark.parametrize("name, fused_norms", [("qwen3", True), ("olmo2", True), ("gemma3", False)])
-def test_decode_steps_normalize_q_and_k_in_the_fused_kernel(name, fused_norms, tmp_path, monkeypatch):
-    """Qwen3's per-head and OLMo 2's all-heads q/k norms run inside cpu.decode_attention_qkv on
-    decode steps (its result against transformers: the tests above); Gemma 3's 1 + w norms have no
-    kernel, so its layers take the split path."""
-    from pagellm.kernels import cpu
-
-    calls = []
-    fused = cpu.decode_attention_qkv
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("qk_norm") is not None)
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(cpu, "decode_attention_qkv", counted)
-    llm = LLM(str(build(name, tmp_path / name)), num_kv_blocks=64)
-    _gen(llm, _prompts(5, [3, 9]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert (len(calls) > 0 and all(calls)) if fused_norms else calls == []
-
-
-def test_decode_steps_attend_with_sinks_in_the_fused_kernel(tmp_path, monkeypatch):
-    """gpt-oss's decode steps run cpu.decode_attention_qkv with each layer's sinks (its result
-    against transformers: the tests above), on the sliding layer and on the full one."""
+def _decode_attention_calls(monkeypatch) -> list[dict]:
+    """The arguments of each cpu.DecodeAttention made from here on: the compiled decode call, bound
+    to one layer's options, that decode steps run (made per step by decode_attention_qkv, or once
+    per layer by a decode plan)."""
     import inspect
 
     from pagellm.kernels import cpu
 
     calls = []
-    fused = cpu.decode_attention_qkv
-    signature = inspect.signature(fused)
+    init = cpu.DecodeAttention.__init__
+    signature = inspect.signature(init)
 
-    def counted(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs).arguments
-        calls.append((bound.get("sinks") is not None, bound.get("sliding_window")))
-        return fused(*args, **kwargs)
+    def recorded(*args, **kwargs):
+        calls.append(signature.bind(*args, **kwargs).arguments)
+        init(*args, **kwargs)
 
-    monkeypatch.setattr(cpu, "decode_attention_qkv", counted)
+    monkeypatch.setattr(cpu.DecodeAttention, "__init__", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("name, fused_norms", [("qwen3", True), ("olmo2", True), ("gemma3", False)])
+def test_decode_steps_normalize_q_and_k_in_the_fused_kernel(name, fused_norms, tmp_path, monkeypatch):
+    """Qwen3's per-head and OLMo 2's all-heads q/k norms run inside cpu.decode_attention_qkv on
+    decode steps (its result against transformers: the tests above); Gemma 3's 1 + w norms have no
+    kernel, so its layers take the split path."""
+    calls = _decode_attention_calls(monkeypatch)
+    llm = LLM(str(build(name, tmp_path / name)), num_kv_blocks=64)
+    _gen(llm, _prompts(5, [3, 9]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert (len(calls) > 0 and all(c["qk_norm"] is not None for c in calls)) if fused_norms else calls == []
+
+
+def test_decode_steps_attend_with_sinks_in_the_fused_kernel(tmp_path, monkeypatch):
+    """gpt-oss's decode steps run cpu.decode_attention_qkv with each layer's sinks (its result
+    against transformers: the tests above), on the sliding layer and on the full one."""
+    calls = _decode_attention_calls(monkeypatch)
     llm = LLM(str(build("gpt_oss", tmp_path / "gpt_oss")), num_kv_blocks=64)
     _gen(llm, _prompts(5, [3, 9]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert len(calls) > 0 and all(has_sinks for has_sinks, _ in calls)
-    assert {window for _, window in calls} == {8, None}
+    assert len(calls) > 0 and all(c["sinks"] is not None for c in calls)
+    assert {c["sliding_window"] for c in calls} == {8, None}

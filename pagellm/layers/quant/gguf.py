@@ -41,7 +41,7 @@ from torch import nn
 
 from pagellm.kernels import cpu
 from pagellm.layers import invariant
-from pagellm.layers.linear import LinearMethod
+from pagellm.layers.linear import DirectProduct, LinearMethod
 from pagellm.layers.quant import codebook
 from pagellm.layers.quant.formats import WeightFormat, register
 from pagellm.layers.quant.gguf_types import BLOCK_TYPES
@@ -391,6 +391,24 @@ class GGUFLinearMethod(LinearMethod):
                                                                     self.activations)
                 for kind, w in products]
         return torch.cat(outs, dim=-1)
+
+    def direct_product(self, layer: nn.Module) -> DirectProduct | None:
+        """The compiled call gguf_matmul makes for float32 x of up to max_rows rows (decode steps),
+        where the weight is one segment of one GGUF type: the integer kernel in the int8 modes, the
+        float32 one in mode none. Codebook types, batch-invariant products and dense segments: None."""
+        kernels = cpu.quant_kernels()
+        if kernels is None or self.batch_invariant or len(layer.gguf_products) != 1:
+            return None
+        kind, w = layer.gguf_products[0]
+        cols = layer.gguf_shape[1]
+        if kind is None or kind in codebook.CODEBOOK_TYPES or not w.is_cpu:
+            return None
+        if self.activations != "none":
+            if cols % 64:
+                return None
+            return DirectProduct(kernels.gguf_matmul_int8, (w, kind, cols, self.activations == "int8x2"),
+                                 int8_max_rows(self.activations, kind))
+        return DirectProduct(kernels.gguf_matmul, (w, kind, cols), FUSED_MAX_ROWS[torch.float32])
 
     def _dense(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return invariant.invariant_linear(x, w) if self.batch_invariant else F.linear(x, w)

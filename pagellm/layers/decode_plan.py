@@ -1,0 +1,95 @@
+"""A decoder layer's decode step as direct kernel calls.
+
+On a decode step of a small model most of a layer's time is Python, not arithmetic: each of its
+modules checks, at every call, what cannot change between steps (whether the compiled kernels
+serve, the weight's type and layout, the activation mode, the cache's format) before it reaches
+its kernel. A plan makes those checks once, the first time a layer runs with a given cache, and
+keeps the calls they lead to with their fixed arguments. A step the plan serves (decodes only, no
+more rows than its products take) then goes from kernel to kernel; any other step runs the
+modules. The kernels and their arguments are the modules' own, so the outputs are the same bits.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pagellm.attention.metadata import AttentionMetadata
+from pagellm.kernels import cpu
+from pagellm.layers.linear import DirectProduct, LinearBase
+from pagellm.layers.norm import RMSNorm, _kernel_serves
+
+
+def norm_serves(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether cpu.rms_norm with norm's weight and eps normalizes rows like x as `norm` does (not
+    Gemma's 1 + w, not another dtype, compiled kernels at hand)."""
+    return type(norm) is RMSNorm and x.dim() == 2 and _kernel_serves(norm, x)
+
+
+def direct_products(*layers: LinearBase) -> list[DirectProduct] | None:
+    """Each layer's DirectProduct, or None unless every one has one."""
+    products = [layer.direct_product() for layer in layers]
+    return None if any(p is None for p in products) else products
+
+
+class PreNormDecodePlan:
+    """x + mlp(norm2(x + attn(norm1(x)))) with the attention's q/k/v from one fused projection, as
+    models/llama.py's LlamaDecoderLayer computes it: RMSNorm, the qkv product, the backend's
+    decode call (q/k norms, RoPE, the cache write and attention in one), the o product, the
+    residual add fused with the second norm, then the gated MLP's two products around
+    silu_and_mul, or the layer's own MLP module where its products have no direct call (experts).
+
+    `k_cache`: the cache the plan was made for; a layer given another remakes its plan."""
+
+    def __init__(self, k_cache: torch.Tensor, kv_group: int, attention: Callable[..., torch.Tensor] | None = None,
+                 timer_owner: object = None, norms: tuple[RMSNorm, RMSNorm] | None = None,
+                 qkv: DirectProduct | None = None, o: DirectProduct | None = None,
+                 gate_up: DirectProduct | None = None, down: DirectProduct | None = None,
+                 mlp: nn.Module | None = None) -> None:
+        self.k_cache, self.kv_group = k_cache, kv_group
+        self.serves = attention is not None  # False: a layer this plan does not serve (it runs its modules)
+        if not self.serves:
+            return
+        self.attention, self.timer_owner = attention, timer_owner
+        (self.norm1, self.eps1), (self.norm2, self.eps2) = ((n.weight, n.eps) for n in norms)
+        self.qkv, self.o, self.gate_up, self.down, self.mlp = qkv, o, gate_up, down, mlp
+        products = [p for p in (qkv, o, gate_up, down) if p is not None]
+        self.max_rows = min(p.max_rows for p in products)
+        kernels = cpu._load()
+        self.rms_norm, self.add_rms_norm, self.silu_and_mul = kernels.rms_norm, kernels.add_rms_norm, kernels.silu_and_mul
+
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor | None:
+        """The layer's output for a decode-only step it serves; None for any other step."""
+        rows = x.shape[0]
+        if not self.serves or rows > self.max_rows or meta.num_decodes != rows or len(meta.query_lens) != rows:
+            return None
+        meta = meta.for_group(self.kv_group)
+        p = self.qkv
+        qkv = p.fn(self.rms_norm(x, self.norm1, self.eps1), *p.args)
+        if p.bias is not None:
+            qkv = qkv + p.bias
+        timer = self.timer_owner.timer
+        start = time.perf_counter() if timer is not None else 0.0
+        o = self.attention(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
+                           meta.seq_lens_tensor)
+        if timer is not None:
+            timer.record("attention", time.perf_counter() - start)
+        p = self.o
+        h = p.fn(o, *p.args)
+        if p.bias is not None:
+            h = h + p.bias
+        x, normed = self.add_rms_norm(x, h, self.norm2, self.eps2)
+        if self.mlp is not None:
+            return x + self.mlp(normed)
+        p = self.gate_up
+        gate_up = p.fn(normed, *p.args)
+        if p.bias is not None:
+            gate_up = gate_up + p.bias
+        p = self.down
+        h = p.fn(self.silu_and_mul(gate_up), *p.args)
+        if p.bias is not None:
+            h = h + p.bias
+        return x + h

@@ -3,6 +3,8 @@ window), Qwen2 (q/k/v biases). Its attention, MLP and decoder layer are the part
 other dense families reuse."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -114,7 +116,7 @@ class LlamaDecoderLayer(HotModule):
         return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
     def make_decode_plan(self, rope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> PreNormDecodePlan:
-        """This layer's decode steps as direct kernel calls (layers/decode_plan.py) where every part
+        """This layer's small steps as direct kernel calls (layers/decode_plan.py) where every part
         has one, for x's dtype and this cache; else a plan that serves no step."""
         unserved = PreNormDecodePlan(kv_cache[0], 0)
         attn = self.self_attn
@@ -139,7 +141,8 @@ class LlamaDecoderLayer(HotModule):
         if type(mlp).forward is LlamaMLP.forward and mlp.act in ("silu", "swish") and cpu.usable(x):
             mlp_products = direct_products(mlp.gate_up_proj, mlp.down_proj)
         gate_up, down = mlp_products or (None, None)
-        return PreNormDecodePlan(kv_cache[0], attn.attn.kv_group, call, attn.attn.backend,
+        attend = functools.partial(attn.attn.forward_qkv, qk_norm=attn.qk_norm)
+        return PreNormDecodePlan(kv_cache[0], attn.attn.kv_group, call, attend, attn.attn.backend,
                                  (self.input_layernorm, self.post_attention_layernorm), *products, gate_up, down,
                                  None if mlp_products else mlp)
 

@@ -37,8 +37,9 @@ def direct_products(*layers: LinearBase) -> list[DirectProduct] | None:
 
 
 class PreNormDecodePlan:
-    """x + mlp(norm2(x + attn(norm1(x)))) with the attention's q/k/v from one fused projection, as
-    models/llama.py's LlamaDecoderLayer computes it: RMSNorm, the qkv product, the backend's
+    """x + mlp(norm2(x + attn(norm1(x)))), each block's output times `residual_scale` (Granite's),
+    with the attention's q/k/v from one fused projection, as models/llama.py's LlamaDecoderLayer
+    computes it: RMSNorm, the qkv product, the backend's
     decode call (q/k norms, RoPE, the cache write and attention in one; `attend`, the attention
     module's forward_qkv, on steps where a sequence has several tokens), the o product, the
     residual add fused with the second norm, then the gated MLP's two products around
@@ -48,7 +49,7 @@ class PreNormDecodePlan:
 
     def __init__(self, k_cache: torch.Tensor, kv_group: int, attention: Callable[..., torch.Tensor] | None = None,
                  attend: Callable[..., torch.Tensor] | None = None, timer_owner: object = None,
-                 norms: tuple[RMSNorm, RMSNorm] | None = None,
+                 norms: tuple[RMSNorm, RMSNorm] | None = None, residual_scale: float = 1.0,
                  qkv: DirectProduct | None = None, o: DirectProduct | None = None,
                  gate_up: DirectProduct | None = None, down: DirectProduct | None = None,
                  mlp: nn.Module | None = None) -> None:
@@ -58,6 +59,7 @@ class PreNormDecodePlan:
             return
         self.attention, self.attend, self.timer_owner = attention, attend, timer_owner
         (self.norm1, self.eps1), (self.norm2, self.eps2) = ((n.weight, n.eps) for n in norms)
+        self.residual_scale = residual_scale
         self.qkv, self.o, self.gate_up, self.down, self.mlp = qkv, o, gate_up, down, mlp
         products = [p for p in (qkv, o, gate_up, down) if p is not None]
         self.max_rows = min(p.max_rows for p in products)
@@ -88,15 +90,17 @@ class PreNormDecodePlan:
         h = p.fn(o, *p.args)
         if p.bias is not None:
             h = h + p.bias
-        x, normed = self.add_rms_norm(x, h, self.norm2, self.eps2)
+        scale = self.residual_scale
+        x, normed = self.add_rms_norm(x, h if scale == 1.0 else h * scale, self.norm2, self.eps2)
         if self.mlp is not None:
-            return x + self.mlp(normed)
-        p = self.gate_up
-        gate_up = p.fn(normed, *p.args)
-        if p.bias is not None:
-            gate_up = gate_up + p.bias
-        p = self.down
-        h = p.fn(self.silu_and_mul(gate_up), *p.args)
-        if p.bias is not None:
-            h = h + p.bias
-        return x + h
+            h = self.mlp(normed)
+        else:
+            p = self.gate_up
+            gate_up = p.fn(normed, *p.args)
+            if p.bias is not None:
+                gate_up = gate_up + p.bias
+            p = self.down
+            h = p.fn(self.silu_and_mul(gate_up), *p.args)
+            if p.bias is not None:
+                h = h + p.bias
+        return x + (h if scale == 1.0 else h * scale)

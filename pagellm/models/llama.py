@@ -120,7 +120,7 @@ class LlamaDecoderLayer(HotModule):
         has one, for x's dtype and this cache; else a plan that serves no step."""
         unserved = PreNormDecodePlan(kv_cache[0], 0)
         attn = self.self_attn
-        if (not envs.decode_plans_enabled() or self.residual_scale != 1.0 or x.dtype != torch.float32
+        if (not envs.decode_plans_enabled() or x.dtype != torch.float32
                 or type(attn).forward is not LlamaAttention.forward or attn.output_gate):
             return unserved
         products = direct_products(attn.qkv_proj, attn.o_proj)
@@ -143,7 +143,8 @@ class LlamaDecoderLayer(HotModule):
         gate_up, down = mlp_products or (None, None)
         attend = functools.partial(attn.attn.forward_qkv, qk_norm=attn.qk_norm)
         return PreNormDecodePlan(kv_cache[0], attn.attn.kv_group, call, attend, attn.attn.backend,
-                                 (self.input_layernorm, self.post_attention_layernorm), *products, gate_up, down,
+                                 (self.input_layernorm, self.post_attention_layernorm), self.residual_scale,
+                                 *products, gate_up, down,
                                  None if mlp_products else mlp)
 
 

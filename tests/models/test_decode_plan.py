@@ -2,7 +2,7 @@
 kernels and arguments, so its outputs are the modules' bits: greedy tokens and logprobs equal,
 exactly, with the plans on and off (PAGELLM_DECODE_PLANS=0), on the bundled GGUF file in the
 integer and float32 product modes and on the Llama-shaped families' test models (biases, q/k norms,
-sliding windows, layers without rotary), 8-bit KV, speculative verifications and prompts in small
+sliding windows, layers without rotary, Granite's residual multiplier), 8-bit KV, speculative verifications and prompts in small
 chunks included. Against transformers the families' tests check the same steps (test_families.py).
 A step of more rows than a plan's products take runs the modules."""
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_bundled_model_decodes_the_same_bits_with_plans(activations, sequences, 
 
 
 @pytest.mark.parametrize("family, options", [
-    ("llama_biases", {}), ("qwen3", {}), ("smollm3", {}), ("mistral", {"kv_cache_dtype": "int8"}),
+    ("llama_biases", {}), ("qwen3", {}), ("smollm3", {}), ("granite", {}), ("mistral", {"kv_cache_dtype": "int8"}),
     # Steps of several tokens a sequence through the plan's products and the attention module:
     # speculative verifications, prompts in chunks of 8.
     ("qwen3", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}}),

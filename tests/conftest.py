@@ -25,15 +25,23 @@ from pagellm.loader.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE, wri
 RAY_FILES = ("test_replicas.py", "test_replicas_cluster.py", "test_server_replicas.py")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`--dist loadgroup`, as `make test` runs), each file's tests go to one
-    worker, so module fixtures are built once, and the files that start Ray all go to the same one.
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`make test` runs 2 workers), each file's tests go to one worker, so that
+    module fixtures are built once, and the files that start Ray all go to the same one. (xdist's
+    own `--dist loadgroup` marks groups by suffixing test ids, which pytest 9's ids do not take.)"""
+    from xdist.scheduler import LoadScopeScheduling
 
-    Tests marked `gpu` run where a CUDA device is (the GPU check); elsewhere they are
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if os.path.basename(path) in RAY_FILES else path
+
+    return FileScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run where a CUDA device is (the GPU check); elsewhere they are
     deselected, not skipped: there is nothing for them to assert on a CPU."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else str(item.path)))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if "gpu" in item.keywords]

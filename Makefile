@@ -28,7 +28,7 @@ run: venv
 # log: where the suite's time goes, run by run. `make test` leaves out the long sweeps marked
 # `slow` (GGUF conversions of every family, lm-eval, load and fuzz runs, real-process restarts),
 # which `make test-slow` runs; `make test-all` runs both.
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The three C++ extensions built side by side before the tests start, so that no test waits on a
 # compiler (each is one file on one core: together about as long as the longest alone).

@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagellm.attention.interpreter import use_interpreter_without_gpu
 from pagellm.loader.synthetic import DEFAULT_CHAT_TEMPLATE as CHAT_TEMPLATE, write_byte_tokenizer
+
+# Without a GPU the Triton kernels run under Triton's interpreter, which must be on before anything
+# imports triton: transformers' gpt-oss and DeepSeek-V3 models do, and a test file collected after
+# them could not interpret the kernels any more.
+use_interpreter_without_gpu()
 
 
 # Test files that start Ray: they check that no Ray process is left, so they run one after another

@@ -16,8 +16,11 @@ def use_interpreter_without_gpu() -> bool:
     """Switch on TRITON_INTERPRET=1 when there is no CUDA device; True if kernels will be interpreted."""
     if torch.cuda.is_available():
         return False
-    if "pagellm.attention.triton_kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("pagellm.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set; "
+    # triton.language's own helpers (tl.cdiv, ...) are jitted when it is imported, compiled or
+    # interpreted as TRITON_INTERPRET then says: imported before, they fail inside interpreted kernels.
+    early = [m for m in ("pagellm.attention.triton_kernels", "triton.language") if m in sys.modules]
+    if early and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{early[0]} was imported before TRITON_INTERPRET=1 was set; "
                            "switch the interpreter on first, or run in a fresh process")
     os.environ["TRITON_INTERPRET"] = "1"
     _fix_scalar_index()

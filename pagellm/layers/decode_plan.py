@@ -21,13 +21,13 @@ from torch import nn
 from pagellm.attention.metadata import AttentionMetadata
 from pagellm.kernels import cpu
 from pagellm.layers.linear import DirectProduct, LinearBase
-from pagellm.layers.norm import RMSNorm, _kernel_serves
+from pagellm.layers.norm import RMSNorm, kernel_serves
 
 
 def norm_serves(norm: nn.Module, x: torch.Tensor) -> bool:
     """Whether cpu.rms_norm with norm's weight and eps normalizes rows like x as `norm` does (not
     Gemma's 1 + w, not another dtype, compiled kernels at hand)."""
-    return type(norm) is RMSNorm and x.dim() == 2 and _kernel_serves(norm, x)
+    return type(norm) is RMSNorm and x.dim() == 2 and kernel_serves(norm, x)
 
 
 def direct_products(*layers: LinearBase) -> list[DirectProduct] | None:
@@ -39,11 +39,12 @@ def direct_products(*layers: LinearBase) -> list[DirectProduct] | None:
 class PreNormDecodePlan:
     """x + mlp(norm2(x + attn(norm1(x)))), each block's output times `residual_scale` (Granite's),
     with the attention's q/k/v from one fused projection, as models/llama.py's LlamaDecoderLayer
-    computes it: RMSNorm, the qkv product, the backend's
-    decode call (q/k norms, RoPE, the cache write and attention in one; `attend`, the attention
-    module's forward_qkv, on steps where a sequence has several tokens), the o product, the
-    residual add fused with the second norm, then the gated MLP's two products around
-    silu_and_mul, or the layer's own MLP module where its products have no direct call (experts).
+    computes it: RMSNorm, the qkv product, the backend's decode call (q/k norms, RoPE, the cache
+    write and attention in one; `attend`, the attention module's forward_qkv, on steps where a
+    sequence has several tokens), the o product, the residual add fused with the second norm, then
+    the gated MLP's two products around silu_and_mul, or the layer's own MLP module where its
+    products have no direct call (experts). `timer_owner`: the backend, whose timer (when a
+    benchmark attaches one) times the attention calls.
 
     `k_cache`: the cache the plan was made for; a layer given another remakes its plan."""
 

@@ -13,7 +13,7 @@ from pagellm.layers.module import HotModule
 from pagellm.layers.parallel import load_whole, rank_and_size
 
 
-def _kernel_serves(norm: nn.Module, x: torch.Tensor) -> bool:
+def kernel_serves(norm: nn.Module, x: torch.Tensor) -> bool:
     """Whether the compiled kernels (cpu.rms_norm, cpu.add_rms_norm) normalize x with this norm's
     weight: a plain weight (not Gemma's 1 + w) of x's dtype, on rows the kernels take."""
     return not norm.unit_offset and cpu.usable(x) and norm.weight.dtype == x.dtype and x.shape[-1] > 0
@@ -33,7 +33,7 @@ class RMSNorm(HotModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.unit_offset:
             return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
-        if _kernel_serves(self, x):
+        if kernel_serves(self, x):
             # One pass with the reference's roundings (torch's own is ~10 small operations a call).
             if x.dim() == 2:  # the hidden states; view(shape) alone costs a few microseconds a call
                 return cpu.rms_norm(x, self.weight, self.eps)
@@ -47,7 +47,7 @@ class RMSNorm(HotModule):
 
     def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, self(x + h)): a residual add and the next block's norm, in one kernel where it serves."""
-        if x.dim() == 2 and h.dtype == x.dtype and _kernel_serves(self, x):
+        if x.dim() == 2 and h.dtype == x.dtype and kernel_serves(self, x):
             return cpu.add_rms_norm(x, h, self.weight, self.eps)
         s = x + h
         return s, self(s)
@@ -93,7 +93,7 @@ class QKNorm:
         norms would (cpu.rms_norm's roundings), or None where it cannot: Gemma's 1 + w, a norm whose
         sum of squares is all-reduced across ranks, or rows the kernels do not take."""
         q, k = self.q, self.k
-        if (_kernel_serves(q, x) and _kernel_serves(k, x) and getattr(q, "tp", None) is None
+        if (kernel_serves(q, x) and kernel_serves(k, x) and getattr(q, "tp", None) is None
                 and getattr(k, "tp", None) is None and q.eps == k.eps):
             return q.weight, k.weight, q.eps, self.per_head
         return None

@@ -194,8 +194,19 @@ def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     rope = (cos, sin) [T, D] (None: no rotation), store_kv, then paged_attention (with its window,
     chunk, soft-cap and sinks), in one call.
     Returns [T, H * D] in qkv's dtype."""
-    return DecodeAttention(num_heads, num_kv_heads, scale, sliding_window, softcap, sinks, kv_format, qk_norm,
-                           attention_chunk)(qkv, rope, k_cache, v_cache, slots, block_tables, seq_lens)
+    cos, sin = rope if rope is not None else (None, None)
+    return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, block_tables,
+                                        seq_lens, *_decode_options(scale, sliding_window, softcap, sinks, kv_format,
+                                                                   qk_norm, attention_chunk))
+
+
+def _decode_options(scale: float, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                    kv_format: KVFormat | None, qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None,
+                    attention_chunk: int | None) -> tuple:
+    """decode_attention_qkv's compiled arguments after the step's tensors, as the kernel takes them."""
+    q_norm, k_norm, eps, per_head = qk_norm if qk_norm is not None else (None, None, 0.0, False)
+    return (scale, sliding_window or 0, attention_chunk or 0, softcap or 0.0, sinks, kernel_code(kv_format),
+            q_norm, k_norm, eps, per_head)
 
 
 class DecodeAttention:
@@ -210,9 +221,7 @@ class DecodeAttention:
                  attention_chunk: int | None) -> None:
         self.kernel = _load().decode_attention_qkv
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        q_norm, k_norm, eps, per_head = qk_norm if qk_norm is not None else (None, None, 0.0, False)
-        self.tail = (scale, sliding_window or 0, attention_chunk or 0, softcap or 0.0, sinks, kernel_code(kv_format),
-                     q_norm, k_norm, eps, per_head)
+        self.tail = _decode_options(scale, sliding_window, softcap, sinks, kv_format, qk_norm, attention_chunk)
 
     def __call__(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,

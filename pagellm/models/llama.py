@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from pagellm import envs
-from pagellm.kernels import cpu
-
 from pagellm.attention.backend import AttentionBackend
+from pagellm.kernels import cpu
 from pagellm.layers.parallel import TensorParallelGroup
 from pagellm.layers.activation import act_and_mul, check_activation
 from pagellm.layers.attention import Attention

@@ -2,9 +2,9 @@
 kernels and arguments, so its outputs are the modules' bits: greedy tokens and logprobs equal,
 exactly, with the plans on and off (PAGELLM_DECODE_PLANS=0), on the bundled GGUF file in the
 integer and float32 product modes and on the Llama-shaped families' test models (biases, q/k norms,
-sliding windows, layers without rotary, Granite's residual multiplier), 8-bit KV, speculative verifications and prompts in small
-chunks included. Against transformers the families' tests check the same steps (test_families.py).
-A step of more rows than a plan's products take runs the modules."""
+sliding windows, layers without rotary, Granite's residual multiplier), 8-bit KV, speculative
+verifications and prompts in small chunks included. Against transformers the families' tests check
+the same steps (test_families.py). A step of more rows than a plan's products take runs the modules."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,6 @@ from pagellm import LLM, SamplingParams
 from pagellm.loader.bundled import default_model_path
 from pagellm.models.llama import LlamaDecoderLayer
 from tests.models.families import build
-
 
 
 def _prompts(n: int, vocab: int) -> list[dict]:

@@ -149,22 +149,21 @@ def test_sliding_layers_give_back_what_slid_out(name, tmp_path):
 
 
 def _decode_attention_calls(monkeypatch) -> list[dict]:
-    """The arguments of each cpu.DecodeAttention made from here on: the compiled decode call, bound
-    to one layer's options, that decode steps run (made per step by decode_attention_qkv, or once
-    per layer by a decode plan)."""
+    """The layer options of each compiled decode-attention call made from here on (cpu._decode_options:
+    per step by decode_attention_qkv, or once per layer by a decode plan's cpu.DecodeAttention)."""
     import inspect
 
     from pagellm.kernels import cpu
 
     calls = []
-    init = cpu.DecodeAttention.__init__
-    signature = inspect.signature(init)
+    options = cpu._decode_options
+    signature = inspect.signature(options)
 
     def recorded(*args, **kwargs):
         calls.append(signature.bind(*args, **kwargs).arguments)
-        init(*args, **kwargs)
+        return options(*args, **kwargs)
 
-    monkeypatch.setattr(cpu.DecodeAttention, "__init__", recorded)
+    monkeypatch.setattr(cpu, "_decode_options", recorded)
     return calls
 
 

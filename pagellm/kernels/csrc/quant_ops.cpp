@@ -109,6 +109,16 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   }
 }
 
+// The inverse of scale_min_k4 over a super-block: 8 scales and 8 mins (6 bits each) packed into
+// GGUF's 12 bytes q (every bit of which scale_min_k4 reads, so the bytes come back as they were).
+inline void k4_pack_scales(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = static_cast<uint8_t>(sc[j] | (sc[j + 4] >> 4) << 6);
+    q[j + 4] = static_cast<uint8_t>(m[j] | (m[j + 4] >> 4) << 6);
+    q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | (m[j + 4] & 0x0F) << 4);
+  }
+}
+
 // Sub-blocks 2j and 2j + 1 of a Q4_K / Q5_K super-block `b`, which share 32 bytes of quants
 // (low and high nibbles): value = d1 * q - m1 in the first, d2 * q - m2 in the second.
 struct PairScales {
@@ -375,16 +385,17 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // sit one byte per (sub-block, row), ready for a byte shuffle. Ids of our own, past GGML's:
 enum : int64_t { Q4_1_X8 = 1003, Q4_K_X8 = 1012, Q6_K_X8 = 1014 };
 constexpr int64_t kX8Rows = 8;
-// Tile (8 rows x 256 values) offsets, in whole cache lines. Each keeps its rows' scales also as
-// GGUF packs them (`raw`), so that a group goes back to GGUF's layout by copies alone (products of
-// more rows of x run the GGUF layout's kernels on it).
+// Tile (8 rows x 256 values) offsets, in whole cache lines. A tile holds only what the kernels read:
+// a decode step streams the tiles from memory, so each byte beyond the file's is time. A group goes
+// back to GGUF's layout (products of more rows of x run the GGUF layout's kernels on it) from the
+// same bytes: the scales' GGUF packing is rebuilt from their decoded values (k4_pack_scales).
 // Q4_K: qs [16 units][8 rows][8 bytes] (unit p: the row's quant bytes 8p..8p+7), d [8] and dmin [8]
-// (float16), sc [8 sub-blocks][8 rows] and m [8][8] (6-bit values, one byte each), raw [8 rows][12]:
-// 1280 bytes for 8 x 144 (1.11x).
-constexpr int64_t kQ4Tile = 1280, kQ4D = 1024, kQ4Dmin = 1040, kQ4Sc = 1056, kQ4M = 1120, kQ4Raw = 1184;
+// (float16), sc [8 sub-blocks][8 rows] and m [8][8] (6-bit values, one byte each): 1216 bytes for
+// 8 x 144 (1.06x).
+constexpr int64_t kQ4Tile = 1216, kQ4D = 1024, kQ4Dmin = 1040, kQ4Sc = 1056, kQ4M = 1120;
 // Q6_K: ql [16 units][8 rows][8 bytes], qh [8 units][8 rows][8 bytes], sc [16 groups][8 rows]
-// (int8), raw [8 rows][16], d [8] (float16): 1856 bytes for 8 x 210 (1.10x).
-constexpr int64_t kQ6Tile = 1856, kQ6Qh = 1024, kQ6Sc = 1536, kQ6Raw = 1664, kQ6D = 1792;
+// (int8), d [8] (float16): 1728 bytes for 8 x 210 (1.03x).
+constexpr int64_t kQ6Tile = 1728, kQ6Qh = 1024, kQ6Sc = 1536, kQ6D = 1664;
 // Q4_1 (8 rows x 32 values, one block of each row): qs [2 units][8 rows][8 bytes] (unit p: the row's
 // code bytes 8p..8p+7: values 8p.. in the low nibbles, 16 + 8p.. in the high), d [8] and m [8]
 // (float16): 160 bytes for 8 x 20, the blocks' own bytes.
@@ -445,18 +456,17 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
       move(sb, tile + kQ4D + 2 * r, B2{});
       move(sb + 2, tile + kQ4Dmin + 2 * r, B2{});
       for (int p = 0; p < 16; ++p) move(sb + 16 + 8 * p, tile + 64 * p + 8 * r, B8{});
-      move(sb + 4, tile + kQ4Raw + 12 * r, B8{});
-      move(sb + 12, tile + kQ4Raw + 12 * r + 8, B4{});
-      if (!kBack)
-        for (int j = 0; j < 8; ++j) scale_min_k4(j, sb + 4, tile + kQ4Sc + 8 * j + r, tile + kQ4M + 8 * j + r);
+      uint8_t sc[8], m[8];
+      for (int j = 0; j < 8; ++j) {
+        if (kBack) sc[j] = tile[kQ4Sc + 8 * j + r], m[j] = tile[kQ4M + 8 * j + r];
+        else scale_min_k4(j, sb + 4, tile + kQ4Sc + 8 * j + r, tile + kQ4M + 8 * j + r);
+      }
+      if (kBack) k4_pack_scales(sc, m, sb + 4);
     } else {
       uint8_t* sb = src + r * row_bytes + b * 210;
       for (int p = 0; p < 16; ++p) move(sb + 8 * p, tile + 64 * p + 8 * r, B8{});
       for (int p = 0; p < 8; ++p) move(sb + 128 + 8 * p, tile + kQ6Qh + 64 * p + 8 * r, B8{});
-      move(sb + 192, tile + kQ6Raw + 16 * r, B8{});
-      move(sb + 200, tile + kQ6Raw + 16 * r + 8, B8{});
-      if (!kBack)
-        for (int g = 0; g < 16; ++g) tile[kQ6Sc + 8 * g + r] = sb[192 + g];
+      for (int g = 0; g < 16; ++g) move(sb + 192 + g, tile + kQ6Sc + 8 * g + r, std::integral_constant<size_t, 1>{});
       move(sb + 208, tile + kQ6D + 2 * r, B2{});
     }
   }

@@ -231,9 +231,11 @@ class DecodeAttention:
                            seq_lens, *self.tail)
 
 
-def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp of each row of float32 x [B, V] on the CPU, each row summed in one order whatever B is."""
-    return _load().row_logsumexp(x)
+def row_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp, index of the maximum) of each row of float32 x [B, V] on the CPU: each row summed
+    in one order whatever B is; the first maximal index, or the first NaN, as torch.max gives."""
+    lse, index = _load().row_logsumexp(x)
+    return lse, index
 
 
 def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

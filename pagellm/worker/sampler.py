@@ -395,16 +395,17 @@ class Sampler:
             return SamplerOutput([], [], None, None)
         raw = logits if logits.dtype == torch.float32 else logits.float()
 
-        # max propagates NaN: a row whose maximum is not finite holds a NaN or +inf
-        # (from the model), or is all -inf; it cannot be sampled, nor its logprobs computed.
-        raw_max, argmax = raw.max(-1)
-        errors = _unusable_rows(raw_max, "non_finite_logits")
+        # The logsumexp and the maximum's index in one kernel: a row whose logsumexp is not finite
+        # holds a NaN or +inf (from the model), or is all -inf; it cannot be sampled, nor its
+        # logprobs computed.
+        lse, argmax = _row_logsumexp(raw)
+        errors = _unusable_rows(lse, "non_finite_logits")
         if errors:
             raw = raw.clone()
             raw[list(errors)] = 0.0
-            raw_max[list(errors)] = 0.0
+            lse = _row_logsumexp(raw)[0]
         if meta.all_greedy and not meta.needs_adjustment:
-            return self._output(raw, argmax, meta, errors)
+            return self._output(raw, argmax, lse, meta, errors)
 
         x = raw
         if meta.needs_adjustment:
@@ -423,7 +424,7 @@ class Sampler:
             tokens[g] = torch.index_select(x, 0, g, out=rows).max(-1).indices
         for group in meta.groups:
             tokens[group.rows] = self._sample_group(x, group, owned=x is not raw)
-        return self._output(raw, tokens, meta, errors)
+        return self._output(raw, tokens, lse, meta, errors)
 
     def _sample_group(self, x: torch.Tensor, group: _SampleGroup, owned: bool) -> torch.Tensor:
         n = group.rows.numel()
@@ -438,9 +439,8 @@ class Sampler:
                                                                         device=w.device)
         return _sample_logits(w, group, u)
 
-    def _output(self, raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata,
+    def _output(self, raw: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, meta: SamplingMetadata,
                 errors: dict[int, str]) -> SamplerOutput:
-        lse = _row_logsumexp(raw)
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
         out = SamplerOutput(token_ids=tokens.tolist(), logprobs=(chosen - lse).tolist(), errors=errors or None)
         if meta.logprob_rows:
@@ -467,18 +467,21 @@ class Sampler:
                 out.top_logprobs[row] = list(zip(top_ids[j][:k], top_lp[j][:k]))
 
 
-def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp of each row of x [B, V], the same bits for a row whatever B is.
+def _row_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp, index of the maximum) of each row of x [B, V]: the same bits for a row whatever
+    B is, and torch.max's index (the first maximal value; NaN counts as the maximum).
 
     torch reduces a single row as a whole tensor (split over threads, then combined) and several
     rows dimension-wise, which sums a row in another order; a lone row is therefore reduced as one
     of two, so that a token's logprob does not depend on how many rows share the step. On the
-    CPU a compiled kernel sums each row in one order (kernels/cpu.py), without the copy."""
+    CPU a compiled kernel sums each row in one order (kernels/cpu.py), without the copy, and finds
+    the maximum's index in the same call."""
     if x.dtype == torch.float32 and cpu.usable(x):
         return cpu.row_logsumexp(x)
+    index = x.max(-1).indices
     if x.shape[0] == 1:
-        return torch.logsumexp(x.expand(2, -1).contiguous(), -1)[:1]
-    return torch.logsumexp(x, -1)
+        return torch.logsumexp(x.expand(2, -1).contiguous(), -1)[:1], index
+    return torch.logsumexp(x, -1), index
 
 
 def _unusable_rows(row_max: torch.Tensor, cause: str) -> dict[int, str]:

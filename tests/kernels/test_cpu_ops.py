@@ -209,18 +209,27 @@ def test_store_kv_into_a_float_cache_is_index_copy(cache_dtype, k_dtype):
 
 def test_row_logsumexp_matches_torch_and_ignores_the_batch():
     """Each row against float64, and a row's bits the same alone or among others (the sampler's
-    logprobs must not depend on what else is in the step); non-finite rows as torch gives them."""
+    logprobs must not depend on what else is in the step); non-finite rows as torch gives them.
+    The maximum's index is torch.max's: the first of equal maxima, the first NaN."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 49152 + 37, generator=g) * 8  # a vocabulary that is no multiple of the vector width
-    got = cpu.row_logsumexp(x)
+    x[1, 40000] = x[1, 9] = x[1].max() + 1  # a tie: the first wins
+    x[2, -1] = x[2].max() + 1  # the maximum in the scalar tail
+    got, index = cpu.row_logsumexp(x)
     torch.testing.assert_close(got.double(), torch.logsumexp(x.double(), -1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(index, x.max(-1).indices) and index[1] == 9 and index[2] == x.shape[1] - 1
     for i in range(5):
-        assert torch.equal(cpu.row_logsumexp(x[i:i + 1]), got[i:i + 1])
+        alone, at = cpu.row_logsumexp(x[i:i + 1])
+        assert torch.equal(alone, got[i:i + 1]) and at.item() == index[i]
     odd = torch.tensor([[0.0, float("nan"), 1.0], [float("-inf")] * 3, [float("inf"), 0.0, 1.0], [1.0, 2.0, 3.0]])
-    torch.testing.assert_close(cpu.row_logsumexp(odd), torch.logsumexp(odd, -1), equal_nan=True)
+    lse, index = cpu.row_logsumexp(odd)
+    torch.testing.assert_close(lse, torch.logsumexp(odd, -1), equal_nan=True)
+    assert index.tolist() == [1, 0, 0, 2] == odd.max(-1).indices.tolist()
     long_odd = torch.randn(4, 100, generator=g)  # the same, past the vectorized part's first 16 lanes
     long_odd[0, 37], long_odd[1], long_odd[2, 50] = float("nan"), float("-inf"), float("inf")
-    torch.testing.assert_close(cpu.row_logsumexp(long_odd), torch.logsumexp(long_odd, -1), equal_nan=True)
+    lse, index = cpu.row_logsumexp(long_odd)
+    torch.testing.assert_close(lse, torch.logsumexp(long_odd, -1), equal_nan=True)
+    assert torch.equal(index, long_odd.max(-1).indices)
 
 
 def test_build_is_keyed_by_its_source(tmp_path, monkeypatch):

@@ -310,6 +310,15 @@ inline float max_of(const float* s, int64_t n, float init) {
     for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
     mx = _mm512_reduce_max_ps(m);
   }
+#elif defined(__AVX2__)
+  // the scalar loop, a dependent MAXSS a key, was a fifth of a verification's attention on Zen 3
+  if (n >= 8) {
+    __m256 m = _mm256_set1_ps(init);
+    for (; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx = _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+  }
 #endif
   for (; t < n; ++t) mx = std::max(mx, s[t]);
   return mx;

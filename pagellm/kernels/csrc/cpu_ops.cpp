@@ -1043,9 +1043,6 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
-// logsumexp of each row of x [B, V] (float32), a row summed in one fixed order whatever B is (a
-// thread takes whole rows), so a token's logprob does not depend on the batch. torch reduces a
-// lone row split over threads: the sampler paid a copy and twice the work to keep it invariant.
 // The first index of row r (V values) that holds mx, or the first NaN where `nan`: torch.max's
 // index (NaN propagates as the maximum).
 inline int64_t first_index_of(const float* r, int64_t V, float mx, bool nan) {
@@ -1063,9 +1060,11 @@ inline int64_t first_index_of(const float* r, int64_t V, float mx, bool nan) {
   return 0;
 }
 
-// {logsumexp of each row, the index of each row's maximum}: a greedy step's token and its logprob's
-// normaliser from one pass for the maximum, a scan to its first place and one for the sum, where
-// torch's max with indices alone took twice this kernel's time over a 128k vocabulary.
+// {logsumexp, index of the maximum} of each row of x [B, V] (float32). A row is summed in one fixed
+// order whatever B is (a thread takes whole rows), so a token's logprob does not depend on the
+// batch: torch reduces a lone row split over threads, and the sampler paid a copy and twice the
+// work to keep it invariant. The index is a greedy step's token, found after the pass for the
+// maximum: torch's max with indices alone took twice this kernel's time over a 128k vocabulary.
 std::vector<torch::Tensor> row_logsumexp(torch::Tensor x) {
   check_cpu_dtype(x, "x", torch::kFloat);
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [B, V] with V > 0");

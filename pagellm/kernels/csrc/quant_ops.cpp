@@ -456,12 +456,13 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
       move(sb, tile + kQ4D + 2 * r, B2{});
       move(sb + 2, tile + kQ4Dmin + 2 * r, B2{});
       for (int p = 0; p < 16; ++p) move(sb + 16 + 8 * p, tile + 64 * p + 8 * r, B8{});
-      uint8_t sc[8], m[8];
-      for (int j = 0; j < 8; ++j) {
-        if (kBack) sc[j] = tile[kQ4Sc + 8 * j + r], m[j] = tile[kQ4M + 8 * j + r];
-        else scale_min_k4(j, sb + 4, tile + kQ4Sc + 8 * j + r, tile + kQ4M + 8 * j + r);
+      if constexpr (kBack) {
+        uint8_t sc[8], m[8];
+        for (int j = 0; j < 8; ++j) sc[j] = tile[kQ4Sc + 8 * j + r], m[j] = tile[kQ4M + 8 * j + r];
+        k4_pack_scales(sc, m, sb + 4);
+      } else {
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, sb + 4, tile + kQ4Sc + 8 * j + r, tile + kQ4M + 8 * j + r);
       }
-      if (kBack) k4_pack_scales(sc, m, sb + 4);
     } else {
       uint8_t* sb = src + r * row_bytes + b * 210;
       for (int p = 0; p < 16; ++p) move(sb + 8 * p, tile + 64 * p + 8 * r, B8{});

@@ -42,6 +42,11 @@ class Mutant:
 
 
 MUTANTS = [
+    Mutant("a step's time kept by its rows when a prompt's chunk ran in it too",
+           "pagellm/core/scheduler.py",
+           "s.samples and s.num_sequence_tokens == 1 and s.start >= s.request.num_prompt_tokens",
+           "s.samples",
+           ("tests/engine/test_spec_decode.py::test_decode_steps_are_timed_by_their_rows",)),
     Mutant("positions restart at 0 for every prefill chunk after the first",
            "pagellm/worker/model_runner.py",
            "positions.extend(range(start, end))",

@@ -193,6 +193,16 @@ class Scheduler:
         disable_by_batch_size counts enqueued ones): they join the batch as soon as they can."""
         return self.speculative is not None and self.num_unfinished <= self.speculative.disable_by_batch_size
 
+    def decode_rows(self, out: SchedulerOutput) -> int | None:
+        """The rows of a step that only decodes (each sequence its last token and the proposals it
+        verifies), whose time spec_stats keeps; None for another step (a prompt's chunk costs per
+        token what these rows do not) or without speculation. Read before the step runs."""
+        if self.speculative is None or not all(
+                s.samples and s.num_sequence_tokens == 1 and s.start >= s.request.num_prompt_tokens
+                for s in out.scheduled):
+            return None
+        return out.num_batched_tokens
+
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The proposed tokens to verify after a decoding request's last token: as many as the token
         budget, max_tokens and the context window leave room for (the accepted ones and one more

@@ -26,6 +26,11 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     # Entry j: proposals whose j-th token was accepted.
     accepted_per_position: list[int] = field(default_factory=list)
+    # Steps that only decoded (each sequence its last token and the proposals it verifies), by their
+    # rows: how many, and their seconds in all. What a verified row costs against a plain step on
+    # this machine, which bounds what speculation can gain (docs/speculative-decoding.md).
+    decode_steps_by_rows: dict[int, int] = field(default_factory=dict)
+    decode_seconds_by_rows: dict[int, float] = field(default_factory=dict)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -36,8 +41,14 @@ class SpecDecodeStats:
         for j in range(accepted):
             self.accepted_per_position[j] += 1
 
+    def record_step(self, rows: int, seconds: float) -> None:
+        self.decode_steps_by_rows[rows] = self.decode_steps_by_rows.get(rows, 0) + 1
+        self.decode_seconds_by_rows[rows] = self.decode_seconds_by_rows.get(rows, 0.0) + seconds
+
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
-                "accepted_per_position": list(self.accepted_per_position)}
+                "accepted_per_position": list(self.accepted_per_position),
+                "decode_steps_by_rows": {rows: {"steps": n, "mean_ms": 1e3 * self.decode_seconds_by_rows[rows] / n}
+                                         for rows, n in sorted(self.decode_steps_by_rows.items())}}

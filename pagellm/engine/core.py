@@ -116,6 +116,7 @@ class EngineCore:
                 self.executor.apply_tier_ops(sched.tier_ops)
         if sched.is_empty:
             return CoreStep()
+        rows = self.scheduler.decode_rows(sched)
         started = time.perf_counter()
         try:
             step = self._run(sched)
@@ -126,7 +127,10 @@ class EngineCore:
             self.num_step_failures += 1
             groups = sorted({s.request.group_id for s in sched.scheduled})
             return CoreStep(failures=self._abort_groups({gid: (e, "step_error") for gid in groups}))
-        self.costs.record_step(time.perf_counter() - started, sched.num_batched_tokens)
+        seconds = time.perf_counter() - started
+        self.costs.record_step(seconds, sched.num_batched_tokens)
+        if rows is not None:
+            self.scheduler.spec_stats.record_step(rows, seconds)
         return step
 
     def _run(self, sched: SchedulerOutput) -> CoreStep:
@@ -247,5 +251,7 @@ class EngineCore:
             generation_tokens=self.num_generation_tokens,
             num_step_failures=self.num_step_failures,
             spec_decode=None if sched.speculative is None else
-            replace(spec, accepted_per_position=list(spec.accepted_per_position)),
+            replace(spec, accepted_per_position=list(spec.accepted_per_position),
+                    decode_steps_by_rows=dict(spec.decode_steps_by_rows),
+                    decode_seconds_by_rows=dict(spec.decode_seconds_by_rows)),
             kv_offload=None if self.kv_tier is None else KVOffloadStats(self.kv_tier.stats(), kv.tier_stats()))

@@ -15,7 +15,7 @@ def engine_stats(used: int, hits: int, usage: float = 0.5) -> EngineStats:
     groups = [KVGroupStats("full", None, used), KVGroupStats("state", None, 1, 4, 2)]
     return EngineStats(KVCacheStats(10, 10 - used, used, 16, usage, groups), SchedulerStats(2, 1, 3, 0),
                        PrefixCacheStats(1, 2 * hits, hits), 100, 120, 20, 0,
-                       SpecDecodeStats(2, 6, 3, [2, 1]), KVOffloadStats(STORE, TierMoveStats(5, 1, 0)),
+                       SpecDecodeStats(2, 6, 3, [2, 1], {1: 2}, {1: 0.01}), KVOffloadStats(STORE, TierMoveStats(5, 1, 0)),
                        request_failures={"step_error": 1}, max_model_len=512)
 
 
@@ -30,7 +30,8 @@ def test_to_dict_is_the_flat_dict_of_llm_stats():
                               {"kind": "state", "window": None, "used_blocks": 1, "checkpoints_taken": 4,
                                "checkpoints_restored": 2}]
     assert d["spec_decode"] == {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3,
-                                "acceptance_rate": 0.5, "accepted_per_position": [2, 1]}
+                                "acceptance_rate": 0.5, "accepted_per_position": [2, 1],
+                                "decode_steps_by_rows": {1: {"steps": 2, "mean_ms": 5.0}}}
     assert list(d["kv_offload"])[-4:] == ["persist", "demoted_blocks", "promoted_blocks", "swapped_out_requests"]
     assert d["kv_offload"]["write_errors_by_cause"] == {"ENOSPC": 1} and d["prefix_cache_hits"] == 7
 

@@ -6,6 +6,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.step_plan import PlannedSeq
+from tests.engine.spec_stats import without_times
 
 
 def check_sampled_requests_keep_the_targets_logprobs(path, requests, speculative_config: dict, max_tokens: int) -> None:
@@ -59,5 +60,5 @@ def check_two_ranks_propose_as_one(path, requests, speculative_config: dict, pla
              tensor_parallel_size=2) as llm:
         assert run(llm) == plain
         stats = llm.stats()["spec_decode"]
-    assert stats == one.stats()["spec_decode"] and stats["num_accepted_tokens"] > 0
+    assert without_times(stats) == without_times(one.stats()["spec_decode"]) and stats["num_accepted_tokens"] > 0
     return stats

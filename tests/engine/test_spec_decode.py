@@ -180,6 +180,26 @@ def test_the_bundled_model_copying_accepts_proposals_and_decodes_as_without(smol
     assert _accepted(spec) >= sum(len(c.token_ids) for c in got) // 3
 
 
+def test_decode_steps_are_timed_by_their_rows(smollm2):
+    """stats() keeps the steps that only decode by their rows (a sequence's token and its
+    proposals): one sequence copying its prompt verifies every proposal in such a step, so the
+    rows past the first, summed over the steps, are the proposed tokens; the plain steps are the
+    1-row ones; every step took time."""
+    _, spec = smollm2
+    before = spec.stats()["spec_decode"]
+    # a prompt of its own: its prefill computed here, not found in the prefix cache
+    prompt = "Copy the list exactly.\nList: red, green, blue, yellow, purple, orange, silver, golden, white\nCopy: red,"
+    out = spec.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    after = spec.stats()["spec_decode"]
+    steps = {rows: e["steps"] - before["decode_steps_by_rows"].get(rows, {"steps": 0})["steps"]
+             for rows, e in after["decode_steps_by_rows"].items()}
+    assert sum((rows - 1) * n for rows, n in steps.items()) == after["num_draft_tokens"] - before["num_draft_tokens"] > 0
+    # each step gave the sequence one token and its accepted proposals, the prefill the first
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert sum(steps.values()) + accepted + 1 >= len(out.token_ids) and steps.get(1, 0) > 0
+    assert all(e["mean_ms"] > 0 for e in after["decode_steps_by_rows"].values())
+
+
 ECHO = ('Return this JSON object unchanged.\n{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", '
         '"known_for": ["the analytical engine", "the first program"], "country": "England"}\nJSON: ')
 ECHO_SCHEMA = {"type": "object", "properties": {

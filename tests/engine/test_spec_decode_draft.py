@@ -17,6 +17,7 @@ import shutil
 import pytest
 
 from pagellm import LLM, SamplingParams
+from tests.engine.spec_stats import without_times
 from tests.models.families import build
 
 N_NEW = 24
@@ -111,7 +112,8 @@ def test_under_tensor_parallelism_the_draft_proposes_as_on_one_rank(models):
     for (_, lps), (_, want) in zip(got, expected):
         assert lps == pytest.approx(want, abs=1e-4)
     _run(one, requests)
-    assert stats == one.stats()["spec_decode"] and stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+    assert without_times(stats) == without_times(one.stats()["spec_decode"])
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
 
 
 def test_a_recurrent_target_rolls_back_to_the_accepted_tokens(models, tmp_path):
@@ -214,7 +216,7 @@ def test_a_recurrent_draft_rolls_back_to_the_accepted_drafts(models, tmp_path, m
     fresh, fresh_stats = run(reread=True)
     assert [t for t, _ in kept] == [t for t, _ in expected] == [t for t, _ in fresh]
     assert 0 < kept_stats["num_accepted_tokens"] < kept_stats["num_draft_tokens"]
-    assert kept_stats == fresh_stats
+    assert without_times(kept_stats) == without_times(fresh_stats)
 
 
 def test_the_draft_cache_takes_its_share_of_the_kv_budget(models, caplog):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from pagellm.core.stats import NO_ENGINE, EngineStats
@@ -118,6 +118,13 @@ class _EngineCollector(Collector):
             for position, count in enumerate(spec.accepted_per_position):
                 per_pos.add_metric(labels + [str(position)], count)
             yield per_pos
+            steps = SummaryMetricFamily("pagellm:spec_decode_step_seconds",
+                                        "Steps that only decoded (each sequence its token and the proposals it "
+                                        "verifies), by their rows: what a verified row costs.",
+                                        labels=["model_name", "rows"])
+            for rows, count in sorted(spec.decode_steps_by_rows.items()):
+                steps.add_metric(labels + [str(rows)], count, spec.decode_seconds_by_rows[rows])
+            yield steps
         yield family(CounterMetricFamily, "pagellm:num_preemptions", "Cumulative number of preemptions.",
                      s.scheduler.num_preemptions)
         yield family(CounterMetricFamily, "pagellm:prefix_cache_queries",

@@ -247,6 +247,7 @@ def _one_run(llm, prompt: Prompt, max_tokens: int) -> dict:
 
     before = (llm.stats()["spec_decode"] or {}).get("num_accepted_tokens", 0)
     drafts_before = (llm.stats()["spec_decode"] or {}).get("num_draft_tokens", 0)
+    steps_before = (llm.stats()["spec_decode"] or {}).get("decode_steps_by_rows", {})
     so = None if prompt.schema is None else StructuredOutputsParams(json=json.dumps(prompt.schema))
     out = llm.generate({"prompt_token_ids": prompt.token_ids},
                        SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so), use_tqdm=False)[0]
@@ -258,7 +259,33 @@ def _one_run(llm, prompt: Prompt, max_tokens: int) -> dict:
             "prompt_tokens": len(out.prompt_token_ids), "loadavg": os.getloadavg(),
             "accepted_tokens": spec.get("num_accepted_tokens", 0) - before,
             "draft_tokens": spec.get("num_draft_tokens", 0) - drafts_before,
+            "decode_steps_by_rows": _steps_since(steps_before, spec.get("decode_steps_by_rows", {})),
             "text_head": out.outputs[0].text[:spec_decode_peer.TEXT_HEAD_CHARS], "token_ids": tokens}
+
+
+def _steps_since(before: dict, after: dict) -> dict[int, dict]:
+    """The run's decode steps by rows (stats()' decode_steps_by_rows after it less before it): their
+    count and seconds in all."""
+    out = {}
+    for rows, e in after.items():
+        b = before.get(rows, {"steps": 0, "mean_ms": 0.0})
+        steps = e["steps"] - b["steps"]
+        if steps:
+            out[rows] = {"steps": steps, "seconds": (e["steps"] * e["mean_ms"] - b["steps"] * b["mean_ms"]) / 1e3}
+    return out
+
+
+def step_ms_by_rows(runs: list[dict]) -> dict[int, float]:
+    """Mean ms of a decode step by its rows (a sequence's token and the proposals it verifies) over
+    `runs`: what a verified row costs against a plain step (1 row) on this machine and context."""
+    steps: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    for r in runs:
+        for rows, e in r.get("decode_steps_by_rows", {}).items():
+            rows = int(rows)
+            steps[rows] = steps.get(rows, 0) + e["steps"]
+            seconds[rows] = seconds.get(rows, 0.0) + e["seconds"]
+    return {rows: 1e3 * seconds[rows] / steps[rows] for rows in sorted(steps)}
 
 
 def _peer_run(url: str, prompt: Prompt, max_tokens: int) -> dict:
@@ -319,6 +346,7 @@ def run_spec_decode_bench(cfg: SpecBenchConfig) -> dict:
                 entry[name]["acceptance_rate"] = sum(r["accepted_tokens"] for r in rs) / drafts
                 entry[name]["accepted_tokens_per_output_token"] = (sum(r["accepted_tokens"] for r in rs)
                                                                    / sum(r["tokens"] for r in rs))
+        entry["speculative"]["step_ms_by_rows"] = step_ms_by_rows(by_system["speculative"])
         entry["speedup"] = entry["speculative"]["decode_tokens_per_s"] / entry["plain"]["decode_tokens_per_s"]
         entry["outputs_equal"] = all(a["token_ids"] == b["token_ids"]
                                      for a, b in zip(by_system["plain"], by_system["speculative"]))
@@ -409,6 +437,12 @@ def print_tables(results: dict) -> None:
           f"{results['config'].get('kv_cache_dtype', 'auto')}): one stream, greedy, {results['config']['speculative_config']}")
     print(report.format_table(["workload", "plain tok/s", "speculative tok/s", "speedup", "lookup ceiling", "acceptance",
                                "tokens per round", "same output"], rows))
+    costs = [(workload, e["speculative"].get("step_ms_by_rows")) for workload, e in results["workloads"].items()]
+    if any(c for _, c in costs):
+        print("\nms per decode step by its rows (a token and the proposals it verifies), speculative runs")
+        for workload, c in costs:
+            if c:
+                print(f"{workload}: " + ", ".join(f"{rows}: {ms:.1f}" for rows, ms in c.items()))
     peer_rows = [[workload, kind, p["decode_tokens_per_s"], p["speedup"], p["acceptance_rate"],
                   _tokens(p["output_tokens"]), e.get("same_prompt_tokens")]
                  for workload, e in results["workloads"].items() for kind, p in e.get("llama-server", {}).items()]

@@ -46,6 +46,10 @@ def test_spec_decode_bench_tiny(tmp_path, tiny_llama_dir):
             assert all(isinstance(r["text_head"], str) and 0 < len(r["text_head"]) <= 200 for r in runs)
             assert entry[system]["decode_tokens_per_s"] > 0
         assert entry["speedup"] > 0
+        # every run's decode steps by rows: the rows past the first are the proposals it verified
+        for r in entry["speculative"]["runs"]:
+            assert sum((int(rows) - 1) * e["steps"] for rows, e in r["decode_steps_by_rows"].items()) == r["draft_tokens"]
+        assert entry["speculative"]["step_ms_by_rows"]["1"] > 0
         # A random model copies nothing, but its JSON's start may be the prompt's record's: proposed.
         steps = [r["steps"] for r in entry["lookup_replay"]["rounds"]]
         if workload == "json-echo":

@@ -444,12 +444,12 @@ def test_speculative_decoding_metrics(server, client):
     assert metric_value(text, "pagellm:spec_decode_num_drafts_total", **labels) > 0
     assert metric_value(text, "pagellm:spec_decode_num_accepted_tokens_per_pos_total", position="0",
                         **labels) > 0
-    # steps that only decoded, by rows: their rows past the first are proposals verified (all of
-    # them, but for those verified beside another request's prompt), and each step took time
+    # steps that only decoded, by their rows (every sequence's token and proposals in the step: other
+    # tests' requests share this server): plain 1-row steps and verifications beside them, timed
     steps = {rows: metric_value(text, "pagellm:spec_decode_step_seconds_count", rows=str(rows), **labels) or 0
-             for rows in range(1, 6)}
-    assert 0 < sum((rows - 1) * n for rows, n in steps.items()) <= proposed
-    assert metric_value(text, "pagellm:spec_decode_step_seconds_sum", rows="1", **labels) > 0 and steps[1] > 0
+             for rows in range(1, 33)}
+    assert steps[1] > 0 and sum(steps.values()) > steps[1]
+    assert metric_value(text, "pagellm:spec_decode_step_seconds_sum", rows="1", **labels) > 0
 
 
 def test_dashboard_state_is_the_block_map(server, client):

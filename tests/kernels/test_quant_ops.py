@@ -183,6 +183,24 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     assert q.repacked_type(int(T.Q6_K), 24, "int8", batch_invariant=False, cols=256) == kernels.repacked_types[int(T.Q6_K)]
 
 
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_large_repacked_product_claimed_in_chunks_is_its_one_thread_product(qtype):
+    """Repacked products of several MB go to the two threads in chunks that each thread claims in
+    turn (quant_ops.cpp, claimed_for; this size: 5-8 chunks, the last a short one): every row of W is
+    multiplied, once, to the bits one thread gives."""
+    kernels, cols, rows = cpu.quant_kernels(), 2048, 5208  # 651 tiles of 8 rows: 6-9 MB
+    packed = kernels.gguf_repack(torch.from_numpy(random_blocks(qtype, rows, cols, seed=11)), int(qtype), cols)
+    packed_id = kernels.repacked_types[int(qtype)]
+    x = torch.randn(2, cols)
+    for activations in ("int8", "int8x2"):
+        torch.set_num_threads(1)
+        alone = q.gguf_matmul(x, packed, packed_id, cols, activations=activations)
+        torch.set_num_threads(2)
+        claimed = q.gguf_matmul(x, packed, packed_id, cols, activations=activations)
+        assert alone.isfinite().all() and torch.equal(claimed, alone), activations
+
+
 def blocks_and_repacked(qtype, cols: int, seed: int) -> list[tuple[torch.Tensor, int]]:
     """24 random rows of `qtype` as (weight, type id) pairs: GGUF's blocks, and repacked where this
     build repacks the type."""

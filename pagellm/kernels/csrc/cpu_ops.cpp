@@ -845,9 +845,14 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   std::vector<float> part_acc(static_cast<size_t>(parts * H * D));
   std::vector<float> part_ml(static_cast<size_t>(parts * H * 2));
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // Threads claim items one at a time: an even share each (at::parallel_for's) left one thread
+  // waiting whenever the other was slowed or its share held the shorter runs.
+  std::atomic<int64_t> next_item{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = next_item.fetch_add(1); i < n_items; i = next_item.fetch_add(1)) {
       const WorkItem& w = items[i];
       const float* q_b = qp + w.q0 * H * D;
       const int64_t* table = bt + (token_seq != nullptr ? token_seq[w.q0] : w.q0) * max_blocks;
@@ -877,27 +882,30 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
     }
   });
 
-  // Put split queries back together: weight each run by exp(its max - the overall max).
-  for (int64_t b = 0; b < B; ++b) {
-    if (first_part[b] < 0) continue;
+  // Put split queries back together: weight each run by exp(its max - the overall max). Each
+  // (query, head) on its own, spread over the threads like the runs.
+  auto combine = [&](int64_t b, int64_t hh) {
     const int64_t n = (group_end[b] - first_key(b) + run - 1) / run;
-    for (int64_t hh = 0; hh < H; ++hh) {
-      float mx = sinks != nullptr ? sinks[hh] : -std::numeric_limits<float>::infinity();
-      for (int64_t r = 0; r < n; ++r) mx = std::max(mx, part_ml[((first_part[b] + r * part_stride[b]) * H + hh) * 2]);
-      float denom = sinks != nullptr ? std::exp(sinks[hh] - mx) : 0.f;  // the sink joins once, here
-      float* o = op + (b * H + hh) * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t p = first_part[b] + r * part_stride[b];
-        const float w = std::exp(part_ml[(p * H + hh) * 2] - mx);
-        denom += w * part_ml[(p * H + hh) * 2 + 1];
-        const float* a = part_acc.data() + (p * H + hh) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] += w * a[i];
-      }
-      const float inv = 1.f / denom;
-      for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+    float mx = sinks != nullptr ? sinks[hh] : -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < n; ++r) mx = std::max(mx, part_ml[((first_part[b] + r * part_stride[b]) * H + hh) * 2]);
+    float denom = sinks != nullptr ? std::exp(sinks[hh] - mx) : 0.f;  // the sink joins once, here
+    float* o = op + (b * H + hh) * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t p = first_part[b] + r * part_stride[b];
+      const float w = std::exp(part_ml[(p * H + hh) * 2] - mx);
+      denom += w * part_ml[(p * H + hh) * 2 + 1];
+      const float* a = part_acc.data() + (p * H + hh) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] += w * a[i];
     }
-  }
+    const float inv = 1.f / denom;
+    for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+  };
+  if (parts > 0)
+    at::parallel_for(0, B * H, 8, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        if (first_part[i / H] >= 0) combine(i / H, i % H);
+    });
   return out;
 }
 

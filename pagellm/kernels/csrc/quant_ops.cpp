@@ -504,6 +504,32 @@ constexpr int kMaxRows = 4;
 constexpr int64_t kRowsPerPass = 48;
 constexpr int64_t kPassFloats = 196608;
 
+// A product's rows split over torch's threads by claiming: each thread takes the next chunk of
+// [0, n) from a shared counter until none is left. at::parallel_for hands each thread one even
+// share, so a product ends with its slowest thread's share; on shared cores (a VM's vCPUs, a
+// process beside) one thread is often slowed for a while, and the other then waits at the end of
+// every product. A product of more than a few kClaimBytes of weights (`unit_bytes` an index's)
+// goes in chunks of at least that, up to kClaimsPerThread a thread; a smaller one in one chunk a
+// thread, as before: each chunk's prefetches run past its end into lines another thread reads
+// (SmolLM2's 1 MB products in chunks of a sixteenth ran 3-7% slower), and long runs keep the
+// hardware prefetchers streaming.
+constexpr int64_t kClaimsPerThread = 8, kClaimBytes = 1 << 20;
+template <typename F>
+void claimed_for(int64_t n, int64_t unit_bytes, const F& f) {
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t by_bytes = n * unit_bytes / kClaimBytes;
+  const int64_t chunks = std::max(threads, std::min(threads * kClaimsPerThread, by_bytes));
+  if (threads <= 1 || n < 2) {
+    if (n > 0) f(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = (n + chunks - 1) / chunks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c0 = next.fetch_add(chunk); c0 < n; c0 = next.fetch_add(chunk)) f(c0, std::min(n, c0 + chunk));
+  });
+}
+
 // Software prefetch of the weight rows. A decode step reads every weight once, from memory, and
 // the hardware's stream prefetcher alone left the products at about half the speed they reach on
 // weights already in cache (Q4_K 1B gate/up: 10 against 18 GB/s). So while a group of rows is
@@ -1975,7 +2001,7 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr, nullptr, nullptr,
                      a.block_sum.data() + m * K / 32, nullptr, nullptr, a.block_scale.data() + m * K / 32});
   const int64_t group_bytes = K / 32 * kQ41Tile;
-  at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
+  claimed_for(N / kX8Rows, group_bytes, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
       for (int64_t m = 0; m < M; m += kQ41TileRows) {
@@ -3402,7 +3428,7 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 #if !defined(PAGELLM_INT8_VNNI)
   const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms) : std::vector<int16_t>();
 #endif
-  at::parallel_for(0, N / kX8Rows, 2, [&](int64_t g0, int64_t g1) {
+  claimed_for(N / kX8Rows, group_bytes, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
 #if !defined(PAGELLM_INT8_VNNI)

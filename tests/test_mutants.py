@@ -278,6 +278,13 @@ MUTANTS = [
            "const bool q4_1_rows = x8 && qtype == Q4_1 && M <= 8;",
            ("tests/kernels/test_quant_ops.py::test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows",),
            compiled=True, cpu_flag="avx512_vnni"),
+    Mutant("AVX2's many-row Q4_1 kernel puts a pair of each row's high nibbles in the other lane's set",
+           "pagellm/kernels/csrc/quant_ops.cpp",
+           "out[8 * set + 4 + j] = _mm256_srli_epi16(pairs[k], 4);",
+           "out[8 * (1 - set) + 4 + j] = _mm256_srli_epi16(pairs[k], 4);",
+           ("tests/kernels/test_quant_ops.py::test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows",
+            "tests/kernels/test_quant_ops.py::test_repacked_and_block_rows_keep_their_bits_beside_many_rows[Q4_1]"),
+           compiled=True, cpu_flag="avx2", march="x86-64-v3"),
     Mutant("AVX2's many-row Q6_K kernel sums a lane's 16-value groups in their order (the tile kernel: "
            "0, 2, 4, 6, 1, 3, ...)",
            "pagellm/kernels/csrc/quant_ops.cpp",

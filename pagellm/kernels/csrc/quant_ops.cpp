@@ -1994,6 +1994,17 @@ constexpr int64_t kQ41TileRows = 2;
 
 // Up to kX8MaxRowLoop rows of x times a Q4_1_X8 weight, kQ41TileRows rows at a time, x rounded per 32
 // values as the blocks' kernels round it.
+#if !defined(PAGELLM_INT8_VNNI)
+std::vector<int16_t> pair_rows_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms, int64_t per);
+void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, float* y,
+                  int64_t N, int64_t g);
+// From this many rows of x q4_1_x8_many takes the products (the same bits as q4_1_x8_rows): each tile's
+// widening pays from 8 rows. A/B in one process, turn about, AVX2 build on Zen 3, SmolLM2's four Q4_1
+// shapes, against q4_1_x8_rows: one thread 5 rows 0.80-0.85x, 7 rows 0.90-1.08x, 8 rows 0.97-1.19x,
+// 9 rows 1.08-1.15x, 16 rows 1.29-1.34x; two threads 9 rows 1.08-1.11x, 16 rows 0.98-1.24x.
+constexpr int64_t kQ41PairMinRows = 8;
+#endif
+
 void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, bool two_terms, float* y) {
   const ActRows a = quantize_activations(x, M, K, two_terms);
   std::vector<ActView> views;
@@ -2001,9 +2012,19 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr, nullptr, nullptr,
                      a.block_sum.data() + m * K / 32, nullptr, nullptr, a.block_scale.data() + m * K / 32});
   const int64_t group_bytes = K / 32 * kQ41Tile;
+#if !defined(PAGELLM_INT8_VNNI)
+  const bool many = M >= kQ41PairMinRows;  // q4_1_x8_many
+  const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms, 32) : std::vector<int16_t>();
+#endif
   claimed_for(N / kX8Rows, group_bytes, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
+#if !defined(PAGELLM_INT8_VNNI)
+      if (many) {
+        q4_1_x8_many(views.data(), x16.data(), M, K, tiles, y, N, g);
+        continue;
+      }
+#endif
       for (int64_t m = 0; m < M; m += kQ41TileRows) {
         float* yg[4];  // the most rows any case below takes
         for (int i = 0; i < kQ41TileRows; ++i) yg[i] = y + std::min(m + i, M - 1) * N + kX8Rows * g;
@@ -2140,16 +2161,17 @@ inline void q4_k_pair_rows(const int16_t* xb, const __m256i* pairs, __m256i (*su
 }
 
 // x's rows as the many-row kernels read them: 16-bit values 128 c + r (or c), in blocks of kPairRows
-// rows whose super-blocks lie together, [M / kPairRows blocks][K / QK_K][kPairRows][QK_K], so that
-// one pointer with constant offsets reaches every row of a pass.
-std::vector<int16_t> pair_rows_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms) {
-  const int64_t blocks = (M + kPairRows - 1) / kPairRows, supers = K / QK_K;
+// rows whose blocks of `per` values (a K-quant's super-block, a Q4_1 block) lie together,
+// [M / kPairRows blocks][K / per][kPairRows][per], so that one pointer with constant offsets reaches
+// every row of a pass.
+std::vector<int16_t> pair_rows_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms, int64_t per = QK_K) {
+  const int64_t blocks = (M + kPairRows - 1) / kPairRows, supers = K / per;
   std::vector<int16_t> x16(blocks * kPairRows * K);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < supers; ++b) {
-      int16_t* out = x16.data() + ((m / kPairRows * supers + b) * kPairRows + m % kPairRows) * QK_K;
-      const int64_t at = m * K + QK_K * b;
-      for (int64_t i = 0; i < QK_K; ++i)
+      int16_t* out = x16.data() + ((m / kPairRows * supers + b) * kPairRows + m % kPairRows) * per;
+      const int64_t at = m * K + per * b;
+      for (int64_t i = 0; i < per; ++i)
         out[i] = static_cast<int16_t>(two_terms ? 128 * a.codes[at + i] + a.residual[at + i] : a.codes[at + i]);
     }
   return x16;
@@ -2283,6 +2305,84 @@ void q6_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
     }
   }
   for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N + kX8Rows * g, _mm256_add_ps(acc[2 * m], acc[2 * m + 1]));
+}
+
+// ---- the same for repacked Q4_1 -------------------------------------------------------------
+// q4_1_x8_rows spends, per block and row of x, four VPMADDUBSW and four 16-bit adds per vector of W
+// (two codes), widens both sums, and unpacks each tile again for every 2 rows of x; its broadcasts of
+// x, shared by both halves of the tile, spill past AVX2's 16 registers. Here each tile is widened once
+// into 16-bit codes, one vector per pair of adjacent values of all 8 rows, and a row of x takes one
+// VPMADDWD + VPADDD per pair against its 16-bit values 128 c + r (or c).
+// The same bits: q4_1_x8_rows sums each row in two 32-bit lanes per block (its codes' bytes 0..3 of
+// both units, values 0..3, 8..11 in the low nibbles and 16..19, 24..27 in the high; and bytes 4..7),
+// exact integers that convert once and take d * dx in one FMA into the lane's float accumulator;
+// here the pairs of each lane's set go to an accumulator of their own, whose exact sums are the same
+// integers, through the same float steps in the same order. The mins' term is the same FMA.
+constexpr int kQ41Pairs = 16;  // vectors of 8 rows x 2 values per block: [set][8]
+// The first value of the pair at j (0..7) of set `set`: low nibbles of units 0, 1, then high.
+constexpr int q41_pair_value(int set, int j) { return 16 * (j / 4) + 8 * (j / 2 % 2) + 4 * set + 2 * (j % 2); }
+
+// Block tile t of a Q4_1_X8 weight as kQ41Pairs vectors (layout: q41_pair_value) of the 8 rows' 16-bit
+// codes, lane r: row r's pair.
+inline void q4_1_tile_pairs(const uint8_t* t, __m256i* out) {
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  for (int p = 0; p < 2; ++p) {
+    __m256i pairs[4];  // bytes 2k, 2k + 1 of each row: values 8p + 2k.. low, 16 + 8p + 2k.. high
+    row_byte_pairs(xi_load(t + 64 * p), xi_load(t + 64 * p + 32), pairs);
+    for (int k = 0; k < 4; ++k) {
+      const int set = k / 2, j = 2 * p + k % 2;
+      out[8 * set + j] = _mm256_and_si256(pairs[k], low);
+      out[8 * set + 4 + j] = _mm256_srli_epi16(pairs[k], 4);
+    }
+  }
+}
+
+// R rows of x (xb: their 16-bit values at this block, 32 apart) times one widened Q4_1 tile: per row
+// each set's exact integer sum.
+template <int R>
+inline void q4_1_pair_rows(const int16_t* xb, const __m256i* pairs, __m256i (*sums)[2]) {
+  for (int set = 0; set < 2; ++set) {
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_load_si256(pairs + 8 * set + j);
+      for (int r = 0; r < R; ++r) acc[r] = pair_dot(acc[r], w, x_pair(xb + 32 * r + q41_pair_value(set, j)));
+    }
+    for (int r = 0; r < R; ++r) sums[r][set] = acc[r];
+  }
+}
+
+// Group g (8 rows) of a Q4_1_X8 weight times M rows of x (views: quantize_activations'; x16:
+// pair_rows_x16 per 32 values): y[m][8 g..8 g + 8), q4_1_x8_rows' bits.
+void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, float* y,
+                  int64_t N, int64_t g) {
+  const int64_t blocks = K / 32;
+  std::vector<__m256> acc(2 * M, _mm256_setzero_ps()), mins(M, _mm256_setzero_ps());
+  alignas(32) __m256i pairs[kQ41Pairs];
+  __m256i sums[kPairRows][2];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* t = tiles + b * kQ41Tile;
+    prefetch_tile(t, kQ41Tile, 0, 3);
+    q4_1_tile_pairs(t, pairs);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ41D)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ41M)));
+    for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
+      const int16_t* xb = x16 + (m0 / kPairRows * blocks + b) * kPairRows * 32;
+      with_pair_rows(n, [&](auto rows) { q4_1_pair_rows<decltype(rows)::value>(xb, pairs, sums); });
+      for (int r = 0; r < n; ++r) {
+        const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(a[m0 + r].block_scale[b]));
+        for (int set = 0; set < 2; ++set)
+          acc[2 * (m0 + r) + set] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][set]), ddx, acc[2 * (m0 + r) + set]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) mins[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a[m].block_sum[b]), mins[m]);
+  }
+  for (int64_t m = 0; m < M; ++m) {  // row_sums' order: the two lanes, then the minimums' term
+    const __m256 lanes = _mm256_add_ps(acc[2 * m], acc[2 * m + 1]);
+    _mm256_storeu_ps(y + m * N + kX8Rows * g, _mm256_add_ps(lanes, mins[m]));
+  }
 }
 
 #endif
@@ -3637,8 +3737,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #elif defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("int8_kernel") = "avx2";
   m.attr("int8x2_wide_min_rows") = py::dict();
-  py::dict pairs;  // the repacked K-quants' many-row kernels (q4_k_x8_many, q6_k_x8_many) from this many rows
+  py::dict pairs;  // the repacked types' many-row kernels (q4_k_x8_many, q6_k_x8_many, q4_1_x8_many) from this many rows
   for (int64_t t : {Q4_K, Q6_K}) pairs[py::int_(repacked_id(t))] = pair_min_rows(t);
+  pairs[py::int_(repacked_id(Q4_1))] = kQ41PairMinRows;
   m.attr("pair_min_rows") = pairs;
 #else
   m.attr("int8_kernel") = "";

@@ -1655,19 +1655,30 @@ torch::Tensor gdn_decode_step(torch::Tensor proj, torch::Tensor conv_weight, tor
   return out;
 }
 
+// The kernels run without the GIL (as torch's own operators do): a server's event loop thread
+// streams its responses while a step's products and attention run, instead of waiting for them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention of query tokens (CPU; float32 q, float32, bfloat16 or 8-bit K/V)");
-  m.def("store_kv", &store_kv, "write K/V rows into the paged cache: as its float dtype, or 8-bit codes and a scale (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention of query tokens (CPU; float32 q, float32, bfloat16 or 8-bit K/V)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &store_kv, "write K/V rows into the paged cache: as its float dtype, or 8-bit codes and a scale (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("row_logsumexp", &row_logsumexp,
-        "{logsumexp of each row, in an order that does not depend on the batch; the index of its maximum} (CPU)");
-  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)");
+        "{logsumexp of each row, in an order that does not depend on the batch; the index of its maximum} (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE on q and k, in place (CPU, float32 or bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32 or bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_qkv", &decode_attention_qkv,
-        "a decode step's q/k norms, RoPE, K/V store and paged attention from the fused q/k/v projection (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "x + h and the RMSNorm of it, in one call (CPU, float32 or bfloat16)");
+        "a decode step's q/k norms, RoPE, K/V store and paged attention from the fused q/k/v projection (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "x + h and the RMSNorm of it, in one call (CPU, float32 or bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gdn_decode_step", &gdn_decode_step,
-        "Gated DeltaNet's decode step from in_proj's output, its states updated where they lie in the pool (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)");
+        "Gated DeltaNet's decode step from in_proj's output, its states updated where they lie in the pool (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows, as the reference rounds it (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   // From how many query heads per KV head a model's bfloat16 or 8-bit cache is read by
   // attend_run_lanes: set_attention_lanes_from(n) sets it for every head size (0: the built-in
   // crossovers) and returns the previous setting (None in builds without AVX-512, which have only

@@ -506,12 +506,17 @@ torch::Tensor codebook_dequantize_rows(const torch::Tensor& w, int64_t qtype, in
   return out;
 }
 
+// The kernels run without the GIL (as torch's own operators do): a server's event loop thread
+// streams its responses while a step's products and attention run, instead of waiting for them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("codebook_matmul", &codebook_matmul, "x @ W^T with W in MXFP4 / IQ4_NL / IQ4_XS blocks (CPU, float32)");
+  m.def("codebook_matmul", &codebook_matmul, "x @ W^T with W in MXFP4 / IQ4_NL / IQ4_XS blocks (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("codebook_matmul_int8", &codebook_matmul_int8,
         "x @ W^T with W in MXFP4 / IQ4_NL / IQ4_XS blocks and x rounded to int8 codes (CPU, AVX2)",
-        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false);
-  m.def("codebook_dequantize_rows", &codebook_dequantize_rows, "chosen rows of an MXFP4 / IQ4_NL / IQ4_XS matrix");
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("codebook_dequantize_rows", &codebook_dequantize_rows, "chosen rows of an MXFP4 / IQ4_NL / IQ4_XS matrix",
+        py::call_guard<py::gil_scoped_release>());
 #if defined(PAGELLM_CODEBOOK_VEC)
   m.attr("has_int8_activations") = true;
 #else

@@ -3701,11 +3701,15 @@ torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool
   return out;
 }
 
+// The kernels run without the GIL (as torch's own operators do): a server's event loop thread
+// streams its responses while a step's products and attention run, instead of waiting for them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_matmul", &gguf_matmul, "x @ W^T with W in GGUF blocks (CPU, float32; a few rows of x)");
+  m.def("gguf_matmul", &gguf_matmul, "x @ W^T with W in GGUF blocks (CPU, float32; a few rows of x)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gguf_matmul_int8", &gguf_matmul_int8,
         "x @ W^T with W in GGUF blocks and x rounded to int8 (CPU, AVX2 or VNNI)",
-        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false);
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("two_terms") = false,
+        py::call_guard<py::gil_scoped_release>());
 #if defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("has_int8_activations") = true;
   // x8_prefill: past kX8MaxRowLoop rows of x, the weights of these types (ids as the products take them)
@@ -3753,9 +3757,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("float_lanes") = 0;
 #endif
-  m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)");
+  m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gguf_repack", &gguf_repack, "Q4_1 / Q4_K / Q6_K rows in tiles of 8 for one-row products, or back",
-        py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false);
+        py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false,
+        py::call_guard<py::gil_scoped_release>());
   py::dict repacked;  // GGUF type -> the id of its repacked layout
   repacked[py::int_(static_cast<int64_t>(Q4_1))] = static_cast<int64_t>(Q4_1_X8);
   repacked[py::int_(static_cast<int64_t>(Q4_K))] = static_cast<int64_t>(Q4_K_X8);

@@ -1942,7 +1942,9 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
 // times x's codes, by pairs: at most 4 * 2 * 15 * 127, within 16 bits) widen once into int32,
 // convert once and take d * dx in one FMA; m times x's block sum beside, as blocks16_rows. The R rows
 // share each tile's loads and unpacking; each row's arithmetic is the one-row kernel's, in the same
-// order, so a row's sums do not depend on R.
+// order, so a row's sums do not depend on R. Each broadcast of x serves the tile's kXVecs vectors at
+// once: loaded per vector, the compiler hoisted AVX2's 16 broadcasts (2 rows) out of the loop over the
+// vectors and spilled them to the stack (2-7 rows of x 1.03-1.08x faster this way on Zen 3).
 template <int R, bool kTwo>
 void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
   const int64_t blocks = K / 32;
@@ -1956,24 +1958,34 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* tile = tiles + b * kQ41Tile;
     prefetch_tile(tile, kQ41Tile, 0, 3);
-    for (int h = 0; h < kXVecs; ++h) {
-      XI c[R], e[R];
-      for (int r = 0; r < R; ++r) c[r] = e[r] = xi_zero();
-      for (int p = 0; p < 2; ++p) {
+    XI c[R][kXVecs], e[R][kXVecs];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < kXVecs; ++h) c[r][h] = e[r][h] = xi_zero();
+    for (int p = 0; p < 2; ++p) {
+      XI lo[kXVecs], hi[kXVecs];
+      for (int h = 0; h < kXVecs; ++h) {
         const XI v = xi_load(tile + 64 * p + h * kXBytes);
-        const XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
-        const int64_t at = 32 * b + 8 * p;  // lo: values 8p.., hi: 16 + 8p..
-        for (int r = 0; r < R; ++r) {
-          c[r] = xi_dot_pairs(xi_dot_pairs(c[r], lo, xi_bcast64(a[r].codes + at)), hi, xi_bcast64(a[r].codes + at + 16));
-          if constexpr (kTwo)
-            e[r] = xi_dot_pairs(xi_dot_pairs(e[r], lo, xi_bcast64(a[r].residual + at)), hi,
-                                xi_bcast64(a[r].residual + at + 16));
+        lo[h] = xi_and(v, low), hi[h] = xi_and(xi_srli16(v, 4), low);
+      }
+      const int64_t at = 32 * b + 8 * p;
+      for (int r = 0; r < R; ++r) {
+        XI x = xi_bcast64(a[r].codes + at);
+        for (int h = 0; h < kXVecs; ++h) c[r][h] = xi_dot_pairs(c[r][h], lo[h], x);
+        x = xi_bcast64(a[r].codes + at + 16);
+        for (int h = 0; h < kXVecs; ++h) c[r][h] = xi_dot_pairs(c[r][h], hi[h], x);
+        if constexpr (kTwo) {
+          x = xi_bcast64(a[r].residual + at);
+          for (int h = 0; h < kXVecs; ++h) e[r][h] = xi_dot_pairs(e[r][h], lo[h], x);
+          x = xi_bcast64(a[r].residual + at + 16);
+          for (int h = 0; h < kXVecs; ++h) e[r][h] = xi_dot_pairs(e[r][h], hi[h], x);
         }
       }
+    }
+    for (int h = 0; h < kXVecs; ++h) {
       const XF d = xf_row_halves(tile + kQ41D, h);
       for (int r = 0; r < R; ++r) {
-        XI total = xi_widen(c[r], kTwo ? 7 : 0);
-        if constexpr (kTwo) total = xi_add32(total, xi_widen(e[r], 0));
+        XI total = xi_widen(c[r][h], kTwo ? 7 : 0);
+        if constexpr (kTwo) total = xi_add32(total, xi_widen(e[r][h], 0));
         acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(a[r].block_scale[b])), acc[r][h]);
       }
     }

@@ -2012,8 +2012,9 @@ void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
                   int64_t N, int64_t g);
 // From this many rows of x q4_1_x8_many takes the products (the same bits as q4_1_x8_rows): each tile's
 // widening pays from 8 rows. A/B in one process, turn about, AVX2 build on Zen 3, SmolLM2's four Q4_1
-// shapes, against q4_1_x8_rows: one thread 5 rows 0.80-0.85x, 7 rows 0.90-1.08x, 8 rows 0.97-1.19x,
-// 9 rows 1.08-1.15x, 16 rows 1.29-1.34x; two threads 9 rows 1.08-1.11x, 16 rows 0.98-1.24x.
+// shapes, against q4_1_x8_rows as it was before its broadcasts stopped spilling (which made it
+// 1.03-1.08x faster at 2-7 rows): one thread 5 rows 0.80-0.85x, 7 rows 0.90-1.08x, 8 rows
+// 0.97-1.19x, 9 rows 1.08-1.15x, 16 rows 1.29-1.34x; two threads 9 rows 1.08-1.11x, 16 rows 0.98-1.24x.
 constexpr int64_t kQ41PairMinRows = 8;
 #endif
 
@@ -2321,8 +2322,7 @@ void q6_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
 
 // ---- the same for repacked Q4_1 -------------------------------------------------------------
 // q4_1_x8_rows spends, per block and row of x, four VPMADDUBSW and four 16-bit adds per vector of W
-// (two codes), widens both sums, and unpacks each tile again for every 2 rows of x; its broadcasts of
-// x, shared by both halves of the tile, spill past AVX2's 16 registers. Here each tile is widened once
+// (two codes), widens both sums, and unpacks each tile again for every 2 rows of x. Here each tile is widened once
 // into 16-bit codes, one vector per pair of adjacent values of all 8 rows, and a row of x takes one
 // VPMADDWD + VPADDD per pair against its 16-bit values 128 c + r (or c).
 // The same bits: q4_1_x8_rows sums each row in two 32-bit lanes per block (its codes' bytes 0..3 of

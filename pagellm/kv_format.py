@@ -28,7 +28,8 @@ import torch
 from pagellm.config import KV_CACHE_DTYPES
 SCALE_BYTES = 2  # a float16 scale after each row's codes
 _MIN_SCALE = 2.0 ** -14  # float16's smallest normal number
-_MAX_SCALE = 65504.0  # float16's largest finite number
+_F16_MAX = 65504.0  # float16's largest finite number
+_MAX_SCALE = _F16_MAX
 
 
 class KVCode(enum.IntEnum):
@@ -75,7 +76,7 @@ class KVFormat:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Rows x [..., D] as they are stored: x in `dtype`, or [..., D + 2] uint8 codes and scale."""
         if not self.quantized:
-            return x.to(self.dtype)
+            return plain_rows(x, self.dtype)
         xf = x.float()
         scale = (xf.abs().amax(-1, keepdim=True) / self.qmax).clamp(_MIN_SCALE, _MAX_SCALE).half()
         codes = xf / scale.float()  # within +-qmax, up to the scale's rounding: clamped below
@@ -93,6 +94,14 @@ class KVFormat:
         codes = rows[..., :d].contiguous().view(self.dtype).float()
         scale = rows[..., d:].contiguous().view(torch.float16).float()
         return (codes * scale).to(dtype)
+
+
+def plain_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a plain cache of `dtype` stores it: float16 saturates at +-65504 (an infinity would turn
+    every later score of its head into NaN; the compiled store_kv does the same)."""
+    if dtype == torch.float16 and x.dtype != torch.float16:
+        x = x.float().clamp(-_F16_MAX, _F16_MAX)  # in float32: bfloat16 would round the bound to 65536
+    return x.to(dtype)
 
 
 def kernel_code(kv_format: KVFormat | None) -> int:

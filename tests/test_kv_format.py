@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.kv_format import resolve_kv_format
+from pagellm.kv_format import plain_rows, resolve_kv_format
 from pagellm.config import make_config
 
 EIGHT_BIT = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -20,6 +20,16 @@ def test_row_bytes_are_codes_and_a_float16_scale(name):
     # Against bfloat16, the format that --dtype bfloat16 caches in: 1.94x the tokens per byte at D = 64.
     bf16 = resolve_kv_format("bfloat16", torch.float32)
     assert bf16.bytes_per_row(64) / fmt.bytes_per_row(64) > 1.9
+
+
+def test_float16_rows_saturate_instead_of_overflowing():
+    x = torch.tensor([1e6, -1e6, 70000.0, 1.5, float("nan")])
+    for source in (torch.float32, torch.bfloat16):
+        rows = plain_rows(x.to(source), torch.float16)
+        assert rows.dtype == torch.float16
+        assert rows[:4].tolist() == [65504.0, -65504.0, 65504.0, 1.5] and rows[4].isnan()
+    assert resolve_kv_format("float16", torch.float32).encode(x)[0] == 65504.0
+    assert plain_rows(x, torch.float32) is x  # other caches take the values as they are
 
 
 def test_auto_follows_the_model_and_fp8_means_e4m3():

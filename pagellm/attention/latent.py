@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagellm.kv_format import plain_rows
+
 if TYPE_CHECKING:
     from pagellm.attention.metadata import AttentionMetadata
 
 
 def write_rows(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Store this step's rows [T, R] in their slots of cache [blocks, block_size, 1, R]."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slots, rows.to(cache.dtype))
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slots, plain_rows(rows, cache.dtype))
 
 
 def latent_attention(q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from pagellm.attention import latent
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
-from pagellm.kv_format import KVFormat
+from pagellm.kv_format import KVFormat, plain_rows
 from pagellm.kernels import cpu
 
 
@@ -18,7 +18,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         cpu.store_kv(k, v, k_cache, v_cache, slots, kv_format)
         return
     for x, cache in ((k, k_cache), (v, v_cache)):
-        rows = x.to(cache.dtype) if kv_format is None else kv_format.encode(x)
+        rows = plain_rows(x, cache.dtype) if kv_format is None else kv_format.encode(x)
         if cache.is_contiguous():
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
         else:  # a layer's view of a slot sized for larger layers (model_runner._allocate_mixed_shapes)

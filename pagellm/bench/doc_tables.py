@@ -67,7 +67,7 @@ def tables() -> list[DocTable]:
                    lambda doc: grammar_corpus.doc_table(doc["results"])),
         json_table("lm-eval-table", "benchmarks.md", lm_eval.RUN, lm_eval.doc_table),
         DocTable(windows.NAME, windows.PAGE, windows.section),
-        json_table("kv-formats-table", "kv-cache.md", "kv-cache-2026-12-01.json", kv_cache.doc_table),
+        json_table("kv-formats-table", "kv-cache.md", "kv-cache-2026-12-07-zen3.json", kv_cache.doc_table),
         json_table("kv-offload-table", "kv-cache.md", "kv-offload-2026-12-01.json", offload.doc_table),
         json_table("swap-table", "kv-cache.md", "kv-offload-2026-12-01.json", offload.swap_doc_table),
         json_runs_table("router-table", "scaling.md", "serve-router-*M-2026-12-01.json", serve.router_doc_table),

@@ -26,7 +26,7 @@ from importlib import resources
 
 from pagellm.bench import doc_sections, report
 
-FORMATS = ("float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 # Prompts for the free-running comparison: openings of ordinary sentences.
 PROMPTS = (
     "The history of the printing press", "In the morning the market", "A simple way to bake bread is",

@@ -30,6 +30,7 @@ from pagellm.kv_format import KVFormat, kernel_code, kernel_defines
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
+_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # plain caches the kernels read and write
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "cpu_ops.cpp"
 # The GGUF-blocks matmul is a second extension, built only when a quantized model is loaded.
@@ -133,10 +134,10 @@ def usable(x: torch.Tensor) -> bool:
 
 def kv_kernels_usable(x: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None = None) -> bool:
     """Whether the kernels that read and write the paged cache (paged_attention, store_kv) serve
-    x (the step's q, or its new k) and this cache: CPU tensors, a float32, bfloat16 or 8-bit cache, contiguous
+    x (the step's q, or its new k) and this cache: CPU tensors, a float32, bfloat16, float16 or 8-bit cache, contiguous
     (not a layer's view of a larger slot, model_runner._allocate_mixed_shapes), built."""
     plain = kv_format is None or not kv_format.quantized
-    return k_cache.is_cpu and (k_cache.dtype in _DTYPES or not plain) and k_cache.is_contiguous() and usable(x)
+    return k_cache.is_cpu and (k_cache.dtype in _KV_DTYPES or not plain) and k_cache.is_contiguous() and usable(x)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -144,11 +145,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
                     token_seq: torch.Tensor | None = None, fixed_run: int = 0,
                     kv_format: KVFormat | None = None, attention_chunk: int | None = None) -> torch.Tensor:
-    """q: [B, H, D] on the CPU, B query tokens; a float32 or bfloat16 cache, or an 8-bit one of
+    """q: [B, H, D] on the CPU, B query tokens; a float32, bfloat16 or float16 cache, or an 8-bit one of
     `kv_format` (kv_format.py). Returns [B, H, D] in q's dtype.
 
     Query b reads the first `seq_lens[b]` keys of block-table row `token_seq[b]` (None: row b, one
-    decode token per sequence). The arithmetic is float32 either way: a bfloat16 cache is widened
+    decode token per sequence). The arithmetic is float32 either way: a 16-bit cache is widened
     as it is read, 8-bit codes are widened and scaled by their row's scale. With a sliding window
     W only the last W keys are read; with `attention_chunk` C only the keys of the query's own chunk
     of C positions (Llama 4); `softcap` caps each score (Gemma 2); `sinks` [H] join each head's softmax
@@ -172,8 +173,8 @@ def set_attention_lanes_from(lanes: int) -> int | None:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, kv_format: KVFormat | None = None) -> None:
-    """Write k, v [T, KVH, D] into the caches' rows at `slots` [T]: float32 or bfloat16 caches
-    (kv_format None or unquantized) get the values converted as `.to(dtype)` converts them, uint8
+    """Write k, v [T, KVH, D] into the caches' rows at `slots` [T]: float32, bfloat16 or float16 caches
+    (kv_format None or unquantized) get the values converted as `kv_format.plain_rows` converts them, uint8
     caches of a quantized `kv_format` the same bytes as `kv_format.encode`; one call instead of
     two index_copy_ (or a dozen torch ops for 8-bit rows) per layer."""
     _load().store_kv(k, v, k_cache, v_cache, slots, kernel_code(kv_format))

@@ -90,7 +90,7 @@ def _rounding_attention(fmt):
     return attend
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", *EIGHT_BIT])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", *EIGHT_BIT])
 def test_tokens_and_logprobs_match_transformers_reading_the_same_rounded_kv(tiny_llama_dir, kv_cache_dtype):
     """The reference is transformers in float32 with every K/V row rounded through the format as
     the cache stores it (an attention function registered with transformers). Greedy tokens equal

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kv_format import resolve_kv_format
+from pagellm.kv_format import plain_rows, resolve_kv_format
 from pagellm.kernels import cpu
 from pagellm.layers.rotary import RotaryEmbedding, apply_rope, default_inverse_frequencies, rotate_qk
 
@@ -118,12 +118,12 @@ def test_paged_attention_against_float64_on_long_contexts_and_nan():
     assert torch.isnan(out[1, 0]).all() and not torch.isnan(out[1, 1:]).any() and not torch.isnan(out[0]).any()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32, 64])
 def test_paged_attention_against_float64_at_every_block_size_and_head_dim(block_size, head_dim, cache_dtype):
     """An independent oracle (float64 softmax attention over the cache's own values) for the
-    block sizes and head dims the vectorized paths special-case, float32 and bfloat16 caches,
+    block sizes and head dims the vectorized paths special-case, float32, bfloat16 and float16 caches,
     GQA groups of 1 and 4, contexts that end inside, at and past block boundaries."""
     torch.manual_seed(block_size * 1000 + head_dim)
     lens = torch.tensor([1, block_size, block_size + 1, 300, 777])
@@ -143,13 +143,14 @@ def test_paged_attention_against_float64_at_every_block_size_and_head_dim(block_
             torch.testing.assert_close(out[i].double(), torch.einsum("hk,khd->hd", p, v), rtol=0, atol=5e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_reads_a_bfloat16_cache_as_float32(q_dtype):
-    # The same float32 arithmetic over the widened values: a bfloat16 cache only halves the bytes.
+def test_paged_attention_reads_a_16_bit_cache_as_float32(q_dtype, cache_dtype):
+    # The same float32 arithmetic over the widened values: a 16-bit cache only halves the bytes.
     torch.manual_seed(1)
     b, h, kvh, d, bs, nb = 4, 9, 3, 64, 16, 80
-    k_cache = torch.randn(nb, bs, kvh, d).bfloat16()
-    v_cache = torch.randn(nb, bs, kvh, d).bfloat16()
+    k_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
+    v_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
     lens = torch.tensor([3, 33, 512, 1000])
     tables = torch.stack([torch.randperm(nb)[:63] for _ in range(b)])
     q = torch.randn(b, h, d).to(q_dtype)
@@ -189,21 +190,27 @@ def test_bad_inputs_are_refused_with_a_message():
 
 
 @pytest.mark.parametrize("cache_dtype, k_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                    (torch.bfloat16, torch.bfloat16)])
+                                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                                    (torch.float16, torch.bfloat16)])
 def test_store_kv_into_a_float_cache_is_index_copy(cache_dtype, k_dtype):
-    """The compiled store puts the same bits where two index_copy_ of x.to(cache dtype) would."""
+    """The compiled store puts the same bits where two index_copy_ of x.to(cache dtype) would, and
+    a float16 cache saturates what lies past its range (kv_format.plain_rows) instead of storing inf."""
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(5, 3, 16, generator=g).to(k_dtype) for _ in range(2))
+    k[1, 2, :4] = torch.tensor([1e6, -1e6, 65519.0, -7e4]).to(k_dtype)  # past float16's 65504 (all but bfloat16's)
     slots = torch.tensor([7, 0, 63, 21, 40])
     kc, vc = torch.zeros(4, 16, 3, 16, dtype=cache_dtype), torch.zeros(4, 16, 3, 16, dtype=cache_dtype)
     want_k, want_v = kc.clone(), vc.clone()
-    want_k.view(-1, 3, 16).index_copy_(0, slots, k.to(cache_dtype))
-    want_v.view(-1, 3, 16).index_copy_(0, slots, v.to(cache_dtype))
+    want_k.view(-1, 3, 16).index_copy_(0, slots, plain_rows(k, cache_dtype))
+    want_v.view(-1, 3, 16).index_copy_(0, slots, plain_rows(v, cache_dtype))
     cpu.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert torch.isfinite(kc).all()
+    if cache_dtype == torch.float16:
+        assert kc.view(-1, 3, 16)[0, 2, :4].tolist() == [65504.0, -65504.0, 65504.0, -65504.0]
     with pytest.raises(RuntimeError, match="slot -1 is outside the cache's 64"):
         cpu.store_kv(k[:1], v[:1], kc, vc, torch.tensor([-1]))
-    with pytest.raises(RuntimeError, match="the caches must be contiguous float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="the caches must be contiguous float32, bfloat16 or float16"):
         cpu.store_kv(k, v, kc[:, :, :2], vc, slots)
 
 

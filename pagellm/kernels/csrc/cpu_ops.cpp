@@ -1,12 +1,15 @@
-// Fused kernels for the CPU path, float32 and bfloat16.
+// Fused kernels for the CPU path, float32 and bfloat16 (and float16 KV caches).
 //
 // - paged_attention: query tokens each against their sequence's cached K/V, read in place
 //   through the block table (decodes: one token per sequence; in batch-invariant mode
 //   prefill tokens too, each reading its own prefix). The torch path has to gather every sequence's blocks into a padded copy
 //   first (a write and a second read of all K/V); reading the blocks where they lie
 //   moves a third of the bytes and skips the padding. A bfloat16 cache is widened to
-//   float32 as it is read (a 16-bit shift), so it moves half the bytes of a float32 one
-//   with the same float32 arithmetic. An 8-bit cache (int8, fp8 e4m3 or e5m2; see
+//   float32 as it is read (a 16-bit shift), a float16 one by F16C's conversion (one instruction
+//   per 8 values), so either moves half the bytes of a float32 one with the same float32
+//   arithmetic. (Widening a 16-bit run once per KV head into float32 rows for its G query heads
+//   measured 0.75-0.91x on AVX2 against widening each element per head: F16C's conversion
+//   costs less than the stores and loads of the widened rows.) An 8-bit cache (int8, fp8 e4m3 or e5m2; see
 //   pagellm/kv_format.py) stores each token's row of one KV head as D one-byte codes
 //   and a float16 scale: the codes are widened as they are read and the scale multiplies the
 //   row's dot product (K) or its softmax weight (V), so the values are never written out in a
@@ -57,7 +60,8 @@
 
 namespace {
 
-// K/V elements as stored: float, or bfloat16 as its raw 16 bits (the top half of a float).
+// K/V elements as stored: float, bfloat16 as its raw 16 bits (the top half of a float), or
+// float16 (F16: its bits, widened by the CPU's F16C conversion).
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
   const uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -65,6 +69,7 @@ inline float widen(uint16_t x) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+struct F16 { uint16_t bits; };
 
 // One-byte codes of an 8-bit cache; each row of D codes is followed by its float16 scale.
 struct I8 { int8_t bits; };
@@ -92,6 +97,7 @@ inline float widen(E4M3 c) {
   return half_bits_to_float(static_cast<uint16_t>(((c.bits & 0x80) << 8) | ((c.bits & 0x7F) << 7)));
 }
 inline float widen(E5M2 c) { return half_bits_to_float(static_cast<uint16_t>(c.bits << 8)); }
+inline float widen(F16 h) { return half_bits_to_float(h.bits); }
 
 // The scale of the row of D elements at `row` (1 for float32 and bfloat16 rows), times the
 // factor its widened codes lack (256 for e4m3).
@@ -124,6 +130,7 @@ inline __m512 load16(const uint16_t* p) {
   const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
+inline __m512 load16(const F16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const I8* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -196,6 +203,7 @@ inline __m256 load8(const uint16_t* p) {
   const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
 }
+inline __m256 load8(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const I8* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -763,7 +771,7 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 // q: [B, H, D] float32, B query tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D]
-// (contiguous), both float32 or both bfloat16; block_tables: [S, max_blocks] (int64);
+// (contiguous), both float32, bfloat16 or float16; block_tables: [S, max_blocks] (int64);
 // seq_lens: [B] (int64), the keys query b reads (its position + 1); token_seq: the row of
 // block_tables for each query (none: row b). Returns [B, H, D] float32.
 //
@@ -913,7 +921,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 // `chunk` positions only (0: all; Llama 4's chunked attention); softcap: scores capped as
 // softcap * tanh(score / softcap) (0: none); sinks: None, or [H] float32 logits, one per query
 // head, that join each softmax's denominator and attend to nothing (gpt-oss). kv_format: 0 for
-// a float32 or bfloat16 cache (its dtype says which), or the 8-bit format of a uint8 cache of
+// a float32, bfloat16 or float16 cache (its dtype says which), or the 8-bit format of a uint8 cache of
 // [num_blocks, block_size, KVH, D + 2] rows: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
@@ -923,10 +931,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kv,
               "k_cache and v_cache must be CPU tensors of one dtype");
-  TORCH_CHECK(kv_format == kKvPlain ? (kv == torch::kFloat || kv == torch::kBFloat16)
+  TORCH_CHECK(kv_format == kKvPlain ? (kv == torch::kFloat || kv == torch::kBFloat16 || kv == torch::kHalf)
                                     : (known_kv_code(kv_format) && kv == torch::kByte),
               "kv_format ", kv_format, " does not match a cache of ", kv,
-              " (0: float32 or bfloat16; 1-3: uint8 rows of 8-bit codes and a scale)");
+              " (0: float32, bfloat16 or float16; 1-3: uint8 rows of 8-bit codes and a scale)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0), "seq_lens must have one entry per query");
   torch::Tensor sink_values;
@@ -963,6 +971,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   if (kv == torch::kBFloat16)
     return paged_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk,
                                           softcap, sp, fixed_run);
+  if (kv == torch::kHalf)
+    return paged_attention_impl<F16>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk, softcap,
+                                     sp, fixed_run);
   return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, rp, scale, window, chunk,
                                      softcap, sp, fixed_run);
 }
@@ -998,8 +1009,9 @@ void store_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slo
   });
 }
 
-// Rows x [T, KVH, D] copied into a float32 or bfloat16 cache [blocks, block_size, KVH, D] at
-// `slots`, converted as torch's .to() converts (bfloat16: rounded to nearest even).
+// Rows x [T, KVH, D] copied into a float32, bfloat16 or float16 cache [blocks, block_size, KVH, D]
+// at `slots`, converted as KVFormat.encode converts (rounded to nearest even; float16 saturates at
+// +-65504, where .to() would store an infinity that turns every later score of the head into NaN).
 template <typename C>
 void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots) {
   const int64_t T_ = x.size(0), row = x.size(1) * x.size(2);
@@ -1008,12 +1020,14 @@ void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slot
   for (int64_t t = 0; t < T_; ++t) {
     C* dst = cp + slots[t] * row;
     if constexpr (std::is_same_v<C, float>) std::memcpy(dst, xp + t * row, row * sizeof(float));
+    else if constexpr (std::is_same_v<C, at::Half>)
+      for (int64_t j = 0; j < row; ++j) dst[j] = static_cast<C>(std::min(65504.f, std::max(-65504.f, xp[t * row + j])));
     else for (int64_t j = 0; j < row; ++j) dst[j] = static_cast<C>(xp[t * row + j]);
   }
 }
 
 // k, v: [T, KVH, D] (float32 or bfloat16; computed in float32); slots: [T] (int64), each in the
-// cache. kv_format 0: float32 or bfloat16 caches [num_blocks, block_size, KVH, D] (the rows
+// cache. kv_format 0: float32, bfloat16 or float16 caches [num_blocks, block_size, KVH, D] (the rows
 // converted to the cache's dtype; two index_copy_ calls in torch cost more than the copy at a
 // decode step); 1-3 as in paged_attention (1 int8, 2 fp8 e4m3, 3 fp8 e5m2): uint8 caches
 // [num_blocks, block_size, KVH, D + 2] of codes and a float16 scale.
@@ -1027,9 +1041,9 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   for (const auto* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == dtype && c->is_contiguous() && c->dim() == 4 &&
                     c->size(2) == k.size(1) && c->size(3) == row &&
-                    (kv_format == kKvPlain ? (dtype == torch::kFloat || dtype == torch::kBFloat16)
+                    (kv_format == kKvPlain ? (dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf)
                                            : dtype == torch::kByte),
-                "the caches must be contiguous ", kv_format == kKvPlain ? "float32 or bfloat16" : "uint8",
+                "the caches must be contiguous ", kv_format == kKvPlain ? "float32, bfloat16 or float16" : "uint8",
                 " [blocks, block_size, ",
                 k.size(1), ", ", row, "]");
   TORCH_CHECK(k.sizes() == v.sizes() && slots.dim() == 1 && slots.size(0) == k.size(0),
@@ -1043,6 +1057,7 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   switch (kv_format) {
     case kKvPlain:
       if (dtype == torch::kFloat) { copy_rows<float>(kf, k_cache, sp); copy_rows<float>(vf, v_cache, sp); }
+      else if (dtype == torch::kHalf) { copy_rows<at::Half>(kf, k_cache, sp); copy_rows<at::Half>(vf, v_cache, sp); }
       else { copy_rows<at::BFloat16>(kf, k_cache, sp); copy_rows<at::BFloat16>(vf, v_cache, sp); }
       break;
     case kKvInt8: store_rows<I8>(kf, k_cache, sp, 127.f); store_rows<I8>(vf, v_cache, sp, 127.f); break;

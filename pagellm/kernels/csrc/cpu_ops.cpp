@@ -7,9 +7,10 @@
 //   moves a third of the bytes and skips the padding. A bfloat16 cache is widened to
 //   float32 as it is read (a 16-bit shift), a float16 one by F16C's conversion (one instruction
 //   per 8 values), so either moves half the bytes of a float32 one with the same float32
-//   arithmetic. (Widening a 16-bit run once per KV head into float32 rows for its G query heads
-//   measured 0.75-0.91x on AVX2 against widening each element per head: F16C's conversion
-//   costs less than the stores and loads of the widened rows.) An 8-bit cache (int8, fp8 e4m3 or e5m2; see
+//   arithmetic. (For one query token, widening a float16 run once per KV head into float32 rows
+//   for its G query heads measured 0.75-0.91x on AVX2 against widening each element per head:
+//   F16C's conversion costs less than the stores and loads of the widened rows. A run of several
+//   tokens widens bfloat16 and 8-bit rows once: kWidenOnce.) An 8-bit cache (int8, fp8 e4m3 or e5m2; see
 //   pagellm/kv_format.py) stores each token's row of one KV head as D one-byte codes
 //   and a float16 scale: the codes are widened as they are read and the scale multiplies the
 //   row's dot product (K) or its softmax weight (V), so the values are never written out in a
@@ -251,6 +252,51 @@ inline void scores8(const float* q, const T* k, int64_t row, int64_t n, float sc
     for (int t = 0; t < n; ++t) s[t] = r[t] * row_scale(k + t * row, DT);
   }
 }
+
+// a[0..DT) += sum over t < n of p[t] * (the row's scale) * v_t, v_t the DT elements at v + t * row
+// (scales: the rows' scales, `stride` apart, for rows widened beforehand; none: row_scale's). 8
+// lanes at a time, up to 64 dimensions a pass, so that their accumulators stay in registers (16
+// on AVX2).
+template <int DT, typename T>
+inline void weigh_rows(const T* v, int64_t row, int64_t n, const float* p, float* a,
+                       const float* scales = nullptr, int64_t stride = 0) {
+  for (int c0 = 0; c0 < DT; c0 += 64) {
+    constexpr int kMost = DT < 64 ? DT / 8 : 8;
+    __m256 al[kMost];
+    for (int c = 0; c < kMost; ++c) al[c] = _mm256_loadu_ps(a + c0 + 8 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vt = v + t * row;
+      const __m256 pt = _mm256_set1_ps(p[t] * (scales != nullptr ? scales[t * stride] : row_scale(vt, DT)));
+      for (int c = 0; c < kMost; ++c) al[c] = _mm256_fmadd_ps(pt, load8(vt + c0 + 8 * c), al[c]);
+    }
+    for (int c = 0; c < kMost; ++c) _mm256_storeu_ps(a + c0 + 8 * c, al[c]);
+  }
+}
+
+// A run of several query tokens (a verification's 1 + k, a short prefill) over a bfloat16 or 8-bit
+// cache widens each block's rows once, all KV heads, into float32 rows (and their scales) for every
+// token and query head that reads them, where one token widens each element once per query head.
+// The widened values are exact, the arithmetic after them the same, so a token's sums are the same
+// decoded alone (which keeps widening in place: for one token the stores and loads of the widened
+// rows cost more than they save). A/B on Zen 3, 4,000 keys, SmolLM2's and Llama 3.2 1B's heads,
+// against widening in place: 5 tokens bfloat16 1.16-1.21x, int8 1.10-1.13x; 2 tokens 0.94-1.40x.
+// Not float16, whose F16C conversion costs less than the stores and loads (0.87-0.97x).
+template <typename T>
+constexpr bool kWidenOnce = !std::is_same_v<T, float> && !std::is_same_v<T, F16>;
+constexpr int64_t kWidenFromTokens = 2;
+
+// n rows of KVH heads (`row` elements apart, heads `hs` apart) widened into wide[n][KVH][DT] and,
+// for 8-bit codes, their scales into scales[n][KVH].
+template <int DT, typename T>
+inline void widen_rows(const T* x, int64_t row, int64_t hs, int64_t KVH, int64_t n, float* wide, float* scales) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const T* xh = x + t * row + h * hs;
+      float* to = wide + (t * KVH + h) * DT;
+      for (int c = 0; c < DT / 8; ++c) _mm256_storeu_ps(to + 8 * c, load8(xh + 8 * c));
+      scales[t * KVH + h] = row_scale(xh, DT);
+    }
+}
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -418,11 +464,19 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
                 const float* sinks, float* out, float* part_acc, float* part_ml, std::vector<float>& buf) {
   const int64_t D = DT > 0 ? DT : Drt;
   const int64_t G = H / KVH, HS = head_stride<T>(D), row = KVH * HS, NQ = w.nq;
-  buf.assign(static_cast<size_t>(NQ * (H * D + 2 * H + H * kTile)), 0.f);
+#if defined(PAGELLM_SCORES8)
+  const bool widen_once = DT > 0 && DT % 8 == 0 && kWidenOnce<T> && NQ >= kWidenFromTokens;
+#else
+  const bool widen_once = false;
+#endif
+  const int64_t n_wide = widen_once ? std::min(BS, kTile) * KVH * (D + 1) : 0;
+  buf.assign(static_cast<size_t>(NQ * (H * D + 2 * H + H * kTile) + n_wide), 0.f);
   float* accs = buf.data();       // [NQ, H, D]
   float* ms = accs + NQ * H * D;  // [NQ, H]
   float* ls = ms + NQ * H;        // [NQ, H]
   float* ss = ls + NQ * H;        // [NQ, H, kTile] scores of the current tile
+  float* wide = ss + NQ * H * kTile;  // widen_once: a block's rows of K (then V) [u][KVH][D], widened
+  float* wide_scales = wide + std::min(BS, kTile) * KVH * D;  // and their scales [u][KVH]
   for (int64_t i = 0; i < NQ * H; ++i) ms[i] = -std::numeric_limits<float>::infinity();
   // The first row of key t (the tile's keys lie in up to kTile / BS + 1 blocks anywhere in the pool).
   auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
@@ -433,10 +487,17 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     // f(u0, qi, n, pf) for each run of contiguous keys (the part of the tile in one block) and, while
     // the run is in L1, each query token reading some of it: keys t0 + u0 .. + n - 1; pf asks for
     // the rows of `ahead` (K's or V's) kAhead keys further on, a share per query head (pf.ask()).
-    auto each_run = [&](const T* ahead, auto&& f) {
+    // widen_once: the run's rows of `ahead`'s own cache that some token reads are widened first.
+    int64_t most = 0;  // keys of the tile the run's tokens read, at most
+    for (int64_t qi = 0; qi < NQ; ++qi) most = std::max(most, keys_of(qi));
+    auto each_run = [&](const T* ahead, const T* cache, auto&& f) {
       for (int64_t u0 = 0; u0 < t1 - t0;) {
         const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
         RowPrefetch<T> pf(ahead, table, BS, row, t0 + u0 + kAhead, std::min(w.end, t0 + u0 + kAhead + seg), NQ * H);
+#if defined(PAGELLM_SCORES8)
+        if (widen_once && most > u0)
+          widen_rows<(DT > 0 ? DT : 8)>(key_row(cache, t0 + u0), row, HS, KVH, std::min(seg, most - u0), wide, wide_scales);
+#endif
         for (int64_t qi = 0; qi < NQ; ++qi) {
           const int64_t n = std::min(seg, keys_of(qi) - u0);
           if (n > 0) f(u0, qi, n, pf);
@@ -446,7 +507,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
       }
     };
     // Scores.
-    each_run(kp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
+    each_run(kp, kp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
         const T* kb = key_row(kp, t0 + u0);
         const float* qt = q + qi * H * D;
         float* s = ss + qi * H * kTile + u0;
@@ -465,9 +526,18 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
           for (int64_t h = 0; h < KVH; ++h)
             for (int64_t g = 0; g < G; ++g) {
               pf.ask();
+              float* sh = s + (h * G + g) * kTile;
+              if (!widen_once) {
+                for (int64_t u = 0; u < n; u += 8)
+                  scores8<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(8, n - u),
+                                 scale, sh + u);
+                continue;
+              }
               for (int64_t u = 0; u < n; u += 8)
-                scores8<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(8, n - u),
-                               scale, s + (h * G + g) * kTile + u);
+                scores8<DT, float>(qt + (h * G + g) * DT, wide + (u * KVH + h) * DT, KVH * DT,
+                                   std::min<int64_t>(8, n - u), scale, sh + u);
+              if constexpr (kQuantized<T>)  // scores8's last step for 8-bit rows: times each row's scale
+                for (int64_t t = 0; t < n; ++t) sh[t] *= wide_scales[t * KVH + h];
             }
         } else
 #endif
@@ -538,7 +608,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     }
     // Softmax-weighted V rows, block by block, every token's heads while the block is in L1; each
     // head's accumulator stays in registers over the block's keys.
-    each_run(vp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
+    each_run(vp, vp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
         for (int64_t h = 0; h < KVH; ++h) {
           const T* vb = key_row(vp, t0 + u0) + h * HS;
           for (int64_t g = 0; g < G; ++g) {
@@ -559,18 +629,8 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
             } else
 #elif defined(PAGELLM_SCORES8)
             if constexpr (DT > 0 && DT % 8 == 0) {
-              // 8 at a time, up to 64 dimensions a pass: their accumulators stay in registers (16 on AVX2).
-              for (int c0 = 0; c0 < DT; c0 += 64) {
-                constexpr int kMost = DT < 64 ? DT / 8 : 8;
-                __m256 al[kMost];
-                for (int c = 0; c < kMost; ++c) al[c] = _mm256_loadu_ps(a + c0 + 8 * c);
-                for (int64_t t = 0; t < n; ++t) {
-                  const T* v = vb + t * row;
-                  const __m256 pt = _mm256_set1_ps(p[t] * row_scale(v, DT));
-                  for (int c = 0; c < kMost; ++c) al[c] = _mm256_fmadd_ps(pt, load8(v + c0 + 8 * c), al[c]);
-                }
-                for (int c = 0; c < kMost; ++c) _mm256_storeu_ps(a + c0 + 8 * c, al[c]);
-              }
+              if (widen_once) weigh_rows<DT>(wide + h * DT, KVH * DT, n, p, a, wide_scales + h, KVH);
+              else weigh_rows<DT>(vb, row, n, p, a);
             } else
 #endif
             if constexpr (DT > 0) {

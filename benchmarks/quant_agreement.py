@@ -1,7 +1,8 @@
 """How far each way of multiplying a GGUF model's blocks moves it from the same model
 dequantized to float32: greedy agreement and the largest logprob difference, teacher-forced (the
 reference's greedy continuation fed back with prompt_logprobs, so every position is compared on
-the same context), per `--activation-quantization` mode.
+the same context), per `--activation-quantization` mode; `--kv-cache-dtype F [F ...]` measures
+each mode with each of these KV caches (the reference keeps float32), `--modes` some modes only.
 
     python benchmarks/quant_agreement.py --out benchmarks/results/quant-agreement-DATE.json
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm import LLM  # noqa: E402
 from pagellm.bench.report import metadata, write_json  # noqa: E402
-from pagellm.config import ACTIVATION_QUANTIZATIONS  # noqa: E402
+from pagellm.config import ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 from tests.models.test_gguf_quantized import Reference, word_prompts  # noqa: E402
 
@@ -33,6 +34,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", choices=ACTIVATION_QUANTIZATIONS, default=None,
+                    help="the modes to measure (default: all)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
+                    help="the measured engines' KV caches, each mode with each (the reference's stays float32)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     started = time.time()
@@ -40,16 +45,19 @@ def main() -> None:
     ref = Reference(reference, word_prompts(reference.get_tokenizer(), args.prompts), args.tokens)
     reference.shutdown()
     modes = {}
-    for mode in ACTIVATION_QUANTIZATIONS:
-        if mode != "none":
-            gguf.INT8_MAX_ROWS[mode] = 16
-        llm = LLM(args.model, max_model_len=256, activation_quantization=mode, max_num_batched_tokens=16,
-                  max_num_seqs=16)
-        agreement, worst = ref.compare(llm)
-        llm.shutdown()
-        modes[mode] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
-        print(mode, json.dumps(modes[mode]), flush=True)
-    if gguf.BF16_TILES:  # mode int8 past its integer rows: the teacher-forced prefills in bfloat16 tiles
+    for mode in args.modes or ACTIVATION_QUANTIZATIONS:
+        for kv in args.kv_cache_dtype:
+            if mode != "none":
+                gguf.INT8_MAX_ROWS[mode] = 16
+            llm = LLM(args.model, max_model_len=256, activation_quantization=mode, kv_cache_dtype=kv,
+                      max_num_batched_tokens=16, max_num_seqs=16)
+            agreement, worst = ref.compare(llm)
+            llm.shutdown()
+            label = mode if kv == "auto" else f"{mode}, {kv} KV"
+            modes[label] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
+            print(label, json.dumps(modes[label]), flush=True)
+    # mode int8 past its integer rows: the teacher-forced prefills in bfloat16 tiles
+    if gguf.BF16_TILES and "int8" in (args.modes or ["int8"]):
         gguf.INT8_MAX_ROWS["int8"] = 16
         llm = LLM(args.model, max_model_len=256, activation_quantization="int8")
         agreement, worst = ref.compare(llm)

@@ -2012,9 +2012,9 @@ void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
                   int64_t N, int64_t g);
 // From this many rows of x q4_1_x8_many takes the products (the same bits as q4_1_x8_rows): each tile's
 // widening pays from 8 rows. A/B in one process, turn about, AVX2 build on Zen 3, SmolLM2's four Q4_1
-// shapes, against q4_1_x8_rows as it was before its broadcasts stopped spilling (which made it
-// 1.03-1.08x faster at 2-7 rows): one thread 5 rows 0.80-0.85x, 7 rows 0.90-1.08x, 8 rows
-// 0.97-1.19x, 9 rows 1.08-1.15x, 16 rows 1.29-1.34x; two threads 9 rows 1.08-1.11x, 16 rows 0.98-1.24x.
+// shapes, one thread, against q4_1_x8_rows: 8 rows 0.98-1.03x, 10 rows 1.03-1.06x, 12 rows
+// 1.05-1.09x, 16 rows 1.12-1.19x (against it before its broadcasts stopped spilling, 5 rows 0.80-0.85x,
+// 9 rows 1.08-1.15x, 16 rows 1.29-1.34x).
 constexpr int64_t kQ41PairMinRows = 8;
 #endif
 

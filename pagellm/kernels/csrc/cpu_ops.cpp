@@ -487,16 +487,17 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     // f(u0, qi, n, pf) for each run of contiguous keys (the part of the tile in one block) and, while
     // the run is in L1, each query token reading some of it: keys t0 + u0 .. + n - 1; pf asks for
     // the rows of `ahead` (K's or V's) kAhead keys further on, a share per query head (pf.ask()).
-    // widen_once: the run's rows of `ahead`'s own cache that some token reads are widened first.
+    // widen_once: first the run's rows of that cache that some token reads are widened.
     int64_t most = 0;  // keys of the tile the run's tokens read, at most
     for (int64_t qi = 0; qi < NQ; ++qi) most = std::max(most, keys_of(qi));
-    auto each_run = [&](const T* ahead, const T* cache, auto&& f) {
+    auto each_run = [&](const T* ahead, auto&& f) {
       for (int64_t u0 = 0; u0 < t1 - t0;) {
         const int64_t seg = std::min(BS - (t0 + u0) % BS, t1 - t0 - u0);
         RowPrefetch<T> pf(ahead, table, BS, row, t0 + u0 + kAhead, std::min(w.end, t0 + u0 + kAhead + seg), NQ * H);
 #if defined(PAGELLM_SCORES8)
         if (widen_once && most > u0)
-          widen_rows<(DT > 0 ? DT : 8)>(key_row(cache, t0 + u0), row, HS, KVH, std::min(seg, most - u0), wide, wide_scales);
+          widen_rows<(DT > 0 ? DT : 8)>(key_row(ahead, t0 + u0), row, HS, KVH, std::min(seg, most - u0), wide,
+                                        wide_scales);
 #endif
         for (int64_t qi = 0; qi < NQ; ++qi) {
           const int64_t n = std::min(seg, keys_of(qi) - u0);
@@ -507,7 +508,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
       }
     };
     // Scores.
-    each_run(kp, kp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
+    each_run(kp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
         const T* kb = key_row(kp, t0 + u0);
         const float* qt = q + qi * H * D;
         float* s = ss + qi * H * kTile + u0;
@@ -608,7 +609,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     }
     // Softmax-weighted V rows, block by block, every token's heads while the block is in L1; each
     // head's accumulator stays in registers over the block's keys.
-    each_run(vp, vp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
+    each_run(vp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
         for (int64_t h = 0; h < KVH; ++h) {
           const T* vb = key_row(vp, t0 + u0) + h * HS;
           for (int64_t g = 0; g < G; ++g) {

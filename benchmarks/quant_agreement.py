@@ -46,9 +46,9 @@ def main() -> None:
     reference.shutdown()
     modes = {}
     for mode in args.modes or ACTIVATION_QUANTIZATIONS:
+        if mode != "none":
+            gguf.INT8_MAX_ROWS[mode] = 16
         for kv in args.kv_cache_dtype:
-            if mode != "none":
-                gguf.INT8_MAX_ROWS[mode] = 16
             llm = LLM(args.model, max_model_len=256, activation_quantization=mode, kv_cache_dtype=kv,
                       max_num_batched_tokens=16, max_num_seqs=16)
             agreement, worst = ref.compare(llm)

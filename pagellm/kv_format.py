@@ -28,8 +28,7 @@ import torch
 from pagellm.config import KV_CACHE_DTYPES
 SCALE_BYTES = 2  # a float16 scale after each row's codes
 _MIN_SCALE = 2.0 ** -14  # float16's smallest normal number
-_F16_MAX = 65504.0  # float16's largest finite number
-_MAX_SCALE = _F16_MAX
+_F16_MAX = 65504.0  # float16's largest finite number: the largest scale, and a float16 cache's bound
 
 
 class KVCode(enum.IntEnum):
@@ -78,7 +77,7 @@ class KVFormat:
         if not self.quantized:
             return plain_rows(x, self.dtype)
         xf = x.float()
-        scale = (xf.abs().amax(-1, keepdim=True) / self.qmax).clamp(_MIN_SCALE, _MAX_SCALE).half()
+        scale = (xf.abs().amax(-1, keepdim=True) / self.qmax).clamp(_MIN_SCALE, _F16_MAX).half()
         codes = xf / scale.float()  # within +-qmax, up to the scale's rounding: clamped below
         if self.dtype == torch.int8:
             codes = codes.round_().clamp_(-self.qmax, self.qmax).to(torch.int8)

@@ -227,7 +227,7 @@ MUTANTS = [
            ("tests/layers/test_gdn_decode_kernel.py::test_decode_steps_equal_the_torch_path",), compiled=True),
     Mutant("a float16 KV cache stores values past its range as infinities",
            "pagellm/kernels/csrc/cpu_ops.cpp",
-           "dst[j] = static_cast<C>(std::min(65504.f, std::max(-65504.f, xp[t * row + j])));",
+           "dst[j] = static_cast<C>(std::min(kF16Max, std::max(-kF16Max, xp[t * row + j])));",
            "dst[j] = static_cast<C>(xp[t * row + j]);",
            ("tests/kernels/test_cpu_ops.py::test_store_kv_into_a_float_cache_is_index_copy",), compiled=True),
     Mutant("a verification group's widened 8-bit K rows lose their scales (AVX2)",

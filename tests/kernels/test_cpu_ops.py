@@ -193,8 +193,9 @@ def test_bad_inputs_are_refused_with_a_message():
                                                     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
                                                     (torch.float16, torch.bfloat16)])
 def test_store_kv_into_a_float_cache_is_index_copy(cache_dtype, k_dtype):
-    """The compiled store puts the same bits where two index_copy_ of x.to(cache dtype) would, and
-    a float16 cache saturates what lies past its range (kv_format.plain_rows) instead of storing inf."""
+    """The compiled store puts the same bits where two index_copy_ of kv_format.plain_rows(x, cache dtype)
+    would: x.to(cache dtype), except that a float16 cache saturates what lies past its range instead of
+    storing inf."""
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(5, 3, 16, generator=g).to(k_dtype) for _ in range(2))
     k[1, 2, :4] = torch.tensor([1e6, -1e6, 65519.0, -7e4]).to(k_dtype)  # past float16's 65504 (all but bfloat16's)

@@ -99,6 +99,7 @@ inline float widen(E4M3 c) {
 }
 inline float widen(E5M2 c) { return half_bits_to_float(static_cast<uint16_t>(c.bits << 8)); }
 inline float widen(F16 h) { return half_bits_to_float(h.bits); }
+constexpr float kF16Max = 65504.f;  // float16's largest finite number (kv_format.py's _F16_MAX)
 
 // The scale of the row of D elements at `row` (1 for float32 and bfloat16 rows), times the
 // factor its widened codes lack (256 for e4m3).
@@ -1061,7 +1062,7 @@ void store_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slo
       const float* row = xp + i * D;
       float amax = 0.f;
       for (int64_t j = 0; j < D; ++j) amax = std::max(amax, std::fabs(row[j]));
-      const c10::Half scale(std::min(65504.f, std::max(6.103515625e-05f, amax / qmax)));  // floor: 2^-14
+      const c10::Half scale(std::min(kF16Max, std::max(6.103515625e-05f, amax / qmax)));  // floor: 2^-14
       const float sf = static_cast<float>(scale);
       uint8_t* dst = cp + (slots[t] * KVH + h) * HS;
       for (int64_t j = 0; j < D; ++j) dst[j] = encode_code(static_cast<T*>(nullptr), row[j] / sf);
@@ -1082,7 +1083,7 @@ void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slot
     C* dst = cp + slots[t] * row;
     if constexpr (std::is_same_v<C, float>) std::memcpy(dst, xp + t * row, row * sizeof(float));
     else if constexpr (std::is_same_v<C, at::Half>)
-      for (int64_t j = 0; j < row; ++j) dst[j] = static_cast<C>(std::min(65504.f, std::max(-65504.f, xp[t * row + j])));
+      for (int64_t j = 0; j < row; ++j) dst[j] = static_cast<C>(std::min(kF16Max, std::max(-kF16Max, xp[t * row + j])));
     else for (int64_t j = 0; j < row; ++j) dst[j] = static_cast<C>(xp[t * row + j]);
   }
 }

@@ -1,6 +1,11 @@
 """Where a GGUF model's decode step goes, per weight type: every quantized product timed as it
 runs (wall clock around gguf_matmul, which returns when its threads are done) and summed by type,
-against the whole step. The LM head is its own row (its rows number the vocabulary).
+against the whole step. The LM head is its own row (its rows number the vocabulary). The machine's
+memory bandwidth is measured before and after (bench/roofline.py's streaming sum), and each type's
+one-row rate is given as a share of their mean (`share_of_bandwidth`): what a decode product reaches
+of what this machine can stream. Decode plans are off (PAGELLM_DECODE_PLANS=0): their direct kernel
+calls would bypass the timed wrapper; the kernels and their arguments are the same, so each type's
+rate is the plans' own, while `step_ms` counts the modules' Python as well.
 
     python benchmarks/products_by_type.py --model FILE --streams 1 16 --out RESULTS/products-by-type.json
 """
@@ -15,9 +20,11 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("PAGELLM_DECODE_PLANS", "0")  # every product through gguf.gguf_matmul, timed below
 
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.bench.report import metadata, write_json  # noqa: E402
+from pagellm.bench.roofline import machine_limits  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 
 
@@ -65,7 +72,8 @@ def measure(llm: LLM, streams: int, tokens: int, rounds: int, head_rows: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a GGUF file")
-    ap.add_argument("--activation-quantization", default="int8")
+    ap.add_argument("--activation-quantization", default="auto", help="as `pagellm serve`'s (auto: the default mode; int8 before "
+                    "2026-12-07: every result file records the mode it ran)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -78,6 +86,7 @@ def main() -> None:
               num_kv_blocks=64 * max(args.streams), max_num_seqs=max(args.streams))
     head_rows = llm.engine.runner.model.cfg.vocab_size
     load = os.getloadavg()
+    limits_before = machine_limits()
     if args.int8_max_rows:
         results = {}
         for repeat in (1, 2):  # alternating, so drift hits every bound alike
@@ -88,14 +97,22 @@ def main() -> None:
                                                                                     head_rows)
     else:
         results = {str(b): measure(llm, b, args.tokens, args.rounds, head_rows) for b in args.streams}
+    limits_after = machine_limits()
+    bandwidth = (limits_before["memory_gbps"] + limits_after["memory_gbps"]) / 2
+    for r in results.values():
+        for entry in r["types"].values():
+            entry["share_of_bandwidth"] = round(entry["gbps"] / bandwidth, 2)
     for b, r in results.items():
         print(b, json.dumps(r), flush=True)
+    print(f"memory bandwidth: {limits_before['memory_gbps']} GB/s before, {limits_after['memory_gbps']} after",
+          flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, {**metadata("products_by_type"), "model": args.model,
                      "activation_quantization": args.activation_quantization, "tokens": args.tokens,
                      "rounds": args.rounds, "int8_max_rows": args.int8_max_rows,
-                     "load_avg_before_after": [load, os.getloadavg()], "streams": results})
+                     "load_avg_before_after": [load, os.getloadavg()],
+                     "machine_limits_before_after": [limits_before, limits_after], "streams": results})
 
 
 if __name__ == "__main__":

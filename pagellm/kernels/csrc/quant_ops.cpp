@@ -2434,42 +2434,49 @@ void q6_k_x8_rows(const ActView* a, const int32_t* const* offsets, int64_t K, co
       const XI first = firsts[h], second = seconds[h];
       const uint8_t* t = tiles + b * kQ6Tile + h * kXBytes;
       const XF d = xf_row_halves(tiles + b * kQ6Tile + kQ6D, h);
+      // The half's sums in registers through the super-block, and each group's codes and scale made
+      // just before its products (their bytes read again from L1 per group): with all 8 vectors of
+      // codes and 4 scales made first, AVX2's 16 registers spilled, and acc[m][h] (h a run-time
+      // index) went through the stack between the (n, gp) steps, each FMA of the chain behind a
+      // store and a load.
+      XF ah[M];
+      for (int m = 0; m < M; ++m) ah[m] = acc[m][h];
       for (int n = 0; n < 2; ++n) {
         for (int gp = 0; gp < 2; ++gp) {  // groups 8n + 2i + gp of the super-block, i = 0..3
           if (h == 0) prefetch_tile(tiles + b * kQ6Tile, kQ6Tile, 8 * (2 * n + gp), 8 * (2 * n + gp) + 8);
-          XI v[2][4];
-          for (int p = 0; p < 2; ++p) {
-            const int u = 2 * gp + p;
-            const XI A = xi_load(t + (8 * n + u) * 64), B = xi_load(t + (8 * n + 4 + u) * 64);
-            const XI H = xi_load(t + kQ6Qh + (4 * n + u) * 64);
-            v[p][0] = xi_or(xi_and(A, low), xi_and(xi_slli16(H, 4), top));
-            v[p][1] = xi_or(xi_and(B, low), xi_and(xi_slli16(H, 2), top));
-            v[p][2] = xi_or(xi_and(xi_srli16(A, 4), low), xi_and(H, top));
-            v[p][3] = xi_or(xi_and(xi_srli16(B, 4), low), xi_and(xi_srli16(H, 2), top));
-          }
-          XF sc[4];
-          for (int i = 0; i < 4; ++i)
-            sc[i] = xf_cvt(xi_srai32(xi_shuffle(xi_bcast128(tiles + b * kQ6Tile + kQ6Sc + 16 * (4 * n + i)),
-                                                gp ? second : first), 24));
-          for (int m = 0; m < M; ++m) {
-            for (int i = 0; i < 4; ++i) {
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) {
+            XI v[2];  // the codes of values 32 i + 16 gp .. + 15 of this half, p = 0, 1: 8 each
+            for (int p = 0; p < 2; ++p) {
+              const int u = 2 * gp + p;
+              const XI H = xi_load(t + kQ6Qh + (4 * n + u) * 64);
+              const XI L = xi_load(t + (8 * n + 4 * (i % 2) + u) * 64);  // A (i = 0, 2) or B (1, 3)
+              v[p] = i == 0   ? xi_or(xi_and(L, low), xi_and(xi_slli16(H, 4), top))
+                     : i == 1 ? xi_or(xi_and(L, low), xi_and(xi_slli16(H, 2), top))
+                     : i == 2 ? xi_or(xi_and(xi_srli16(L, 4), low), xi_and(H, top))
+                              : xi_or(xi_and(xi_srli16(L, 4), low), xi_and(xi_srli16(H, 2), top));
+            }
+            const XF sc = xf_cvt(xi_srai32(
+                xi_shuffle(xi_bcast128(tiles + b * kQ6Tile + kQ6Sc + 16 * (4 * n + i)), gp ? second : first), 24));
+            for (int m = 0; m < M; ++m) {
               const int64_t at = QK_K * b + 128 * n + 32 * i + 16 * gp;
               const int64_t g = 16 * b + 8 * n + 2 * i + gp;
               // 6-bit codes: two pairs' products, at most 2 * 2 * 63 * 128, within 16 bits (kPairs16)
-              XI total = xi_widen(xi_dot_two(v[0][i], xi_bcast64(a[m].codes + at), v[1][i],
+              XI total = xi_widen(xi_dot_two(v[0], xi_bcast64(a[m].codes + at), v[1],
                                              xi_bcast64(a[m].codes + at + 8)), kTwo ? 7 : 0);
               if constexpr (kTwo)
-                total = xi_add32(total, xi_widen(xi_dot_two(v[0][i], xi_bcast64(a[m].residual + at), v[1][i],
+                total = xi_add32(total, xi_widen(xi_dot_two(v[0], xi_bcast64(a[m].residual + at), v[1],
                                                             xi_bcast64(a[m].residual + at + 8)), 0));
               total = xi_sub32(total, xi_bcast64(reinterpret_cast<const int8_t*>(offsets[m] + 2 * g)));
               // quantize_activations' scales take two codes' 1/128 in, quantize_super's do not
               const float dx = kPer32 ? a[m].scale[(QK_K * b + 128 * n + 32 * i) / 32]
                                       : kTwo ? a[m].scale[b] / 128.f : a[m].scale[b];
-              acc[m][h] = xf_fmadd(xf_mul(xf_cvt(total), sc[i]), xf_mul(d, xf_set1(dx)), acc[m][h]);
+              ah[m] = xf_fmadd(xf_mul(xf_cvt(total), sc), xf_mul(d, xf_set1(dx)), ah[m]);
             }
           }
         }
       }
+      for (int m = 0; m < M; ++m) acc[m][h] = ah[m];
     }
   }
   for (int m = 0; m < M; ++m) row_sums(acc[m], y[m]);

@@ -518,7 +518,10 @@ template <typename F>
 void claimed_for(int64_t n, int64_t unit_bytes, const F& f) {
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t by_bytes = n * unit_bytes / kClaimBytes;
-  const int64_t chunks = std::max(threads, std::min(threads * kClaimsPerThread, by_bytes));
+  // a whole number of chunks a thread: 3 chunks of a 3.4 MB product left one thread reading a
+  // third of it alone
+  const int64_t chunks = (std::max(threads, std::min(threads * kClaimsPerThread, by_bytes)) + threads - 1) /
+                         threads * threads;
   if (threads <= 1 || n < 2) {
     if (n > 0) f(int64_t{0}, n);
     return;

@@ -3650,7 +3650,9 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
       default: TORCH_CHECK(false, "gguf_matmul_int8: GGUF type ", qtype, " has no integer kernel");
     }
   };
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(wp, yp, n0, n1); });
+  // claimed in runs of 16 rows, as the repacked layouts' products are (claimed_for)
+  claimed_for((N + 15) / 16, 16 * row_bytes,
+              [&](int64_t c0, int64_t c1) { rows(wp, yp, 16 * c0, std::min(N, 16 * c1)); });
   return y;
 #else
   TORCH_CHECK(false, "gguf_matmul_int8 needs AVX2 or AVX-512 VNNI, which this build lacks");

@@ -519,7 +519,8 @@ constexpr int64_t kClaimsPerThread = 8, kClaimBytes = 1 << 20;
 // for a while leaves the other less to wait for. The prefetches that run past a chunk's end, which
 // made one row's small products slower in finer chunks, cost little beside the arithmetic. Against
 // the byte-sized chunks (kernel_ab.py, two threads, Zen 3): SmolLM2's Q4_1 shapes at 5 and 16 rows
-// 0.98-1.13x (most 1.05-1.07x), the 1B qkv and o in Q4_K and Q6_K 0.98-1.27x.
+// 0.98-1.13x (most 1.05-1.07x), the 1B qkv and o in Q4_K and Q6_K 0.98-1.27x; from 2 rows instead,
+// SmolLM2's shapes at 2 rows ran 0.89-0.97x and at 3 rows 0.94-1.13x.
 constexpr int64_t kFineClaimRows = 4;
 template <typename F>
 void claimed_for(int64_t n, int64_t unit_bytes, const F& f, int64_t least_per_thread = 1) {

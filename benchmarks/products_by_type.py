@@ -2,8 +2,8 @@
 runs (wall clock around gguf_matmul, which returns when its threads are done) and summed by type,
 against the whole step. The LM head is its own row (its rows number the vocabulary). The machine's
 memory bandwidth is measured before and after (bench/roofline.py's streaming sum), and each type's
-one-row rate is given as a share of their mean (`share_of_bandwidth`): what a decode product reaches
-of what this machine can stream. Decode plans are off (PAGELLM_DECODE_PLANS=0): their direct kernel
+rate is given as a share of their mean (`share_of_bandwidth`): at one stream, what a decode product
+reaches of what this machine can stream. Decode plans are off (PAGELLM_DECODE_PLANS=0): their direct kernel
 calls would bypass the timed wrapper; the kernels and their arguments are the same, so each type's
 rate is the plans' own, while `step_ms` counts the modules' Python as well.
 

@@ -509,23 +509,24 @@ constexpr int64_t kPassFloats = 196608;
 // share, so a product ends with its slowest thread's share; on shared cores (a VM's vCPUs, a
 // process beside) one thread is often slowed for a while, and the other then waits at the end of
 // every product. A product of more than a few kClaimBytes of weights (`unit_bytes` an index's)
-// goes in chunks of at least that, up to kClaimsPerThread a thread (and at least least_per_thread);
-// a smaller one in one chunk a thread, as before: each chunk's prefetches run past its end into
+// goes in chunks of at least that, up to kClaimsPerThread a thread; a smaller one in one chunk a
+// thread, as before (below kFineClaimRows rows of x): each chunk's prefetches run past its end into
 // lines another thread reads (SmolLM2's 1 MB products in chunks of a sixteenth ran 3-7% slower at
 // one row), and long runs keep the hardware prefetchers streaming.
 constexpr int64_t kClaimsPerThread = 8, kClaimBytes = 1 << 20;
-// From this many rows of x a product is bound by the arithmetic, not the memory: callers ask for
-// kClaimsPerThread chunks a thread however few its bytes (least_per_thread), so that a thread slowed
-// for a while leaves the other less to wait for. The prefetches that run past a chunk's end, which
-// made one row's small products slower in finer chunks, cost little beside the arithmetic. Against
+// From this many rows of x (`rows`) a product is bound by the arithmetic, not the memory: it goes in
+// kClaimsPerThread chunks a thread however few its bytes, so that a thread slowed for a while leaves
+// the other less to wait for. The prefetches that run past a chunk's end, which made one row's
+// small products slower in finer chunks, cost little beside the arithmetic. Against
 // the byte-sized chunks (kernel_ab.py, two threads, Zen 3): SmolLM2's Q4_1 shapes at 5 and 16 rows
 // 0.98-1.13x (most 1.05-1.07x), the 1B qkv and o in Q4_K and Q6_K 0.98-1.27x; from 2 rows instead,
 // SmolLM2's shapes at 2 rows ran 0.89-0.97x and at 3 rows 0.94-1.13x.
 constexpr int64_t kFineClaimRows = 4;
 template <typename F>
-void claimed_for(int64_t n, int64_t unit_bytes, const F& f, int64_t least_per_thread = 1) {
+void claimed_for(int64_t n, int64_t unit_bytes, int64_t rows, const F& f) {
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  const int64_t by_bytes = std::max(n * unit_bytes / kClaimBytes, threads * least_per_thread);
+  const int64_t by_bytes =
+      std::max(n * unit_bytes / kClaimBytes, rows >= kFineClaimRows ? threads * kClaimsPerThread : int64_t{0});
   // a whole number of chunks a thread: 3 chunks of a 3.4 MB product left one thread reading a
   // third of it alone
   const int64_t chunks = (std::max(threads, std::min(threads * kClaimsPerThread, by_bytes)) + threads - 1) /
@@ -2040,7 +2041,7 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
   const bool many = M >= kQ41PairMinRows;  // q4_1_x8_many
   const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms, 32) : std::vector<int16_t>();
 #endif
-  claimed_for(N / kX8Rows, group_bytes, [&](int64_t g0, int64_t g1) {
+  claimed_for(N / kX8Rows, group_bytes, M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
 #if !defined(PAGELLM_INT8_VNNI)
@@ -2061,7 +2062,7 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
         }
       }
     }
-  }, M >= kFineClaimRows ? kClaimsPerThread : 1);
+  });
 }
 
 // Rows of x that q4_k_x8_rows takes together: AVX-512's 32 registers hold two rows' accumulators
@@ -3558,7 +3559,7 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 #if !defined(PAGELLM_INT8_VNNI)
   const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms) : std::vector<int16_t>();
 #endif
-  claimed_for(N / kX8Rows, group_bytes, [&](int64_t g0, int64_t g1) {
+  claimed_for(N / kX8Rows, group_bytes, M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
 #if !defined(PAGELLM_INT8_VNNI)
@@ -3595,7 +3596,7 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
         }
       }
     }
-  }, M >= kFineClaimRows ? kClaimsPerThread : 1);
+  });
 }
 #endif
 
@@ -3659,9 +3660,8 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
     }
   };
   // claimed in runs of 16 rows, as the repacked layouts' products are (claimed_for)
-  claimed_for((N + 15) / 16, 16 * row_bytes,
-              [&](int64_t c0, int64_t c1) { rows(wp, yp, 16 * c0, std::min(N, 16 * c1)); },
-              M >= kFineClaimRows ? kClaimsPerThread : 1);
+  claimed_for((N + 15) / 16, 16 * row_bytes, M,
+              [&](int64_t c0, int64_t c1) { rows(wp, yp, 16 * c0, std::min(N, 16 * c1)); });
   return y;
 #else
   TORCH_CHECK(false, "gguf_matmul_int8 needs AVX2 or AVX-512 VNNI, which this build lacks");

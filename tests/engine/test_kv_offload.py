@@ -128,6 +128,7 @@ def test_a_persisted_file_damaged_between_runs_keeps_its_intact_entries(tiny_lla
     llm = LLM(tiny_llama_dir, **tier_args, **ENGINE)
     _assert_same(want_first, _run(llm, first))
     tier = llm.engine.kv_tier
+    tier.flush()  # demoted blocks are written by the tier's thread: count them once they are on disk
     path, slot_bytes, stored = tier.path, tier.slot_bytes, tier.stats().blocks
     llm.shutdown()
     with open(path, "r+b") as f:

@@ -9,7 +9,9 @@ A side whose build repacks weights at load (tiles of 8 rows: layers/quant/gguf.p
 multiplies them repacked, as a model load gives them; --repack all repacks every type its kernels
 can (Q6_K too), --repack none keeps GGUF's blocks on both sides; --base-repack gives the A side
 its own (a layout against another in one build: --base HEAD --base-repack none --repack all).
-PAGELLM_CPU_MARCH=x86-64-v3 builds both sides for AVX2 (the AVX2 kernels on an AVX-512 machine).
+PAGELLM_CPU_MARCH=x86-64-v3 builds both sides for AVX2 (the AVX2 kernels on an AVX-512 machine);
+--base-march builds the A side alone for another instruction set, e.g. this machine's AVX-512
+kernels against its AVX2 ones, same source: --base HEAD --base-march x86-64-v3.
 --base-product widened times the A side as a prompt's products ran before they took the integer
 kernels: float32 tiles of W widened by the A side's kernels for torch's GEMM (gguf.widened_product),
 e.g. prefill-sized batches against main:
@@ -19,6 +21,7 @@ e.g. prefill-sized batches against main:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -45,16 +48,27 @@ SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate": (8192, 2048), "gate_up
           "s_head": (49152, 576)}
 
 
-def base_module(rev: str):
-    """quant_ops.cpp as of git revision `rev`, built under its own name. The source keeps one path,
-    which torch's build keys on: a new path would rebuild it every run."""
+def base_module(rev: str, march: str | None = None):
+    """quant_ops.cpp as of git revision `rev`, built under its own name (for `march`, default the
+    build's). The source keeps one path, which torch's build keys on: a new path would rebuild it
+    every run."""
     text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/kernels/csrc/quant_ops.cpp"],
                           check=True, capture_output=True, text=True).stdout
     source = Path(tempfile.gettempdir()) / "pagellm-kernel-ab" / "quant_ops_base.cpp"
     source.parent.mkdir(exist_ok=True)
     if not source.exists() or source.read_text() != text:
         source.write_text(text)
-    return cpu._build(source, f"quantized-matmul kernels of {rev}")
+    if march is None:
+        return cpu._build(source, f"quantized-matmul kernels of {rev}")
+    before = os.environ.get("PAGELLM_CPU_MARCH")
+    os.environ["PAGELLM_CPU_MARCH"] = march  # read by cpu._build's name and flags
+    try:
+        return cpu._build(source, f"quantized-matmul kernels of {rev} for {march}")
+    finally:
+        if before is None:
+            del os.environ["PAGELLM_CPU_MARCH"]
+        else:
+            os.environ["PAGELLM_CPU_MARCH"] = before
 
 
 def weight_form(module, w: torch.Tensor, qtype: int, k: int, repack: str) -> tuple[torch.Tensor, int]:
@@ -86,13 +100,14 @@ def main() -> None:
     ap.add_argument("--repack", default="load", choices=["load", "all", "none"],
                     help="weights in tiles of 8 rows where a side's build repacks them: as a model load does, "
                          "every type the kernels can (Q6_K too), or none")
+    ap.add_argument("--base-march", help="the A side's -march (default: the build's, PAGELLM_CPU_MARCH or native)")
     ap.add_argument("--base-repack", choices=["load", "all", "none"], help="the A side's --repack (default: the same)")
     ap.add_argument("--base-product", default="kernel", choices=["kernel", "widened"],
                     help="the A side's product: its integer kernel, or float32 tiles widened for torch's GEMM")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     two = args.activations == "int8x2"
-    sides = {"base": base_module(args.base), "new": cpu.quant_kernels()}
+    sides = {"base": base_module(args.base, args.base_march), "new": cpu.quant_kernels()}
     for name in args.types.split(","):
         qtype = int(T[name])
         for shape in args.shapes.split(","):

@@ -795,11 +795,13 @@ inline __m256i residual32(__m512 v0, __m512 v1, __m512 inv, __m512 r0, __m512 r1
                           _mm512_cvtsepi32_epi8(residual16(v0, inv, r0)));
 }
 
-ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms) {
+// `joined`: also each value's codes as one 16-bit value (join_codes), for q8_0_joined16_rows.
+ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms, bool joined = false) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4)};
   a.block_scale.resize(M * K / 32);  // for blocks16_rows
   a.block_sum.resize(M * K / 32);
+  if (joined) a.joined.resize(M * K);
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < M * K; i += 32) {
@@ -827,6 +829,7 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_term
     _mm256_storeu_ps(a.lane_scale.data() + i / 4, dv);
     a.block_scale[i / 32] = lane_d;
     a.block_sum[i / 32] = reduce_add8(lane_sums);
+    if (joined) join_codes(a.codes.data() + i, two_terms ? a.residual.data() + i : nullptr, 32, a.joined.data() + i);
   }
   return a;
 }
@@ -1284,6 +1287,49 @@ void blocks16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, fl
   }
 }
 
+// Rows [n0, n1) of y = x @ W^T for Q8_0, as the AVX2 q8_0_joined_rows but a block of 32 values a
+// vector: W's codes sign-extended to 16 bits (VPMOVSXBW), x's joined (ActRows::joined), one
+// VPMADDWD gives 16 lanes' integer sums (2 values each, within 2^23: exact in float32), then one
+// convert and one FMA by W's d times x's block scale. Blocks in order, each row's lanes in one FMA
+// chain, whatever M and NR are: a row's sums keep their bits beside other rows of x.
+template <int M, int NR>
+void q8_0_joined16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                        int64_t n1) {
+  constexpr int64_t kBytes = 34;
+  const int64_t blocks = K / 32;
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m512 acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    const bool fetch = n + ahead + NR <= n1;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+      const int64_t b1 = std::min<int64_t>(blocks, b0 + 8);
+      if (fetch)
+        for (int r = 0; r < NR; ++r)
+          for (int64_t l = 0; l < (b1 - b0) * kBytes; l += 64) prefetch(w + (n + ahead + r) * row_bytes + b0 * kBytes + l);
+      for (int64_t b = b0; b < b1; ++b) {
+        __m512i xv[M];
+        float xs[M];
+        for (int m = 0; m < M; ++m) {
+          xv[m] = _mm512_loadu_si512(a.joined + m * K + 32 * b);
+          xs[m] = a.block_scale[m * blocks + b];
+        }
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
+          const __m512i wv = _mm512_cvtepi8_epi16(load32(blk + 2));
+          const float d = half_at(blk);
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(wv, xv[m])), _mm512_set1_ps(d * xs[m]),
+                                        acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+}
+
 // The row kernels as types, so that one switch serves both: x per 32 values (the 32-value blocks,
 // Q6_K with two codes), and per 256 (int8_super_rows).
 template <int64_t T, bool kTwo>
@@ -1292,7 +1338,10 @@ struct LaneRows {
   static void run(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
                   int64_t n1) {
     if constexpr (T == Q6_K) q6_k_rows<M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
-    else blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    else if constexpr (T == Q8_0) {
+      if (a.joined != nullptr) q8_0_joined16_rows<M, NR>(a, K, w, row_bytes, y, N, n0, n1);
+      else blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
+    } else blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
 };
 template <int64_t T, bool kTwo>
@@ -3321,14 +3370,11 @@ constexpr int single_row_group() {
 // of the same bytes reads. kernel_ab.py --types Q8_0 --rows 1 --threads 2: 1B shapes 1.05-1.17x,
 // SmolLM2's 1.23-1.53x (its head 1.52x); the 8192-value rows of 1B down 1.03x on 2 threads but
 // 0.83x on one, so they keep 8. The bits are the same (each row's blocks in order in one chain).
-// AVX-512 VNNI builds keep 8 rows (measured faster than 2 on Zen 4 and the Xeon).
+// AVX-512 VNNI builds likewise (Zen 4, two threads, against 8 rows at once in blocks16_rows: 1B
+// shapes 1.15-1.46x, SmolLM2's 1.13-1.16x, its head 0.97x, 1B down unchanged).
 template <int64_t T>
 constexpr bool rows_one_at_a_time(int64_t K) {
-#if !defined(PAGELLM_INT8_VNNI)
   return T == Q8_0 && K <= 4096;
-#else
-  return false;
-#endif
 }
 
 // Rows [n0, n1) of W into `rows` (1..8) rows of x, one accumulator each; for a single row of x,
@@ -3600,6 +3646,20 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 }
 #endif
 
+// Whether Q8_0's products of M rows of x (of K values) take x's two codes joined into 16-bit values
+// (q8_0_joined_rows, q8_0_joined16_rows) instead of bytes. AVX2: always. AVX-512 VNNI: where x's
+// groups (int8_multiply) have at most 5 rows, the rows that keep their bits beside each other
+// (test_quant_ops.py): at 1-5 rows the joined vectors ran 1.03-1.48x blocks16_rows on AMD's Zen 4
+// (its gathers of scales and byte products), but a group of 8 rows of 2,048 values reads 32 KB of
+// joined x per row of W, out of L1: 0.70x there (benchmarks/kernel_ab.py, two threads).
+constexpr bool joins_codes(int64_t qtype, int64_t M, int64_t K) {
+#if defined(PAGELLM_INT8_VNNI)
+  return qtype == Q8_0 && (M <= 5 || K > 4096);
+#else
+  return qtype == Q8_0;
+#endif
+}
+
 // x @ W^T with x rounded to int8 per 32 values (the int8-activation mode; see above). K a
 // multiple of 64. Not summed in a batch-invariant order: each row's sums do not depend on M, but
 // the mode is not the exact product the invariant mode promises.
@@ -3641,11 +3701,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
 #else
                         ? quantize_super(x.data_ptr<float>(), M, K, two_terms)
 #endif
-#if defined(PAGELLM_INT8_VNNI)
-                        : quantize_activations(x.data_ptr<float>(), M, K, two_terms);
-#else
-                        : quantize_activations(x.data_ptr<float>(), M, K, two_terms, qtype == Q8_0);
-#endif
+                        : quantize_activations(x.data_ptr<float>(), M, K, two_terms, joins_codes(qtype, M, K));
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const auto rows = [&](const uint8_t* wp, float* yp, int64_t n0, int64_t n1) {

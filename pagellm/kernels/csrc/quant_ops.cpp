@@ -2056,11 +2056,12 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
   for (int r = 0; r < R; ++r) row_sums(acc[r], mins[r], y[r]);
 }
 
-// Rows of x that q4_1_x8_rows takes together: AVX-512's 32 registers hold four rows' accumulators
-// (kernel_ab.py, one thread, SmolLM2's shapes, against two: 4-7 rows 1.10-1.25x); AVX2's 16 two
-// (four: 0.91-1.05x, spilled).
+// Rows of x that q4_1_x8_rows takes together: AVX-512's 32 registers hold five rows' accumulators
+// (kernel_ab.py, one thread, SmolLM2's shapes, four against two: 4-7 rows 1.10-1.25x; five against
+// four on Zen 4, two threads: 5 rows, a speculative verification of 4 proposals, 1.06-1.12x, 4-16
+// rows 0.98-1.09x); AVX2's 16 two (four: 0.91-1.05x, spilled).
 #if defined(PAGELLM_INT8_VNNI)
-constexpr int64_t kQ41TileRows = 4;
+constexpr int64_t kQ41TileRows = 5;
 #else
 constexpr int64_t kQ41TileRows = 2;
 #endif
@@ -2100,10 +2101,11 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
       }
 #endif
       for (int64_t m = 0; m < M; m += kQ41TileRows) {
-        float* yg[4];  // the most rows any case below takes
+        float* yg[5];  // the most rows any case below takes
         for (int i = 0; i < kQ41TileRows; ++i) yg[i] = y + std::min(m + i, M - 1) * N + kX8Rows * g;
         const ActView* v = views.data() + m;
         switch (std::min(M - m, kQ41TileRows)) {
+          case 5: two_terms ? q4_1_x8_rows<5, true>(v, K, tiles, yg) : q4_1_x8_rows<5, false>(v, K, tiles, yg); break;
           case 4: two_terms ? q4_1_x8_rows<4, true>(v, K, tiles, yg) : q4_1_x8_rows<4, false>(v, K, tiles, yg); break;
           case 3: two_terms ? q4_1_x8_rows<3, true>(v, K, tiles, yg) : q4_1_x8_rows<3, false>(v, K, tiles, yg); break;
           case 2: two_terms ? q4_1_x8_rows<2, true>(v, K, tiles, yg) : q4_1_x8_rows<2, false>(v, K, tiles, yg); break;

@@ -94,9 +94,14 @@ def _rounding_attention(fmt):
 def test_tokens_and_logprobs_match_transformers_reading_the_same_rounded_kv(tiny_llama_dir, kv_cache_dtype):
     """The reference is transformers in float32 with every K/V row rounded through the format as
     the cache stores it (an attention function registered with transformers). Greedy tokens equal
-    and logprobs agree to 1e-3: what is left is float summation order, and a rare row whose value
-    sits on a rounding boundary. (Against plain float32 transformers, this sharp random model moves
-    by up to 0.08 nats with bfloat16 KV and 1 nat with fp8 e4m3, which a bug could hide in.)"""
+    and logprobs agree to 1e-3 (float16: 3e-3): what is left is float summation order, and a rare
+    value that sits on a rounding boundary, where the last bit of the float32 K or V the two compute
+    (RoPE, the projections' summation order, which differ by CPU) sends it to the neighbouring
+    code. float16's steps are 8 times finer than bfloat16's, so more values cross one: on an AMD
+    Zen 4 the prompts' float32 K/V differed from transformers' in the last bits of 7,158 of 12,928
+    values, which rounded to another float16 in 21 (bfloat16: 5), moving a token's logprob by up to
+    1.1e-3 (bfloat16: 1.2e-4). (Against plain float32 transformers, this sharp random model moves by
+    up to 0.08 nats with bfloat16 KV and 1 nat with fp8 e4m3, which a bug could hide in.)"""
     from transformers import AttentionInterface
 
     from pagellm.kv_format import resolve_kv_format
@@ -106,6 +111,7 @@ def test_tokens_and_logprobs_match_transformers_reading_the_same_rounded_kv(tiny
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32,
                                                            attn_implementation=name).eval()
     llm = LLM(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype)
+    tol = 3e-3 if kv_cache_dtype == "float16" else 1e-3
     prompts = _prompts(4, seed=3)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True),
                         use_tqdm=False)
@@ -117,4 +123,4 @@ def test_tokens_and_logprobs_match_transformers_reading_the_same_rounded_kv(tiny
                               return_dict_in_generate=True, min_new_tokens=16)
         assert list(got.token_ids) == ref.sequences[0, len(ids):].tolist()
         for tok, lp, logits in zip(got.token_ids, got.logprobs, ref.logits):
-            assert lp[tok].logprob == pytest.approx(torch.log_softmax(logits[0].float(), -1)[tok].item(), abs=1e-3)
+            assert lp[tok].logprob == pytest.approx(torch.log_softmax(logits[0].float(), -1)[tok].item(), abs=tol)

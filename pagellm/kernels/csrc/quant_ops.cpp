@@ -2804,9 +2804,14 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
       // the mins' term: x's per-32 sums against Q4_K's dmin * m_j (Q4_1's -m)
       const int64_t rows = std::min<int64_t>(kX8Rows, N - kX8Rows * g);
       for (int64_t r = 0; r < M; ++r) {
-        __m256 acc = _mm256_setzero_ps();
+        // two chains (K / 32 is even)
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         const float* bs = bsums + r * K / 32;
-        for (int64_t j = 0; j < K / 32; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(bs[j]), _mm256_loadu_ps(mins.data() + 8 * j), acc);
+        for (int64_t j = 0; j < K / 32; j += 2) {
+          a0 = _mm256_fmadd_ps(_mm256_set1_ps(bs[j]), _mm256_loadu_ps(mins.data() + 8 * j), a0);
+          a1 = _mm256_fmadd_ps(_mm256_set1_ps(bs[j + 1]), _mm256_loadu_ps(mins.data() + 8 * j + 8), a1);
+        }
+        const __m256 acc = _mm256_add_ps(a0, a1);
         float* yr = y + r * N + kX8Rows * g;
         if (rows == kX8Rows) {
           _mm256_storeu_ps(yr, _mm256_sub_ps(_mm256_loadu_ps(yr), acc));

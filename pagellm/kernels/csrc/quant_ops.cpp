@@ -766,7 +766,24 @@ inline void join_codes(const int8_t* codes, const int8_t* residual, int64_t n, i
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), v);
   }
 }
+
+// The loop the row kernels share: rows [n0, n1) of W, NR at a time, with an accumulator per row of
+// W and of x (VF: AVX-512's 16 lanes, AVX2's 8); blocks(n, fetch, acc) adds group n's products
+// (fetch: the rows `ahead` further on exist, to prefetch), and each accumulator's lanes, summed in
+// one fixed order (vreduce), are y's value.
+template <int M, int NR, class Blocks>
+inline void row_groups(int64_t n0, int64_t n1, int64_t ahead, float* y, int64_t N, Blocks&& blocks) {
+  for (int64_t n = n0; n < n1; n += NR) {
+    VF acc[NR][M];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = vzero();
+    blocks(n, n + ahead + NR <= n1, acc);
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = vreduce(acc[r][m]);
+  }
+}
 #endif
+
 
 #if defined(PAGELLM_INT8_VNNI)
 
@@ -1298,11 +1315,7 @@ void q8_0_joined16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_byte
   constexpr int64_t kBytes = 34;
   const int64_t blocks = K / 32;
   const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
-  for (int64_t n = n0; n < n1; n += NR) {
-    __m512 acc[NR][M];
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    const bool fetch = n + ahead + NR <= n1;
+  row_groups<M, NR>(n0, n1, ahead, y, N, [&](int64_t n, bool fetch, __m512 (&acc)[NR][M]) {
     for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
       const int64_t b1 = std::min<int64_t>(blocks, b0 + 8);
       if (fetch)
@@ -1325,9 +1338,7 @@ void q8_0_joined16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_byte
         }
       }
     }
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
-  }
+  });
 }
 
 // The row kernels as types, so that one switch serves both: x per 32 values (the 32-value blocks,
@@ -1504,20 +1515,6 @@ inline __m256i k_codes(const uint8_t* sb, int j, int h) {
   }
 }
 
-// The loop the AVX2 row kernels share: rows [n0, n1) of W, NR at a time, with an accumulator per row
-// of W and of x; blocks(n, fetch, acc) adds group n's products (fetch: the rows `ahead` further on
-// exist, to prefetch), and each accumulator's 8 lanes, summed in one fixed order, are y's value.
-template <int M, int NR, class Blocks>
-inline void row_groups(int64_t n0, int64_t n1, int64_t ahead, float* y, int64_t N, Blocks&& blocks) {
-  for (int64_t n = n0; n < n1; n += NR) {
-    __m256 acc[NR][M];
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    blocks(n, n + ahead + NR <= n1, acc);
-    for (int r = 0; r < NR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = reduce_add8(acc[r][m]);
-  }
-}
 
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time,
 // for Q6_K with two codes per value (the 32-value blocks: blocks8_rows; the other K-quants, and

@@ -782,6 +782,73 @@ inline void row_groups(int64_t n0, int64_t n1, int64_t ahead, float* y, int64_t 
       for (int m = 0; m < M; ++m) y[m * N + n + r] = vreduce(acc[r][m]);
   }
 }
+
+// A block of 32 of x's joined codes (ActRows::joined) and of W's Q8_0 codes sign-extended to 16
+// bits, as the registers hold them: AVX-512 one vector each, AVX2 two. joined_dot: their VPMADDWD
+// integer sums (AVX-512 16 lanes of 2 values, AVX2 8 of 4; within 2^23, so exact), as floats.
+#if defined(PAGELLM_INT8_VNNI)
+struct Joined32 { __m512i v; };
+inline Joined32 joined_x(const int16_t* p) { return {_mm512_loadu_si512(p)}; }
+inline Joined32 joined_w(const uint8_t* codes) {
+  return {_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)))};
+}
+inline VF joined_dot(Joined32 w, Joined32 x) { return _mm512_cvtepi32_ps(_mm512_madd_epi16(w.v, x.v)); }
+#else
+struct Joined32 { __m256i lo, hi; };
+inline Joined32 joined_x(const int16_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
+}
+inline Joined32 joined_w(const uint8_t* codes) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)))};
+}
+inline VF joined_dot(Joined32 w, Joined32 x) {
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi)));
+}
+#endif
+
+// Rows [n0, n1) of y = x @ W^T for Q8_0, x's codes joined into one 16-bit value each (128 c + r with
+// two codes, within +-16,320; c with one) and W's codes sign-extended to 16 bits: per block of 32
+// values and row of x, joined_dot's integer sums, then one convert and one FMA by W's d times x's
+// block scale (scalars, broadcast). AVX2 builds take it at every row count (joins_codes): the
+// blocks' byte products (blocks8_rows) took eight multiply-pipe instructions a block with two codes
+// (three sign fixes, two VPMADDUBSW, two VPMADDWD, the FMA) and a gather of 8 blocks' scales and a
+// permute per block; AMD's Zen 3 runs all the multiplies and sign fixes on the same two pipes and
+// gathers slowly, and there this form is 1.35-1.65x as fast at one row (one thread: 12.5-14.4 GB/s
+// against 8.4-9.3 on the 1B shapes, a core streams 15) and 1.3-2.0x at 2-8 rows
+// (benchmarks/kernel_ab.py). AVX-512 VNNI builds take it up to 5 rows of x (joins_codes). Blocks in
+// order, each row's lanes in one FMA chain, whatever M and NR are: a row's sums keep their bits
+// beside other rows of x.
+template <int M, int NR>
+void q8_0_joined_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
+                      int64_t n1) {
+  constexpr int64_t kBytes = 34;
+  const int64_t blocks = K / 32;
+  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
+  row_groups<M, NR>(n0, n1, ahead, y, N, [&](int64_t n, bool fetch, VF (&acc)[NR][M]) {
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+      const int64_t b1 = std::min<int64_t>(blocks, b0 + 8);
+      if (fetch)
+        for (int r = 0; r < NR; ++r)
+          for (int64_t l = 0; l < (b1 - b0) * kBytes; l += 64) prefetch(w + (n + ahead + r) * row_bytes + b0 * kBytes + l);
+      for (int64_t b = b0; b < b1; ++b) {
+        Joined32 xv[M];
+        float xs[M];
+        for (int m = 0; m < M; ++m) {
+          xv[m] = joined_x(a.joined + m * K + 32 * b);
+          xs[m] = a.block_scale[m * blocks + b];
+        }
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
+          const Joined32 wv = joined_w(blk + 2);
+          const float d = half_at(blk);
+          for (int m = 0; m < M; ++m) acc[r][m] = vfmadd(joined_dot(wv, xv[m]), vset1(d * xs[m]), acc[r][m]);
+        }
+      }
+    }
+  });
+}
 #endif
 
 
@@ -812,7 +879,7 @@ inline __m256i residual32(__m512 v0, __m512 v1, __m512 inv, __m512 r0, __m512 r1
                           _mm512_cvtsepi32_epi8(residual16(v0, inv, r0)));
 }
 
-// `joined`: also each value's codes as one 16-bit value (join_codes), for q8_0_joined16_rows.
+// `joined`: also each value's codes as one 16-bit value (join_codes), for q8_0_joined_rows.
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, bool two_terms, bool joined = false) {
   ActRows a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_terms ? M * K : 0), std::vector<float>(M * K / 4),
             std::vector<float>(M * K / 4)};
@@ -1304,43 +1371,6 @@ void blocks16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, fl
   }
 }
 
-// Rows [n0, n1) of y = x @ W^T for Q8_0, as the AVX2 q8_0_joined_rows but a block of 32 values a
-// vector: W's codes sign-extended to 16 bits (VPMOVSXBW), x's joined (ActRows::joined), one
-// VPMADDWD gives 16 lanes' integer sums (2 values each, within 2^23: exact in float32), then one
-// convert and one FMA by W's d times x's block scale. Blocks in order, each row's lanes in one FMA
-// chain, whatever M and NR are: a row's sums keep their bits beside other rows of x.
-template <int M, int NR>
-void q8_0_joined16_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
-                        int64_t n1) {
-  constexpr int64_t kBytes = 34;
-  const int64_t blocks = K / 32;
-  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
-  row_groups<M, NR>(n0, n1, ahead, y, N, [&](int64_t n, bool fetch, __m512 (&acc)[NR][M]) {
-    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-      const int64_t b1 = std::min<int64_t>(blocks, b0 + 8);
-      if (fetch)
-        for (int r = 0; r < NR; ++r)
-          for (int64_t l = 0; l < (b1 - b0) * kBytes; l += 64) prefetch(w + (n + ahead + r) * row_bytes + b0 * kBytes + l);
-      for (int64_t b = b0; b < b1; ++b) {
-        __m512i xv[M];
-        float xs[M];
-        for (int m = 0; m < M; ++m) {
-          xv[m] = _mm512_loadu_si512(a.joined + m * K + 32 * b);
-          xs[m] = a.block_scale[m * blocks + b];
-        }
-        for (int r = 0; r < NR; ++r) {
-          const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
-          const __m512i wv = _mm512_cvtepi8_epi16(load32(blk + 2));
-          const float d = half_at(blk);
-          for (int m = 0; m < M; ++m)
-            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(wv, xv[m])), _mm512_set1_ps(d * xs[m]),
-                                        acc[r][m]);
-        }
-      }
-    }
-  });
-}
-
 // The row kernels as types, so that one switch serves both: x per 32 values (the 32-value blocks,
 // Q6_K with two codes), and per 256 (int8_super_rows).
 template <int64_t T, bool kTwo>
@@ -1350,7 +1380,7 @@ struct LaneRows {
                   int64_t n1) {
     if constexpr (T == Q6_K) q6_k_rows<M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
     else if constexpr (T == Q8_0) {
-      if (a.joined != nullptr) q8_0_joined16_rows<M, NR>(a, K, w, row_bytes, y, N, n0, n1);
+      if (a.joined != nullptr) q8_0_joined_rows<M, NR>(a, K, w, row_bytes, y, N, n0, n1);
       else blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
     } else blocks16_rows<T, M, NR, kTwo>(a, K, w, row_bytes, y, N, n0, n1);
   }
@@ -1609,52 +1639,6 @@ void blocks8_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, flo
           for (int m = 0; m < M; ++m) {
             const __m256i dot = x_dot<kTwo, false>(u, u, a, m * K + 32 * (b0 + i));
             acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[m], pick), acc[r][m]);
-          }
-        }
-      }
-    }
-  });
-}
-
-// Rows [n0, n1) of y = x @ W^T for Q8_0, x's codes joined into one 16-bit value each (ActRows::joined:
-// 128 c + r with two codes, within +-16,320; c with one) and W's codes sign-extended to 16 bits:
-// two VPMADDWD per 32 values and row of x give 8 lanes' integer sums (4 values each, within 2^23,
-// so exact in float32), then one convert and one FMA by W's d times x's block scale (scalars,
-// broadcast). blocks8_rows' form of the same products took eight multiply-pipe instructions a block
-// with two codes (three sign fixes, two VPMADDUBSW, two VPMADDWD, the FMA) and a gather of 8
-// blocks' scales and a permute per block; AMD's Zen 3 runs all the multiplies and sign fixes on the
-// same two pipes and gathers slowly, and there this form is 1.35-1.65x as fast at one row (one
-// thread: 12.5-14.4 GB/s against 8.4-9.3 on the 1B shapes, a core streams 15) and 1.3-2.0x at 2-8
-// rows (benchmarks/kernel_ab.py). Blocks in order, each row's lanes in one FMA chain, whatever M
-// and NR are: a row's sums keep their bits beside other rows of x.
-template <int M, int NR>
-void q8_0_joined_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t n0,
-                      int64_t n1) {
-  constexpr int64_t kBytes = 34;
-  const int64_t blocks = K / 32;
-  const int64_t ahead = rows_ahead(NR, row_bytes, kIntPrefetchBytes);
-  row_groups<M, NR>(n0, n1, ahead, y, N, [&](int64_t n, bool fetch, __m256 (&acc)[NR][M]) {
-    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-      const int64_t b1 = std::min<int64_t>(blocks, b0 + 8);
-      if (fetch)
-        for (int r = 0; r < NR; ++r)
-          for (int64_t l = 0; l < (b1 - b0) * kBytes; l += 64) prefetch(w + (n + ahead + r) * row_bytes + b0 * kBytes + l);
-      for (int64_t b = b0; b < b1; ++b) {
-        __m256i x0[M], x1[M];
-        float xs[M];
-        for (int m = 0; m < M; ++m) {
-          const int16_t* xv = a.joined + m * K + 32 * b;
-          x0[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xv));
-          x1[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xv + 16));
-          xs[m] = a.block_scale[m * blocks + b];
-        }
-        for (int r = 0; r < NR; ++r) {
-          const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
-          const __m256i w0 = _mm256_cvtepi8_epi16(load16(blk + 2)), w1 = _mm256_cvtepi8_epi16(load16(blk + 18));
-          const float d = half_at(blk);
-          for (int m = 0; m < M; ++m) {
-            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, x0[m]), _mm256_madd_epi16(w1, x1[m]));
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xs[m]), acc[r][m]);
           }
         }
       }
@@ -3652,8 +3636,8 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 #endif
 
 // Whether Q8_0's products of M rows of x (of K values) take x's two codes joined into 16-bit values
-// (q8_0_joined_rows, q8_0_joined16_rows) instead of bytes. AVX2: always. AVX-512 VNNI: where x's
-// groups (int8_multiply) have at most 5 rows, the rows that keep their bits beside each other
+// (q8_0_joined_rows) instead of bytes. AVX2: always. AVX-512 VNNI: where x's groups (int8_multiply)
+// have at most 5 rows, the rows that keep their bits beside each other
 // (test_quant_ops.py): at 1-5 rows the joined vectors ran 1.03-1.48x blocks16_rows on AMD's Zen 4
 // (its gathers of scales and byte products), but a group of 8 rows of 2,048 values reads 32 KB of
 // joined x per row of W, out of L1: 0.70x there (benchmarks/kernel_ab.py, two threads).

@@ -329,8 +329,8 @@ MUTANTS = [
            compiled=True),
     Mutant("AVX2's Q8_0 kernel multiplies a block's second 16 codes by x's first 16",
            "pagellm/kernels/csrc/quant_ops.cpp",
-           "_mm256_madd_epi16(w1, x1[m])",
-           "_mm256_madd_epi16(w1, x0[m])",
+           "_mm256_madd_epi16(w.hi, x.hi)",
+           "_mm256_madd_epi16(w.hi, x.lo)",
            ("tests/kernels/test_quant_ops.py::"
             "test_int8_activation_products_are_the_rounded_activations_exact_product[Q8_0-K128-int8x2]",),
            compiled=True, cpu_flag="avx2", march="x86-64-v3"),

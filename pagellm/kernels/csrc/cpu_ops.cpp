@@ -416,9 +416,12 @@ class RowPrefetch {
   int64_t BS_, row_, row_bytes_, t_, t1_, offset_ = 0, left_ = 0, share_ = 0;
   const char* line_ = nullptr;
 };
-// One tile: its K rows (kTile x 768 bytes for SmolLM2's 3 KV heads of 64) stay within L2 beside
-// the tile being read; two or more measured no faster.
-constexpr int64_t kAhead = kTile;
+// 16 keys, a block at the default block size (12 KiB of K rows for SmolLM2's 3 KV heads of 64, near
+// the quantized products' 8 KiB): asked for a whole tile (64 keys) ahead the lines came later than
+// the arithmetic wanted them on AMD Zen 4, in both its AVX-512 and AVX2 builds (a decode token
+// 1.07-1.4x faster at 16, 1 + k tokens 1.0-1.24x; 32 keys gained less, 8 lost); two tiles ahead
+// was slower still.
+constexpr int64_t kAhead = 16;
 
 // The end of a run for its NQ query tokens: from each head's accumulator acc [NQ, H, D], running
 // max m and sum l [NQ, H], the normalised output when the run is the whole context (sinks joining

@@ -40,6 +40,14 @@ def per_step_ms(llm: LLM, params: SamplingParams, rounds: int) -> dict[str, floa
     return best
 
 
+def forget_plans(llm: LLM) -> None:
+    """Every decoder layer remakes its decode plan on its next step (from the products as they are
+    then)."""
+    for module in llm.engine.runner.model.modules():
+        if hasattr(module, "decode_plan"):
+            module.decode_plan = None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a GGUF file")
@@ -60,11 +68,24 @@ def main() -> None:
             zeros[key] = torch.zeros(key, dtype=x.dtype)
         return zeros[key]
 
+    def no_direct_product(method, layer):
+        # A decoder layer's plan calls its products' kernels directly (layers/decode_plan.py):
+        # the same no-op in their place, the plan's other calls kept.
+        call = direct(method, layer)
+        if call is None:
+            return None
+        rows = layer.gguf_shape[0]
+        return call._replace(fn=lambda x, *_: no_product(x, torch.empty(rows, 0), 0, 0))
+
     product, gguf.gguf_matmul = gguf.gguf_matmul, no_product
+    direct, gguf.GGUFLinearMethod.direct_product = gguf.GGUFLinearMethod.direct_product, no_direct_product
+    forget_plans(llm)
     try:
         without = per_step_ms(llm, params, args.rounds)
     finally:
         gguf.gguf_matmul = product
+        gguf.GGUFLinearMethod.direct_product = direct
+        forget_plans(llm)
     again = per_step_ms(llm, params, args.rounds)
     result = {**metadata("step_glue"), "model": args.model, "activation_quantization": args.activation_quantization,
               "tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),

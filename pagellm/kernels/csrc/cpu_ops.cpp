@@ -423,6 +423,49 @@ class RowPrefetch {
 // was slower still.
 constexpr int64_t kAhead = 16;
 
+// The query heads of a KV head that weigh its V rows together (AVX-512): their accumulators, DT / 16
+// vectors each, stay in registers beside the row's, so each row of a bfloat16 or 8-bit cache is
+// widened once for all of them rather than once per head. A float32 row, read in place, gains
+// nothing from it: one head at a time.
+template <int DT, typename T>
+constexpr int64_t kPvHeads = std::is_same_v<T, float> ? 1 : DT <= 64 ? 4 : DT <= 128 ? 2 : 1;
+
+#if defined(__AVX512F__)
+// a[i][0..DT) += sum over t < n of p[i][t] * (the row's scale) * v_t for the ng <= kPvHeads query
+// heads i, v_t the DT elements at v + t * row. Each head's sums are the one-head loop's, in its
+// order: the same bits whichever heads share the pass.
+template <int DT, int NG, typename T>
+inline void weigh_heads_n(const T* v, int64_t row, int64_t n, const float* const* p, float* const* a) {
+  constexpr int C = DT / 16;
+  __m512 al[NG][C];
+  for (int i = 0; i < NG; ++i)
+    for (int c = 0; c < C; ++c) al[i][c] = _mm512_loadu_ps(a[i] + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * row;
+    const float rs = row_scale(vt, DT);  // an 8-bit row's scale folds into each softmax weight
+    __m512 x[C];
+    for (int c = 0; c < C; ++c) x[c] = load16(vt + 16 * c);
+    for (int i = 0; i < NG; ++i) {
+      const __m512 pt = _mm512_set1_ps(p[i][t] * rs);
+      for (int c = 0; c < C; ++c) al[i][c] = _mm512_fmadd_ps(pt, x[c], al[i][c]);
+    }
+  }
+  for (int i = 0; i < NG; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(a[i] + 16 * c, al[i][c]);
+}
+
+template <int DT, typename T>
+inline void weigh_heads(const T* v, int64_t row, int64_t n, int64_t ng, const float* const* p, float* const* a) {
+  if constexpr (kPvHeads<DT, T> >= 4)
+    if (ng == 4) return weigh_heads_n<DT, 4>(v, row, n, p, a);
+  if constexpr (kPvHeads<DT, T> >= 3)
+    if (ng == 3) return weigh_heads_n<DT, 3>(v, row, n, p, a);
+  if constexpr (kPvHeads<DT, T> >= 2)
+    if (ng == 2) return weigh_heads_n<DT, 2>(v, row, n, p, a);
+  weigh_heads_n<DT, 1>(v, row, n, p, a);
+}
+#endif
+
 // The end of a run for its NQ query tokens: from each head's accumulator acc [NQ, H, D], running
 // max m and sum l [NQ, H], the normalised output when the run is the whole context (sinks joining
 // the denominator), else (max, sum, unnormalised accumulator) for the combine step.
@@ -616,23 +659,27 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
     each_run(vp, [&](int64_t u0, int64_t qi, int64_t n, RowPrefetch<T>& pf) {
         for (int64_t h = 0; h < KVH; ++h) {
           const T* vb = key_row(vp, t0 + u0) + h * HS;
+#if defined(__AVX512F__)
+          if constexpr (DT > 0 && DT % 16 == 0) {
+            for (int64_t g0 = 0; g0 < G; g0 += kPvHeads<DT, T>) {
+              const int64_t ng = std::min<int64_t>(kPvHeads<DT, T>, G - g0);
+              float* a[kPvHeads<DT, T>];
+              const float* p[kPvHeads<DT, T>];
+              for (int64_t i = 0; i < ng; ++i) {
+                pf.ask();
+                a[i] = accs + (qi * H + h * G + g0 + i) * D;
+                p[i] = ss + (qi * H + h * G + g0 + i) * kTile + u0;
+              }
+              weigh_heads<DT, T>(vb, row, n, ng, p, a);
+            }
+            continue;
+          }
+#endif
           for (int64_t g = 0; g < G; ++g) {
             pf.ask();
             float* a = accs + (qi * H + h * G + g) * D;
             const float* p = ss + (qi * H + h * G + g) * kTile + u0;
-#if defined(__AVX512F__)
-            if constexpr (DT > 0 && DT % 16 == 0) {
-              // Elements widened 16 at a time; an 8-bit row's scale folds into its softmax weight.
-              __m512 al[DT / 16];
-              for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_loadu_ps(a + 16 * c);
-              for (int64_t t = 0; t < n; ++t) {
-                const T* v = vb + t * row;
-                const __m512 pt = _mm512_set1_ps(p[t] * row_scale(v, DT));
-                for (int c = 0; c < DT / 16; ++c) al[c] = _mm512_fmadd_ps(pt, load16(v + 16 * c), al[c]);
-              }
-              for (int c = 0; c < DT / 16; ++c) _mm512_storeu_ps(a + 16 * c, al[c]);
-            } else
-#elif defined(PAGELLM_SCORES8)
+#if defined(PAGELLM_SCORES8) && !defined(__AVX512F__)
             if constexpr (DT > 0 && DT % 8 == 0) {
               if (widen_once) weigh_rows<DT>(wide + h * DT, KVH * DT, n, p, a, wide_scales + h, KVH);
               else weigh_rows<DT>(vb, row, n, p, a);

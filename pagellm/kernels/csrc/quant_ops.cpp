@@ -2720,24 +2720,44 @@ void x8_wide_rows(const int16_t* x16, const float* xs, int64_t K, const int16_t*
   }
 }
 
-// Rows [m, m + MB) of x times widened group g, into y.
+// Rows [m, m + MB) of x times widened group g, into y. Q4_K and Q4_1 (mins not null) subtract the
+// mins' term first: x's per-32 sums (bsums, K / 32 a row) against Q4_K's dmin * m_j (Q4_1's -m) at
+// mins [K / 32][8 rows of W], on two FMA chains (K / 32 is even): one, each FMA waiting on the last,
+// cost the 1B's prompts 7-16% of their Q4_K products; four ran no faster than two. Subtracted here,
+// from the MB rows' sums before they are stored, with each load of mins serving them all, rather
+// than in a second pass over y's rows (N floats apart) a row at a time: the same values and
+// operations, Q4_K's prefill products 1.02-1.09x on Zen 4 (kernel_ab.py, 64 and 256 rows).
 template <int MB, int64_t T>
 void x8_prefill_rows(const int16_t* x16, const float* xs, int64_t m, int64_t K, const int16_t* buf, const float* dvec,
-                     float* y, int64_t N, int64_t g) {
+                     const float* bsums, const float* mins, float* y, int64_t N, int64_t g) {
   constexpr int kXScale = x_scale_slices(T);
-  float part[MB][kX8Rows];
+  alignas(32) float part[MB][kX8Rows];
   x8_wide_rows<MB, flush_slices(T), kXScale>(x16 + m * K, xs + m * (K / 8 / kXScale), K, buf, dvec, part);
-  const int64_t rows = std::min<int64_t>(kX8Rows, N - kX8Rows * g);
+  if (mins != nullptr) {
+    __m256 a0[MB], a1[MB];
+    for (int mi = 0; mi < MB; ++mi) a0[mi] = a1[mi] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / 32; j += 2) {
+      const __m256 m0 = _mm256_loadu_ps(mins + 8 * j), m1 = _mm256_loadu_ps(mins + 8 * j + 8);
+      for (int mi = 0; mi < MB; ++mi) {
+        const float* bs = bsums + (m + mi) * K / 32;
+        a0[mi] = _mm256_fmadd_ps(_mm256_set1_ps(bs[j]), m0, a0[mi]);
+        a1[mi] = _mm256_fmadd_ps(_mm256_set1_ps(bs[j + 1]), m1, a1[mi]);
+      }
+    }
+    for (int mi = 0; mi < MB; ++mi)
+      _mm256_store_ps(part[mi], _mm256_sub_ps(_mm256_load_ps(part[mi]), _mm256_add_ps(a0[mi], a1[mi])));
+  }
+  const int64_t rows = std::min<int64_t>(kX8Rows, N - kX8Rows * g);  // a last group past N: Q4_1's, Q8_0's blocks
   for (int mi = 0; mi < MB; ++mi) std::memcpy(y + (m + mi) * N + kX8Rows * g, part[mi], rows * sizeof(float));
 }
 
 template <int64_t T>
 void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K, const int16_t* buf, const float* dvec,
-                      float* y, int64_t N, int64_t g) {
+                      const float* bsums, const float* mins, float* y, int64_t N, int64_t g) {
   constexpr int kRows = prefill_rows(T);
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) x8_prefill_rows<kRows, T>(x16, xs, m, K, buf, dvec, y, N, g);
-  for (; m < M; ++m) x8_prefill_rows<1, T>(x16, xs, m, K, buf, dvec, y, N, g);
+  for (; m + kRows <= M; m += kRows) x8_prefill_rows<kRows, T>(x16, xs, m, K, buf, dvec, bsums, mins, y, N, g);
+  for (; m < M; ++m) x8_prefill_rows<1, T>(x16, xs, m, K, buf, dvec, bsums, mins, y, N, g);
 }
 
 // x [M, K] float32 times W [N, ...]: a repacked weight (Q4_K_X8 / Q6_K_X8, qtype its GGUF type) or
@@ -2775,33 +2795,12 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
     std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(has_mins ? K / 4 : 0);
     for (int64_t g = g0; g < g1; ++g) {
       x8_widen_group(qtype, w, K, N, g, buf.data(), dvec.data(), mins.data(), x8);
+      const float* gm = has_mins ? mins.data() : nullptr;
       switch (qtype) {
-        case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
-        case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
-        case Q4_1: x8_prefill_group<Q4_1>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
-        default: x8_prefill_group<Q8_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), y, N, g); break;
-      }
-      if (!has_mins) continue;
-      // the mins' term: x's per-32 sums against Q4_K's dmin * m_j (Q4_1's -m)
-      const int64_t rows = std::min<int64_t>(kX8Rows, N - kX8Rows * g);
-      for (int64_t r = 0; r < M; ++r) {
-        // two FMA chains (K / 32 is even): one, each FMA waiting on the last, cost the 1B's prompts
-        // 7-16% of their Q4_K products; four ran no faster than two
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        const float* bs = bsums + r * K / 32;
-        for (int64_t j = 0; j < K / 32; j += 2) {
-          a0 = _mm256_fmadd_ps(_mm256_set1_ps(bs[j]), _mm256_loadu_ps(mins.data() + 8 * j), a0);
-          a1 = _mm256_fmadd_ps(_mm256_set1_ps(bs[j + 1]), _mm256_loadu_ps(mins.data() + 8 * j + 8), a1);
-        }
-        const __m256 acc = _mm256_add_ps(a0, a1);
-        float* yr = y + r * N + kX8Rows * g;
-        if (rows == kX8Rows) {
-          _mm256_storeu_ps(yr, _mm256_sub_ps(_mm256_loadu_ps(yr), acc));
-        } else {  // a last group past N (Q4_1 blocks; repacked weights come in whole groups)
-          alignas(32) float sub[kX8Rows];
-          _mm256_store_ps(sub, acc);
-          for (int64_t i = 0; i < rows; ++i) yr[i] -= sub[i];
-        }
+        case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
+        case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
+        case Q4_1: x8_prefill_group<Q4_1>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
+        default: x8_prefill_group<Q8_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
       }
     }
   });

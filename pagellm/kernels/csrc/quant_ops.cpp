@@ -2710,6 +2710,23 @@ void x8_wide_rows(const int16_t* x16, const float* xs, int64_t K, const int16_t*
         facc[mi][v] = xf_fmadd(xf_cvt(iacc[mi][v]), xf_mul(xf_load(dvec + sp * 32 + v * kW16Lanes), dx), facc[mi][v]);
     }
   }
+  // Each row of W's 4 lanes summed in order, ((l0 + l1) + l2) + l3.
+#if defined(PAGELLM_INT8_VNNI)
+  // AVX-512: 4 rows of W a vector, their sums in each 128-bit lane's first element, gathered by one
+  // two-source permute, where the scalar loop below stored each vector and added its lanes one by
+  // one (Q4_K's prefill products 1.03-1.08x on one thread this way, Q6_K's 1.01-1.04x)
+  static_assert(kW16Vecs == 2, "two vectors of 4 rows of W");
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int mi = 0; mi < MB; ++mi) {
+    __m512 s[kW16Vecs];
+    for (int v = 0; v < kW16Vecs; ++v) {
+      const __m512 f = facc[mi][v];
+      s[v] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f, _mm512_permute_ps(f, 1)), _mm512_permute_ps(f, 2)),
+                           _mm512_permute_ps(f, 3));
+    }
+    _mm256_storeu_ps(part[mi], _mm512_castps512_ps256(_mm512_permutex2var_ps(s[0], firsts, s[1])));
+  }
+#else
   for (int mi = 0; mi < MB; ++mi) {
     alignas(64) float lanes[kW16Lanes];
     for (int v = 0; v < kW16Vecs; ++v) {
@@ -2718,6 +2735,7 @@ void x8_wide_rows(const int16_t* x16, const float* xs, int64_t K, const int16_t*
         part[mi][v * kW16Lanes / 4 + r] = lanes[4 * r] + lanes[4 * r + 1] + lanes[4 * r + 2] + lanes[4 * r + 3];
     }
   }
+#endif
 }
 
 // Rows [m, m + MB) of x times widened group g, into y. Q4_K and Q4_1 (mins not null) subtract the

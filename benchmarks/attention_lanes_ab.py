@@ -14,12 +14,20 @@ layer, the best of `--rounds` rounds of all the layers.
 for comparing two builds or two versions of csrc/cpu_ops.cpp run one after the other:
 
     PAGELLM_CPU_MARCH=x86-64-v3 python benchmarks/attention_lanes_ab.py --kernels default --out ...
+
+`--base REV` times csrc/cpu_ops.cpp as of git revision REV (built under its own name) against the
+working tree's, each case's calls turn about in one process, and records whether their outputs are
+the same bits (`same_output`): an A/B of a change to the kernels.
+
+    python benchmarks/attention_lanes_ab.py --base HEAD --caches float32 --tokens 1 5 9 --out ...
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,6 +82,48 @@ def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, 
     return 1000 * best
 
 
+def base_module(rev: str):
+    """csrc/cpu_ops.cpp as of git revision `rev`, built under its own name. The source keeps one
+    path, which torch's build keys on: a new path would rebuild it every run."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/kernels/csrc/cpu_ops.cpp"],
+                          check=True, capture_output=True, text=True).stdout
+    source = Path(tempfile.gettempdir()) / "pagellm-attention-ab" / "cpu_ops_base.cpp"
+    source.parent.mkdir(exist_ok=True)
+    if not source.exists() or source.read_text() != text:
+        source.write_text(text)
+    return cpu._build(source, f"cpu ops of {rev}")
+
+
+def ab_case(modules: dict, shape: tuple[int, int, int], kind: str, context: int, tokens: int, layers: int,
+            rounds: int) -> dict:
+    """ms per layer of each module's paged_attention (the best round; the modules turn about within
+    each round) and whether their outputs are the same bits."""
+    h, kvh, d = shape
+    per_layer = (context + BLOCK - 1) // BLOCK
+    k_cache, v_cache, fmt = make_cache(kind, per_layer * layers + 1, kvh, d)
+    order = torch.randperm(per_layer * layers)
+    tables = [order[i * per_layer:(i + 1) * per_layer].view(1, -1) for i in range(layers)]
+    q = torch.randn(tokens, h, d)
+    lens = torch.arange(context - tokens + 1, context + 1)
+    seq = torch.zeros(tokens, dtype=torch.long)
+    code = cpu.kernel_code(fmt)
+
+    def attend(module, table):
+        return module.paged_attention(q, k_cache, v_cache, table, lens, d ** -0.5, 0, 0, 0.0, None, seq, 0, code)
+
+    outputs = {name: attend(module, tables[0]) for name, module in modules.items()}
+    best = {name: float("inf") for name in modules}
+    for r in range(rounds):
+        for name in (list(modules) if r % 2 == 0 else list(modules)[::-1]):
+            start = time.perf_counter()
+            for table in tables:
+                attend(modules[name], table)
+            best[name] = min(best[name], (time.perf_counter() - start) / layers)
+    first, *rest = outputs.values()
+    return {**{f"{name}_ms": 1000 * t for name, t in best.items()},
+            "same_output": all(torch.equal(first, o) for o in rest)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4000])
@@ -84,10 +134,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", choices=("both", "default"), default="both",
                     help="both: attend_run against attend_run_lanes; default: the build's dispatch alone")
+    ap.add_argument("--base", help="git revision whose csrc/cpu_ops.cpp is timed against the working tree's")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    if args.base:
+        return compare_builds(args)
     both = args.kernels == "both"
     if both and cpu.set_attention_lanes_from(0) is None:
         sys.exit("this build has one attention kernel (no AVX-512): nothing to compare (--kernels default times it)")
@@ -114,6 +167,27 @@ def main() -> None:
     write_json(Path(args.out), {**metadata("attention_lanes_ab"), "kernels": args.kernels, "threads": args.threads,
                                 "layers": args.layers,
                                 "rounds": args.rounds, "block_size": BLOCK,
+                                "load_avg_before_after": [load, os.getloadavg()], "cases": cases})
+
+
+def compare_builds(args: argparse.Namespace) -> None:
+    modules = {"base": base_module(args.base), "new": cpu._load()}
+    load = os.getloadavg()
+    cases = []
+    for shape in SHAPES:
+        for context in args.contexts:
+            for tokens in args.tokens:
+                for kind in args.caches:
+                    case = {"heads": shape[0], "kv_heads": shape[1], "head_size": shape[2], "cache": kind,
+                            "context": context, "tokens": tokens,
+                            **ab_case(modules, shape, kind, context, tokens, args.layers, args.rounds)}
+                    case["speedup"] = case["base_ms"] / case["new_ms"]
+                    cases.append(case)
+                    print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: {case['base_ms']:.3f} -> "
+                          f"{case['new_ms']:.3f} ms  {case['speedup']:.2f}x"
+                          f"{'' if case['same_output'] else '  OUTPUTS DIFFER'}", flush=True)
+    write_json(Path(args.out), {**metadata("attention_lanes_ab"), "base": args.base, "threads": args.threads,
+                                "layers": args.layers, "rounds": args.rounds, "block_size": BLOCK,
                                 "load_avg_before_after": [load, os.getloadavg()], "cases": cases})
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +37,9 @@ import torch  # noqa: E402
 from pagellm.bench.report import metadata, write_json  # noqa: E402
 from pagellm.kernels import cpu  # noqa: E402
 from pagellm.kv_format import resolve_kv_format  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from kernel_ab import base_module  # noqa: E402
 
 BLOCK = 16
 # (query heads, KV heads, head size): SmolLM2-135M, a GQA group of 4 at 64 (Llama 3.2 1B), at 128
@@ -57,9 +58,10 @@ def make_cache(kind: str, blocks: int, kvh: int, d: int) -> tuple[torch.Tensor, 
     return torch.randn(blocks, BLOCK, kvh, d).to(dtype), torch.randn(blocks, BLOCK, kvh, d).to(dtype), None
 
 
-def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, layers: int, rounds: int,
-             lanes_from: int | None) -> float:
-    """ms per layer (the best round); `lanes_from` the crossover to set (None: the build's own)."""
+def make_case(shape: tuple[int, int, int], kind: str, context: int, tokens: int, layers: int):
+    """One sequence's `tokens` query tokens at the end of `context` keys, and its K/V blocks for each
+    of `layers` layers scattered in one pool: (k_cache, v_cache, kv format, block tables, q, lens,
+    token_seq)."""
     h, kvh, d = shape
     per_layer = (context + BLOCK - 1) // BLOCK
     k_cache, v_cache, fmt = make_cache(kind, per_layer * layers + 1, kvh, d)
@@ -67,7 +69,14 @@ def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, 
     tables = [order[i * per_layer:(i + 1) * per_layer].view(1, -1) for i in range(layers)]
     q = torch.randn(tokens, h, d)
     lens = torch.arange(context - tokens + 1, context + 1)
-    seq = torch.zeros(tokens, dtype=torch.long)
+    return k_cache, v_cache, fmt, tables, q, lens, torch.zeros(tokens, dtype=torch.long)
+
+
+def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, layers: int, rounds: int,
+             lanes_from: int | None) -> float:
+    """ms per layer (the best round); `lanes_from` the crossover to set (None: the build's own)."""
+    d = shape[2]
+    k_cache, v_cache, fmt, tables, q, lens, seq = make_case(shape, kind, context, tokens, layers)
     before = None if lanes_from is None else cpu.set_attention_lanes_from(lanes_from)
     try:
         best = float("inf")
@@ -82,30 +91,12 @@ def layer_ms(shape: tuple[int, int, int], kind: str, context: int, tokens: int, 
     return 1000 * best
 
 
-def base_module(rev: str):
-    """csrc/cpu_ops.cpp as of git revision `rev`, built under its own name. The source keeps one
-    path, which torch's build keys on: a new path would rebuild it every run."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/kernels/csrc/cpu_ops.cpp"],
-                          check=True, capture_output=True, text=True).stdout
-    source = Path(tempfile.gettempdir()) / "pagellm-attention-ab" / "cpu_ops_base.cpp"
-    source.parent.mkdir(exist_ok=True)
-    if not source.exists() or source.read_text() != text:
-        source.write_text(text)
-    return cpu._build(source, f"cpu ops of {rev}")
-
-
 def ab_case(modules: dict, shape: tuple[int, int, int], kind: str, context: int, tokens: int, layers: int,
             rounds: int) -> dict:
     """ms per layer of each module's paged_attention (the best round; the modules turn about within
     each round) and whether their outputs are the same bits."""
-    h, kvh, d = shape
-    per_layer = (context + BLOCK - 1) // BLOCK
-    k_cache, v_cache, fmt = make_cache(kind, per_layer * layers + 1, kvh, d)
-    order = torch.randperm(per_layer * layers)
-    tables = [order[i * per_layer:(i + 1) * per_layer].view(1, -1) for i in range(layers)]
-    q = torch.randn(tokens, h, d)
-    lens = torch.arange(context - tokens + 1, context + 1)
-    seq = torch.zeros(tokens, dtype=torch.long)
+    d = shape[2]
+    k_cache, v_cache, fmt, tables, q, lens, seq = make_case(shape, kind, context, tokens, layers)
     code = cpu.kernel_code(fmt)
 
     def attend(module, table):
@@ -140,55 +131,54 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     if args.base:
-        return compare_builds(args)
-    both = args.kernels == "both"
-    if both and cpu.set_attention_lanes_from(0) is None:
-        sys.exit("this build has one attention kernel (no AVX-512): nothing to compare (--kernels default times it)")
+        measure = builds_measure(base_module(args.base, source="cpu_ops.cpp", what="cpu ops"), cpu._load(), args)
+        mode = {"base": args.base}
+    else:
+        if args.kernels == "both" and cpu.set_attention_lanes_from(0) is None:
+            sys.exit("this build has one attention kernel (no AVX-512): nothing to compare (--kernels default times it)")
+        measure = kernels_measure(args) if args.kernels == "both" else default_measure(args)
+        mode = {"kernels": args.kernels}
     load = os.getloadavg()
     cases = []
     for shape in SHAPES:
         for context in args.contexts:
             for tokens in args.tokens:
                 for kind in args.caches:
-                    lanes = tokens * shape[0] // shape[1]
-                    case = {"heads": shape[0], "kv_heads": shape[1], "head_size": shape[2], "cache": kind,
-                            "context": context, "tokens": tokens, "lanes": lanes}
-                    if not both:
-                        case["default_ms"] = layer_ms(shape, kind, context, tokens, args.layers, args.rounds, None)
-                        cases.append(case)
-                        print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: {case['default_ms']:.3f} ms",
-                              flush=True)
-                        continue
-                    # lanes_from past any run's lanes: attend_run; 1: attend_run_lanes wherever it can
-                    runs = [layer_ms(shape, kind, context, tokens, args.layers, args.rounds, n) for n in (1 << 30, 1)]
-                    cases.append({**case, "attend_run_ms": runs[0], "lanes_ms": runs[1], "speedup": runs[0] / runs[1]})
-                    print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: lanes {lanes:3d}  "
-                          f"{runs[0]:.3f} -> {runs[1]:.3f} ms  {runs[0] / runs[1]:.2f}x", flush=True)
-    write_json(Path(args.out), {**metadata("attention_lanes_ab"), "kernels": args.kernels, "threads": args.threads,
-                                "layers": args.layers,
-                                "rounds": args.rounds, "block_size": BLOCK,
-                                "load_avg_before_after": [load, os.getloadavg()], "cases": cases})
-
-
-def compare_builds(args: argparse.Namespace) -> None:
-    modules = {"base": base_module(args.base), "new": cpu._load()}
-    load = os.getloadavg()
-    cases = []
-    for shape in SHAPES:
-        for context in args.contexts:
-            for tokens in args.tokens:
-                for kind in args.caches:
-                    case = {"heads": shape[0], "kv_heads": shape[1], "head_size": shape[2], "cache": kind,
-                            "context": context, "tokens": tokens,
-                            **ab_case(modules, shape, kind, context, tokens, args.layers, args.rounds)}
-                    case["speedup"] = case["base_ms"] / case["new_ms"]
-                    cases.append(case)
-                    print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: {case['base_ms']:.3f} -> "
-                          f"{case['new_ms']:.3f} ms  {case['speedup']:.2f}x"
-                          f"{'' if case['same_output'] else '  OUTPUTS DIFFER'}", flush=True)
-    write_json(Path(args.out), {**metadata("attention_lanes_ab"), "base": args.base, "threads": args.threads,
+                    fields, text = measure(shape, kind, context, tokens)
+                    cases.append({"heads": shape[0], "kv_heads": shape[1], "head_size": shape[2], "cache": kind,
+                                  "context": context, "tokens": tokens, **fields})
+                    print(f"{shape} {kind:8s} ctx {context:5d} tokens {tokens}: {text}", flush=True)
+    write_json(Path(args.out), {**metadata("attention_lanes_ab"), **mode, "threads": args.threads,
                                 "layers": args.layers, "rounds": args.rounds, "block_size": BLOCK,
                                 "load_avg_before_after": [load, os.getloadavg()], "cases": cases})
+
+
+def default_measure(args: argparse.Namespace):
+    """The build's own dispatch alone."""
+    def measure(shape, kind, context, tokens):
+        ms = layer_ms(shape, kind, context, tokens, args.layers, args.rounds, None)
+        return {"default_ms": ms}, f"{ms:.3f} ms"
+    return measure
+
+
+def kernels_measure(args: argparse.Namespace):
+    """attend_run (lanes_from past any run's lanes) against attend_run_lanes (1: wherever it can)."""
+    def measure(shape, kind, context, tokens):
+        lanes = tokens * shape[0] // shape[1]
+        run, lanes_ms = (layer_ms(shape, kind, context, tokens, args.layers, args.rounds, n) for n in (1 << 30, 1))
+        return ({"lanes": lanes, "attend_run_ms": run, "lanes_ms": lanes_ms, "speedup": run / lanes_ms},
+                f"lanes {lanes:3d}  {run:.3f} -> {lanes_ms:.3f} ms  {run / lanes_ms:.2f}x")
+    return measure
+
+
+def builds_measure(base, new, args: argparse.Namespace):
+    """REV's build against the working tree's, turn about, and whether their outputs are the same bits."""
+    def measure(shape, kind, context, tokens):
+        got = ab_case({"base": base, "new": new}, shape, kind, context, tokens, args.layers, args.rounds)
+        got["speedup"] = got["base_ms"] / got["new_ms"]
+        return got, (f"{got['base_ms']:.3f} -> {got['new_ms']:.3f} ms  {got['speedup']:.2f}x"
+                     f"{'' if got['same_output'] else '  OUTPUTS DIFFER'}")
+    return measure
 
 
 if __name__ == "__main__":

@@ -48,22 +48,23 @@ SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate": (8192, 2048), "gate_up
           "s_head": (49152, 576)}
 
 
-def base_module(rev: str, march: str | None = None):
-    """quant_ops.cpp as of git revision `rev`, built under its own name (for `march`, default the
-    build's). The source keeps one path, which torch's build keys on: a new path would rebuild it
-    every run."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/kernels/csrc/quant_ops.cpp"],
+def base_module(rev: str, march: str | None = None, source: str = "quant_ops.cpp",
+                what: str = "quantized-matmul kernels"):
+    """kernels/csrc/`source` as of git revision `rev`, built under its own name (for `march`,
+    default the build's). The source keeps one path, which torch's build keys on: a new path would
+    rebuild it every run."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/kernels/csrc/{source}"],
                           check=True, capture_output=True, text=True).stdout
-    source = Path(tempfile.gettempdir()) / "pagellm-kernel-ab" / "quant_ops_base.cpp"
-    source.parent.mkdir(exist_ok=True)
-    if not source.exists() or source.read_text() != text:
-        source.write_text(text)
+    path = Path(tempfile.gettempdir()) / "pagellm-kernel-ab" / source.replace(".cpp", "_base.cpp")
+    path.parent.mkdir(exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
     if march is None:
-        return cpu._build(source, f"quantized-matmul kernels of {rev}")
+        return cpu._build(path, f"{what} of {rev}")
     before = os.environ.get("PAGELLM_CPU_MARCH")
     os.environ["PAGELLM_CPU_MARCH"] = march  # read by cpu._build's name and flags
     try:
-        return cpu._build(source, f"quantized-matmul kernels of {rev} for {march}")
+        return cpu._build(path, f"{what} of {rev} for {march}")
     finally:
         if before is None:
             del os.environ["PAGELLM_CPU_MARCH"]

@@ -516,27 +516,32 @@ def doc_table(results: dict) -> str:
     return doc_sections.markdown_table(header, rows, "r" * len(header))
 
 
-def plot(results: dict, path) -> None:
+def plot(results: dict, path) -> bool:
+    """The figures against the request rate, at `path`; False, and nothing written, when no rate is
+    finite (`--rates inf`, a closed loop: there is no rate to place a point at)."""
+    by_target = {label: [r for r in t["rates"] if math.isfinite(r["rate"])] for label, t in results["targets"].items()}
+    if not any(by_target.values()):
+        return False
     plt = report.pyplot()
-    hits = any(r.get("prefix_cache_hit_rate") is not None for t in results["targets"].values() for r in t["rates"])
+    hits = any(r.get("prefix_cache_hit_rate") is not None for rows in by_target.values() for r in rows)
     fig, axes = plt.subplots(1, 4 if hits else 3, figsize=(20 if hits else 15, 4.5))
-    for i, (label, t) in enumerate(results["targets"].items()):
-        rates = [r["rate"] for r in t["rates"]]
+    for i, (label, rows) in enumerate(by_target.items()):
+        rates = [r["rate"] for r in rows]
         color = f"C{i}"  # one color per target in every panel; p99 dashed beside its p50
-        axes[0].plot(rates, [r["normalized_latency_s"]["mean"] for r in t["rates"]], marker="o", color=color,
-                     label=label)
-        axes[1].plot(rates, [r["ttft_s"]["p50"] for r in t["rates"]], marker="o", color=color, label=f"{label} p50")
-        axes[1].plot(rates, [r["ttft_s"]["p99"] for r in t["rates"]], marker="x", ls="--", color=color,
+        axes[0].plot(rates, [r["normalized_latency_s"]["mean"] for r in rows], marker="o", color=color, label=label)
+        axes[1].plot(rates, [r["ttft_s"]["p50"] for r in rows], marker="o", color=color, label=f"{label} p50")
+        axes[1].plot(rates, [r["ttft_s"]["p99"] for r in rows], marker="x", ls="--", color=color,
                      label=f"{label} p99")
-        axes[2].plot(rates, [r["throughput_tok_s"] for r in t["rates"]], marker="o", color=color, label=label)
+        axes[2].plot(rates, [r["throughput_tok_s"] for r in rows], marker="o", color=color, label=label)
         if hits:
-            axes[3].plot(rates, [100 * (r.get("prefix_cache_hit_rate") or 0.0) for r in t["rates"]], marker="o",
+            axes[3].plot(rates, [100 * (r.get("prefix_cache_hit_rate") or 0.0) for r in rows], marker="o",
                          color=color, label=label)
     report.label_axes(((axes[0], "normalized latency vs rate", "s / output token"),
                        (axes[1], "time to first token", "s"), (axes[2], "throughput", "output tokens/s"),
                        *(((axes[3], "prefix cache hit rate", "% of prompt tokens"),) if hits else ())),
                       "request rate (req/s)")
     report.save_figure(fig, path)
+    return True
 
 
 def add_parser(sub) -> None:
@@ -621,6 +626,8 @@ def main(args: argparse.Namespace) -> int:
     load["loadavg_end"] = os.getloadavg()
     print_tables(results)
     report.write_json(json_path, results)
-    plot(results, png_path)
-    print(f"\nwrote {json_path} and {png_path}")
+    if plot(results, png_path):
+        print(f"\nwrote {json_path} and {png_path}")
+    else:
+        print(f"\nwrote {json_path} (no plot: every rate is infinite)")
     return 0 if results["targets"] else 1

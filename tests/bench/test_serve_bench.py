@@ -85,6 +85,17 @@ def test_serve_bench_tiny(tmp_path, stand_in_server):
     assert stem.with_suffix(".png").stat().st_size > 1000
 
 
+def test_a_closed_loop_writes_its_figures_but_no_plot_against_rate(tmp_path, stand_in_server):
+    # `--rates inf` has no rate to place a point at: a plot of it would be empty axes
+    stem = tmp_path / "serve"
+    rc = main(["bench", "serve", "--url", f"fake={stand_in_server}", "--rates", "inf", "--max-concurrency", "2",
+               "--num-requests", "3", "--max-output", "5", "--out", str(stem), "--no-progress"])
+    assert rc == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["targets"]["fake"]["rates"]
+    assert row["rate"] == float("inf") and row["completed"] == 3 and row["throughput_tok_s"] > 0
+    assert not stem.with_suffix(".png").exists()
+
+
 def test_only_loopback_targets():
     check_loopback("http://127.0.0.1:8000")
     check_loopback("http://localhost:1")

@@ -62,11 +62,15 @@ def main() -> None:
     real = per_step_ms(llm, params, args.rounds)
     zeros: dict[tuple[int, int], torch.Tensor] = {}
 
-    def no_product(x, data, qtype, cols, batch_invariant=False, activations="none"):
-        key = (x.shape[0], data.shape[0])
+    def zeros_for(x: torch.Tensor, rows: int) -> torch.Tensor:
+        """A product's output of x times `rows` rows of W, as zeros (made once per shape)."""
+        key = (x.shape[0], rows)
         if key not in zeros:
             zeros[key] = torch.zeros(key, dtype=x.dtype)
         return zeros[key]
+
+    def no_product(x, data, qtype, cols, batch_invariant=False, activations="none"):
+        return zeros_for(x, data.shape[0])
 
     def no_direct_product(method, layer):
         # A decoder layer's plan calls its products' kernels directly (layers/decode_plan.py):
@@ -75,7 +79,7 @@ def main() -> None:
         if call is None:
             return None
         rows = layer.gguf_shape[0]
-        return call._replace(fn=lambda x, *_: no_product(x, torch.empty(rows, 0), 0, 0))
+        return call._replace(fn=lambda x, *_: zeros_for(x, rows))
 
     product, gguf.gguf_matmul = gguf.gguf_matmul, no_product
     direct, gguf.GGUFLinearMethod.direct_product = gguf.GGUFLinearMethod.direct_product, no_direct_product

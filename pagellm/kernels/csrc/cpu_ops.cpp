@@ -679,7 +679,7 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
             pf.ask();
             float* a = accs + (qi * H + h * G + g) * D;
             const float* p = ss + (qi * H + h * G + g) * kTile + u0;
-#if defined(PAGELLM_SCORES8) && !defined(__AVX512F__)
+#if defined(PAGELLM_SCORES8)  // AVX2 builds only
             if constexpr (DT > 0 && DT % 8 == 0) {
               if (widen_once) weigh_rows<DT>(wide + h * DT, KVH * DT, n, p, a, wide_scales + h, KVH);
               else weigh_rows<DT>(vb, row, n, p, a);

@@ -851,7 +851,6 @@ void q8_0_joined_rows(ActView a, int64_t K, const uint8_t* w, int64_t row_bytes,
 }
 #endif
 
-
 #if defined(PAGELLM_INT8_VNNI)
 
 
@@ -1544,7 +1543,6 @@ inline __m256i k_codes(const uint8_t* sb, int j, int h) {
     return u;
   }
 }
-
 
 // Rows [n0, n1) of y = x @ W^T for M rows of x (rounded per 32 values), NR rows of W at a time,
 // for Q6_K with two codes per value (the 32-value blocks: blocks8_rows; the other K-quants, and
@@ -2738,20 +2736,21 @@ void x8_wide_rows(const int16_t* x16, const float* xs, int64_t K, const int16_t*
 #endif
 }
 
-// Rows [m, m + MB) of x times widened group g, into y. Q4_K and Q4_1 (mins not null) subtract the
-// mins' term first: x's per-32 sums (bsums, K / 32 a row) against Q4_K's dmin * m_j (Q4_1's -m) at
-// mins [K / 32][8 rows of W], on two FMA chains (K / 32 is even): one, each FMA waiting on the last,
-// cost the 1B's prompts 7-16% of their Q4_K products; four ran no faster than two. Subtracted here,
-// from the MB rows' sums before they are stored, with each load of mins serving them all, rather
-// than in a second pass over y's rows (N floats apart) a row at a time: the same values and
-// operations, Q4_K's prefill products 1.02-1.09x on Zen 4 (kernel_ab.py, 64 and 256 rows).
+// Rows [m, m + MB) of x times widened group g, into y. Q4_K and Q4_1 subtract the mins' term first:
+// x's per-32 sums (bsums, K / 32 a row) against Q4_K's dmin * m_j (Q4_1's -m) at mins [K / 32][8
+// rows of W] (the other types never read mins), on two FMA chains (K / 32 is even): one, each FMA
+// waiting on the last, cost the 1B's prompts 7-16% of their Q4_K products; four ran no faster than
+// two. Subtracted here, from the MB rows' sums before they are stored, with each load of mins
+// serving them all, rather than in a second pass over y's rows (N floats apart) a row at a time:
+// the same values and operations, Q4_K's prefill products 1.02-1.09x on Zen 4 (kernel_ab.py, 64
+// and 256 rows).
 template <int MB, int64_t T>
 void x8_prefill_rows(const int16_t* x16, const float* xs, int64_t m, int64_t K, const int16_t* buf, const float* dvec,
                      const float* bsums, const float* mins, float* y, int64_t N, int64_t g) {
   constexpr int kXScale = x_scale_slices(T);
   alignas(32) float part[MB][kX8Rows];
   x8_wide_rows<MB, flush_slices(T), kXScale>(x16 + m * K, xs + m * (K / 8 / kXScale), K, buf, dvec, part);
-  if (mins != nullptr) {
+  if constexpr (T == Q4_K || T == Q4_1) {
     __m256 a0[MB], a1[MB];
     for (int mi = 0; mi < MB; ++mi) a0[mi] = a1[mi] = _mm256_setzero_ps();
     for (int64_t j = 0; j < K / 32; j += 2) {
@@ -2813,7 +2812,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
     std::vector<float> dvec(K / 8 / flush_slices(qtype) * 32), mins(has_mins ? K / 4 : 0);
     for (int64_t g = g0; g < g1; ++g) {
       x8_widen_group(qtype, w, K, N, g, buf.data(), dvec.data(), mins.data(), x8);
-      const float* gm = has_mins ? mins.data() : nullptr;
+      const float* gm = mins.data();
       switch (qtype) {
         case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
         case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;

@@ -121,14 +121,18 @@ def test_dashboard_draws_every_block_when_idle(server):
 
 
 def test_dashboard_shows_shared_blocks_of_parallel_sampling_then_preemption(server):
-    bodies = [{"model": MODEL_NAME, "prompt": SHARED_PROMPT, "n": 4, "max_tokens": 300, "temperature": 1.0,
-               "seed": 1, "ignore_eos": True}]
+    # The forks run long (they outlast the browser's visits below; the client hangs up at the end).
+    forks = Background(server.url, [{"model": MODEL_NAME, "prompt": SHARED_PROMPT, "n": 4, "max_tokens": 1000,
+                                      "temperature": 1.0, "seed": 1, "ignore_eos": True}])
     # 12 more requests of 56-token prompts (no shared prefix: each starts with its own number): 16
     # sequences outgrow the pool of 91 blocks after ~35 tokens each, and the latest are preempted.
-    bodies += [{"model": MODEL_NAME, "prompt": f"Story {i}. {SHARED_PROMPT}", "max_tokens": 300,
-                "temperature": 1.0, "seed": i, "ignore_eos": True} for i in range(12)]
-    load = Background(server.url, bodies)
+    # They start once the forks run, so the forks are the oldest and keep their shared blocks: the
+    # scheduler preempts the latest admitted.
+    load = None
     try:
+        load = Background(server.url, [{"model": MODEL_NAME, "prompt": f"Story {i}. {SHARED_PROMPT}",
+                                        "max_tokens": 300, "temperature": 1.0, "seed": i, "ignore_eos": True}
+                                       for i in range(12)])
         # The siblings fork once the prompt is computed; wait for them.
         deadline = time.monotonic() + 60
         while True:
@@ -184,7 +188,9 @@ def test_dashboard_shows_shared_blocks_of_parallel_sampling_then_preemption(serv
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert shot.stat().st_size > 20_000
     finally:
-        load.close()
+        if load is not None:
+            load.close()
+        forks.close()
     server.wait_all_blocks_free()
 
 

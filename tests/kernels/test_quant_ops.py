@@ -289,8 +289,8 @@ def amx_cases() -> list:
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "prefill_types", ()), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype, amx_tiles", amx_cases() if cpu.quant_kernels() else [], indirect=["amx_tiles"])
 def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype, amx_tiles):
-    """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (csrc
-    x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
+    """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (and Q4_1's
+    in AVX-512 VNNI builds; csrc x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
     for every row of x, and so do those of Q8_0 and
     Q4_1's blocks from 9 rows, repacked Q4_1 and Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds
     (csrc widen_min_rows, kQ41RowLoopMax): x
@@ -341,7 +341,7 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
     assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                        kernels.gguf_matmul_int8(x, w, kind, cols, True))
     x = torch.randn(40, cols)
-    if qtype == T.Q4_1:  # not a prefill type: the float32 tiles there
+    if qtype == T.Q4_1 and kernels.int8_kernel != "avx512_vnni":  # AVX2 builds: the float32 tiles there
         assert kind not in q.prefill_types("int8x2")
         return
     assert kind in q.prefill_types("int8x2")
@@ -427,9 +427,14 @@ def test_int8_mode_past_its_rows_multiplies_bfloat16_tiles(qtype):
     exact = q.gguf_matmul(x, raw, int(qtype), 512)
     assert not torch.equal(ours, exact)
     assert (ours - exact).abs().max() <= 2e-2 * exact.abs().max()  # bfloat16's 8 bits, summed over 512
-    x = torch.randn(q.int8_max_rows("int8x2", int(qtype)) + 1, 512)  # int8x2 past its bound: never bfloat16
-    assert torch.equal(q.gguf_matmul(x, raw, int(qtype), 512, activations="int8x2"),
-                       q.gguf_matmul(x, raw, int(qtype), 512))
+    # int8x2 past its bound: never bfloat16; the integer prefill kernel (its two codes) where it takes
+    # the type (Q4_1's blocks in AVX-512 VNNI builds), else the float32 product
+    x = torch.randn(q.int8_max_rows("int8x2", int(qtype)) + 1, 512)
+    prefill = int(qtype) in q.prefill_types("int8x2")
+    expected = (cpu.quant_kernels().gguf_matmul_int8(x, raw, int(qtype), 512, True) if prefill
+                else q.gguf_matmul(x, raw, int(qtype), 512))
+    assert torch.equal(q.gguf_matmul(x, raw, int(qtype), 512, activations="int8x2"), expected)
+    assert prefill == (qtype == T.Q4_1)  # this build: AVX-512 VNNI (the skip above)
 
 
 def test_the_fallback_without_compiled_kernels_gives_the_same_results(monkeypatch):

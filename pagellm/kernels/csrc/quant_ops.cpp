@@ -3806,9 +3806,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
 #if defined(PAGELLM_INT8_ACTIVATIONS)
   m.attr("has_int8_activations") = true;
-  // x8_prefill: past kX8MaxRowLoop rows of x, the weights of these types (ids as the products take them)
+  // x8_prefill: past kX8MaxRowLoop rows of x, the weights of these types (ids as the products take them).
+  // In AVX-512 VNNI builds Q4_1 too, repacked and in blocks: against widening float32 tiles for
+  // torch's GEMM, SmolLM2's shapes 1.7-2.6x at 33 rows, 1.3-1.5x at 256 (two threads, turn about).
+  // AVX2 builds keep Q4_1's tiles: their widening ran 1.4-1.6x the tiles at 33 rows but 0.74-1.07x
+  // at 256 (x86-64-v3 build, torch held to AVX2, on an AVX-512 machine).
+#if defined(PAGELLM_INT8_VNNI)
+  m.attr("prefill_types") = py::make_tuple(static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8),
+                                           static_cast<int64_t>(Q8_0), static_cast<int64_t>(Q4_1_X8),
+                                           static_cast<int64_t>(Q4_1));
+#else
   m.attr("prefill_types") = py::make_tuple(static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8),
                                            static_cast<int64_t>(Q8_0));
+#endif
   m.attr("prefill_min_rows") = kX8MaxRowLoop + 1;
   // ... and the GGUF types whose products take it from fewer rows (widen_min_rows): Python's int8x2
   // bounds give them the integer kernels up to kX8MaxRowLoop rows

@@ -7,21 +7,33 @@ import torch
 
 from pagellm.core.step_plan import SampleSpec
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.proposers.ngram import NgramProposer, lookup
+from pagellm.worker.proposers.ngram import NgramProposer, lookup, vouched
 from pagellm.worker.rejection_sampler import accept_drafts, num_accepted, verification_specs
 from pagellm.worker.sampler import Sampler, SamplingMetadata, sampling_probs
 
 
 @pytest.mark.parametrize("tokens, k, expected", [
-    ([1, 2, 3, 4, 5, 1, 2, 3], 3, [4, 5, 1]),        # the longest suffix found: 1 2 3
-    ([1, 2, 9, 4, 2, 3, 7, 2, 3], 2, [7, 2]),        # its latest earlier occurrence
-    ([5, 6, 7, 8, 1, 6, 7], 9, [8, 1, 6, 7]),        # fewer than k tokens follow it
+    ([1, 2, 3, 4, 5, 1, 2, 3, 4], 3, [5, 1, 2]),     # the longest suffix found: 1 2 3 4
+    ([9, 4, 2, 3, 5, 9, 4, 2, 3, 7, 9, 4, 2, 3], 2, [7, 9]),  # its latest earlier occurrence
+    ([5, 6, 7, 8, 5, 6, 7, 8], 9, [5, 6, 7, 8]),     # fewer than k tokens follow it
     ([1, 2, 3, 4], 3, []),                           # no suffix of 2 or more occurs earlier
-    ([256, 1, 0, 0, 9, 1, 0], 2, [0, 9]),            # a byte match across token boundaries is no match
+    ([1, 2, 3, 4, 5, 6, 1, 2, 3], 4, [4]),           # a match of 3 < 4 tokens vouches for 1 (vouched)
+    ([1, 2, 3, 4, 5, 6, 7, 8, 2, 3], 4, [4]),        # ... of 2 for 1
+    ([256, 1, 0, 0, 9, 1, 0], 2, [0]),               # a byte match across token boundaries is no match
 ])
 def test_prompt_lookup(tokens, k, expected):
     assert lookup(tokens, k, 2, 4) == expected
     assert NgramProposer(2, 4).propose([tokens, [7]], [k, k]) == [expected, []]
+
+
+def test_a_match_proposes_by_its_length():
+    """All that was asked after a match of prompt_lookup_max tokens, at most half its length (at
+    least 1) after a shorter one."""
+    assert [vouched(n, 8, 8) for n in range(1, 9)] == [1, 1, 1, 2, 2, 3, 3, 8]
+    assert [vouched(n, 4, 2) for n in range(1, 5)] == [1, 1, 1, 2]
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6]
+    assert lookup(tokens, 8, 1, 6) == [7, 8, 9, 1, 2, 3, 4, 5]  # 6 = max: all 8 asked
+    assert lookup(tokens, 8, 1, 7) == [7, 8, 9]  # 6 < 7: three
 
 
 def test_each_verified_position_sees_the_drafts_before_it_as_output():

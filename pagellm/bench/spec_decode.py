@@ -534,6 +534,41 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def verify_phases_doc_table(doc: dict, rows: tuple[int, ...] = (1, 2, 5, 9)) -> str:
+    """docs/speculative-decoding.md's table of a verification's phases by its rows
+    (benchmarks/verify_phases.py's results): ms per step."""
+    from pagellm.bench import doc_sections
+
+    table = []
+    for n in rows:
+        r = doc["by_rows"].get(str(n))
+        if r is None:
+            continue
+        other = r.get("model_forward_ms", 0.0) - r.get("attention_ms", 0.0)
+        table.append([n, f"{r['step_ms']:.1f} ms", f"{r.get('attention_ms', 0.0):.1f}", f"{other:.1f}",
+                      f"{r.get('logits_ms', 0.0):.1f}", r["steps"]])
+    return doc_sections.markdown_table(["rows in the step", "step", "attention", "other layer work (products, norms)",
+                                        "logits", "steps measured"], table, "rrrrrr")
+
+
+def vouched_doc_table(runs: list[dict]) -> str:
+    """docs/speculative-decoding.md's table of prompt lookup with the length cap against without it
+    (benchmarks/lookup_vouched_ab.py's results): decode speed ratios in total time, per run."""
+    from pagellm.bench import doc_sections
+
+    table = []
+    for doc in runs:
+        spec = doc["speculative_config"]
+        lookup_range = f"{spec.get('prompt_lookup_min', 2)}..{spec.get('prompt_lookup_max', 4)}"
+        w = doc["workloads"]
+        table.append([f"k = {spec['num_speculative_tokens']}, lookup {lookup_range}", doc["machine"]["cpu"],
+                      *(f"{w[name]['speedup_total_time']:.3f}x" if name in w else "-"
+                        for name in ("code-edit", "summary", "chat")),
+                      "yes" if all(e["outputs_equal"] for e in w.values()) else "no"])
+    return doc_sections.markdown_table(["config", "CPU", "code edit", "summary", "chat", "same output"], table,
+                                       "llrrrl")
+
+
 def doc_table(doc: dict) -> str:
     """docs/speculative-decoding.md's table: per workload, plain and speculative decode speed (medians)."""
     from pagellm.bench import doc_sections

@@ -2,8 +2,9 @@
 
 The last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are looked for earlier in
 the prompt and output; at the most recent earlier occurrence of the longest n that has one, the
-tokens that followed it are proposed, as many as a match of that length vouches for. A model copying from its context (editing a file, quoting a
-document, echoing JSON) makes these proposals right.
+tokens that followed it are proposed, as many as a match of that length vouches for. A model
+copying from its context (editing a file, quoting a document, echoing JSON) makes these proposals
+right.
 """
 from __future__ import annotations
 
@@ -20,10 +21,8 @@ _ITEM = array("i").itemsize
 def vouched(n: int, max_n: int, num_tokens: int) -> int:
     """How many of the tokens after a match of the last `n` tokens are proposed: all `num_tokens`
     for a match of max_n, at most max(1, n // 2) after a shorter one. A short match is a weak
-    promise that the text goes on as it did there (on the bundled model's code edit, the 8 tokens
-    after an 8-token match were kept 91% of the time, one token after a 1- or 2-token match 15-47%),
-    and every token proposed costs a row of the verification, kept or not
-    (docs/speculative-decoding.md, "How many tokens a match proposes")."""
+    promise that the text goes on as it did there, and every token proposed costs a row of the
+    verification, kept or not (docs/speculative-decoding.md, "How many tokens a match proposes")."""
     return num_tokens if n >= max_n else min(num_tokens, max(1, n // 2))
 
 

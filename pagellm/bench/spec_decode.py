@@ -558,10 +558,10 @@ def vouched_doc_table(runs: list[dict]) -> str:
 
     table = []
     for doc in runs:
-        spec = doc["speculative_config"]
-        lookup_range = f"{spec.get('prompt_lookup_min', 2)}..{spec.get('prompt_lookup_max', 4)}"
+        spec = SpeculativeConfig.from_dict(doc["speculative_config"])
         w = doc["workloads"]
-        table.append([f"k = {spec['num_speculative_tokens']}, lookup {lookup_range}", doc["machine"]["cpu"],
+        cpu = ", ".join(filter(None, (doc["machine"]["cpu"], doc["machine"].get("isa"))))
+        table.append([f"k = {spec.num_speculative_tokens}, lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}", cpu,
                       *(f"{w[name]['speedup_total_time']:.3f}x" if name in w else "-"
                         for name in ("code-edit", "summary", "chat")),
                       "yes" if all(e["outputs_equal"] for e in w.values()) else "no"])

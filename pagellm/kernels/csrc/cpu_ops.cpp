@@ -150,11 +150,9 @@ inline __m512 load16(const E5M2* p) {
 
 // The 16 horizontal sums of v[0..15], as one vector in token order: a transpose-and-add tree
 // (15 adds and 30 shuffles) instead of 16 separate reductions of about 8 instructions each.
-inline __m512 hsum16(__m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // 256-bit halves: token pair (2i, 2i+1), 8 partial sums each
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+// hsum16 from its first level: a[i] holds token pair (2i, 2i+1)'s 256-bit halves added.
+inline __m512 hsum16_from_pairs(const __m512 a[8]) {
+  __m512 b[4];
   for (int i = 0; i < 4; ++i)  // 128-bit lanes: lane L of b[i] holds token 4i+L's 4 partial sums
     b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
@@ -166,6 +164,14 @@ inline __m512 hsum16(__m512 v[16]) {
       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u01), _mm512_castps_pd(u23))));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, f);
+}
+
+inline __m512 hsum16(__m512 v[16]) {
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: token pair (2i, 2i+1), 8 partial sums each
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  return hsum16_from_pairs(a);
 }
 
 // Scores of up to 16 tokens (rows of `row` elements from k) against one query head of DT
@@ -190,6 +196,53 @@ inline void scores16(const float* q, const T* k, int64_t row, int64_t n, float s
     r = _mm512_mul_ps(r, _mm512_load_ps(rs));
   }
   _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1), r);
+}
+
+
+// scores16 for two query heads that share the K rows (a KV head's group, or two query tokens):
+// each row of K loaded once for both, and each pair of tokens' products folded at once into
+// hsum16's first level, so two heads' partial sums stay in registers. Every score is scores16's
+// arithmetic, operation for operation (the same products, the same tree): the same bits.
+template <int DT, typename T>
+inline void scores16_pair(const float* qa, const float* qb, const T* k, int64_t row, int64_t n, float scale,
+                          float* sa, float* sb) {
+  constexpr int C = DT / 16;
+  __m512 qva[C], qvb[C], a[2][8];
+  for (int c = 0; c < C; ++c) {
+    qva[c] = _mm512_loadu_ps(qa + 16 * c);
+    qvb[c] = _mm512_loadu_ps(qb + 16 * c);
+  }
+  for (int i = 0; i < 8; ++i) {
+    __m512 va[2], vb[2];
+    for (int j = 0; j < 2; ++j) {
+      const int t = 2 * i + j;
+      if (t < n) {
+        const T* kt = k + t * row;
+        __m512 x = load16(kt);
+        __m512 pa = _mm512_mul_ps(qva[0], x), pb = _mm512_mul_ps(qvb[0], x);
+        for (int c = 1; c < C; ++c) {
+          x = load16(kt + 16 * c);
+          pa = _mm512_fmadd_ps(qva[c], x, pa);
+          pb = _mm512_fmadd_ps(qvb[c], x, pb);
+        }
+        va[j] = pa;
+        vb[j] = pb;
+      } else {
+        va[j] = vb[j] = _mm512_setzero_ps();
+      }
+    }
+    a[0][i] = _mm512_add_ps(_mm512_shuffle_f32x4(va[0], va[1], 0x44), _mm512_shuffle_f32x4(va[0], va[1], 0xEE));
+    a[1][i] = _mm512_add_ps(_mm512_shuffle_f32x4(vb[0], vb[1], 0x44), _mm512_shuffle_f32x4(vb[0], vb[1], 0xEE));
+  }
+  alignas(64) float rs[16] = {};
+  if constexpr (kQuantized<T>)
+    for (int t = 0; t < n; ++t) rs[t] = row_scale(k + t * row, DT);
+  float* out[2] = {sa, sb};
+  for (int h = 0; h < 2; ++h) {
+    __m512 r = _mm512_mul_ps(hsum16_from_pairs(a[h]), _mm512_set1_ps(scale));
+    if constexpr (kQuantized<T>) r = _mm512_mul_ps(r, _mm512_load_ps(rs));
+    _mm512_mask_storeu_ps(out[h], static_cast<__mmask16>((1u << n) - 1), r);
+  }
 }
 
 #endif
@@ -564,9 +617,19 @@ void attend_run(const WorkItem& w, int64_t Drt, int64_t H, int64_t KVH, int64_t 
           for (int64_t h = 0; h < KVH; ++h)
             for (int64_t g = 0; g < G; ++g) {
               pf.ask();
+              const int64_t hh = h * G + g;
+              if (g + 1 < G && DT <= 64) {  // two heads a pass: each K row loaded once for both
+                pf.ask();
+                for (int64_t u = 0; u < n; u += 16)
+                  scores16_pair<DT, T>(qt + hh * DT, qt + (hh + 1) * DT, kb + u * row + h * HS, row,
+                                       std::min<int64_t>(16, n - u), scale, s + hh * kTile + u,
+                                       s + (hh + 1) * kTile + u);
+                ++g;
+                continue;
+              }
               for (int64_t u = 0; u < n; u += 16)
-                scores16<DT, T>(qt + (h * G + g) * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, n - u),
-                                scale, s + (h * G + g) * kTile + u);
+                scores16<DT, T>(qt + hh * DT, kb + u * row + h * HS, row, std::min<int64_t>(16, n - u),
+                                scale, s + hh * kTile + u);
             }
         } else
 #elif defined(PAGELLM_SCORES8)

@@ -46,8 +46,8 @@ def main() -> None:
         for workload in args.workloads.split(","):
             seconds: dict[str, list[float]] = {"new": [], "old": []}
             for source in spec_decode.round_sources(workload, args.prompts):
-                prompt = spec_decode.render_prompt(llm.engine.tokenizer, spec_decode.user_message(workload, source, cfg),
-                                                   source)
+                message = spec_decode.user_message(workload, source, cfg)
+                prompt = spec_decode.render_prompt(llm.engine.tokenizer, message, source)
                 ids = {"prompt_token_ids": prompt.token_ids}
                 llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
                 outputs = {}

@@ -80,11 +80,7 @@ def main() -> None:
                                 "code_file": args.code_file, "prompt_tokens": len(prompt.token_ids),
                                 "tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
                                 "loadavg_before_after": [load, os.getloadavg()], "by_rows": by_rows})
-    print("rows  steps  step ms  attention  other layer work  logits")
-    for rows, r in by_rows.items():
-        other = r.get("model_forward_ms", 0.0) - r.get("attention_ms", 0.0)
-        print(f"{rows:4d}  {r['steps']:5d}  {r['step_ms']:7.1f}  {r.get('attention_ms', 0.0):9.1f}  {other:16.1f}"
-              f"  {r.get('logits_ms', 0.0):6.1f}")
+    print(spec_decode.verify_phases_doc_table({"by_rows": by_rows}, rows=None))
 
 
 if __name__ == "__main__":

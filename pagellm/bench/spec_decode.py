@@ -534,14 +534,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_phases_doc_table(doc: dict, rows: tuple[int, ...] = (1, 2, 5, 9)) -> str:
+def verify_phases_doc_table(doc: dict, rows: tuple[int, ...] | None = (1, 2, 5, 9)) -> str:
     """docs/speculative-decoding.md's table of a verification's phases by its rows
-    (benchmarks/verify_phases.py's results): ms per step."""
+    (benchmarks/verify_phases.py's results; `rows` None: every row count measured): ms per step."""
     from pagellm.bench import doc_sections
 
+    by_rows = {int(n): r for n, r in doc["by_rows"].items()}  # str keys once written to JSON
     table = []
-    for n in rows:
-        r = doc["by_rows"].get(str(n))
+    for n in sorted(by_rows) if rows is None else rows:
+        r = by_rows.get(n)
         if r is None:
             continue
         other = r.get("model_forward_ms", 0.0) - r.get("attention_ms", 0.0)
@@ -561,7 +562,8 @@ def vouched_doc_table(runs: list[dict]) -> str:
         spec = SpeculativeConfig.from_dict(doc["speculative_config"])
         w = doc["workloads"]
         cpu = ", ".join(filter(None, (doc["machine"]["cpu"], doc["machine"].get("isa"))))
-        table.append([f"k = {spec.num_speculative_tokens}, lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}", cpu,
+        config = f"k = {spec.num_speculative_tokens}, lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+        table.append([config, cpu,
                       *(f"{w[name]['speedup_total_time']:.3f}x" if name in w else "-"
                         for name in ("code-edit", "summary", "chat")),
                       "yes" if all(e["outputs_equal"] for e in w.values()) else "no"])

@@ -198,11 +198,10 @@ inline void scores16(const float* q, const T* k, int64_t row, int64_t n, float s
   _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1), r);
 }
 
-
-// scores16 for two query heads that share the K rows (a KV head's group, or two query tokens):
-// each row of K loaded once for both, and each pair of tokens' products folded at once into
-// hsum16's first level, so two heads' partial sums stay in registers. Every score is scores16's
-// arithmetic, operation for operation (the same products, the same tree): the same bits.
+// scores16 for two query heads of one KV head, which read the same K rows: each row of K loaded
+// once for both, and each pair of tokens' products folded at once into hsum16's first level, so
+// two heads' partial sums stay in registers. Every score is scores16's arithmetic, operation for
+// operation (the same products, the same tree): the same bits.
 template <int DT, typename T>
 inline void scores16_pair(const float* qa, const float* qb, const T* k, int64_t row, int64_t n, float scale,
                           float* sa, float* sb) {

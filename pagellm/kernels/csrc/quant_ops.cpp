@@ -3811,14 +3811,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // torch's GEMM, SmolLM2's shapes 1.7-2.6x at 33 rows, 1.3-1.5x at 256 (two threads, turn about).
   // AVX2 builds keep Q4_1's tiles: their widening ran 1.4-1.6x the tiles at 33 rows but 0.74-1.07x
   // at 256 (x86-64-v3 build, torch held to AVX2, on an AVX-512 machine).
+  py::list prefill;
+  for (int64_t t : {static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8), static_cast<int64_t>(Q8_0)})
+    prefill.append(t);
 #if defined(PAGELLM_INT8_VNNI)
-  m.attr("prefill_types") = py::make_tuple(static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8),
-                                           static_cast<int64_t>(Q8_0), static_cast<int64_t>(Q4_1_X8),
-                                           static_cast<int64_t>(Q4_1));
-#else
-  m.attr("prefill_types") = py::make_tuple(static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8),
-                                           static_cast<int64_t>(Q8_0));
+  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_1)}) prefill.append(t);
 #endif
+  m.attr("prefill_types") = py::tuple(prefill);
   m.attr("prefill_min_rows") = kX8MaxRowLoop + 1;
   // ... and the GGUF types whose products take it from fewer rows (widen_min_rows): Python's int8x2
   // bounds give them the integer kernels up to kX8MaxRowLoop rows

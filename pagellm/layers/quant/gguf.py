@@ -22,9 +22,9 @@ instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a
 compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Larger
 batches against repacked Q4_K / Q6_K and Q8_0 (and Q4_1 in AVX-512 VNNI builds) in mode "int8x2" (and
 "int8" without those tiles) stay integer: csrc x8_prefill widens each group of 8 rows of W once to 16-bit
-values for all the rows of x (prefill_types). On CPUs with AMX, products of at least `amx_min_rows` rows against repacked Q4_K / Q6_K
-and Q8_0 and Q4_1 blocks (decode steps of many streams, prefills) multiply the same rounded activations on
-its int8 tiles instead (csrc amx_product). Otherwise, up to
+values for all the rows of x (prefill_types). On CPUs with AMX, products of at least `amx_min_rows` rows
+against repacked Q4_K / Q6_K and Q8_0 and Q4_1 blocks (decode steps of many streams, prefills) multiply the
+same rounded activations on its int8 tiles instead (csrc amx_product). Otherwise, up to
 FUSED_MAX_ROWS rows of activations (decode steps) run the fused kernel, which streams the blocks
 once and multiplies in float32; larger batches are compute-bound, and widen TILE_VALUES of the
 weight at a time for torch's GEMM (AVX-512 BF16 or AMX in bfloat16, so a bfloat16 model switches

@@ -44,13 +44,15 @@ def system_mode(result: dict) -> str | None:
 
 def cpu_label(doc: dict) -> str:
     """The machine a result file was measured on, as the tables name it: the CPU, its instruction
-    sets and, where pagellm's kernels were built for another target than this CPU, that target."""
+    sets and, where pagellm's kernels were built for another target than this CPU, that target (and
+    torch's held to fewer instructions, where they were)."""
     m = doc.get("machine", {})
     isa = m.get("isa")
     if isa is None:
         return f"{m.get('cpu', '?')} (flags not recorded)"
     build = "" if m.get("kernels_march") in (None, "native") else f", kernels -march={m['kernels_march']}"
-    return f"{m.get('cpu', '?')}, {isa}{build}"
+    held = "".join(f", {k}={v}" for k, v in m.get("isa_limits", {}).items())
+    return f"{m.get('cpu', '?')}, {isa}{build}{held}"
 
 
 def _load(doc: dict) -> str:

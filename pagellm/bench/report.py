@@ -57,6 +57,10 @@ def _with(stem: Path, extension: str) -> Path:
 SIMD_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "vnni", "bmi")
 
 
+# Environment variables that hold torch's CPU kernels (ATen's, MKL's) to an older instruction set.
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_info() -> dict:
     cpu = cpu_model() or platform.processor() or platform.machine()
     mem = None
@@ -72,8 +76,11 @@ def machine_info() -> dict:
     # cpu_flags: the vector and matrix extensions among /proc/cpuinfo's flags, which decide which
     # kernels run and how fast (an AVX2-only Zen 3 and an AVX-512 Zen 4 both say "AMD EPYC").
     simd = sorted(f for f in cpu_flags() if f.startswith(SIMD_FLAG_PREFIXES))
-    return {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform(),
+    info = {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform(),
             "isa": envs.cpu_isa_tag(), "kernels_march": envs.cpu_march(), "cpu_flags": simd}
+    # torch's own kernels held to fewer extensions (an AVX2 run on an AVX-512 CPU holds both sides to AVX2)
+    held = {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}
+    return {**info, "isa_limits": held} if held else info
 
 
 def versions(extra: Sequence[str] = ()) -> dict:

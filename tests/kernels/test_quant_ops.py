@@ -290,7 +290,7 @@ def amx_cases() -> list:
 @pytest.mark.parametrize("qtype, amx_tiles", amx_cases() if cpu.quant_kernels() else [], indirect=["amx_tiles"])
 def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype, amx_tiles):
     """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (and Q4_1's
-    in AVX-512 VNNI builds; csrc x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
+    in AVX-512 VNNI builds, repacked Q4_1's up to 64 rows in AVX2 ones; csrc x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
     for every row of x, and so do those of Q8_0 and
     Q4_1's blocks from 9 rows, repacked Q4_1 and Q6_K from 17, Q4_K from 25 in AVX-512 VNNI builds
     (csrc widen_min_rows, kQ41RowLoopMax): x
@@ -341,12 +341,21 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
     assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                        kernels.gguf_matmul_int8(x, w, kind, cols, True))
     x = torch.randn(40, cols)
-    if qtype == T.Q4_1 and kernels.int8_kernel != "avx512_vnni":  # AVX2 builds: the float32 tiles there
+    if qtype == T.Q4_1 and kernels.int8_kernel != "avx512_vnni" and blocks:  # AVX2 builds: the float32 tiles
         assert kind not in q.prefill_types("int8x2")
         return
     assert kind in q.prefill_types("int8x2")
     assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                        kernels.gguf_matmul_int8(x, w, kind, cols, True))
+    # AVX2 builds' repacked Q4_1: integer up to its cap (64 rows), the float32 tiles past it
+    cap = q.prefill_max_rows().get(kind)
+    assert (cap is not None) == (qtype == T.Q4_1 and kernels.int8_kernel != "avx512_vnni")
+    if cap is not None:
+        at_cap, past = torch.randn(cap, cols), torch.randn(cap + 1, cols)
+        assert torch.equal(q.gguf_matmul(at_cap, w, kind, cols, activations="int8x2"),
+                           kernels.gguf_matmul_int8(at_cap, w, kind, cols, True))
+        assert torch.equal(q.gguf_matmul(past, w, kind, cols, activations="int8x2"),
+                           q.widened_product(past, w, kind, cols))
     x[1, 5], x[2, min(300, cols - 1)] = float("nan"), float("inf")  # a row gone bad stays bad; the others are untouched
     ours = kernels.gguf_matmul_int8(x, w, kind, cols, True)
     assert ours[1].isnan().all() and not ours[2].isfinite().any()
@@ -434,7 +443,8 @@ def test_int8_mode_past_its_rows_multiplies_bfloat16_tiles(qtype):
     expected = (cpu.quant_kernels().gguf_matmul_int8(x, raw, int(qtype), 512, True) if prefill
                 else q.gguf_matmul(x, raw, int(qtype), 512))
     assert torch.equal(q.gguf_matmul(x, raw, int(qtype), 512, activations="int8x2"), expected)
-    assert prefill == (qtype == T.Q4_1)  # this build: AVX-512 VNNI (the skip above)
+    # Q4_1's blocks in AVX-512 VNNI builds only (an AVX2 build on a CPU with BF16 passes the skip above)
+    assert prefill == (qtype == T.Q4_1 and cpu.quant_kernels().int8_kernel == "avx512_vnni")
 
 
 def test_the_fallback_without_compiled_kernels_gives_the_same_results(monkeypatch):

@@ -3556,6 +3556,14 @@ constexpr int64_t widen_min_rows(int64_t qtype) {
 // tiles and 1.0-1.3x the widening (SmolLM2's four Q4_1 shapes, two threads, turn about), which win
 // from 24. These are the sizes of speculative verifications and of steps of 8-16 streams.
 constexpr int64_t kQ41RowLoopMax = 16;
+#if !defined(PAGELLM_INT8_VNNI)
+// AVX2 builds' prompts over repacked Q4_1 take x8_prefill up to this many rows, float32 tiles for
+// torch's GEMM past them: against the tiles, SmolLM2's four Q4_1 shapes at 33 and 48 rows 1.1-1.55x,
+// at 64 1.0-2.1x, at 96 0.88-1.27x, at 256 0.75-1.0x (x86-64-v3 build, torch held to AVX2, on an
+// AVX-512 machine, two threads, turn about; kernel_ab.py --base-product widened). In GGUF's blocks
+// Q4_1 fell to 0.90x at 64 rows already: those keep the tiles.
+constexpr int64_t kQ41PrefillMaxRows = 64;
+#endif
 
 inline bool widens(int64_t qtype, int64_t M) {
 #if !defined(PAGELLM_INT8_VNNI)
@@ -3809,15 +3817,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // x8_prefill: past kX8MaxRowLoop rows of x, the weights of these types (ids as the products take them).
   // In AVX-512 VNNI builds Q4_1 too, repacked and in blocks: against widening float32 tiles for
   // torch's GEMM, SmolLM2's shapes 1.7-2.6x at 33 rows, 1.3-1.5x at 256 (two threads, turn about).
-  // AVX2 builds keep Q4_1's tiles: their widening ran 1.4-1.6x the tiles at 33 rows but 0.74-1.07x
-  // at 256 (x86-64-v3 build, torch held to AVX2, on an AVX-512 machine).
+  // AVX2 builds give it repacked Q4_1 up to kQ41PrefillMaxRows rows (below), the float32 tiles past them.
   py::list prefill;
+  py::dict prefill_max;  // the types whose integer prefill stops at a number of rows
   for (int64_t t : {static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8), static_cast<int64_t>(Q8_0)})
     prefill.append(t);
 #if defined(PAGELLM_INT8_VNNI)
   for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_1)}) prefill.append(t);
+#else
+  prefill.append(static_cast<int64_t>(Q4_1_X8));
+  prefill_max[py::int_(static_cast<int64_t>(Q4_1_X8))] = kQ41PrefillMaxRows;
 #endif
   m.attr("prefill_types") = py::tuple(prefill);
+  m.attr("prefill_max_rows") = prefill_max;
   m.attr("prefill_min_rows") = kX8MaxRowLoop + 1;
   // ... and the GGUF types whose products take it from fewer rows (widen_min_rows): Python's int8x2
   // bounds give them the integer kernels up to kX8MaxRowLoop rows
@@ -3831,6 +3843,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("widen_min_rows") = py::dict();
   m.attr("has_int8_activations") = false;
   m.attr("prefill_types") = py::tuple();
+  m.attr("prefill_max_rows") = py::dict();
   m.attr("prefill_min_rows") = 0;
 #endif
   // The float32 kernel's vector width: 16 lanes with AVX-512, 8 with AVX2 (0: portable loops), and

@@ -20,9 +20,9 @@ llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batc
 "int8" (prefills, and decode steps that a prefill joins) round their activations to bfloat16
 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a product is
 compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Larger
-batches against repacked Q4_K / Q6_K and Q8_0 (and Q4_1 in AVX-512 VNNI builds) in mode "int8x2" (and
-"int8" without those tiles) stay integer: csrc x8_prefill widens each group of 8 rows of W once to 16-bit
-values for all the rows of x (prefill_types). On CPUs with AMX, products of at least `amx_min_rows` rows
+batches against repacked Q4_K / Q6_K and Q8_0 (and Q4_1 in AVX-512 VNNI builds; in AVX2 ones repacked
+Q4_1 up to 64 rows) in mode "int8x2" (and "int8" without those tiles) stay integer: csrc x8_prefill
+widens each group of 8 rows of W once to 16-bit values for all the rows of x (prefill_types). On CPUs with AMX, products of at least `amx_min_rows` rows
 against repacked Q4_K / Q6_K and Q8_0 and Q4_1 blocks (decode steps of many streams, prefills) multiply the
 same rounded activations on its int8 tiles instead (csrc amx_product). Otherwise, up to
 FUSED_MAX_ROWS rows of activations (decode steps) run the fused kernel, which streams the blocks
@@ -227,8 +227,9 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     kernels = cpu.quant_kernels() if x.is_cpu else None  # is_cpu: a fifth of device.type's cost
     if activations != "none" and kernels is not None:
         bound = int8_max_rows(activations, qtype)
-        if (x.shape[0] <= bound or (x.shape[0] > WIDE_INT8_MAX_ROWS and qtype in prefill_types(activations))) \
-                and cols % 64 == 0:
+        rows = x.shape[0]
+        if (rows <= bound or (rows > WIDE_INT8_MAX_ROWS and qtype in prefill_types(activations)
+                              and rows <= prefill_max_rows().get(qtype, rows))) and cols % 64 == 0:
             return _as(kernels.gguf_matmul_int8(x, data, qtype, cols, activations == "int8x2"), x.dtype)
         if activations == "int8" and BF16_TILES and x.shape[0] > bound:
             return _as(widened_product(x.to(torch.bfloat16), data, qtype, cols), x.dtype)
@@ -265,7 +266,7 @@ def wide_int8_types(activations: str) -> frozenset[int]:
 @functools.cache
 def prefill_types(activations: str) -> frozenset[int]:
     """The weight ids (repacked Q4_K and Q6_K, Q8_0's blocks; Q4_1, repacked and in blocks, in AVX-512
-    VNNI builds) whose products in mode `activations` take the integer kernel past WIDE_INT8_MAX_ROWS
+    VNNI builds, repacked up to prefill_max_rows in AVX2 ones) whose products in mode `activations` take the integer kernel past WIDE_INT8_MAX_ROWS
     rows too (prefills): csrc x8_prefill widens each group of 8 rows of W once to 16-bit values for all
     the rows of x, rounded as the mode's products of fewer rows round them, and beats widening float32
     tiles for torch's GEMM (docs/quantization.md, "Prefill products"). Mode int8 on a CPU with bfloat16
@@ -276,6 +277,14 @@ def prefill_types(activations: str) -> frozenset[int]:
     if getattr(kernels, "prefill_min_rows", 0) != WIDE_INT8_MAX_ROWS + 1:
         return frozenset()  # a build whose row loops end elsewhere: its kernels past them are not these
     return frozenset(getattr(kernels, "prefill_types", ()))
+
+
+@functools.cache
+def prefill_max_rows() -> dict[int, int]:
+    """The prefill types whose integer products stop at a number of rows, past which the float32
+    tiles win again: in AVX2 builds repacked Q4_1, up to 64 rows (csrc kQ41PrefillMaxRows)."""
+    kernels = cpu.quant_kernels()
+    return dict(getattr(kernels, "prefill_max_rows", {})) if kernels is not None else {}
 
 
 # The types repacked at load: the ones whose tiles' kernels (csrc/quant_ops.cpp, "Q4_K / Q6_K

@@ -4,6 +4,9 @@ model with gguf.prefill_types emptied), in one process, turn about, each prompt 
 prefix-cache hits): the end-to-end effect of the prefill kernels, in the default mode.
 
     python benchmarks/prefill_ab.py --model FILE --tokens 64 256 --rounds 3 --threads 1 --out RESULTS/prefill-ab.json
+
+`--types Q5_K` empties only those GGUF types' place in gguf.prefill_types for "old" (the file's other
+types keep their integer prefill on both sides): one type's share of the gain.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="prompt lengths")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--types", nargs="+", help="GGUF type names whose integer prefill 'old' goes without "
+                                               "(default: every type's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -38,7 +43,14 @@ def main() -> None:
     llm = LLM(args.model, max_model_len=longest + 16, max_num_batched_tokens=longest, enable_prefix_caching=False)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0)
-    paths = {"new": gguf.prefill_types, "old": lambda activations: frozenset()}
+    new = gguf.prefill_types
+    if args.types:  # those types' ids, as GGUF names them and as the kernels name their repacked layouts
+        names = {name: t for t, name in gguf.NATIVE_TYPES.items()}
+        ids = {names[n] for n in args.types} | {r for r, base in gguf._repacked_bases().items()
+                                                 if gguf.NATIVE_TYPES[base] in args.types}
+        paths = {"new": new, "old": lambda activations: new(activations) - ids}
+    else:
+        paths = {"new": new, "old": lambda activations: frozenset()}
     vocab = llm.engine.runner.model.cfg.vocab_size
 
     def seconds(path: str, tokens: int) -> float:
@@ -67,7 +79,8 @@ def main() -> None:
         gguf.prefill_types = paths["new"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, {**metadata("prefill_ab"), "model": args.model, "threads": args.threads, "rounds": args.rounds,
+    write_json(out, {**metadata("prefill_ab"), "model": args.model, "old_without": args.types or "all",
+                     "threads": args.threads, "rounds": args.rounds,
                      "load_avg_before_after": [load, os.getloadavg()], "prompts": results})
 
 

@@ -277,11 +277,11 @@ def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows():
 
 def amx_cases() -> list:
     """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
-    them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels always
-    (set_amx(False))."""
+    them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels
+    always (set_amx(False)), Q5_K's blocks too."""
     kernels = cpu.quant_kernels()
     tiles = getattr(kernels, "amx_min_rows", {})
-    cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)]
+    cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_1)]
     return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)
                     if kernels.repacked_types.get(int(t), int(t)) in tiles]
 
@@ -289,25 +289,25 @@ def amx_cases() -> list:
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "prefill_types", ()), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype, amx_tiles", amx_cases() if cpu.quant_kernels() else [], indirect=["amx_tiles"])
 def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype, amx_tiles):
-    """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's blocks (and Q4_1's
-    in AVX-512 VNNI builds, repacked Q4_1's up to 64 rows in AVX2 ones; csrc x8_prefill; AVX2 builds'
-    Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once for every row of x, and so do
-    those of Q8_0 and Q4_1's blocks from 9 rows, repacked Q4_1 and Q6_K from 17, Q4_K from 25 in AVX-512
-    VNNI builds (csrc widen_min_rows, kQ41RowLoopMax): x rounded as the mode's products of fewer rows
-    round it (one or two codes; per 256 values against the K-quants, per 32 against Q8_0 and Q4_1) times
-    the exact weights, so the float64 product of the rounded x and the dequantized W up to float32
-    summation order. Rows 33-36 and 38 leave every remainder of the passes of 4 rows (AVX2: 2); 5
-    super-blocks, an odd count, and Q6_K's two halves each; Q8_0's and Q4_1's 21 rows end in a part of a
-    group; 420 rows take two chunks of x; 9, 16, 17 and 25 rows, decode-sized (either side of each
-    type's widen_min_rows), whichever kernel the build gives them. With AMX tiles (the -amx cases),
-    every product of at least AMX_TEST_MIN_ROWS rows (repacked Q4_1's from 17, past its row loop's
-    kQ41RowLoopMax): 2, 3, 4, 5, 6, 7 and 9 rows fill part of one tile, 16 rows x's rows in one tile, 17
-    a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and Q4_1's 21, a
-    part of 16 rows); the other cases run without them."""
+    """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's and Q5_K's blocks
+    (and Q4_1's in AVX-512 VNNI builds, repacked Q4_1's up to 64 rows and Q5_K's up to 256 in AVX2 ones;
+    csrc x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
+    for every row of x, and so do those of Q8_0 and Q4_1's blocks from 9 rows, repacked Q4_1 and Q6_K
+    from 17, Q4_K from 25 in AVX-512 VNNI builds (csrc widen_min_rows, kQ41RowLoopMax): x rounded as the
+    mode's products of fewer rows round it (one or two codes; per 256 values against the K-quants, per
+    32 against Q8_0 and Q4_1) times the exact weights, so the float64 product of the rounded x and the
+    dequantized W up to float32 summation order. Rows 33-36 and 38 leave every remainder of the passes
+    of 4 rows (AVX2: 2); 5 super-blocks, an odd count, and Q6_K's two halves each; Q8_0's and Q4_1's 21
+    rows end in a part of a group; 420 rows take two chunks of x; 9, 16, 17 and 25 rows, decode-sized
+    (either side of each type's widen_min_rows), whichever kernel the build gives them. With AMX tiles
+    (the -amx cases), every product of at least AMX_TEST_MIN_ROWS rows (repacked Q4_1's from 17, past
+    its row loop's kQ41RowLoopMax): 2, 3, 4, 5, 6, 7 and 9 rows fill part of one tile, 16 rows x's rows
+    in one tile, 17 a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and
+    Q4_1's 21, a part of 16 rows); the other cases run without them."""
     kernels = cpu.quant_kernels()
-    # Q8_0 kept in GGUF's blocks (not gguf.REPACKED); Q4_1 repacked, as a load gives it, and in
-    # blocks (a weight whose rows are not whole tiles of 8)
-    for blocks in ((True, False) if qtype == T.Q4_1 else (qtype == T.Q8_0,)):
+    # Q8_0 and Q5_K kept in GGUF's blocks (not gguf.REPACKED); Q4_1 repacked, as a load gives it, and
+    # in blocks (a weight whose rows are not whole tiles of 8)
+    for blocks in ((True, False) if qtype == T.Q4_1 else (qtype in (T.Q8_0, T.Q5_K),)):
         _prefill_products_case(kernels, qtype, amx_tiles, blocks)
 
 
@@ -347,9 +347,9 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
     assert kind in q.prefill_types("int8x2")
     assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                        kernels.gguf_matmul_int8(x, w, kind, cols, True))
-    # AVX2 builds' repacked Q4_1: integer up to its cap (64 rows), the float32 tiles past it
+    # AVX2 builds' repacked Q4_1 and Q5_K: integer up to their caps, the float32 tiles past them
     cap = q.prefill_max_rows().get(kind)
-    assert (cap is not None) == (qtype == T.Q4_1 and kernels.int8_kernel != "avx512_vnni")
+    assert (cap is not None) == (qtype in (T.Q4_1, T.Q5_K) and kernels.int8_kernel != "avx512_vnni")
     if cap is not None:
         at_cap, past = torch.randn(cap, cols), torch.randn(cap + 1, cols)
         assert torch.equal(q.gguf_matmul(at_cap, w, kind, cols, activations="int8x2"),

@@ -2537,13 +2537,15 @@ void q6_k_x8_dispatch(bool two_terms, bool per32, const ActView* a, const int32_
 // A prompt's products multiply each weight by tens to thousands of rows of x: compute-bound, so
 // the weight is unpacked once per group of 8 rows for all of them and the rows' arithmetic is what
 // counts. A group is widened once into 16-bit values, the integer sub-block scales folded in
-// (Q4_K: u * sc <= 15 * 63; Q6_K: (u - 32) * sc in [-4096, 4096]; Q8_0: its codes), as
+// (Q4_K: u * sc <= 15 * 63; Q5_K, from GGUF's blocks: u * sc <= 31 * 63; Q6_K: (u - 32) * sc in
+// [-4096, 4096]; Q8_0: its codes), as
 // [slice of 8 values][8 rows][8] (x8_widen_group): a vector of it holds 4 rows (AVX-512) or 2 (AVX2)
 // x 8 values. x comes rounded as the integer kernels of fewer rows round it for the type (Q4_K,
 // Q6_K: quantize_super, one scale per 256 values; Q8_0: quantize_activations, per 32), one code c or
 // two joined into one 16-bit value 128 c + r, and one VPDPWSSD (AVX2: VPMADDWD + VPADDD) per 8 values
 // x 4 (2) rows of W x one row of x sums 2 products per 32-bit lane. A row's lanes are exact integer
-// sums until a float scale changes: one convert and FMA, times d * dx, per super-block (Q4_K), per
+// sums until a float scale changes: one convert and FMA, times d * dx, per super-block (Q4_K; Q5_K,
+// whose lanes hold at most 64 * 1953 * 16320, within 2^31), per
 // 128 values (Q6_K: the most its lanes hold below 2^31, 32 * 4096 * 16320), per block (Q8_0, whose
 // float16 scale is per 32). Q4_K's mins, -dmin * m_j against x's per-32 sums, are float products
 // summed beside. Against the float32 path, which widened tiles for torch's GEMM: the same rounding
@@ -2563,7 +2565,7 @@ inline XF xf_load(const float* p) { return _mm256_loadu_ps(p); }
 constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 1 : 2; }
 #endif
 // Slices of 8 values summed in integers between float scales, and slices per scale of x.
-constexpr int flush_slices(int64_t qtype) { return qtype == Q4_K ? 32 : qtype == Q6_K ? 16 : 4; }
+constexpr int flush_slices(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K ? 32 : qtype == Q6_K ? 16 : 4; }
 constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 4 : 32; }
 
 // Group g (rows 8 g.. of W: of a repacked weight, its tiles; of Q8_0 blocks, the rows that exist, the
@@ -2605,6 +2607,34 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
         const __m128i q = b.codes;
         for (int h = 0; h < 2; ++h)  // values 16 h.. (low nibbles, then high)
           put_half_block(bl, h, r, _mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low)));
+      }
+    }
+    return;
+  }
+  if (qtype == Q5_K) {  // GGUF's blocks: codes u (0..31) times the sub-block's 6-bit scale, as Q4_K
+    for (int r = 0; r < kX8Rows; ++r) {
+      const int64_t n = kX8Rows * g + r;
+      for (int64_t b = 0; b < supers; ++b) {
+        const uint8_t* sb = w + (n * supers + b) * 176;
+        uint8_t sc[8] = {}, m[8] = {};
+        if (n < N)
+          for (int j = 0; j < 8; ++j) scale_min_k4(j, sb + 4, sc + j, m + j);
+        lanes(b, r, n < N ? half_at(sb) : 0.f);
+        const float dmin = n < N ? half_at(sb + 2) : 0.f;
+        for (int j = 0; j < 8; ++j) mins[(b * 8 + j) * 8 + r] = dmin * m[j];
+        for (int j = 0; j < 8; ++j) {  // sub-block j: the low (even j) or high nibbles of 32 bytes of qs
+          const __m256i scale = _mm256_set1_epi16(sc[j]);
+          for (int h = 0; h < 2; ++h) {  // its values 16 h..
+            __m256i v = _mm256_setzero_si256();
+            if (n < N) {
+              const __m128i q = load(sb + 48 + 32 * (j / 2) + 16 * h), high = load(sb + 16 + 16 * h);
+              const __m128i lo4 = _mm_and_si128(j % 2 ? _mm_srli_epi16(q, 4) : q, low);
+              const __m128i bit = _mm_and_si128(_mm_srli_epi16(high, j), _mm_set1_epi8(1));  // qh's bit j
+              v = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_or_si128(lo4, _mm_slli_epi16(bit, 4))), scale);
+            }
+            put_half_block(8 * b + j, h, r, v);
+          }
+        }
       }
     }
     return;
@@ -2750,7 +2780,7 @@ void x8_prefill_rows(const int16_t* x16, const float* xs, int64_t m, int64_t K, 
   constexpr int kXScale = x_scale_slices(T);
   alignas(32) float part[MB][kX8Rows];
   x8_wide_rows<MB, flush_slices(T), kXScale>(x16 + m * K, xs + m * (K / 8 / kXScale), K, buf, dvec, part);
-  if constexpr (T == Q4_K || T == Q4_1) {
+  if constexpr (T == Q4_K || T == Q5_K || T == Q4_1) {
     __m256 a0[MB], a1[MB];
     for (int mi = 0; mi < MB; ++mi) a0[mi] = a1[mi] = _mm256_setzero_ps();
     for (int64_t j = 0; j < K / 32; j += 2) {
@@ -2777,8 +2807,8 @@ void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K,
   for (; m < M; ++m) x8_prefill_rows<1, T>(x16, xs, m, K, buf, dvec, bsums, mins, y, N, g);
 }
 
-// x [M, K] float32 times W [N, ...]: a repacked weight (Q4_K_X8 / Q6_K_X8, qtype its GGUF type) or
-// Q8_0 blocks; y [M, N], x rounded with one or two codes (see above). Each thread widens a group of
+// x [M, K] float32 times W [N, ...]: a repacked weight (Q4_K_X8 / Q6_K_X8 / Q4_1_X8, qtype its GGUF
+// type) or Q8_0's, Q5_K's or Q4_1's blocks; y [M, N], x rounded with one or two codes (see above). Each thread widens a group of
 // 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
 void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
                       bool two_terms, float* y, bool x8) {
@@ -2805,7 +2835,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
     if (two_terms)
       for (float& s : xs) s /= 128.f;
   }
-  const bool has_mins = qtype == Q4_K || qtype == Q4_1;
+  const bool has_mins = qtype == Q4_K || qtype == Q5_K || qtype == Q4_1;
   const float* bsums = a.block_sum.data();  // x's per-32 sums
   at::parallel_for(0, (N + kX8Rows - 1) / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int16_t> buf(K * kX8Rows);
@@ -2815,6 +2845,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
       const float* gm = mins.data();
       switch (qtype) {
         case Q4_K: x8_prefill_group<Q4_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
+        case Q5_K: x8_prefill_group<Q5_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
         case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
         case Q4_1: x8_prefill_group<Q4_1>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
         default: x8_prefill_group<Q8_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
@@ -3563,6 +3594,11 @@ constexpr int64_t kQ41RowLoopMax = 16;
 // AVX-512 machine, two threads, turn about; kernel_ab.py --base-product widened). In GGUF's blocks
 // Q4_1 fell to 0.90x at 64 rows already: those keep the tiles.
 constexpr int64_t kQ41PrefillMaxRows = 64;
+// ... and over Q5_K's blocks up to this many: against the float32 tiles, the 1B shapes at 33 rows
+// 2.8-3.1x, at 64 2.0x, at 256 1.06-1.15x, but at 512 0.95x and at 1024 0.70-0.85x, where each chunk
+// of x widens the blocks again (same build and machine). AVX-512 VNNI builds take every row count:
+// 2.8-3.4x at 33 rows, 2.0-2.25x at 256, 1.5-2.1x at 512 and 1024.
+constexpr int64_t kQ5KPrefillMaxRows = 256;
 #endif
 
 inline bool widens(int64_t qtype, int64_t M) {
@@ -3699,7 +3735,8 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
     return y;
   }
   // prefills, and the decode-sized batches of widen_min_rows: each group of 8 rows of W widened once
-  if (x8 || (qtype == Q8_0 && M > kX8MaxRowLoop) || ((qtype == Q4_1 || qtype == Q8_0) && widens(qtype, M))) {
+  if (x8 || ((qtype == Q8_0 || qtype == Q5_K) && M > kX8MaxRowLoop) ||
+      ((qtype == Q4_1 || qtype == Q8_0) && widens(qtype, M))) {
     x8_prefill(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>(), x8);
     return y;
   }
@@ -3820,13 +3857,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // AVX2 builds give it repacked Q4_1 up to kQ41PrefillMaxRows rows (below), the float32 tiles past them.
   py::list prefill;
   py::dict prefill_max;  // the types whose integer prefill stops at a number of rows
-  for (int64_t t : {static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8), static_cast<int64_t>(Q8_0)})
+  for (int64_t t : {static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8), static_cast<int64_t>(Q8_0),
+                    static_cast<int64_t>(Q5_K)})
     prefill.append(t);
 #if defined(PAGELLM_INT8_VNNI)
   for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_1)}) prefill.append(t);
 #else
   prefill.append(static_cast<int64_t>(Q4_1_X8));
   prefill_max[py::int_(static_cast<int64_t>(Q4_1_X8))] = kQ41PrefillMaxRows;
+  prefill_max[py::int_(static_cast<int64_t>(Q5_K))] = kQ5KPrefillMaxRows;
 #endif
   m.attr("prefill_types") = py::tuple(prefill);
   m.attr("prefill_max_rows") = prefill_max;

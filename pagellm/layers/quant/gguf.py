@@ -20,16 +20,16 @@ llama.cpp's Q8_K, whose sub-block scales then apply to integer sums. Larger batc
 "int8" (prefills, and decode steps that a prefill joins) round their activations to bfloat16
 instead and multiply bfloat16 tiles of the weight (AVX-512 BF16): past 16 rows a product is
 compute-bound, and those tiles run 2-5x faster than float32 ones (benchmarks/quant_matmul.py). Larger
-batches against repacked Q4_K / Q6_K and Q8_0 (and Q4_1 in AVX-512 VNNI builds; in AVX2 ones repacked
-Q4_1 up to 64 rows) in mode "int8x2" (and "int8" without those tiles) stay integer: csrc x8_prefill
-widens each group of 8 rows of W once to 16-bit values for all the rows of x (prefill_types). On CPUs
-with AMX, products of at least `amx_min_rows` rows against repacked Q4_K / Q6_K and Q8_0 and Q4_1 blocks
-(decode steps of many streams, prefills) multiply the same rounded activations on its int8 tiles instead
-(csrc amx_product). Otherwise, up to FUSED_MAX_ROWS rows of activations (decode steps) run the fused
-kernel, which streams the blocks once and multiplies in float32; larger batches are compute-bound, and
-widen TILE_VALUES of the weight at a time for torch's GEMM (AVX-512 BF16 or AMX in bfloat16, so a
-bfloat16 model switches to tiles at fewer rows). Without a compiler the tiles are widened by gguf-py
-instead: slow, same results.
+batches against repacked Q4_K / Q6_K, Q8_0 and Q5_K (and Q4_1 in AVX-512 VNNI builds; in AVX2 ones Q5_K
+up to 256 rows, repacked Q4_1 up to 64) in mode "int8x2" (and "int8" without those tiles) stay integer:
+csrc x8_prefill widens each group of 8 rows of W once to 16-bit values for all the rows of x
+(prefill_types). On CPUs with AMX, products of at least `amx_min_rows` rows against repacked Q4_K / Q6_K
+and Q8_0 and Q4_1 blocks (decode steps of many streams, prefills) multiply the same rounded activations
+on its int8 tiles instead (csrc amx_product). Otherwise, up to FUSED_MAX_ROWS rows of activations
+(decode steps) run the fused kernel, which streams the blocks once and multiplies in float32; larger
+batches are compute-bound, and widen TILE_VALUES of the weight at a time for torch's GEMM (AVX-512 BF16
+or AMX in bfloat16, so a bfloat16 model switches to tiles at fewer rows). Without a compiler the tiles
+are widened by gguf-py instead: slow, same results.
 """
 from __future__ import annotations
 
@@ -266,12 +266,13 @@ def wide_int8_types(activations: str) -> frozenset[int]:
 
 @functools.cache
 def prefill_types(activations: str) -> frozenset[int]:
-    """The weight ids (repacked Q4_K and Q6_K, Q8_0's blocks; Q4_1, repacked and in blocks, in AVX-512
-    VNNI builds, repacked up to prefill_max_rows in AVX2 ones) whose products in mode `activations` take
-    the integer kernel past WIDE_INT8_MAX_ROWS rows too (prefills): csrc x8_prefill widens each group of
-    8 rows of W once to 16-bit values for all the rows of x, rounded as the mode's products of fewer
-    rows round them, and beats widening float32 tiles for torch's GEMM (docs/quantization.md, "Prefill
-    products"). Mode int8 on a CPU with bfloat16 tiles keeps those (BF16_TILES)."""
+    """The weight ids (repacked Q4_K and Q6_K, Q8_0's and Q5_K's blocks; Q4_1, repacked and in blocks,
+    in AVX-512 VNNI builds, repacked in AVX2 ones, where it and Q5_K stop at prefill_max_rows) whose
+    products in mode `activations` take the integer kernel past WIDE_INT8_MAX_ROWS rows too (prefills):
+    csrc x8_prefill widens each group of 8 rows of W once to 16-bit values for all the rows of x,
+    rounded as the mode's products of fewer rows round them, and beats widening float32 tiles for
+    torch's GEMM (docs/quantization.md, "Prefill products"). Mode int8 on a CPU with bfloat16 tiles
+    keeps those (BF16_TILES)."""
     kernels = cpu.quant_kernels()
     if kernels is None or (activations == "int8" and BF16_TILES):
         return frozenset()
@@ -283,7 +284,8 @@ def prefill_types(activations: str) -> frozenset[int]:
 @functools.cache
 def prefill_max_rows() -> dict[int, int]:
     """The prefill types whose integer products stop at a number of rows, past which the float32
-    tiles win again: in AVX2 builds repacked Q4_1, up to 64 rows (csrc kQ41PrefillMaxRows)."""
+    tiles win again: in AVX2 builds repacked Q4_1 up to 64 rows, Q5_K up to 256 (csrc
+    kQ41PrefillMaxRows, kQ5KPrefillMaxRows)."""
     kernels = cpu.quant_kernels()
     return dict(getattr(kernels, "prefill_max_rows", {})) if kernels is not None else {}
 

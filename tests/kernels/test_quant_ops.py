@@ -281,7 +281,7 @@ def amx_cases() -> list:
     always (set_amx(False)), Q5_K's blocks too."""
     kernels = cpu.quant_kernels()
     tiles = getattr(kernels, "amx_min_rows", {})
-    cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_1)]
+    cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0, T.Q4_1)]
     return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)
                     if kernels.repacked_types.get(int(t), int(t)) in tiles]
 
@@ -307,7 +307,7 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     kernels = cpu.quant_kernels()
     # Q8_0 and Q5_K kept in GGUF's blocks (not gguf.REPACKED); Q4_1 repacked, as a load gives it, and
     # in blocks (a weight whose rows are not whole tiles of 8)
-    for blocks in ((True, False) if qtype == T.Q4_1 else (qtype in (T.Q8_0, T.Q5_K),)):
+    for blocks in ((True, False) if qtype == T.Q4_1 else (qtype in (T.Q8_0, T.Q5_K, T.Q4_0),)):
         _prefill_products_case(kernels, qtype, amx_tiles, blocks)
 
 
@@ -326,7 +326,8 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
     torch.manual_seed(3)
     for two in (True, False):
         for m in (2, 3, 4, 5, 6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12
-            per32 = qtype in (T.Q8_0, T.Q4_1) or (qtype == T.Q6_K and two and m <= 32 and (wide_from is None or m < wide_from))
+            per32 = qtype in (T.Q8_0, T.Q4_0, T.Q4_1) or (qtype == T.Q6_K and two and m <= 32
+                                                           and (wide_from is None or m < wide_from))
             block = 32 if per32 else 256
             x = torch.randn(m, cols)
             x[0, 256:512] = 0  # an all-zero super-block: scale 0
@@ -336,10 +337,12 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
             assert (ours - expected).abs().max(1).values.le(RTOL * expected.abs().max(1).values).all(), (two, m)
             assert (ours - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()  # rounded: visible
     # the dispatch of the default mode: the integer kernel at a 16-stream decode step (not the float32
-    # one) and, for the prefill types, past 32 rows (not the float32 tiles)
+    # one; Q4_0 in AVX-512 VNNI builds keeps the float32 kernel past 8 rows) and, for the prefill
+    # types, past 32 rows (not the float32 tiles)
     x = torch.randn(16, cols)
-    assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
-                       kernels.gguf_matmul_int8(x, w, kind, cols, True))
+    integer = torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
+                          kernels.gguf_matmul_int8(x, w, kind, cols, True))
+    assert integer == (qtype != T.Q4_0 or kernels.int8_kernel != "avx512_vnni")
     x = torch.randn(40, cols)
     if qtype == T.Q4_1 and kernels.int8_kernel != "avx512_vnni" and blocks:  # AVX2 builds: the float32 tiles
         assert kind not in q.prefill_types("int8x2")
@@ -347,9 +350,9 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
     assert kind in q.prefill_types("int8x2")
     assert torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                        kernels.gguf_matmul_int8(x, w, kind, cols, True))
-    # AVX2 builds' repacked Q4_1 and Q5_K: integer up to their caps, the float32 tiles past them
+    # AVX2 builds' repacked Q4_1, Q4_0 and Q5_K: integer up to their caps, the float32 tiles past them
     cap = q.prefill_max_rows().get(kind)
-    assert (cap is not None) == (qtype in (T.Q4_1, T.Q5_K) and kernels.int8_kernel != "avx512_vnni")
+    assert (cap is not None) == (qtype in (T.Q4_1, T.Q4_0, T.Q5_K) and kernels.int8_kernel != "avx512_vnni")
     if cap is not None:
         at_cap, past = torch.randn(cap, cols), torch.randn(cap + 1, cols)
         assert torch.equal(q.gguf_matmul(at_cap, w, kind, cols, activations="int8x2"),
@@ -409,13 +412,18 @@ def test_the_avx2_build_repacks_and_multiplies_as_the_blocks(tmp_path):
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
 def test_int8x2_products_take_the_integer_kernel_up_to_their_bound_and_the_float32_one_past_it(qtype):
     # The bound depends on the type and the build (gguf.wide_int8_types): Q4_K's super-block kernel
-    # keeps winning to 32 rows, the 32-value types' only to a few with AVX-512's float32 kernel.
+    # keeps winning to 32 rows, the 32-value types' only to a few with AVX-512's float32 kernel; past
+    # 32 rows the prefill types' widening takes over (gguf.prefill_types).
     raw = torch.from_numpy(random_blocks(qtype, 8, 256, seed=5))
     bound = q.int8_max_rows("int8x2", int(qtype))
     assert bound in (q.INT8_MAX_ROWS["int8x2"], q.WIDE_INT8_MAX_ROWS)
     assert qtype != T.Q4_K or bound == q.WIDE_INT8_MAX_ROWS
     integer = getattr(cpu.quant_kernels(), "has_int8_activations", False)
-    for rows, rounded in ((bound, integer), (bound + 1, False)):
+    # past it a prefill type stays integer (Q4_0's blocks in AVX2 builds from 33 rows, to their cap)
+    past = bound + 1
+    prefill = (past > q.WIDE_INT8_MAX_ROWS and int(qtype) in q.prefill_types("int8x2")
+               and past <= q.prefill_max_rows().get(int(qtype), past))
+    for rows, rounded in ((bound, integer), (past, prefill)):
         x = torch.randn(rows, 256)
         ours = q.gguf_matmul(x, raw, int(qtype), 256, activations="int8x2")
         assert torch.equal(ours, q.gguf_matmul(x, raw, int(qtype), 256)) != rounded, rows

@@ -2562,11 +2562,11 @@ inline XF xf_load(const float* p) { return _mm512_loadu_ps(p); }
 constexpr int prefill_rows(int64_t) { return 4; }
 #else
 inline XF xf_load(const float* p) { return _mm256_loadu_ps(p); }
-constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 1 : 2; }
+constexpr int prefill_rows(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1 ? 1 : 2; }
 #endif
 // Slices of 8 values summed in integers between float scales, and slices per scale of x.
 constexpr int flush_slices(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K ? 32 : qtype == Q6_K ? 16 : 4; }
-constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_1 ? 4 : 32; }
+constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1 ? 4 : 32; }
 
 // Group g (rows 8 g.. of W: of a repacked weight, its tiles; of Q8_0 blocks, the rows that exist, the
 // rest zero) as 16-bit values at buf [K / 8 slices][8 rows][8], the float scale of each span of
@@ -2634,6 +2634,26 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
             }
             put_half_block(8 * b + j, h, r, v);
           }
+        }
+      }
+    }
+    return;
+  }
+  if (qtype == Q4_0) {  // GGUF's blocks: codes u - 8 (-8..7), d per block a float scale, as Q8_0's
+    const int64_t blocks = K / 32, row_bytes = blocks * 18;
+    for (int r = 0; r < kX8Rows; ++r) {
+      const int64_t n = kX8Rows * g + r;
+      for (int64_t bl = 0; bl < blocks; ++bl) {
+        const uint8_t* b = w + n * row_bytes + bl * 18;
+        lanes(bl, r, n < N ? half_at(b) : 0.f);
+        for (int h = 0; h < 2; ++h) {  // values 16 h.. (low nibbles, then high)
+          __m256i v = _mm256_setzero_si256();
+          if (n < N) {
+            const __m128i q = load(b + 2);
+            v = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low)),
+                                 _mm256_set1_epi16(8));
+          }
+          put_half_block(bl, h, r, v);
         }
       }
     }
@@ -2812,7 +2832,7 @@ void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K,
 // 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
 void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
                       bool two_terms, float* y, bool x8) {
-  const bool per32 = qtype == Q8_0 || qtype == Q4_1;
+  const bool per32 = qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1;
 #if defined(PAGELLM_INT8_VNNI)
   const ActRows a = per32 ? quantize_activations(x, M, K, two_terms) : quantize_super(x, M, K, two_terms, false, two_terms);
 #else
@@ -2848,6 +2868,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
         case Q5_K: x8_prefill_group<Q5_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
         case Q6_K: x8_prefill_group<Q6_K>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
         case Q4_1: x8_prefill_group<Q4_1>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
+        case Q4_0: x8_prefill_group<Q4_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
         default: x8_prefill_group<Q8_0>(x16, xs.data(), M, K, buf.data(), dvec.data(), bsums, gm, y, N, g); break;
       }
     }
@@ -3588,17 +3609,18 @@ constexpr int64_t widen_min_rows(int64_t qtype) {
 // from 24. These are the sizes of speculative verifications and of steps of 8-16 streams.
 constexpr int64_t kQ41RowLoopMax = 16;
 #if !defined(PAGELLM_INT8_VNNI)
-// AVX2 builds' prompts over repacked Q4_1 take x8_prefill up to this many rows, float32 tiles for
-// torch's GEMM past them: against the tiles, SmolLM2's four Q4_1 shapes at 33 and 48 rows 1.1-1.55x,
-// at 64 1.0-2.1x, at 96 0.88-1.27x, at 256 0.75-1.0x (x86-64-v3 build, torch held to AVX2, on an
-// AVX-512 machine, two threads, turn about; kernel_ab.py --base-product widened). In GGUF's blocks
-// Q4_1 fell to 0.90x at 64 rows already: those keep the tiles.
-constexpr int64_t kQ41PrefillMaxRows = 64;
-// ... and over Q5_K's blocks up to this many: against the float32 tiles, the 1B shapes at 33 rows
-// 2.8-3.1x, at 64 2.0x, at 256 1.06-1.15x, but at 512 0.95x and at 1024 0.70-0.85x, where each chunk
-// of x widens the blocks again (same build and machine). AVX-512 VNNI builds take every row count:
-// 2.8-3.4x at 33 rows, 2.0-2.25x at 256, 1.5-2.1x at 512 and 1024.
-constexpr int64_t kQ5KPrefillMaxRows = 256;
+// The rows of x up to which AVX2 builds' prompts take x8_prefill for these weights (ids as the
+// products take them), float32 tiles for torch's GEMM past them (0: no cap). Against the tiles
+// (x86-64-v3 build, torch held to AVX2, on an AVX-512 machine, two threads, turn about;
+// kernel_ab.py --base-product widened): repacked Q4_1, SmolLM2's four shapes, at 33 and 48 rows
+// 1.1-1.55x, at 64 1.0-2.1x, at 96 0.88-1.27x, at 256 0.75-1.0x (Q4_1's blocks fell to 0.90x at 64
+// already: they keep the tiles); Q4_0's blocks, the 1B shapes, 1.5-1.8x at 33, 1.17-1.28x at 64,
+// 0.90-0.98x at 256, 0.6-0.9x at 1024; Q5_K's blocks 2.8-3.1x at 33, 2.0x at 64, 1.06-1.15x at 256,
+// 0.95x at 512, 0.70-0.85x at 1024, where each chunk of x widens the blocks again. AVX-512 VNNI
+// builds take every row count (the same A/B: Q4_0 1.3-1.7x at 1024 rows, Q5_K 1.5-2.1x).
+constexpr int64_t avx2_prefill_max_rows(int64_t id) {
+  return id == Q4_1_X8 || id == Q4_0 ? 64 : id == Q5_K ? 256 : 0;
+}
 #endif
 
 inline bool widens(int64_t qtype, int64_t M) {
@@ -3735,7 +3757,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
     return y;
   }
   // prefills, and the decode-sized batches of widen_min_rows: each group of 8 rows of W widened once
-  if (x8 || ((qtype == Q8_0 || qtype == Q5_K) && M > kX8MaxRowLoop) ||
+  if (x8 || ((qtype == Q8_0 || qtype == Q5_K || qtype == Q4_0) && M > kX8MaxRowLoop) ||
       ((qtype == Q4_1 || qtype == Q8_0) && widens(qtype, M))) {
     x8_prefill(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>(), x8);
     return y;
@@ -3854,18 +3876,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // x8_prefill: past kX8MaxRowLoop rows of x, the weights of these types (ids as the products take them).
   // In AVX-512 VNNI builds Q4_1 too, repacked and in blocks: against widening float32 tiles for
   // torch's GEMM, SmolLM2's shapes 1.7-2.6x at 33 rows, 1.3-1.5x at 256 (two threads, turn about).
-  // AVX2 builds give it repacked Q4_1 up to kQ41PrefillMaxRows rows (below), the float32 tiles past them.
+  // AVX2 builds give it repacked Q4_1 too; there Q4_1, Q4_0 and Q5_K stop at avx2_prefill_max_rows.
   py::list prefill;
   py::dict prefill_max;  // the types whose integer prefill stops at a number of rows
   for (int64_t t : {static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8), static_cast<int64_t>(Q8_0),
-                    static_cast<int64_t>(Q5_K)})
+                    static_cast<int64_t>(Q5_K), static_cast<int64_t>(Q4_0)})
     prefill.append(t);
 #if defined(PAGELLM_INT8_VNNI)
   for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_1)}) prefill.append(t);
 #else
   prefill.append(static_cast<int64_t>(Q4_1_X8));
-  prefill_max[py::int_(static_cast<int64_t>(Q4_1_X8))] = kQ41PrefillMaxRows;
-  prefill_max[py::int_(static_cast<int64_t>(Q5_K))] = kQ5KPrefillMaxRows;
+  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0), static_cast<int64_t>(Q5_K)})
+    prefill_max[py::int_(t)] = avx2_prefill_max_rows(t);
 #endif
   m.attr("prefill_types") = py::tuple(prefill);
   m.attr("prefill_max_rows") = prefill_max;

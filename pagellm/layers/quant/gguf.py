@@ -284,8 +284,8 @@ def prefill_types(activations: str) -> frozenset[int]:
 @functools.cache
 def prefill_max_rows() -> dict[int, int]:
     """The prefill types whose integer products stop at a number of rows, past which the float32
-    tiles win again: in AVX2 builds repacked Q4_1 up to 64 rows, Q5_K up to 256 (csrc
-    kQ41PrefillMaxRows, kQ5KPrefillMaxRows)."""
+    tiles win again: in AVX2 builds repacked Q4_1 and Q4_0 up to 64 rows, Q5_K up to 256 (csrc
+    avx2_prefill_max_rows)."""
     kernels = cpu.quant_kernels()
     return dict(getattr(kernels, "prefill_max_rows", {})) if kernels is not None else {}
 

@@ -405,11 +405,13 @@ inline bool is_x8(int64_t qtype) { return qtype == Q4_1_X8 || qtype == Q4_K_X8 |
 inline int64_t base_type(int64_t qtype) {
   return qtype == Q4_1_X8 ? Q4_1 : qtype == Q4_K_X8 ? Q4_K : qtype == Q6_K_X8 ? Q6_K : qtype;
 }
+// Q4_0 repacks into Q4_1's tiles: its w = d (u - 8) is Q4_1's d u + m with m = -8 d, exact in float16
+// (a power of two times d), so it takes Q4_1's tile kernels, which its blocks' kernel trailed.
 inline int64_t repacked_id(int64_t qtype) {
-  return qtype == Q4_1 ? Q4_1_X8 : qtype == Q4_K ? Q4_K_X8 : qtype == Q6_K ? Q6_K_X8 : 0;
+  return qtype == Q4_1 || qtype == Q4_0 ? Q4_1_X8 : qtype == Q4_K ? Q4_K_X8 : qtype == Q6_K ? Q6_K_X8 : 0;
 }
-inline int64_t x8_tile(int64_t qtype) {
-  return base_type(qtype) == Q4_1 ? kQ41Tile : base_type(qtype) == Q4_K ? kQ4Tile : kQ6Tile;
+inline int64_t x8_tile(int64_t qtype) {  // Q4_0: the tile it repacks into
+  return base_type(qtype) == Q4_1 || qtype == Q4_0 ? kQ41Tile : base_type(qtype) == Q4_K ? kQ4Tile : kQ6Tile;
 }
 // Values of a row that one tile holds: a Q4_1 block, a K-quant super-block.
 inline int64_t x8_values(int64_t qtype) { return base_type(qtype) == Q4_1 ? 32 : QK_K; }
@@ -446,7 +448,13 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
   using B8 = std::integral_constant<size_t, 8>;
   if (!kBack) std::memset(tile, 0, x8_tile(qtype));
   for (int r = 0; r < kX8Rows; ++r) {
-    if (base_type(qtype) == Q4_1) {
+    if (qtype == Q4_0) {  // into a Q4_1 tile (repacked_id), m = -8 d; never back (the tiles go back as Q4_1)
+      const uint8_t* bl = src + r * row_bytes + b * 18;
+      std::memcpy(tile + kQ41D + 2 * r, bl, 2);
+      const uint16_t m = c10::Half(-8.f * half_at(bl)).x;
+      std::memcpy(tile + kQ41M + 2 * r, &m, 2);
+      for (int p = 0; p < 2; ++p) std::memcpy(tile + 64 * p + 8 * r, bl + 2 + 8 * p, 8);
+    } else if (base_type(qtype) == Q4_1) {
       uint8_t* bl = src + r * row_bytes + b * 20;
       move(bl, tile + kQ41D + 2 * r, B2{});
       move(bl + 2, tile + kQ41M + 2 * r, B2{});
@@ -3840,10 +3848,11 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t packed_type, 
 // or (`back`) a repacked one in GGUF's layout again.
 torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool back) {
   const int64_t packed = back ? qtype : repacked_id(qtype);
-  TORCH_CHECK(is_x8(packed), "gguf_repack: Q4_1, Q4_K or Q6_K weights (or, back, their repacked ids), got type ", qtype);
+  TORCH_CHECK(is_x8(packed), "gguf_repack: Q4_0, Q4_1, Q4_K or Q6_K weights (or, back, their repacked ids), got type ",
+              qtype);
   TORCH_CHECK(w.size(0) % kX8Rows == 0, "gguf_repack: ", w.size(0), " rows are not a multiple of ", kX8Rows);
   const int64_t N = w.size(0), supers = K / x8_values(packed), tile = x8_tile(packed);
-  const int64_t row_bytes = back ? checked_x8(w, packed, K) : (checked(w, base_type(packed), K), w.size(1));
+  const int64_t row_bytes = back ? checked_x8(w, packed, K) : (checked(w, qtype, K), w.size(1));
   torch::Tensor out = back ? torch::empty({N, row_bytes}, w.options())
                            : torch::empty({N, supers * tile / kX8Rows}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
@@ -3854,7 +3863,8 @@ torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool
         x8_unpack_group(packed, src, K, g, dst + g * kX8Rows * row_bytes, row_bytes);
       } else {
         for (int64_t b = 0; b < supers; ++b)
-          x8_tile_rows<false>(packed, const_cast<uint8_t*>(src) + g * kX8Rows * row_bytes, row_bytes, b,
+          x8_tile_rows<false>(qtype == Q4_0 ? qtype : packed, const_cast<uint8_t*>(src) + g * kX8Rows * row_bytes,
+                              row_bytes, b,
                               dst + (g * supers + b) * tile);
       }
     }
@@ -3941,9 +3951,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   py::dict repacked;  // GGUF type -> the id of its repacked layout
   repacked[py::int_(static_cast<int64_t>(Q4_1))] = static_cast<int64_t>(Q4_1_X8);
+  repacked[py::int_(static_cast<int64_t>(Q4_0))] = static_cast<int64_t>(Q4_1_X8);
   repacked[py::int_(static_cast<int64_t>(Q4_K))] = static_cast<int64_t>(Q4_K_X8);
   repacked[py::int_(static_cast<int64_t>(Q6_K))] = static_cast<int64_t>(Q6_K_X8);
   m.attr("repacked_types") = repacked;
+  py::dict bases;  // repacked id -> the GGUF type whose kernels it takes (Q4_0's tiles are Q4_1's)
+  for (int64_t id : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8)})
+    bases[py::int_(id)] = base_type(id);
+  m.attr("repacked_bases") = bases;
   // AMX tiles: from how many rows of x a product against a repacked weight (by its id) takes them
   // (empty: no AMX in this build, CPU or process); set_amx(False) turns them off, returning the
   // previous setting.

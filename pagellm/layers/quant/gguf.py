@@ -294,8 +294,9 @@ def prefill_max_rows() -> dict[int, int]:
 # repacked", q4_1_x8_rows) beat the blocks' at one row of x (a decode step of one sequence) and keep
 # up with them at every batch the integer kernels take (the measured ratios: docs/quantization.md,
 # "Repacked Q4_K and Q6_K", "Repacked Q4_1"). Q6_K carries a Q4_K_M file's output matrix, a quarter
-# of the bytes a 1B decode step reads; Q4_1 all of the bundled SmolLM2's layers.
-REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_1", "Q4_K", "Q6_K"))
+# of the bytes a 1B decode step reads; Q4_1 all of the bundled SmolLM2's layers. Q4_0 repacks into
+# Q4_1's tiles (m = -8 d, exact: csrc repacked_id) and takes their kernels ("Q4_0 in Q4_1's tiles").
+REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K"))
 
 
 def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool, cols: int) -> int | None:
@@ -314,9 +315,8 @@ def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool
 
 @functools.cache
 def _repacked_bases() -> dict[int, int]:
-    """Repacked id -> its GGUF type."""
-    kernels = cpu.quant_kernels()
-    return {packed: qtype for qtype, packed in getattr(kernels, "repacked_types", {}).items()}
+    """Repacked id -> the GGUF type whose kernels it takes (Q4_0 repacks into Q4_1's tiles)."""
+    return dict(getattr(cpu.quant_kernels(), "repacked_bases", {}))
 
 
 def widened_product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:

@@ -2647,35 +2647,24 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
     }
     return;
   }
-  if (qtype == Q4_0) {  // GGUF's blocks: codes u - 8 (-8..7), d per block a float scale, as Q8_0's
-    const int64_t blocks = K / 32, row_bytes = blocks * 18;
+  if (qtype == Q4_0 || qtype == Q8_0) {  // GGUF's blocks, d first, a float scale per 32 values
+    const int64_t block_bytes = qtype == Q4_0 ? 18 : 34, blocks = K / 32, row_bytes = blocks * block_bytes;
     for (int r = 0; r < kX8Rows; ++r) {
       const int64_t n = kX8Rows * g + r;
       for (int64_t bl = 0; bl < blocks; ++bl) {
-        const uint8_t* b = w + n * row_bytes + bl * 18;
+        const uint8_t* b = w + n * row_bytes + bl * block_bytes;
         lanes(bl, r, n < N ? half_at(b) : 0.f);
-        for (int h = 0; h < 2; ++h) {  // values 16 h.. (low nibbles, then high)
+        for (int h = 0; h < 2; ++h) {  // values 16 h..: Q8_0's codes; Q4_0's u - 8, low nibbles then high
           __m256i v = _mm256_setzero_si256();
-          if (n < N) {
+          if (n < N && qtype == Q8_0) {
+            v = _mm256_cvtepi8_epi16(load(b + 2 + 16 * h));
+          } else if (n < N) {
             const __m128i q = load(b + 2);
             v = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, low)),
                                  _mm256_set1_epi16(8));
           }
           put_half_block(bl, h, r, v);
         }
-      }
-    }
-    return;
-  }
-  if (qtype == Q8_0) {
-    const int64_t blocks = K / 32, row_bytes = blocks * 34;
-    for (int r = 0; r < kX8Rows; ++r) {
-      const int64_t n = kX8Rows * g + r;
-      for (int64_t bl = 0; bl < blocks; ++bl) {
-        const uint8_t* b = w + n * row_bytes + bl * 34;
-        lanes(bl, r, n < N ? half_at(b) : 0.f);
-        for (int h = 0; h < 2; ++h)  // values 16 h.. of the block
-          put_half_block(bl, h, r, n < N ? _mm256_cvtepi8_epi16(load(b + 2 + 16 * h)) : _mm256_setzero_si256());
       }
     }
     return;

@@ -280,6 +280,18 @@ def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows():
     assert_rows_keep_their_bits(torch.randn(most, cols), w, kind, cols, "int8x2", range(2, most + 1))
 
 
+def test_repacked_q6_k_rows_keep_their_bits_beside_up_to_16_rows(without_amx):
+    """Repacked Q6_K (a Q4_K_M file's head) rounds x per 32 values in its row loop up to 16 rows in
+    every build (the widening, per 256, takes it from 17 in AVX-512 VNNI builds): a row's sums do not
+    depend on the rows beside it, so a verification of up to 15 proposals gets decode's bits here."""
+    kernels, cols = cpu.quant_kernels(), 1280
+    if not getattr(kernels, "has_int8_activations", False) or int(T.Q6_K) not in kernels.repacked_types:
+        pytest.skip("no integer kernels for repacked Q6_K in this build")
+    (_, _), (w, kind) = blocks_and_repacked(T.Q6_K, cols, seed=13)
+    torch.manual_seed(3)
+    assert_rows_keep_their_bits(torch.randn(16, cols), w, kind, cols, "int8x2", range(2, 17))
+
+
 def amx_cases() -> list:
     """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
     them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels
@@ -327,7 +339,8 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
     # Q6_K with two codes below 33 rows: per 32 values, but per 256 from the rows where AVX-512 VNNI
     # builds join the two codes into 16 bits (as test_int8_activation_products...), and on AMX tiles
     # (which the -amx cases give every product of AMX_TEST_MIN_ROWS rows and more)
-    wide_from = AMX_TEST_MIN_ROWS if amx_tiles else getattr(kernels, "int8x2_wide_min_rows", {}).get(int(qtype))
+    wides = getattr(kernels, "int8x2_wide_min_rows", {})  # by the id multiplied: repacked Q6_K's from 17
+    wide_from = AMX_TEST_MIN_ROWS if amx_tiles else wides.get(kind, wides.get(int(qtype)))
     torch.manual_seed(3)
     for two in (True, False):
         for m in (2, 3, 4, 5, 6, 7, 9, 16, 17, 25, 33, 34, 35, 36, 38, 420):  # 420: chunks of x's rows (K 1280: 408), then 12

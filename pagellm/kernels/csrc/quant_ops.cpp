@@ -3637,7 +3637,13 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
                  float* y) {
   if (qtype == Q4_1) return q4_1_x8_row_loop(x, M, w, K, N, two_terms, y);
 #if defined(PAGELLM_INT8_VNNI)
-  const bool wide = two_terms && M >= wide_min_rows(qtype);  // the blocks' wide_super_rows: x per 256 values
+  // The blocks' wide_super_rows rounds x per 256 values from wide_min_rows; repacked Q6_K keeps x per
+  // 32 in its row loop up to where x8_prefill takes it (widen_min_rows): per 256 from 6 rows, the 1B
+  // Q4_K_M shape (its head Q6_K) kept greedy agreement 99.88% on AMD Zen 4 (5 positions of 4,096, steps
+  // of up to 16 rows), per 32 99.93% (3), as AVX2 builds; Q6_K's products 0.92-1.16x as fast at 6-16
+  // rows (kernel_ab.py, two runs; the head at 9 rows 0.92-0.94x). A verification of up to 15
+  // proposals now rounds x as decoding its tokens one by one does.
+  const bool wide = two_terms && qtype != Q6_K && M >= wide_min_rows(qtype);
 #else
   const bool wide = false;
 #endif
@@ -3912,6 +3918,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("int8_kernel") = "avx512_vnni";
   py::dict wide;  // two codes per value: the 16-bit kernel from this many rows, by GGUF type
   for (int64_t t : {Q4_K, Q5_K, Q6_K}) wide[py::int_(t)] = wide_min_rows(t);
+  wide[py::int_(static_cast<int64_t>(Q6_K_X8))] = widen_min_rows(Q6_K);  // repacked: from the widening
   m.attr("int8x2_wide_min_rows") = wide;
   m.attr("pair_min_rows") = py::dict();
 #elif defined(PAGELLM_INT8_ACTIVATIONS)

@@ -5,8 +5,9 @@ prefix-cache hits): the end-to-end effect of the prefill kernels, in the default
 
     python benchmarks/prefill_ab.py --model FILE --tokens 64 256 --rounds 3 --threads 1 --out RESULTS/prefill-ab.json
 
-`--types Q5_K` empties only those GGUF types' place in gguf.prefill_types for "old" (the file's other
-types keep their integer prefill on both sides): one type's share of the gain.
+`--types Q5_K` empties only those GGUF types' place in gguf.prefill_types for "old", in blocks and
+repacked (the file's other types keep their integer prefill on both sides; Q4_0 and Q4_1 share
+their repacked layout, so either takes both's): one type's share of the gain.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch  # noqa: E402
 
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.bench.report import metadata, write_json  # noqa: E402
+from pagellm.kernels import cpu  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
 
 
@@ -34,8 +36,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="prompt lengths")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--types", nargs="+", help="GGUF type names whose integer prefill 'old' goes without "
-                                               "(default: every type's)")
+    ap.add_argument("--types", nargs="+", choices=sorted(gguf.NATIVE_TYPES.values()),
+                    help="GGUF type names whose integer prefill 'old' goes without (default: every type's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -44,10 +46,10 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0)
     new = gguf.prefill_types
-    if args.types:  # those types' ids, as GGUF names them and as the kernels name their repacked layouts
-        names = {name: t for t, name in gguf.NATIVE_TYPES.items()}
-        ids = {names[n] for n in args.types} | {r for r, base in gguf._repacked_bases().items()
-                                                 if gguf.NATIVE_TYPES[base] in args.types}
+    if args.types:  # those types' ids, in GGUF's blocks and in the layout a load repacks them into
+        types = {t for t, name in gguf.NATIVE_TYPES.items() if name in args.types}
+        repacked = getattr(cpu.quant_kernels(), "repacked_types", {})
+        ids = types | {repacked[t] for t in types if t in repacked}
         paths = {"new": new, "old": lambda activations: new(activations) - ids}
     else:
         paths = {"new": new, "old": lambda activations: frozenset()}

@@ -323,7 +323,8 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     Q4_1's 21, a part of 16 rows); the other cases run without them."""
     kernels = cpu.quant_kernels()
     # Q8_0 and Q5_K kept in GGUF's blocks (not gguf.REPACKED); Q4_1 repacked, as a load gives it, and
-    # in blocks (a weight whose rows are not whole tiles of 8)
+    # in blocks (a weight whose rows are not whole tiles of 8); Q4_0 in blocks (repacked, it is Q4_1's
+    # tiles, the Q4_1 case)
     for blocks in ((True, False) if qtype == T.Q4_1 else (qtype in (T.Q8_0, T.Q5_K, T.Q4_0),)):
         _prefill_products_case(kernels, qtype, amx_tiles, blocks)
 

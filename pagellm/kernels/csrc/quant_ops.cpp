@@ -3858,8 +3858,7 @@ torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool
         x8_unpack_group(packed, src, K, g, dst + g * kX8Rows * row_bytes, row_bytes);
       } else {
         for (int64_t b = 0; b < supers; ++b)
-          x8_tile_rows<false>(qtype == Q4_0 ? qtype : packed, const_cast<uint8_t*>(src) + g * kX8Rows * row_bytes,
-                              row_bytes, b,
+          x8_tile_rows<false>(qtype, const_cast<uint8_t*>(src) + g * kX8Rows * row_bytes, row_bytes, b,
                               dst + (g * supers + b) * tile);
       }
     }
@@ -3946,10 +3945,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false,
         py::call_guard<py::gil_scoped_release>());
   py::dict repacked;  // GGUF type -> the id of its repacked layout
-  repacked[py::int_(static_cast<int64_t>(Q4_1))] = static_cast<int64_t>(Q4_1_X8);
-  repacked[py::int_(static_cast<int64_t>(Q4_0))] = static_cast<int64_t>(Q4_1_X8);
-  repacked[py::int_(static_cast<int64_t>(Q4_K))] = static_cast<int64_t>(Q4_K_X8);
-  repacked[py::int_(static_cast<int64_t>(Q6_K))] = static_cast<int64_t>(Q6_K_X8);
+  for (int64_t t : {Q4_0, Q4_1, Q4_K, Q6_K}) repacked[py::int_(t)] = repacked_id(t);
   m.attr("repacked_types") = repacked;
   py::dict bases;  // repacked id -> the GGUF type whose kernels it takes (Q4_0's tiles are Q4_1's)
   for (int64_t id : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8)})

@@ -26,7 +26,14 @@ from pagellm import LLM  # noqa: E402
 from pagellm.bench.report import metadata, write_json  # noqa: E402
 from pagellm.config import ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES  # noqa: E402
 from pagellm.layers.quant import gguf  # noqa: E402
-from tests.models.test_gguf_quantized import Reference, word_prompts  # noqa: E402
+from tests.models.test_gguf_quantized import Comparison, Reference, word_prompts  # noqa: E402
+
+
+def _entry(c: Comparison) -> dict:
+    return {"greedy_agreement": c.agreement, "max_logprob_diff": c.worst,
+            "disagreements": len(c.disagreement_margins),
+            # the reference's lead of its token over the runner-up where this mode chose another
+            "reference_margins_at_disagreements": sorted(round(m, 6) for m in c.disagreement_margins)}
 
 
 def main() -> None:
@@ -51,25 +58,28 @@ def main() -> None:
         for kv in args.kv_cache_dtype:
             llm = LLM(args.model, max_model_len=256, activation_quantization=mode, kv_cache_dtype=kv,
                       max_num_batched_tokens=16, max_num_seqs=16)
-            agreement, worst = ref.compare(llm)
+            c = ref.compare_detail(llm)
             llm.shutdown()
             label = mode if kv == "auto" else f"{mode}, {kv} KV"
-            modes[label] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
+            modes[label] = _entry(c)
             print(label, json.dumps(modes[label]), flush=True)
     # mode int8 past its integer rows: the teacher-forced prefills in bfloat16 tiles
     if gguf.BF16_TILES and "int8" in (args.modes or ["int8"]):
         gguf.INT8_MAX_ROWS["int8"] = 16
         llm = LLM(args.model, max_model_len=256, activation_quantization="int8")
-        agreement, worst = ref.compare(llm)
+        c = ref.compare_detail(llm)
         llm.shutdown()
         label = f"int8 past 16 rows (bfloat16 tiles; K-quants past {gguf.int8_max_rows('int8', min(gguf.K_QUANTS))})"
-        modes[label] = {"greedy_agreement": agreement, "max_logprob_diff": worst}
-        print("int8 bfloat16 tiles", json.dumps(agreement), worst, flush=True)
+        modes[label] = _entry(c)
+        print("int8 bfloat16 tiles", json.dumps(modes[label]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, {**metadata("quant_agreement"), "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1",
                      "prompts": args.prompts, "tokens": args.tokens, "positions": sum(len(r) for r in ref.rows),
-                     "seconds": round(time.time() - started, 1), "modes": modes})
+                     "seconds": round(time.time() - started, 1), "modes": modes,
+                     # how often the reference nearly ties: the floor under any rounding's agreement
+                     "reference_margins_below": {str(t): sum(m < t for r in ref.rows for _, _, m in r)
+                                                 for t in (1e-4, 1e-3, 2e-3, 5e-3, 1e-2)}})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -66,16 +67,32 @@ def _type_of(name: str):
     return RANDOM_TYPES.get(name.split(".")[-2])  # None (ffn_up): kept float32
 
 
-def _teacher_forced(llm: LLM, sequences: list[list[int]], starts: list[int]) -> list[list[tuple[float, int]]]:
-    """(logprob, rank) of each token of each sequence from position `starts[i]` on, given those
-    before it; all sequences in one batch."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+def _teacher_forced(llm: LLM, sequences: list[list[int]], starts: list[int],
+                    top: int = 0) -> list[list[tuple[float, int, float]]]:
+    """(logprob, rank, margin) of each token of each sequence from position `starts[i]` on, given
+    those before it; all sequences in one batch. The margin is the token's logprob less the best other
+    token's among the `top` most likely (nan when `top` is 0: not asked)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top)
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     rows = []
     for seq, start, out in zip(sequences, starts, outs):
-        entries = out.prompt_logprobs[start:]
-        rows.append([(e[tok].logprob, e[tok].rank) for tok, e in zip(seq[start:], entries)])
+        row = []
+        for tok, e in zip(seq[start:], out.prompt_logprobs[start:]):
+            others = [v.logprob for t, v in e.items() if t != tok]
+            margin = e[tok].logprob - max(others) if top and others else float("nan")
+            row.append((e[tok].logprob, e[tok].rank, margin))
+        rows.append(row)
     return rows
+
+
+@dataclass
+class Comparison:
+    """How one engine's teacher-forced tokens compare with the reference's."""
+    agreement: float  # share of positions where its greedy token is the reference's
+    worst: float  # the largest logprob difference of the reference's token
+    # at each disagreement, how far the reference's token led its runner-up (the reference's margin):
+    # a flip where the reference itself nearly tied is the arithmetic's rounding, not a broken product
+    disagreement_margins: list[float]
 
 
 class Reference:
@@ -89,19 +106,26 @@ class Reference:
         self.starts = [len(p) for p in prompts]
         # All sequences in one batch per engine (the pools here hold them all: a batch of prompt-logprob
         # requests that did not fit would thrash on preemption, since the prefix cache cannot serve them).
-        self.rows = _teacher_forced(reference, self.seqs, self.starts)
+        self.rows = _teacher_forced(reference, self.seqs, self.starts, top=2)
 
     def compare(self, quantized: LLM) -> tuple[float, float]:
         """(share of positions where the quantized model's greedy token is the reference's, the
         largest logprob difference there)."""
+        c = self.compare_detail(quantized)
+        return c.agreement, c.worst
+
+    def compare_detail(self, quantized: LLM) -> Comparison:
         agree = total = 0
         worst = 0.0
+        margins = []
         for ref, ours in zip(self.rows, _teacher_forced(quantized, self.seqs, self.starts)):
-            for (ref_lp, _), (lp, rank) in zip(ref, ours):
+            for (ref_lp, _, ref_margin), (lp, rank, _) in zip(ref, ours):
                 agree += rank == 1
                 total += 1
                 worst = max(worst, abs(lp - ref_lp))
-        return agree / total, worst
+                if rank != 1:
+                    margins.append(ref_margin)
+        return Comparison(agree / total, worst, margins)
 
 
 def _compare(quantized: LLM, reference: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:

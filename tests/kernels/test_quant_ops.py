@@ -148,9 +148,9 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_repacked_k_quants_multiply_as_their_blocks(qtype):
-    """Q4_1 / Q4_K / Q6_K weights repacked into tiles of 8 rows (a layer's in the integer modes):
+    """Q4_1 / Q4_K / Q5_K / Q6_K weights repacked into tiles of 8 rows (a layer's in the integer modes):
     the same bytes back; rows and float32 products equal to the blocks'; integer products (of 1, 3
     and 5 rows of x: Q6_K's kernel takes up to 4 together; x rounded alike) within float32 summation
     order of the blocks'. Q4_0 repacks into Q4_1's tiles (m = -8 d): back it comes as Q4_1 blocks
@@ -189,7 +189,7 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_large_repacked_product_claimed_in_chunks_is_its_one_thread_product(qtype):
     """Repacked products of several MB go to the two threads in chunks that each thread claims in
     turn (quant_ops.cpp, claimed_for; this size: 5-8 chunks, the last a short one): every row of W is
@@ -306,7 +306,7 @@ def amx_cases() -> list:
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "prefill_types", ()), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype, amx_tiles", amx_cases() if cpu.quant_kernels() else [], indirect=["amx_tiles"])
 def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qtype, amx_tiles):
-    """Past the row loops (32 rows), products of repacked Q4_K / Q6_K and of Q8_0's and Q5_K's blocks
+    """Past the row loops (32 rows), products of repacked Q4_K / Q5_K / Q6_K and of Q8_0's and Q5_K's blocks
     (and Q4_1's in AVX-512 VNNI builds, repacked Q4_1's up to 64 rows and Q5_K's up to 256 in AVX2 ones;
     csrc x8_prefill; AVX2 builds' Q4_K: q4_k_x8_many, tile by tile) widen each group of 8 rows of W once
     for every row of x, and so do those of Q8_0 and Q4_1's blocks from 9 rows, repacked Q4_1 and Q6_K
@@ -322,10 +322,10 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     in one tile, 17 a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and
     Q4_1's 21, a part of 16 rows); the other cases run without them."""
     kernels = cpu.quant_kernels()
-    # Q8_0 and Q5_K kept in GGUF's blocks (not gguf.REPACKED); Q4_1 repacked, as a load gives it, and
+    # Q8_0 kept in GGUF's blocks (not gguf.REPACKED); Q4_1 and Q5_K repacked, as a load gives them, and
     # in blocks (a weight whose rows are not whole tiles of 8); Q4_0 in blocks (repacked, it is Q4_1's
     # tiles, the Q4_1 case)
-    for blocks in ((True, False) if qtype == T.Q4_1 else (qtype in (T.Q8_0, T.Q5_K, T.Q4_0),)):
+    for blocks in ((True, False) if qtype in (T.Q4_1, T.Q5_K) else (qtype in (T.Q8_0, T.Q4_0),)):
         _prefill_products_case(kernels, qtype, amx_tiles, blocks)
 
 

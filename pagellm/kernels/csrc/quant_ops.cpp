@@ -374,7 +374,7 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
   return f;
 }
 
-// ---- Q4_K / Q6_K repacked for one row of x ----------------------------------------------------
+// ---- Q4_K / Q5_K / Q6_K repacked for one row of x ---------------------------------------------
 // A decode step multiplies one row of x by every weight, and with GGUF's layout the integer
 // kernels spend more time unpacking each super-block (6-bit packed scales, a row's codes in their
 // own lanes, one reduction per row) than reading it. So at load the weights of a decode-bound
@@ -383,7 +383,7 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // integer dot product against 8 bytes of x broadcast then sums 4 values of one row per 32-bit
 // lane, two lanes a row, so no row needs a reduction until its last super-block, and the scales
 // sit one byte per (sub-block, row), ready for a byte shuffle. Ids of our own, past GGML's:
-enum : int64_t { Q4_1_X8 = 1003, Q4_K_X8 = 1012, Q6_K_X8 = 1014 };
+enum : int64_t { Q4_1_X8 = 1003, Q4_K_X8 = 1012, Q5_K_X8 = 1013, Q6_K_X8 = 1014 };
 constexpr int64_t kX8Rows = 8;
 // Tile (8 rows x 256 values) offsets, in whole cache lines. A tile holds only what the kernels read:
 // a decode step streams the tiles from memory, so each byte beyond the file's is time. A group goes
@@ -393,6 +393,11 @@ constexpr int64_t kX8Rows = 8;
 // (float16), sc [8 sub-blocks][8 rows] and m [8][8] (6-bit values, one byte each): 1216 bytes for
 // 8 x 144 (1.06x).
 constexpr int64_t kQ4Tile = 1216, kQ4D = 1024, kQ4Dmin = 1040, kQ4Sc = 1056, kQ4M = 1120;
+// Q5_K: Q4_K's tile, then each value's fifth bit in qh [4 quarters][8 rows][8 bytes]: byte i of row r in
+// quarter j holds, at bits 2q and 2q + 1, the fifth bits of the low and high nibbles of that row's byte i
+// in unit 4j + q (one 64-byte load serves the quarter's 4 units, in their lanes): 1472 bytes for
+// 8 x 176 (1.05x).
+constexpr int64_t kQ5Tile = 1472, kQ5Qh = 1216;
 // Q6_K: ql [16 units][8 rows][8 bytes], qh [8 units][8 rows][8 bytes], sc [16 groups][8 rows]
 // (int8), d [8] (float16): 1728 bytes for 8 x 210 (1.03x).
 constexpr int64_t kQ6Tile = 1728, kQ6Qh = 1024, kQ6Sc = 1536, kQ6D = 1664;
@@ -401,17 +406,24 @@ constexpr int64_t kQ6Tile = 1728, kQ6Qh = 1024, kQ6Sc = 1536, kQ6D = 1664;
 // (float16): 160 bytes for 8 x 20, the blocks' own bytes.
 constexpr int64_t kQ41Tile = 160, kQ41D = 128, kQ41M = 144;
 
-inline bool is_x8(int64_t qtype) { return qtype == Q4_1_X8 || qtype == Q4_K_X8 || qtype == Q6_K_X8; }
+inline bool is_x8(int64_t qtype) {
+  return qtype == Q4_1_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 || qtype == Q6_K_X8;
+}
 inline int64_t base_type(int64_t qtype) {
-  return qtype == Q4_1_X8 ? Q4_1 : qtype == Q4_K_X8 ? Q4_K : qtype == Q6_K_X8 ? Q6_K : qtype;
+  return qtype == Q4_1_X8 ? Q4_1 : qtype == Q4_K_X8 ? Q4_K : qtype == Q5_K_X8 ? Q5_K : qtype == Q6_K_X8 ? Q6_K : qtype;
 }
 // Q4_0 repacks into Q4_1's tiles: its w = d (u - 8) is Q4_1's d u + m with m = -8 d, exact in float16
 // (a power of two times d), so it takes Q4_1's tile kernels, which its blocks' kernel trailed.
 inline int64_t repacked_id(int64_t qtype) {
-  return qtype == Q4_1 || qtype == Q4_0 ? Q4_1_X8 : qtype == Q4_K ? Q4_K_X8 : qtype == Q6_K ? Q6_K_X8 : 0;
+  return qtype == Q4_1 || qtype == Q4_0 ? Q4_1_X8
+         : qtype == Q4_K               ? Q4_K_X8
+         : qtype == Q5_K               ? Q5_K_X8
+         : qtype == Q6_K               ? Q6_K_X8
+                                       : 0;
 }
 inline int64_t x8_tile(int64_t qtype) {  // Q4_0: the tile it repacks into
-  return base_type(qtype) == Q4_1 || qtype == Q4_0 ? kQ41Tile : base_type(qtype) == Q4_K ? kQ4Tile : kQ6Tile;
+  const int64_t t = base_type(qtype);
+  return t == Q4_1 || qtype == Q4_0 ? kQ41Tile : t == Q4_K ? kQ4Tile : t == Q5_K ? kQ5Tile : kQ6Tile;
 }
 // Values of a row that one tile holds: a Q4_1 block, a K-quant super-block.
 inline int64_t x8_values(int64_t qtype) { return base_type(qtype) == Q4_1 ? 32 : QK_K; }
@@ -459,11 +471,25 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
       move(bl, tile + kQ41D + 2 * r, B2{});
       move(bl + 2, tile + kQ41M + 2 * r, B2{});
       for (int p = 0; p < 2; ++p) move(bl + 4 + 8 * p, tile + 64 * p + 8 * r, B8{});
-    } else if (base_type(qtype) == Q4_K) {
-      uint8_t* sb = src + r * row_bytes + b * 144;
+    } else if (base_type(qtype) == Q4_K || base_type(qtype) == Q5_K) {
+      const bool five = base_type(qtype) == Q5_K;
+      uint8_t* sb = src + r * row_bytes + b * (five ? 176 : 144);
       move(sb, tile + kQ4D + 2 * r, B2{});
       move(sb + 2, tile + kQ4Dmin + 2 * r, B2{});
-      for (int p = 0; p < 16; ++p) move(sb + 16 + 8 * p, tile + 64 * p + 8 * r, B8{});
+      for (int p = 0; p < 16; ++p) move(sb + (five ? 48 : 16) + 8 * p, tile + 64 * p + 8 * r, B8{});
+      // Q5_K's qh: bit 2j of byte l is the fifth bit of the low nibble of qs byte 32 j + l, bit 2j + 1
+      // the high one's; that byte is byte i = l % 8 of unit 4 j + q, q = l / 8 (see kQ5Qh)
+      for (int j = 0; five && j < 4; ++j)
+        for (int i = 0; i < 8; ++i) {
+          uint8_t* packed = tile + kQ5Qh + 64 * j + 8 * r + i;
+          if constexpr (kBack) {
+            for (int q = 0; q < 4; ++q)
+              sb[16 + 8 * q + i] = static_cast<uint8_t>((sb[16 + 8 * q + i] & ~(3 << 2 * j)) |
+                                                        (((*packed >> 2 * q) & 3) << 2 * j));
+          } else {
+            for (int q = 0; q < 4; ++q) *packed |= static_cast<uint8_t>(((sb[16 + 8 * q + i] >> 2 * j) & 3) << 2 * q);
+          }
+        }
       if constexpr (kBack) {
         uint8_t sc[8], m[8];
         for (int j = 0; j < 8; ++j) sc[j] = tile[kQ4Sc + 8 * j + r], m[j] = tile[kQ4M + 8 * j + r];
@@ -1765,7 +1791,7 @@ struct SuperRows {
 #endif
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
-// ---- single-row kernels over repacked tiles (Q4_1_X8, Q4_K_X8, Q6_K_X8) -----------------------
+// ---- single-row kernels over repacked tiles (Q4_1_X8, Q4_K_X8, Q5_K_X8, Q6_K_X8) --------------
 // One vector holds kXRows rows' lanes, two 32-bit lanes a row (the row's 8 bytes of a unit: 4
 // values each); AVX-512 one vector for a tile's 8 rows, AVX2 two of 4, taken one after the other
 // within each tile. (Taken over the whole row one after the other, as they were, the second half's
@@ -1911,6 +1937,11 @@ inline void row_sums(const XF* acc, __m256 mins, float* y) {
   for (int i = 0; i < kX8Rows; ++i) y[i] += mv[i];
 }
 
+// v's bit `from` of each byte at bit 4, the other bits of the byte zero.
+inline XI bit_at_4(XI v, int from) {
+  return xi_and(from <= 4 ? xi_slli16(v, 4 - from) : xi_srli16(v, from - 4), xi_bytes(0x10));
+}
+
 // 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times R rows of x from quantize_super:
 // y[r][0..8). Per sub-block the 16 values a lane sums (unsigned 4-bit codes times x's codes: within
 // 16 bits, at most 16 * 15 * 127) take the sub-block's scale in one 16-bit multiply-add, into
@@ -1919,8 +1950,16 @@ inline void row_sums(const XF* acc, __m256 mins, float* y) {
 // term against x's per-32 sums, as int8_super_rows. The R rows share each load and unpacking of the
 // codes, the scales' shuffles and the mins' widening; each row's arithmetic is the one-row kernel's,
 // in the same order, so a row's sums do not depend on R.
-template <int R, bool kTwo>
+// kFive: a Q5_K_X8 weight, each code's fifth bit joined from the quarter's qh vector (kQ5Qh). Its
+// codes (0..31) bound a lane's 16 products at 16 * 31 * 127, past 16 bits: VNNI's 32-bit sums take the
+// scale every 2 units (8 products) instead of 4 (AVX2's pairs: 4 units of 2 * 31 * 127 each still fit
+// 16 bits); and the super-block's first-code sums (at most 8 * 63 * 62992) times 128 would pass 2^31,
+// so the two codes' sums convert apart, each times its own scale.
+template <int R, bool kTwo, bool kFive = false>
 void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
+  constexpr int64_t kTile = kFive ? kQ5Tile : kQ4Tile;
+  constexpr int kLinesPerQuarter = static_cast<int>((kTile / 64 + 3) / 4);
+  constexpr int kRun = kFive && !kPairs16 ? 2 : 4;  // units whose products sum before the scale
   const int64_t supers = K / QK_K;
   const XI low = xi_bytes(0x0F);
   XF acc[R][kXVecs];
@@ -1932,52 +1971,62 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
     for (int r = 0; r < R; ++r) acc[r][h] = xf_zero();
   }
   for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* tb = tiles + b * kTile;
     for (int h = 0; h < kXVecs; ++h) {
       const XI first = firsts[h], second = seconds[h];
-      const uint8_t* t = tiles + b * kQ4Tile + h * kXBytes;
+      const uint8_t* t = tb + h * kXBytes;
       XI sums[R], second_sums[R];
       for (int r = 0; r < R; ++r) sums[r] = second_sums[r] = xi_zero();
       for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles), 2j + 1 (high)
-        if (h == 0) prefetch_tile(tiles + b * kQ4Tile, kQ4Tile, 5 * j, 5 * j + 5);
-        XI c0[R], c1[R], r0[R], r1[R];
-        for (int r = 0; r < R; ++r) c0[r] = c1[r] = r0[r] = r1[r] = xi_zero();
+        if (h == 0) prefetch_tile(tb, kTile, kLinesPerQuarter * j, kLinesPerQuarter * (j + 1));
+        const XI s = xi_bcast128(tb + kQ4Sc + 16 * j);
+        const XI s0 = xi_shuffle(s, first), s1 = xi_shuffle(s, second);
+        XI qh = xi_zero();
+        if constexpr (kFive) qh = xi_load(t + kQ5Qh + 64 * j);
+        for (int q0 = 0; q0 < 4; q0 += kRun) {
+          XI c0[R], c1[R], r0[R], r1[R];
+          for (int r = 0; r < R; ++r) c0[r] = c1[r] = r0[r] = r1[r] = xi_zero();
 #pragma GCC unroll 4
-        for (int q = 0; q < 4; ++q) {
-          const XI v = xi_load(t + (4 * j + q) * 64);
-          const XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
-          const int64_t at = QK_K * b + 64 * j + 8 * q;
-          for (int r = 0; r < R; ++r) {
-            c0[r] = xi_dot_pairs(c0[r], lo, xi_bcast64(a[r].codes + at));
-            c1[r] = xi_dot_pairs(c1[r], hi, xi_bcast64(a[r].codes + at + 32));
-            if constexpr (kTwo) {
-              r0[r] = xi_dot_pairs(r0[r], lo, xi_bcast64(a[r].residual + at));
-              r1[r] = xi_dot_pairs(r1[r], hi, xi_bcast64(a[r].residual + at + 32));
+          for (int q = q0; q < q0 + kRun; ++q) {
+            const XI v = xi_load(t + (4 * j + q) * 64);
+            XI lo = xi_and(v, low), hi = xi_and(xi_srli16(v, 4), low);
+            if constexpr (kFive) lo = xi_or(lo, bit_at_4(qh, 2 * q)), hi = xi_or(hi, bit_at_4(qh, 2 * q + 1));
+            const int64_t at = QK_K * b + 64 * j + 8 * q;
+            for (int r = 0; r < R; ++r) {
+              c0[r] = xi_dot_pairs(c0[r], lo, xi_bcast64(a[r].codes + at));
+              c1[r] = xi_dot_pairs(c1[r], hi, xi_bcast64(a[r].codes + at + 32));
+              if constexpr (kTwo) {
+                r0[r] = xi_dot_pairs(r0[r], lo, xi_bcast64(a[r].residual + at));
+                r1[r] = xi_dot_pairs(r1[r], hi, xi_bcast64(a[r].residual + at + 32));
+              }
             }
           }
-        }
-        const XI s = xi_bcast128(tiles + b * kQ4Tile + kQ4Sc + 16 * j);
-        const XI s0 = xi_shuffle(s, first), s1 = xi_shuffle(s, second);
-        for (int r = 0; r < R; ++r) {
-          sums[r] = xi_madd16(xi_madd16(sums[r], c0[r], s0), c1[r], s1);
-          if constexpr (kTwo) second_sums[r] = xi_madd16(xi_madd16(second_sums[r], r0[r], s0), r1[r], s1);
+          for (int r = 0; r < R; ++r) {
+            sums[r] = xi_madd16(xi_madd16(sums[r], c0[r], s0), c1[r], s1);
+            if constexpr (kTwo) second_sums[r] = xi_madd16(xi_madd16(second_sums[r], r0[r], s0), r1[r], s1);
+          }
         }
       }
-      const XF d = xf_row_halves(tiles + b * kQ4Tile + kQ4D, h);
+      const XF d = xf_row_halves(tb + kQ4D, h);
       for (int r = 0; r < R; ++r) {
-        const XI total = kTwo ? xi_add32(xi_slli32(sums[r], 7), second_sums[r]) : sums[r];
-        const float dx = kTwo ? a[r].scale[b] / 128.f : a[r].scale[b];
-        acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(dx)), acc[r][h]);
+        if constexpr (kFive && kTwo) {
+          acc[r][h] = xf_fmadd(xf_cvt(sums[r]), xf_mul(d, xf_set1(a[r].scale[b])), acc[r][h]);
+          acc[r][h] = xf_fmadd(xf_cvt(second_sums[r]), xf_mul(d, xf_set1(a[r].scale[b] / 128.f)), acc[r][h]);
+        } else {
+          const XI total = kTwo ? xi_add32(xi_slli32(sums[r], 7), second_sums[r]) : sums[r];
+          const float dx = kTwo ? a[r].scale[b] / 128.f : a[r].scale[b];
+          acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(dx)), acc[r][h]);
+        }
       }
       if (h == 0) {  // the mins' term while the tile is in L1 (a pass of its own read the group again from L2)
-        const uint8_t* tm = tiles + b * kQ4Tile;
         __m256 m[R];
         for (int r = 0; r < R; ++r) m[r] = _mm256_setzero_ps();
         for (int sb = 0; sb < 8; ++sb) {
           const __m256 mv = _mm256_cvtepi32_ps(
-              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tm + kQ4M + 8 * sb))));
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tb + kQ4M + 8 * sb))));
           for (int r = 0; r < R; ++r) m[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a[r].block_sum[8 * b + sb]), m[r]);
         }
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + kQ4Dmin)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + kQ4Dmin)));
         for (int r = 0; r < R; ++r) mins[r] = _mm256_fnmadd_ps(m[r], dmin, mins[r]);
       }
     }
@@ -2109,6 +2158,13 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
 // other (kernel_ab.py, AVX2 build, one thread: 2 rows 1.11-1.19x, 16 rows 1.02-1.05x).
 constexpr int64_t kQ4TileRows = 2;
 
+// q4_k_x8_rows for R rows of x against repacked Q4_K or (five) Q5_K, one or two codes per value.
+template <int R>
+void k_x8_dispatch(bool five, bool two, const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
+  if (five) two ? q4_k_x8_rows<R, true, true>(a, K, tiles, y) : q4_k_x8_rows<R, false, true>(a, K, tiles, y);
+  else two ? q4_k_x8_rows<R, true>(a, K, tiles, y) : q4_k_x8_rows<R, false>(a, K, tiles, y);
+}
+
 #if !defined(PAGELLM_INT8_VNNI)
 // ---- AVX2: decode steps of many streams over repacked Q4_K and Q6_K --------------------------
 // With two codes per value, AVX2 has no VNNI form for bytes: q4_k_x8_rows spends two VPMADDUBSW and
@@ -2132,7 +2188,9 @@ constexpr int kPairRows = 8;  // rows of x per pass: 8 accumulators, W's vector,
 // tile kernels), by type. kernel_ab.py, AVX2 build, one thread, against the tile kernels: Q4_K at
 // 2 / 3 / 4 / 8 / 16 rows 0.8x / 0.94x / 1.05-1.14x / 1.32-1.40x / 1.48-1.57x; Q6_K at 4 / 5 / 8 /
 // 16 0.85-0.90x / 1.06-1.16x / 1.17-1.21x / 1.40-1.45x.
-constexpr int64_t pair_min_rows(int64_t qtype) { return qtype == Q4_K ? 4 : 5; }
+constexpr int64_t pair_min_rows(int64_t qtype) {
+  return qtype == Q4_K ? 4 : qtype == Q6_K ? 5 : std::numeric_limits<int64_t>::max();  // Q5_K: the tiles' kernel
+}
 
 // The value (within its super-block) of the first of the pair at `at` of q4_k_tile_pairs' layout:
 // [set][sub-block][u], u = 2 q + k: values 8 q + 4 set + 2 k.. of the sub-block (q = 0..3, k = 0, 1).
@@ -2545,7 +2603,7 @@ void q6_k_x8_dispatch(bool two_terms, bool per32, const ActView* a, const int32_
 // A prompt's products multiply each weight by tens to thousands of rows of x: compute-bound, so
 // the weight is unpacked once per group of 8 rows for all of them and the rows' arithmetic is what
 // counts. A group is widened once into 16-bit values, the integer sub-block scales folded in
-// (Q4_K: u * sc <= 15 * 63; Q5_K, from GGUF's blocks: u * sc <= 31 * 63; Q6_K: (u - 32) * sc in
+// (Q4_K: u * sc <= 15 * 63; Q5_K, from GGUF's blocks or its tiles: u * sc <= 31 * 63; Q6_K: (u - 32) * sc in
 // [-4096, 4096]; Q8_0: its codes), as
 // [slice of 8 values][8 rows][8] (x8_widen_group): a vector of it holds 4 rows (AVX-512) or 2 (AVX2)
 // x 8 values. x comes rounded as the integer kernels of fewer rows round it for the type (Q4_K,
@@ -2619,7 +2677,7 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
     }
     return;
   }
-  if (qtype == Q5_K) {  // GGUF's blocks: codes u (0..31) times the sub-block's 6-bit scale, as Q4_K
+  if (qtype == Q5_K && !x8) {  // GGUF's blocks: codes u (0..31) times the sub-block's 6-bit scale, as Q4_K
     for (int r = 0; r < kX8Rows; ++r) {
       const int64_t n = kX8Rows * g + r;
       for (int64_t b = 0; b < supers; ++b) {
@@ -2669,11 +2727,12 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
     }
     return;
   }
-  const uint8_t* tiles = w + g * supers * (qtype == Q4_K ? kQ4Tile : kQ6Tile);
+  const int64_t tile_bytes = x8_tile(repacked_id(qtype));
+  const uint8_t* tiles = w + g * supers * tile_bytes;
   for (int64_t b = 0; b < supers; ++b) {
     int16_t* out = buf + b * kSlices * 64;
-    if (qtype == Q4_K) {
-      const uint8_t* t = tiles + b * kQ4Tile;
+    if (qtype == Q4_K || qtype == Q5_K) {  // repacked Q5_K: Q4_K's tile and the codes' fifth bits (kQ5Qh)
+      const uint8_t* t = tiles + b * tile_bytes;
       for (int r = 0; r < kX8Rows; ++r) {
         const float dmin = half_at(t + kQ4Dmin + 2 * r);
         lanes(b, r, half_at(t + kQ4D + 2 * r));
@@ -2689,11 +2748,22 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
           lo_scale[k] = pair_scale(t[kQ4Sc + 16 * j + 2 * k], t[kQ4Sc + 16 * j + 2 * k + 1]);
           hi_scale[k] = pair_scale(t[kQ4Sc + 16 * j + 8 + 2 * k], t[kQ4Sc + 16 * j + 8 + 2 * k + 1]);
         }
-        for (int q = 0; q < 4; ++q) {  // unit 4j + q: bytes 8q.. of sub-blocks 2j (low), 2j + 1 (high)
-          for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < 4; ++k) {  // rows 2k, 2k + 1
+          // Q5_K: the fifth bits of units 4j + q at bit 4 (qh's bits 2q: low nibbles, 2q + 1: high;
+          // shifts by constants), u * sc <= 31 * 63 within 16 bits
+          __m128i lo5[4] = {}, hi5[4] = {};
+          if (qtype == Q5_K) {
+            const __m128i h = load(t + kQ5Qh + 64 * j + 16 * k), fifth = _mm_set1_epi8(0x10);
+            lo5[0] = _mm_and_si128(_mm_slli_epi16(h, 4), fifth), hi5[0] = _mm_and_si128(_mm_slli_epi16(h, 3), fifth);
+            lo5[1] = _mm_and_si128(_mm_slli_epi16(h, 2), fifth), hi5[1] = _mm_and_si128(_mm_slli_epi16(h, 1), fifth);
+            lo5[2] = _mm_and_si128(h, fifth), hi5[2] = _mm_and_si128(_mm_srli_epi16(h, 1), fifth);
+            lo5[3] = _mm_and_si128(_mm_srli_epi16(h, 2), fifth), hi5[3] = _mm_and_si128(_mm_srli_epi16(h, 3), fifth);
+          }
+          for (int q = 0; q < 4; ++q) {  // unit 4j + q: bytes 8q.. of sub-blocks 2j (low), 2j + 1 (high)
             const __m128i v = load(t + 64 * (4 * j + q) + 16 * k);
-            put(out, 8 * j + q, k, _mm_and_si128(v, low), lo_scale[k], false);
-            put(out, 8 * j + 4 + q, k, _mm_and_si128(_mm_srli_epi16(v, 4), low), hi_scale[k], false);
+            put(out, 8 * j + q, k, _mm_or_si128(_mm_and_si128(v, low), lo5[q]), lo_scale[k], false);
+            const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), low), hi5[q]);
+            put(out, 8 * j + 4 + q, k, hi, hi_scale[k], false);
           }
         }
       }
@@ -2824,7 +2894,7 @@ void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K,
   for (; m < M; ++m) x8_prefill_rows<1, T>(x16, xs, m, K, buf, dvec, bsums, mins, y, N, g);
 }
 
-// x [M, K] float32 times W [N, ...]: a repacked weight (Q4_K_X8 / Q6_K_X8 / Q4_1_X8, qtype its GGUF
+// x [M, K] float32 times W [N, ...]: a repacked weight (Q4_K_X8 / Q5_K_X8 / Q6_K_X8 / Q4_1_X8, qtype its GGUF
 // type) or Q8_0's, Q5_K's or Q4_1's blocks; y [M, N], x rounded with one or two codes (see above). Each thread widens a group of
 // 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
 void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
@@ -3392,7 +3462,9 @@ void amx_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 }
 
 inline bool amx_takes(bool x8, int64_t qtype, int64_t M) {
-  return (x8 || qtype == Q8_0 || qtype == Q4_1) && M >= amx_min_rows(qtype) && amx_wanted && amx_permitted();
+  const bool served = qtype == Q4_K || qtype == Q6_K || qtype == Q8_0 || qtype == Q4_1;  // kAmxTypes: not Q5_K
+  return served && (x8 || qtype == Q8_0 || qtype == Q4_1) && M >= amx_min_rows(qtype) && amx_wanted &&
+         amx_permitted();
 }
 #else
 inline bool amx_takes(bool, int64_t, int64_t) { return false; }
@@ -3506,7 +3578,8 @@ void int8_product(const ActRows& a, int64_t M, int64_t K, const uint8_t* w, int6
 
 // x: [M, K] float32; w: [N, row_bytes] uint8 blocks. Returns x @ W^T: [M, N] float32.
 torch::Tensor gguf_matmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t packed_type, int64_t K) {
-  // Repacked weights (Q4_K_X8, Q6_K_X8): each group of 8 rows back in GGUF's layout (L1), then as those.
+  // Repacked weights (Q4_K_X8, Q5_K_X8, Q6_K_X8, Q4_1_X8): each group of 8 rows back in GGUF's layout
+  // (L1), then as those.
   const bool x8 = is_x8(packed_type);
   const int64_t qtype = base_type(packed_type);
   const Format f = format_of(qtype);
@@ -3616,7 +3689,7 @@ constexpr int64_t kQ41RowLoopMax = 16;
 // 0.95x at 512, 0.70-0.85x at 1024, where each chunk of x widens the blocks again. AVX-512 VNNI
 // builds take every row count (the same A/B: Q4_0 1.3-1.7x at 1024 rows, Q5_K 1.5-2.1x).
 constexpr int64_t avx2_prefill_max_rows(int64_t id) {
-  return id == Q4_1_X8 || id == Q4_0 ? 64 : id == Q5_K ? 256 : 0;
+  return id == Q4_1_X8 || id == Q4_0 ? 64 : id == Q5_K || id == Q5_K_X8 ? 256 : 0;
 }
 #endif
 
@@ -3647,7 +3720,7 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 #else
   const bool wide = false;
 #endif
-  const bool per_super = qtype == Q4_K || !two_terms || wide;
+  const bool per_super = qtype == Q4_K || qtype == Q5_K || !two_terms || wide;
 #if defined(PAGELLM_INT8_VNNI)
   const ActRows a = per_super ? quantize_super(x, M, K, two_terms, false) : quantize_activations(x, M, K, two_terms);
 #else
@@ -3670,7 +3743,7 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
     if (!per_super)
       for (int64_t i = 0; i < M * K; i += 32) scale32.push_back(a.lane_scale[i / 4]);
   }
-  const int64_t group_bytes = K / QK_K * (qtype == Q4_K ? kQ4Tile : kQ6Tile);
+  const int64_t group_bytes = K / QK_K * x8_tile(repacked_id(qtype));
   std::vector<ActView> views;
   for (int64_t m = 0; m < M; ++m)
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr,
@@ -3689,15 +3762,15 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
         continue;
       }
 #endif
-      if (qtype == Q4_K) {
+      if (qtype == Q4_K || qtype == Q5_K) {
         for (int64_t m = 0; m < M; m += kQ4TileRows) {
           float* yg[kQ4TileRows];
           for (int64_t i = 0; i < kQ4TileRows && m + i < M; ++i) yg[i] = y + (m + i) * N + kX8Rows * g;
           const ActView* v = views.data() + m;
           if (kQ4TileRows == 2 && m + 1 < M)
-            two_terms ? q4_k_x8_rows<kQ4TileRows, true>(v, K, tiles, yg) : q4_k_x8_rows<kQ4TileRows, false>(v, K, tiles, yg);
+            k_x8_dispatch<kQ4TileRows>(qtype == Q5_K, two_terms, v, K, tiles, yg);
           else
-            two_terms ? q4_k_x8_rows<1, true>(v, K, tiles, yg) : q4_k_x8_rows<1, false>(v, K, tiles, yg);
+            k_x8_dispatch<1>(qtype == Q5_K, two_terms, v, K, tiles, yg);
           if (kQ4TileRows == 2 && m + 1 >= M) break;
         }
         continue;
@@ -3839,11 +3912,12 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t packed_type, 
   return out;
 }
 
-// A Q4_1 / Q4_K / Q6_K weight [N, row_bytes] (N a multiple of 8) in tiles of 8 rows (Q4_1_X8 ...),
+// A Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K weight [N, row_bytes] (N a multiple of 8) in tiles of 8 rows (Q4_1_X8 ...),
 // or (`back`) a repacked one in GGUF's layout again.
 torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool back) {
   const int64_t packed = back ? qtype : repacked_id(qtype);
-  TORCH_CHECK(is_x8(packed), "gguf_repack: Q4_0, Q4_1, Q4_K or Q6_K weights (or, back, their repacked ids), got type ",
+  TORCH_CHECK(is_x8(packed),
+              "gguf_repack: Q4_0, Q4_1, Q4_K, Q5_K or Q6_K weights (or, back, their repacked ids), got type ",
               qtype);
   TORCH_CHECK(w.size(0) % kX8Rows == 0, "gguf_repack: ", w.size(0), " rows are not a multiple of ", kX8Rows);
   const int64_t N = w.size(0), supers = K / x8_values(packed), tile = x8_tile(packed);
@@ -3884,13 +3958,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list prefill;
   py::dict prefill_max;  // the types whose integer prefill stops at a number of rows
   for (int64_t t : {static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8), static_cast<int64_t>(Q8_0),
-                    static_cast<int64_t>(Q5_K), static_cast<int64_t>(Q4_0)})
+                    static_cast<int64_t>(Q5_K), static_cast<int64_t>(Q5_K_X8), static_cast<int64_t>(Q4_0)})
     prefill.append(t);
 #if defined(PAGELLM_INT8_VNNI)
   for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_1)}) prefill.append(t);
 #else
   prefill.append(static_cast<int64_t>(Q4_1_X8));
-  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0), static_cast<int64_t>(Q5_K)})
+  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0), static_cast<int64_t>(Q5_K),
+                    static_cast<int64_t>(Q5_K_X8)})
     prefill_max[py::int_(t)] = avx2_prefill_max_rows(t);
 #endif
   m.attr("prefill_types") = py::tuple(prefill);
@@ -3941,14 +4016,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "chosen rows of a GGUF-quantized matrix, dense (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("gguf_repack", &gguf_repack, "Q4_1 / Q4_K / Q6_K rows in tiles of 8 for one-row products, or back",
+  m.def("gguf_repack", &gguf_repack,
+        "Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K rows in tiles of 8 for one-row products, or back",
         py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false,
         py::call_guard<py::gil_scoped_release>());
   py::dict repacked;  // GGUF type -> the id of its repacked layout
-  for (int64_t t : {Q4_0, Q4_1, Q4_K, Q6_K}) repacked[py::int_(t)] = repacked_id(t);
+  for (int64_t t : {Q4_0, Q4_1, Q4_K, Q5_K, Q6_K}) repacked[py::int_(t)] = repacked_id(t);
   m.attr("repacked_types") = repacked;
   py::dict bases;  // repacked id -> the GGUF type whose kernels it takes (Q4_0's tiles are Q4_1's)
-  for (int64_t id : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q6_K_X8)})
+  for (int64_t id : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q5_K_X8),
+                     static_cast<int64_t>(Q6_K_X8)})
     bases[py::int_(id)] = base_type(id);
   m.attr("repacked_bases") = bases;
   // AMX tiles: from how many rows of x a product against a repacked weight (by its id) takes them

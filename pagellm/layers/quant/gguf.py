@@ -266,7 +266,7 @@ def wide_int8_types(activations: str) -> frozenset[int]:
 
 @functools.cache
 def prefill_types(activations: str) -> frozenset[int]:
-    """The weight ids (repacked Q4_K and Q6_K, Q8_0's and Q5_K's blocks; Q4_1, repacked and in blocks,
+    """The weight ids (repacked Q4_K, Q5_K and Q6_K, Q8_0's and Q5_K's blocks; Q4_1, repacked and in blocks,
     in AVX-512 VNNI builds, repacked in AVX2 ones, where it and Q5_K stop at prefill_max_rows) whose
     products in mode `activations` take the integer kernel past WIDE_INT8_MAX_ROWS rows too (prefills):
     csrc x8_prefill widens each group of 8 rows of W once to 16-bit values for all the rows of x,
@@ -295,8 +295,9 @@ def prefill_max_rows() -> dict[int, int]:
 # up with them at every batch the integer kernels take (the measured ratios: docs/quantization.md,
 # "Repacked Q4_K and Q6_K", "Repacked Q4_1"). Q6_K carries a Q4_K_M file's output matrix, a quarter
 # of the bytes a 1B decode step reads; Q4_1 all of the bundled SmolLM2's layers. Q4_0 repacks into
-# Q4_1's tiles (m = -8 d, exact: csrc repacked_id) and takes their kernels ("Q4_0 in Q4_1's tiles").
-REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K"))
+# Q4_1's tiles (m = -8 d, exact: csrc repacked_id) and takes their kernels ("Q4_0 in Q4_1's tiles");
+# Q5_K into Q4_K's tiles with its fifth bits beside, and takes their kernel ("Repacked Q5_K").
+REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
 
 
 def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool, cols: int) -> int | None:

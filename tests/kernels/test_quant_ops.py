@@ -189,6 +189,27 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
+def test_repacked_q5_k_at_its_largest_codes_sums_without_overflow():
+    """Every Q5_K code at 31 and every sub-block scale at 63 against x's codes at 127: a 32-bit
+    lane's 16 products of a sub-block (62,992) pass the 16 bits the scale's multiply-add reads, so
+    the tile kernel must apply the scale every 8 (VNNI), and with two codes the super-block's sums
+    times 128 pass 2^31, so it must convert the two codes' sums apart. The product is the
+    dequantized one's."""
+    kernels, cols = cpu.quant_kernels(), 512
+    block = np.zeros(176, dtype=np.uint8)
+    block[0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)  # d 1, dmin 0
+    block[4:] = 0xFF  # 6-bit scales and mins 63; every fifth bit and nibble set: codes 31
+    raw = torch.from_numpy(np.tile(block, (16, cols // 256)))
+    packed = kernels.gguf_repack(raw, int(T.Q5_K), cols)
+    dense = reference(raw.numpy(), T.Q5_K, cols)
+    assert dense.unique().tolist() == [31.0 * 63]
+    x = torch.ones(3, cols)
+    for activations in ("int8", "int8x2"):
+        ours = q.gguf_matmul(x, packed, kernels.repacked_types[int(T.Q5_K)], cols, activations=activations)
+        assert torch.allclose(ours, x @ dense.T, rtol=1e-6), activations
+
+
+@pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_large_repacked_product_claimed_in_chunks_is_its_one_thread_product(qtype):
     """Repacked products of several MB go to the two threads in chunks that each thread claims in

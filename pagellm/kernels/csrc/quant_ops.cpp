@@ -3665,7 +3665,9 @@ constexpr int64_t kX8MaxRowLoop = 32;
 // the tiles where their row kernels stop winning. benchmarks/kernel_ab.py, one thread, interleaved,
 // on a loaded machine: SmolLM2 shapes at 16 rows 1.1-1.6x the blocks' integer kernel (1.2-1.65x the
 // float32 one); the 1B shapes at 16 rows Q6_K 0.95-1.14x and Q4_K 0.6-0.9x the tiles' kernels, at
-// 24 rows Q6_K 1.3x and Q4_K 0.94-1.16x, at 32 Q6_K 1.3-1.8x and Q4_K 1.2x.
+// 24 rows Q6_K 1.3x and Q4_K 0.94-1.16x, at 32 Q6_K 1.3-1.8x and Q4_K 1.2x. Repacked Q5_K keeps its
+// row loop to 32 rows: widened from 9 rows, its products ran 0.51-0.58x the tiles' kernel at 9 rows,
+// 0.73-0.76x at 16, 0.87-0.93x at 24, 1.0-1.03x at 32 (kernel_ab.py, two threads, Zen 4).
 constexpr int64_t widen_min_rows(int64_t qtype) {
 #if defined(PAGELLM_INT8_VNNI)
   return qtype == Q4_1 || qtype == Q8_0 ? 9 : qtype == Q6_K ? 17 : qtype == Q4_K ? 25 : 0;

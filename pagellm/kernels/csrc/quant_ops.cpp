@@ -1937,9 +1937,12 @@ inline void row_sums(const XF* acc, __m256 mins, float* y) {
   for (int i = 0; i < kX8Rows; ++i) y[i] += mv[i];
 }
 
-// v's bit `from` of each byte at bit 4, the other bits of the byte zero.
+// v's bit `from` of each byte at bit 4, the other bits of the byte zero (repacked Q5_K's fifth bits, kQ5Qh).
 inline XI bit_at_4(XI v, int from) {
   return xi_and(from <= 4 ? xi_slli16(v, 4 - from) : xi_srli16(v, from - 4), xi_bytes(0x10));
+}
+inline __m128i bit_at_4(__m128i v, int from) {
+  return _mm_and_si128(from <= 4 ? _mm_slli_epi16(v, 4 - from) : _mm_srli_epi16(v, from - 4), _mm_set1_epi8(0x10));
 }
 
 // 8 rows of a Q4_K_X8 weight (tiles: their K / 256 tiles) times R rows of x from quantize_super:
@@ -2749,15 +2752,13 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
           hi_scale[k] = pair_scale(t[kQ4Sc + 16 * j + 8 + 2 * k], t[kQ4Sc + 16 * j + 8 + 2 * k + 1]);
         }
         for (int k = 0; k < 4; ++k) {  // rows 2k, 2k + 1
-          // Q5_K: the fifth bits of units 4j + q at bit 4 (qh's bits 2q: low nibbles, 2q + 1: high;
-          // shifts by constants), u * sc <= 31 * 63 within 16 bits
+          // Q5_K: the fifth bits of units 4j + q at bit 4 (qh's bits 2q: low nibbles, 2q + 1: high),
+          // u * sc <= 31 * 63 within 16 bits
           __m128i lo5[4] = {}, hi5[4] = {};
           if (qtype == Q5_K) {
-            const __m128i h = load(t + kQ5Qh + 64 * j + 16 * k), fifth = _mm_set1_epi8(0x10);
-            lo5[0] = _mm_and_si128(_mm_slli_epi16(h, 4), fifth), hi5[0] = _mm_and_si128(_mm_slli_epi16(h, 3), fifth);
-            lo5[1] = _mm_and_si128(_mm_slli_epi16(h, 2), fifth), hi5[1] = _mm_and_si128(_mm_slli_epi16(h, 1), fifth);
-            lo5[2] = _mm_and_si128(h, fifth), hi5[2] = _mm_and_si128(_mm_srli_epi16(h, 1), fifth);
-            lo5[3] = _mm_and_si128(_mm_srli_epi16(h, 2), fifth), hi5[3] = _mm_and_si128(_mm_srli_epi16(h, 3), fifth);
+            const __m128i h = load(t + kQ5Qh + 64 * j + 16 * k);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; ++q) lo5[q] = bit_at_4(h, 2 * q), hi5[q] = bit_at_4(h, 2 * q + 1);
           }
           for (int q = 0; q < 4; ++q) {  // unit 4j + q: bytes 8q.. of sub-blocks 2j (low), 2j + 1 (high)
             const __m128i v = load(t + 64 * (4 * j + q) + 16 * k);
@@ -2985,6 +2986,11 @@ constexpr int64_t kAmxRows = 16;          // rows of x per tile, and rows of W (
 // keeps its row loop to kQ41RowLoopMax rows whatever these say (see there).
 constexpr int64_t amx_default_rows(int64_t qtype) { return qtype == Q4_K || qtype == Q4_1 ? 8 : 6; }
 constexpr int64_t kAmxTypes[4] = {Q4_K, Q6_K, Q8_0, Q4_1};
+constexpr bool amx_serves(int64_t qtype) {  // amx_slot gives any other type Q4_1's slot: ask this first
+  for (int64_t t : kAmxTypes)
+    if (t == qtype) return true;
+  return false;
+}
 constexpr int amx_slot(int64_t qtype) { return qtype == Q4_K ? 0 : qtype == Q6_K ? 1 : qtype == Q8_0 ? 2 : 3; }
 // The crossovers in force: set_amx_min_rows moves them, for the measurements that find them.
 std::atomic<int64_t> amx_from_rows[4] = {amx_default_rows(Q4_K), amx_default_rows(Q6_K), amx_default_rows(Q8_0),
@@ -3462,8 +3468,7 @@ void amx_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int
 }
 
 inline bool amx_takes(bool x8, int64_t qtype, int64_t M) {
-  const bool served = qtype == Q4_K || qtype == Q6_K || qtype == Q8_0 || qtype == Q4_1;  // kAmxTypes: not Q5_K
-  return served && (x8 || qtype == Q8_0 || qtype == Q4_1) && M >= amx_min_rows(qtype) && amx_wanted &&
+  return amx_serves(qtype) && (x8 || qtype == Q8_0 || qtype == Q4_1) && M >= amx_min_rows(qtype) && amx_wanted &&
          amx_permitted();
 }
 #else

@@ -153,13 +153,14 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     """Q4_1 / Q4_K / Q5_K / Q6_K weights repacked into tiles of 8 rows (a layer's in the integer modes):
     the same bytes back; rows and float32 products equal to the blocks'; integer products (of 1, 3
     and 5 rows of x: Q6_K's kernel takes up to 4 together; x rounded alike) within float32 summation
-    order of the blocks'. Q4_0 repacks into Q4_1's tiles (m = -8 d): back it comes as Q4_1 blocks
-    of the same values, and its float32 products too are Q4_1's arithmetic, within summation order."""
+    order of the blocks'. Q4_0's tiles are Q4_1's without m (its bytes, no more) and take Q4_1's
+    kernels (m = -8 d): back it comes as Q4_1 blocks of the same values, and its float32 products too
+    are Q4_1's arithmetic, within summation order."""
     kernels, cols = cpu.quant_kernels(), 1280  # 5 super-blocks
     raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=6))
     packed_id = kernels.repacked_types[int(qtype)]
     packed = kernels.gguf_repack(raw, int(qtype), cols)
-    assert packed.numel() <= (1.12 if qtype != T.Q4_0 else 20 / 18) * raw.numel()
+    assert packed.numel() <= 1.12 * raw.numel() if qtype != T.Q4_0 else packed.numel() == raw.numel()
     back = kernels.gguf_repack(packed, packed_id, cols, True)
     if qtype == T.Q4_0:
         assert torch.equal(reference(back.numpy(), T.Q4_1, cols), reference(raw.numpy(), qtype, cols))
@@ -315,12 +316,12 @@ def test_repacked_q6_k_rows_keep_their_bits_beside_up_to_16_rows(without_amx):
 
 def amx_cases() -> list:
     """(qtype, amx) for the product tests: AMX tiles (csrc amx_product) where this CPU and build have
-    them, for the types they serve (repacked Q4_K and Q6_K, Q8_0's and Q4_1's blocks); the other kernels
+    them, for the types they serve (repacked Q4_K, Q6_K, Q4_0 and Q4_1, Q8_0's and Q4_1's blocks); the other kernels
     always (set_amx(False)), Q5_K's blocks too."""
     kernels = cpu.quant_kernels()
     tiles = getattr(kernels, "amx_min_rows", {})
     cases = [pytest.param(t, False, id=t.name) for t in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0, T.Q4_1)]
-    return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1)
+    return cases + [pytest.param(t, True, id=f"{t.name}-amx") for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.Q4_1)
                     if kernels.repacked_types.get(int(t), int(t)) in tiles]
 
 
@@ -343,10 +344,9 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     in one tile, 17 a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and
     Q4_1's 21, a part of 16 rows); the other cases run without them."""
     kernels = cpu.quant_kernels()
-    # Q8_0 kept in GGUF's blocks (not gguf.REPACKED); Q4_1 and Q5_K repacked, as a load gives them, and
-    # in blocks (a weight whose rows are not whole tiles of 8); Q4_0 in blocks (repacked, it is Q4_1's
-    # tiles, the Q4_1 case)
-    for blocks in ((True, False) if qtype in (T.Q4_1, T.Q5_K) else (qtype in (T.Q8_0, T.Q4_0),)):
+    # Q8_0 kept in GGUF's blocks (not gguf.REPACKED); Q4_0, Q4_1 and Q5_K repacked, as a load gives them,
+    # and in blocks (a weight whose rows are not whole tiles of 8)
+    for blocks in ((True, False) if qtype in (T.Q4_0, T.Q4_1, T.Q5_K) else (qtype == T.Q8_0,)):
         _prefill_products_case(kernels, qtype, amx_tiles, blocks)
 
 
@@ -377,12 +377,12 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
             assert (ours - expected).abs().max(1).values.le(RTOL * expected.abs().max(1).values).all(), (two, m)
             assert (ours - x.double() @ dense.T).abs().max() > 1e-7 * expected.abs().max()  # rounded: visible
     # the dispatch of the default mode: the integer kernel at a 16-stream decode step (not the float32
-    # one; Q4_0 in AVX-512 VNNI builds keeps the float32 kernel past 8 rows) and, for the prefill
+    # one; Q4_0's blocks in AVX-512 VNNI builds keep the float32 kernel past 8 rows) and, for the prefill
     # types, past 32 rows (not the float32 tiles)
     x = torch.randn(16, cols)
     integer = torch.equal(q.gguf_matmul(x, w, kind, cols, activations="int8x2"),
                           kernels.gguf_matmul_int8(x, w, kind, cols, True))
-    assert integer == (qtype != T.Q4_0 or kernels.int8_kernel != "avx512_vnni")
+    assert integer == (qtype != T.Q4_0 or not blocks or kernels.int8_kernel != "avx512_vnni")
     x = torch.randn(40, cols)
     if qtype == T.Q4_1 and kernels.int8_kernel != "avx512_vnni" and blocks:  # AVX2 builds: the float32 tiles
         assert kind not in q.prefill_types("int8x2")

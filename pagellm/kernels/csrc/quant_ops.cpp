@@ -383,7 +383,7 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // integer dot product against 8 bytes of x broadcast then sums 4 values of one row per 32-bit
 // lane, two lanes a row, so no row needs a reduction until its last super-block, and the scales
 // sit one byte per (sub-block, row), ready for a byte shuffle. Ids of our own, past GGML's:
-enum : int64_t { Q4_1_X8 = 1003, Q4_K_X8 = 1012, Q5_K_X8 = 1013, Q6_K_X8 = 1014 };
+enum : int64_t { Q4_0_X8 = 1002, Q4_1_X8 = 1003, Q4_K_X8 = 1012, Q5_K_X8 = 1013, Q6_K_X8 = 1014 };
 constexpr int64_t kX8Rows = 8;
 // Tile (8 rows x 256 values) offsets, in whole cache lines. A tile holds only what the kernels read:
 // a decode step streams the tiles from memory, so each byte beyond the file's is time. A group goes
@@ -405,44 +405,62 @@ constexpr int64_t kQ6Tile = 1728, kQ6Qh = 1024, kQ6Sc = 1536, kQ6D = 1664;
 // code bytes 8p..8p+7: values 8p.. in the low nibbles, 16 + 8p.. in the high), d [8] and m [8]
 // (float16): 160 bytes for 8 x 20, the blocks' own bytes.
 constexpr int64_t kQ41Tile = 160, kQ41D = 128, kQ41M = 144;
+// Q4_0: Q4_1's tile without m (its w = d (u - 8) is Q4_1's d u + m with m = -8 d, which the kernels
+// compute; exact in float32): 144 bytes for 8 x 18, the blocks' own bytes.
+constexpr int64_t kQ40Tile = 144;
 
 inline bool is_x8(int64_t qtype) {
-  return qtype == Q4_1_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 || qtype == Q6_K_X8;
+  return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 || qtype == Q6_K_X8;
 }
+// The GGUF type whose kernels a layout takes: Q4_0's tiles take Q4_1's (and go back as Q4_1 blocks
+// with m = -8 d), which its blocks' kernel trailed.
 inline int64_t base_type(int64_t qtype) {
-  return qtype == Q4_1_X8 ? Q4_1 : qtype == Q4_K_X8 ? Q4_K : qtype == Q5_K_X8 ? Q5_K : qtype == Q6_K_X8 ? Q6_K : qtype;
+  return qtype == Q4_1_X8 || qtype == Q4_0_X8 ? Q4_1
+         : qtype == Q4_K_X8                   ? Q4_K
+         : qtype == Q5_K_X8                   ? Q5_K
+         : qtype == Q6_K_X8                   ? Q6_K
+                                              : qtype;
 }
-// Q4_0 repacks into Q4_1's tiles: its w = d (u - 8) is Q4_1's d u + m with m = -8 d, exact in float16
-// (a power of two times d), so it takes Q4_1's tile kernels, which its blocks' kernel trailed.
 inline int64_t repacked_id(int64_t qtype) {
-  return qtype == Q4_1 || qtype == Q4_0 ? Q4_1_X8
-         : qtype == Q4_K               ? Q4_K_X8
-         : qtype == Q5_K               ? Q5_K_X8
-         : qtype == Q6_K               ? Q6_K_X8
-                                       : 0;
+  return qtype == Q4_0   ? Q4_0_X8
+         : qtype == Q4_1 ? Q4_1_X8
+         : qtype == Q4_K ? Q4_K_X8
+         : qtype == Q5_K ? Q5_K_X8
+         : qtype == Q6_K ? Q6_K_X8
+                         : 0;
 }
-inline int64_t x8_tile(int64_t qtype) {  // Q4_0: the tile it repacks into
-  const int64_t t = base_type(qtype);
-  return t == Q4_1 || qtype == Q4_0 ? kQ41Tile : t == Q4_K ? kQ4Tile : t == Q5_K ? kQ5Tile : kQ6Tile;
+inline int64_t x8_tile(int64_t qtype) {  // a repacked id, or the GGUF type that repacks into it
+  const int64_t id = is_x8(qtype) ? qtype : repacked_id(qtype);
+  return id == Q4_0_X8   ? kQ40Tile
+         : id == Q4_1_X8 ? kQ41Tile
+         : id == Q4_K_X8 ? kQ4Tile
+         : id == Q5_K_X8 ? kQ5Tile
+                         : kQ6Tile;
 }
+// How a weight that takes Q4_1's kernels lies: GGUF's blocks, Q4_1's tiles, or Q4_0's (no m: -8 d).
+// The other types' kernels take it as whether the weight is repacked (kBlocks: false).
+enum Layout : int { kBlocks = 0, kTiles = 1, kQ40Tiles = 2 };
+inline Layout layout_of(int64_t packed) { return packed == Q4_0_X8 ? kQ40Tiles : is_x8(packed) ? kTiles : kBlocks; }
+inline int64_t q41_tile_bytes(Layout x8) { return x8 == kQ40Tiles ? kQ40Tile : kQ41Tile; }
 // Values of a row that one tile holds: a Q4_1 block, a K-quant super-block.
 inline int64_t x8_values(int64_t qtype) { return base_type(qtype) == Q4_1 ? 32 : QK_K; }
 
 // Row n's Q4_1 block bl (rows of K values): d, m and its 16 bytes of codes, from GGUF's blocks or
-// (x8) from a Q4_1_X8 tile, for the kernels that read Q4_1 a block at a time in either layout.
+// from a Q4_1_X8 or Q4_0_X8 tile, for the kernels that read Q4_1 a block at a time in any layout.
 struct Q41Block {
   float d, m;
   __m128i codes;
 };
-inline Q41Block q4_1_block(const uint8_t* w, int64_t K, bool x8, int64_t n, int64_t bl) {
+inline Q41Block q4_1_block(const uint8_t* w, int64_t K, Layout x8, int64_t n, int64_t bl) {
   const int64_t blocks = K / 32;
   if (!x8) {
     const uint8_t* b = w + (n * blocks + bl) * 20;
     return {half_at(b), half_at(b + 2), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4))};
   }
-  const uint8_t* t = w + (n / kX8Rows * blocks + bl) * kQ41Tile;
+  const uint8_t* t = w + (n / kX8Rows * blocks + bl) * q41_tile_bytes(x8);
   const int r = static_cast<int>(n % kX8Rows);
-  return {half_at(t + kQ41D + 2 * r), half_at(t + kQ41M + 2 * r),
+  const float d = half_at(t + kQ41D + 2 * r);
+  return {d, x8 == kQ40Tiles ? -8.f * d : half_at(t + kQ41M + 2 * r),
           _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 8 * r)),
                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 8 * r)))};
 }
@@ -460,12 +478,16 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
   using B8 = std::integral_constant<size_t, 8>;
   if (!kBack) std::memset(tile, 0, x8_tile(qtype));
   for (int r = 0; r < kX8Rows; ++r) {
-    if (qtype == Q4_0) {  // into a Q4_1 tile (repacked_id), m = -8 d; never back (the tiles go back as Q4_1)
+    if (qtype == Q4_0) {  // into a Q4_0_X8 tile: d and the codes
       const uint8_t* bl = src + r * row_bytes + b * 18;
       std::memcpy(tile + kQ41D + 2 * r, bl, 2);
-      const uint16_t m = c10::Half(-8.f * half_at(bl)).x;
-      std::memcpy(tile + kQ41M + 2 * r, &m, 2);
       for (int p = 0; p < 2; ++p) std::memcpy(tile + 64 * p + 8 * r, bl + 2 + 8 * p, 8);
+    } else if (kBack && qtype == Q4_0_X8) {  // as Q4_1 blocks (base_type), m = -8 d: exact in float16 (2^3 d)
+      uint8_t* bl = src + r * row_bytes + b * 20;
+      std::memcpy(bl, tile + kQ41D + 2 * r, 2);
+      const uint16_t m = c10::Half(-8.f * half_at(bl)).x;
+      std::memcpy(bl + 2, &m, 2);
+      for (int p = 0; p < 2; ++p) std::memcpy(bl + 4 + 8 * p, tile + 64 * p + 8 * r, 8);
     } else if (base_type(qtype) == Q4_1) {
       uint8_t* bl = src + r * row_bytes + b * 20;
       move(bl, tile + kQ41D + 2 * r, B2{});
@@ -2044,9 +2066,11 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
 // share each tile's loads and unpacking; each row's arithmetic is the one-row kernel's, in the same
 // order, so a row's sums do not depend on R. Each broadcast of x serves the tile's kXVecs vectors at
 // once: loaded per vector, the compiler hoisted AVX2's 16 broadcasts (2 rows) out of the loop over the
-// vectors and spilled them to the stack (2-7 rows of x 1.03-1.08x faster this way on Zen 3).
-template <int R, bool kTwo>
+// vectors and spilled them to the stack (2-7 rows of x 1.03-1.08x faster this way on Zen 3). kQ40:
+// Q4_0_X8 tiles, m = -8 d (the same value Q4_1_X8's float16 m held, so the same bits).
+template <int R, bool kTwo, bool kQ40 = false>
 void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
+  constexpr int64_t kTile = kQ40 ? kQ40Tile : kQ41Tile;
   const int64_t blocks = K / 32;
   const XI low = xi_bytes(0x0F);
   XF acc[R][kXVecs];
@@ -2056,8 +2080,8 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
     for (int h = 0; h < kXVecs; ++h) acc[r][h] = xf_zero();
   }
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* tile = tiles + b * kQ41Tile;
-    prefetch_tile(tile, kQ41Tile, 0, 3);
+    const uint8_t* tile = tiles + b * kTile;
+    prefetch_tile(tile, kTile, 0, 3);
     XI c[R][kXVecs], e[R][kXVecs];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < kXVecs; ++h) c[r][h] = e[r][h] = xi_zero();
@@ -2089,7 +2113,8 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
         acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(a[r].block_scale[b])), acc[r][h]);
       }
     }
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41M)));
+    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (kQ40 ? kQ41D : kQ41M))));
+    if constexpr (kQ40) m = _mm256_mul_ps(m, _mm256_set1_ps(-8.f));
     for (int r = 0; r < R; ++r) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].block_sum[b]), mins[r]);
   }
   for (int r = 0; r < R; ++r) row_sums(acc[r], mins[r], y[r]);
@@ -2109,8 +2134,8 @@ constexpr int64_t kQ41TileRows = 2;
 // values as the blocks' kernels round it.
 #if !defined(PAGELLM_INT8_VNNI)
 std::vector<int16_t> pair_rows_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms, int64_t per);
-void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, float* y,
-                  int64_t N, int64_t g);
+void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, Layout x8,
+                  float* y, int64_t N, int64_t g);
 // From this many rows of x q4_1_x8_many takes the products (the same bits as q4_1_x8_rows): each tile's
 // widening pays from 8 rows. A/B in one process, turn about, AVX2 build on Zen 3, SmolLM2's four Q4_1
 // shapes, one thread, against q4_1_x8_rows: 8 rows 0.98-1.03x, 10 rows 1.03-1.06x, 12 rows
@@ -2119,13 +2144,24 @@ void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
 constexpr int64_t kQ41PairMinRows = 8;
 #endif
 
-void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, bool two_terms, float* y) {
+// R rows of x times one group of tiles, in the layout's kernel.
+template <int R>
+void q4_1_x8_dispatch(bool two_terms, Layout x8, const ActView* v, int64_t K, const uint8_t* tiles, float* const* y) {
+  if (x8 == kQ40Tiles) {
+    two_terms ? q4_1_x8_rows<R, true, true>(v, K, tiles, y) : q4_1_x8_rows<R, false, true>(v, K, tiles, y);
+  } else {
+    two_terms ? q4_1_x8_rows<R, true>(v, K, tiles, y) : q4_1_x8_rows<R, false>(v, K, tiles, y);
+  }
+}
+
+void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, Layout x8, int64_t K, int64_t N, bool two_terms,
+                      float* y) {
   const ActRows a = quantize_activations(x, M, K, two_terms);
   std::vector<ActView> views;
   for (int64_t m = 0; m < M; ++m)
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr, nullptr, nullptr,
                      a.block_sum.data() + m * K / 32, nullptr, nullptr, a.block_scale.data() + m * K / 32});
-  const int64_t group_bytes = K / 32 * kQ41Tile;
+  const int64_t group_bytes = K / 32 * q41_tile_bytes(x8);
 #if !defined(PAGELLM_INT8_VNNI)
   const bool many = M >= kQ41PairMinRows;  // q4_1_x8_many
   const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms, 32) : std::vector<int16_t>();
@@ -2135,7 +2171,7 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
       const uint8_t* tiles = w + g * group_bytes;
 #if !defined(PAGELLM_INT8_VNNI)
       if (many) {
-        q4_1_x8_many(views.data(), x16.data(), M, K, tiles, y, N, g);
+        q4_1_x8_many(views.data(), x16.data(), M, K, tiles, x8, y, N, g);
         continue;
       }
 #endif
@@ -2144,11 +2180,11 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t K, in
         for (int i = 0; i < kQ41TileRows; ++i) yg[i] = y + std::min(m + i, M - 1) * N + kX8Rows * g;
         const ActView* v = views.data() + m;
         switch (std::min(M - m, kQ41TileRows)) {
-          case 5: two_terms ? q4_1_x8_rows<5, true>(v, K, tiles, yg) : q4_1_x8_rows<5, false>(v, K, tiles, yg); break;
-          case 4: two_terms ? q4_1_x8_rows<4, true>(v, K, tiles, yg) : q4_1_x8_rows<4, false>(v, K, tiles, yg); break;
-          case 3: two_terms ? q4_1_x8_rows<3, true>(v, K, tiles, yg) : q4_1_x8_rows<3, false>(v, K, tiles, yg); break;
-          case 2: two_terms ? q4_1_x8_rows<2, true>(v, K, tiles, yg) : q4_1_x8_rows<2, false>(v, K, tiles, yg); break;
-          default: two_terms ? q4_1_x8_rows<1, true>(v, K, tiles, yg) : q4_1_x8_rows<1, false>(v, K, tiles, yg); break;
+          case 5: q4_1_x8_dispatch<5>(two_terms, x8, v, K, tiles, yg); break;
+          case 4: q4_1_x8_dispatch<4>(two_terms, x8, v, K, tiles, yg); break;
+          case 3: q4_1_x8_dispatch<3>(two_terms, x8, v, K, tiles, yg); break;
+          case 2: q4_1_x8_dispatch<2>(two_terms, x8, v, K, tiles, yg); break;
+          default: q4_1_x8_dispatch<1>(two_terms, x8, v, K, tiles, yg); break;
         }
       }
     }
@@ -2478,18 +2514,19 @@ inline void q4_1_pair_rows(const int16_t* xb, const __m256i* pairs, __m256i (*su
 
 // Group g (8 rows) of a Q4_1_X8 weight times M rows of x (views: quantize_activations'; x16:
 // pair_rows_x16 per 32 values): y[m][8 g..8 g + 8), q4_1_x8_rows' bits.
-void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, float* y,
-                  int64_t N, int64_t g) {
-  const int64_t blocks = K / 32;
+void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, const uint8_t* tiles, Layout x8,
+                  float* y, int64_t N, int64_t g) {
+  const int64_t blocks = K / 32, tile_bytes = q41_tile_bytes(x8);
   std::vector<__m256> acc(2 * M, _mm256_setzero_ps()), mins(M, _mm256_setzero_ps());
   alignas(32) __m256i pairs[kQ41Pairs];
   __m256i sums[kPairRows][2];
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* t = tiles + b * kQ41Tile;
-    prefetch_tile(t, kQ41Tile, 0, 3);
+    const uint8_t* t = tiles + b * tile_bytes;
+    prefetch_tile(t, tile_bytes, 0, 3);
     q4_1_tile_pairs(t, pairs);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ41D)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ41M)));
+    const __m256 mv = x8 == kQ40Tiles ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f))
+                                      : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ41M)));
     for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
       const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
       const int16_t* xb = x16 + (m0 / kPairRows * blocks + b) * kPairRows * 32;
@@ -2641,7 +2678,7 @@ constexpr int x_scale_slices(int64_t qtype) { return qtype == Q8_0 || qtype == Q
 // rest zero) as 16-bit values at buf [K / 8 slices][8 rows][8], the float scale of each span of
 // flush_slices at dvec [spans][8 rows][4 lanes], and Q4_K's dmin * m_j at mins [K / 32][8 rows].
 void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64_t g, int16_t* buf, float* dvec,
-                    float* mins, bool x8) {
+                    float* mins, Layout x8) {
   const __m128i low = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
   const __m256i off = _mm256_set1_epi16(32);
   const auto put = [&](int16_t* out, int slice, int k, __m128i codes, __m256i scale, bool centred) {
@@ -2899,7 +2936,7 @@ void x8_prefill_group(const int16_t* x16, const float* xs, int64_t M, int64_t K,
 // type) or Q8_0's, Q5_K's or Q4_1's blocks; y [M, N], x rounded with one or two codes (see above). Each thread widens a group of
 // 8 rows of W at a time and runs every row of x past it, prefill_rows at a time.
 void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N,
-                      bool two_terms, float* y, bool x8) {
+                      bool two_terms, float* y, Layout x8) {
   const bool per32 = qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1;
 #if defined(PAGELLM_INT8_VNNI)
   const ActRows a = per32 ? quantize_activations(x, M, K, two_terms) : quantize_super(x, M, K, two_terms, false, two_terms);
@@ -2949,7 +2986,7 @@ void x8_prefill_chunk(const float* x, int64_t M, const uint8_t* w, int64_t qtype
 // against one chunk: 2048 x 2048 1.3x faster in chunks of 256; 2048 x 8192 0.9x in chunks of 64,
 // 0.95x in chunks of 256 (4 MiB, past L2). Rows are rounded each on its own: chunks change no value.
 void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
-                float* y, bool x8) {
+                float* y, Layout x8) {
   const int64_t fit = (int64_t{1} << 20) / (2 * K) / 4 * 4;
   const int64_t chunk = fit >= 256 ? fit : M;
   for (int64_t m0 = 0; m0 < M; m0 += chunk)
@@ -3304,7 +3341,7 @@ void amx_q8_0_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
 // tile: [8][16 rows][4 values] (low nibbles: values 0-15, tile rows 0-3; high: 16-31, rows 4-7), the
 // rows' d[16] and m[16].
 void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t bl, uint8_t* out,
-                    float* d, float* m, bool x8) {
+                    float* d, float* m, Layout x8) {
   // rows 4 g..4 g + 3's 16 bytes of codes, 128 bits each (a[g]), then lane j of the 4 rows in 128-bit part j
   __m512i a[4];
   if (x8) {  // two tiles of 8 rows (N a multiple of 8: rows is 8 or 16)
@@ -3316,9 +3353,12 @@ void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
         for (int i = 0; i < 8; ++i) d[8 * t + i] = m[8 * t + i] = 0.f;
         continue;
       }
-      const uint8_t* tile = w + ((n0 / kX8Rows + t) * blocks + bl) * kQ41Tile;
-      _mm256_storeu_ps(d + 8 * t, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41D))));
-      _mm256_storeu_ps(m + 8 * t, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41M))));
+      const uint8_t* tile = w + ((n0 / kX8Rows + t) * blocks + bl) * q41_tile_bytes(x8);
+      const __m256 dt = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41D)));
+      _mm256_storeu_ps(d + 8 * t, dt);
+      _mm256_storeu_ps(m + 8 * t, x8 == kQ40Tiles ? _mm256_mul_ps(dt, _mm256_set1_ps(-8.f))
+                                                  : _mm256_cvtph_ps(_mm_loadu_si128(
+                                                        reinterpret_cast<const __m128i*>(tile + kQ41M))));
       // units 0 and 1 hold bytes 0-7 and 8-15 of each row: joined by qwords, rows 0, 2, 4, 6 and 1, 3, 5, 7
       const __m512i u0 = _mm512_loadu_si512(tile), u1 = _mm512_loadu_si512(tile + 64);
       const __m512i even = _mm512_unpacklo_epi64(u0, u1), odd = _mm512_unpackhi_epi64(u0, u1);
@@ -3396,7 +3436,7 @@ inline void amx_block_sums(bool odd, const int8_t* codes, const int8_t* residual
 // every block of them into a tile once, and run every 16 rows of x past them. Q4_1's w = d u + m
 // adds m times x's sum over the block (quantize_activations' lane sums) beside.
 template <int64_t T, bool kTwo>
-void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y, bool x8) {
+void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, int64_t N, float* y, Layout x8) {
   const ActRows a = quantize_activations(x, M, K, kTwo);
   const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = K / 32;
   const int64_t row_bytes = blocks * (T == Q8_0 ? 34 : 20);
@@ -3454,13 +3494,15 @@ void amx_blocks_chunk(const float* x, int64_t M, const uint8_t* w, int64_t K, in
 // x [M, K] times a repacked Q4_K / Q6_K weight or Q8_0's or Q4_1's blocks on AMX tiles, into y [M, N]:
 // over chunks of x's rows whose codes take about 1 MiB (L2), as x8_prefill.
 void amx_product(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
-                 float* y, bool x8) {
+                 float* y, Layout x8) {
   const int64_t fit = std::max<int64_t>(kAmxRows, (int64_t{1} << 20) / (2 * K) / kAmxRows * kAmxRows);
   for (int64_t m0 = 0; m0 < M; m0 += fit) {
     const int64_t rows = std::min(fit, M - m0);
     const float* xc = x + m0 * K;
     float* yc = y + m0 * N;
-    if (qtype == Q8_0) two_terms ? amx_blocks_chunk<Q8_0, true>(xc, rows, w, K, N, yc, false) : amx_blocks_chunk<Q8_0, false>(xc, rows, w, K, N, yc, false);
+    if (qtype == Q8_0)
+      two_terms ? amx_blocks_chunk<Q8_0, true>(xc, rows, w, K, N, yc, kBlocks)
+                : amx_blocks_chunk<Q8_0, false>(xc, rows, w, K, N, yc, kBlocks);
     else if (qtype == Q4_1) two_terms ? amx_blocks_chunk<Q4_1, true>(xc, rows, w, K, N, yc, x8) : amx_blocks_chunk<Q4_1, false>(xc, rows, w, K, N, yc, x8);
     else if (qtype == Q4_K) two_terms ? amx_x8_chunk<Q4_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q4_K, false>(xc, rows, w, K, N, yc);
     else two_terms ? amx_x8_chunk<Q6_K, true>(xc, rows, w, K, N, yc) : amx_x8_chunk<Q6_K, false>(xc, rows, w, K, N, yc);
@@ -3696,7 +3738,7 @@ constexpr int64_t kQ41RowLoopMax = 16;
 // 0.95x at 512, 0.70-0.85x at 1024, where each chunk of x widens the blocks again. AVX-512 VNNI
 // builds take every row count (the same A/B: Q4_0 1.3-1.7x at 1024 rows, Q5_K 1.5-2.1x).
 constexpr int64_t avx2_prefill_max_rows(int64_t id) {
-  return id == Q4_1_X8 || id == Q4_0 ? 64 : id == Q5_K || id == Q5_K_X8 ? 256 : 0;
+  return id == Q4_1_X8 || id == Q4_0_X8 || id == Q4_0 ? 64 : id == Q5_K || id == Q5_K_X8 ? 256 : 0;
 }
 #endif
 
@@ -3713,9 +3755,9 @@ inline bool widens(int64_t qtype, int64_t M) {
 // Rows of x times a repacked weight (up to kX8MaxRowLoop, and more where widens says no), x rounded
 // as the GGUF layout's kernels round it for these rows: the same codes, so the same sums up to
 // float32 summation order.
-void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int64_t K, int64_t N, bool two_terms,
-                 float* y) {
-  if (qtype == Q4_1) return q4_1_x8_row_loop(x, M, w, K, N, two_terms, y);
+void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Layout x8, int64_t K, int64_t N,
+                 bool two_terms, float* y) {
+  if (qtype == Q4_1) return q4_1_x8_row_loop(x, M, w, x8, K, N, two_terms, y);
 #if defined(PAGELLM_INT8_VNNI)
   // The blocks' wide_super_rows rounds x per 256 values from wide_min_rows; repacked Q6_K keeps x per
   // 32 in its row loop up to where x8_prefill takes it (widen_min_rows): per 256 from 6 rows, the 1B
@@ -3820,7 +3862,7 @@ constexpr bool joins_codes(int64_t qtype, int64_t M, int64_t K) {
 torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w, int64_t packed_type, int64_t K,
                                bool two_terms) {
 #if defined(PAGELLM_INT8_ACTIVATIONS)
-  const bool x8 = is_x8(packed_type);
+  const Layout x8 = layout_of(packed_type);
   const int64_t qtype = base_type(packed_type);
   const int64_t row_bytes = x8 ? checked_x8(w, packed_type, K) : (checked(w, qtype, K), w.size(1));
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "gguf_matmul_int8: x must be [M, ", K, "]");
@@ -3836,7 +3878,7 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
     return y;
   }
   if (x8 && (q4_1_rows || !widens(qtype, M))) {
-    x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>());
+    x8_row_loop(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, x8, K, N, two_terms, y.data_ptr<float>());
     return y;
   }
   // prefills, and the decode-sized batches of widen_min_rows: each group of 8 rows of W widened once
@@ -3968,11 +4010,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     static_cast<int64_t>(Q5_K), static_cast<int64_t>(Q5_K_X8), static_cast<int64_t>(Q4_0)})
     prefill.append(t);
 #if defined(PAGELLM_INT8_VNNI)
-  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_1)}) prefill.append(t);
+  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0_X8), static_cast<int64_t>(Q4_1)})
+    prefill.append(t);
 #else
-  prefill.append(static_cast<int64_t>(Q4_1_X8));
-  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0), static_cast<int64_t>(Q5_K),
-                    static_cast<int64_t>(Q5_K_X8)})
+  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0_X8)}) prefill.append(t);
+  for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0_X8), static_cast<int64_t>(Q4_0),
+                    static_cast<int64_t>(Q5_K), static_cast<int64_t>(Q5_K_X8)})
     prefill_max[py::int_(t)] = avx2_prefill_max_rows(t);
 #endif
   m.attr("prefill_types") = py::tuple(prefill);
@@ -4007,7 +4050,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("int8x2_wide_min_rows") = py::dict();
   py::dict pairs;  // the repacked types' many-row kernels (q4_k_x8_many, q6_k_x8_many, q4_1_x8_many) from this many rows
   for (int64_t t : {Q4_K, Q6_K}) pairs[py::int_(repacked_id(t))] = pair_min_rows(t);
-  pairs[py::int_(repacked_id(Q4_1))] = kQ41PairMinRows;
+  for (int64_t t : {Q4_0, Q4_1}) pairs[py::int_(repacked_id(t))] = kQ41PairMinRows;
   m.attr("pair_min_rows") = pairs;
 #else
   m.attr("int8_kernel") = "";
@@ -4030,10 +4073,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::dict repacked;  // GGUF type -> the id of its repacked layout
   for (int64_t t : {Q4_0, Q4_1, Q4_K, Q5_K, Q6_K}) repacked[py::int_(t)] = repacked_id(t);
   m.attr("repacked_types") = repacked;
-  py::dict bases;  // repacked id -> the GGUF type whose kernels it takes (Q4_0's tiles are Q4_1's)
-  for (int64_t id : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_K_X8), static_cast<int64_t>(Q5_K_X8),
-                     static_cast<int64_t>(Q6_K_X8)})
-    bases[py::int_(id)] = base_type(id);
+  py::dict bases;  // repacked id -> the GGUF type whose kernels it takes (Q4_0's tiles take Q4_1's)
+  for (int64_t t : {Q4_0, Q4_1, Q4_K, Q5_K, Q6_K}) bases[py::int_(repacked_id(t))] = base_type(repacked_id(t));
   m.attr("repacked_bases") = bases;
   // AMX tiles: from how many rows of x a product against a repacked weight (by its id) takes them
   // (empty: no AMX in this build, CPU or process); set_amx(False) turns them off, returning the
@@ -4043,20 +4084,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::dict amx_from;
 #if defined(PAGELLM_AMX)
   // by the id a load gives the type in the integer modes: Q8_0 stays in blocks, the others are repacked
-  const auto id_of = [](int64_t t) { return t == Q8_0 ? t : repacked_id(t); };
+  // (Q4_0's tiles take Q4_1's kernels, and so its crossover)
+  const auto loaded = [](int64_t id) { return (id == Q8_0 || is_x8(id)) && amx_serves(base_type(id)); };
   if (amx_permitted())
-    for (int64_t t : kAmxTypes) amx_from[py::int_(id_of(t))] = amx_default_rows(t);
+    for (int64_t id : {int64_t{Q8_0}, int64_t{Q4_0_X8}, int64_t{Q4_1_X8}, int64_t{Q4_K_X8}, int64_t{Q6_K_X8}})
+      if (loaded(id)) amx_from[py::int_(id)] = amx_default_rows(base_type(id));
   m.attr("amx_min_rows") = amx_from;
   m.def("set_amx", [](bool on) { return amx_wanted.exchange(on); });
-  m.def("set_amx_min_rows", [id_of](int64_t id, int64_t rows) {
+  m.def("set_amx_min_rows", [loaded](int64_t id, int64_t rows) {
     TORCH_CHECK(amx_permitted(), "set_amx_min_rows: this process may not use AMX tiles (Linux refused their state)");
-    for (int64_t t : kAmxTypes)
-      if (id_of(t) == id) {
-        TORCH_CHECK(rows >= 1, "set_amx_min_rows: rows must be >= 1, got ", rows);
-        return amx_from_rows[amx_slot(t)].exchange(rows);
-      }
-    TORCH_CHECK(false, "set_amx_min_rows: type id ", id, " takes no AMX tiles");
-    return int64_t{0};
+    TORCH_CHECK(loaded(id), "set_amx_min_rows: type id ", id, " takes no AMX tiles");
+    TORCH_CHECK(rows >= 1, "set_amx_min_rows: rows must be >= 1, got ", rows);
+    return amx_from_rows[amx_slot(base_type(id))].exchange(rows);
   });
 #else
   m.attr("amx_min_rows") = amx_from;

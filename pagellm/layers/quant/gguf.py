@@ -296,8 +296,8 @@ def prefill_max_rows() -> dict[int, int]:
 # up with them at every batch the integer kernels take (the measured ratios: docs/quantization.md,
 # "Repacked Q4_K and Q6_K", "Repacked Q4_1"). Q6_K carries a Q4_K_M file's output matrix, a quarter
 # of the bytes a 1B decode step reads; Q4_1 all of the bundled SmolLM2's layers. Q4_0 repacks into
-# Q4_1's tiles (m = -8 d, exact: csrc repacked_id) and takes their kernels ("Q4_0 in Q4_1's tiles");
-# Q5_K into Q4_K's tiles with its fifth bits beside, and takes their kernel ("Repacked Q5_K").
+# Q4_1's tiles without m and takes their kernels, which compute m = -8 d ("Q4_0's tiles"); Q5_K into
+# Q4_K's tiles with its fifth bits beside, and takes their kernel ("Repacked Q5_K").
 REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
 
 
@@ -317,7 +317,7 @@ def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool
 
 @functools.cache
 def _repacked_bases() -> dict[int, int]:
-    """Repacked id -> the GGUF type whose kernels it takes (Q4_0 repacks into Q4_1's tiles)."""
+    """Repacked id -> the GGUF type whose kernels it takes (Q4_0's tiles take Q4_1's)."""
     return dict(getattr(cpu.quant_kernels(), "repacked_bases", {}))
 
 

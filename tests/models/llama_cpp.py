@@ -99,14 +99,15 @@ def convert_many(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> dict[Pa
 
 
 def requantize(src: Path, out: Path, type_of) -> Path:
-    """Rewrite a GGUF file with each matrix (or stack of them: experts) re-quantized by gguf-py's own quantizer:
+    """Rewrite a GGUF file with each matrix (or stack of them: experts) re-quantized by gguf-py's own quantizer
+    (by tests/kernels/gguf_blocks.py's for the types gguf-py only decodes):
     `type_of(tensor name)` gives its GGMLQuantizationType (or None to keep it; a matrix whose rows are not
     whole blocks of the type is kept too); metadata is copied."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
 
-    from tests.kernels.gguf_blocks import quantize_iq4
+    from tests.kernels.gguf_blocks import quantize_iq4, quantize_k
 
     reader = GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
@@ -123,9 +124,13 @@ def requantize(src: Path, out: Path, type_of) -> Path:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        # gguf-py only decodes IQ4_NL and IQ4_XS: the tests' own encoder writes them
-        blocks = quantize_iq4(dense, qtype) if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS) \
-            else quantize(dense, qtype)
+        # gguf-py only decodes IQ4_NL, IQ4_XS and the K-quants Q4_K, Q5_K, Q6_K: the tests' own encoders write them
+        if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+            blocks = quantize_iq4(dense, qtype)
+        elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
+            blocks = quantize_k(dense, qtype)
+        else:
+            blocks = quantize(dense, qtype)
         writer.add_tensor(t.name, blocks, raw_dtype=GGMLQuantizationType(qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,8 +1,9 @@
 """A GGUF file's quantized matrices served in their blocks give the model the same file gives
 dequantized (`quantization="none"`, the reference): greedy tokens agree on >= 99% of positions
 and logprobs within LOGPROB_ATOL in float32, on the bundled Q4_1 SmolLM2 and on a random model
-whose fused layers mix types (q Q4_0, k Q4_1, v Q8_0; gate Q4_1 with up kept float32). No
-dense copy of a quantized matrix exists after load, and the weights take the file's bytes.
+whose fused layers mix types (q Q4_0, k Q4_1, v Q8_0; gate Q4_1 with up kept float32), also with
+its down in Q4_K, Q5_K or Q6_K (the tests' own encoder's blocks). No dense copy of a quantized
+matrix exists after load, and the weights take the file's bytes.
 
 Agreement is measured teacher-forced: the reference's greedy continuation is fed back as a
 prompt with prompt_logprobs, so every position is compared on the same context (a free-running
@@ -196,6 +197,38 @@ def test_table_types_match_the_dequantized_model(mixed_gguf, tmp_path):
     assert agreement >= MIN_AGREEMENT and 0 < worst <= LOGPROB_ATOL
     agreement, worst = _compare(LLM(str(path), num_kv_blocks=128, block_size=8, **FEW_ROWS), reference, prompts, 16)
     assert agreement >= MIN_AGREEMENT and worst <= INT8X2_LOGPROB_ATOL
+
+
+# Q5_K in the fast suite (test_mixed_types_match_the_dequantized_model's file cannot carry it), Q4_K and Q6_K
+# with the slow tests.
+@pytest.mark.parametrize("qtype", [pytest.param(T.Q4_K, marks=pytest.mark.slow), T.Q5_K,
+                                   pytest.param(T.Q6_K, marks=pytest.mark.slow)], ids=lambda t: t.name)
+def test_k_quant_down_matches_the_dequantized_model(mixed_gguf, tmp_path, qtype):
+    """down in a K-quant (tests/kernels/gguf_blocks.quantize_k's blocks; its rows of 256 values are this model's
+    only ones whole super-blocks fit, and the mixed file keeps Q8_0 there: two ranks split them at 128 values),
+    served in its blocks beside the other types, against the same file dequantized: float32 products within
+    LOGPROB_ATOL, and the default int8x2 activations, which take the tiles the 128 rows are repacked into,
+    within INT8X2_LOGPROB_ATOL; FEW_ROWS steps, and steps of all the rows."""
+    path = requantize(mixed_gguf, tmp_path / f"{qtype.name}.gguf",
+                      lambda name: qtype if name.split(".")[-2] == "ffn_down" else None)
+    reference = LLM(str(path), num_kv_blocks=128, block_size=8, quantization="none")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] for _ in range(8)]
+    ref = Reference(reference, prompts, 16)
+    for activations, atol in (("none", LOGPROB_ATOL), ("auto", INT8X2_LOGPROB_ATOL)):
+        for steps in (FEW_ROWS, {}):
+            llm = LLM(str(path), num_kv_blocks=128, block_size=8, activation_quantization=activations, **steps)
+            down = llm.engine.runner.model.layers[0].mlp.down_proj
+            assert down.segment_types == [int(qtype)]  # the file is what the test says
+            # Mode none keeps the blocks; the integer modes multiply the tiles of 8 rows.
+            repacked = activations == "auto" and INT8_KERNELS
+            assert down.gguf_products[0][0] == (quant_kernels().repacked_types[int(qtype)] if repacked else int(qtype))
+            agreement, worst = ref.compare(llm)
+            assert agreement >= MIN_AGREEMENT, (activations, steps)
+            assert worst <= atol, (activations, steps)
+            # Not 0 in FEW_ROWS steps: the blocks were multiplied (steps of all the rows widen them for the
+            # dense GEMM, measured 0 apart from the reference).
+            assert activations != "none" or not steps or worst > 0
 
 
 @pytest.fixture(scope="module")

@@ -182,6 +182,11 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
         x = torch.randn(1, cols)
         x[0, 700] = float("nan")
         assert q.gguf_matmul(x, packed, packed_id, cols, activations=activations).isnan().all()
+    if qtype == T.Q4_0:  # a prompt's products widen Q4_0's tiles as its blocks (codes u - 8): the same bits
+        x = torch.randn(40, cols)
+        for two in (False, True):
+            assert torch.equal(kernels.gguf_matmul_int8(x, packed, packed_id, cols, two),
+                               kernels.gguf_matmul_int8(x, raw, int(qtype), cols, two))
     assert q.repacked_type(int(T.Q4_K), 24, "int8x2", batch_invariant=False, cols=256) == kernels.repacked_types[int(T.Q4_K)]
     assert q.repacked_type(int(T.Q4_K), 24, "none", batch_invariant=False, cols=256) is None  # mode none keeps the blocks
     assert q.repacked_type(int(T.Q4_K), 20, "int8x2", batch_invariant=False, cols=256) is None  # not whole tiles

@@ -148,7 +148,7 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
 
 
 @pytest.mark.skipif(not getattr(cpu.quant_kernels(), "has_int8_activations", False), reason="no AVX2 or VNNI")
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     """Q4_1 / Q4_K / Q5_K / Q6_K weights repacked into tiles of 8 rows (a layer's in the integer modes):
     the same bytes back; rows and float32 products equal to the blocks'; integer products (of 1, 3
@@ -157,6 +157,8 @@ def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     kernels (m = -8 d): back it comes as Q4_1 blocks of the same values, and its float32 products too
     are Q4_1's arithmetic, within summation order."""
     kernels, cols = cpu.quant_kernels(), 1280  # 5 super-blocks
+    if int(qtype) not in kernels.repacked_types:
+        pytest.skip(f"this build keeps {qtype.name} in blocks (Q8_0: AVX-512 VNNI builds without AMX repack it)")
     raw = torch.from_numpy(random_blocks(qtype, 24, cols, seed=6))
     packed_id = kernels.repacked_types[int(qtype)]
     packed = kernels.gguf_repack(raw, int(qtype), cols)
@@ -292,16 +294,18 @@ def test_repacked_and_block_rows_keep_their_bits_beside_many_rows(qtype):
             assert_rows_keep_their_bits(torch.randn(bound, cols), w, kind, cols, activations, counts)
 
 
-def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows():
-    """Repacked Q4_1 (SmolLM2's layers) keeps its row loop, whose rows' sums do not depend on the
-    rows beside them, up to q4_1_row_loop_max rows in every build, ahead of the AMX tiles and the
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_0, T.Q8_0], ids=lambda t: t.name)
+def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows(qtype):
+    """Repacked Q4_1 (SmolLM2's layers; and Q4_0's and Q8_0's tiles, which take its row loop) keeps its
+    row loop, whose rows' sums do not depend on the rows beside them, up to q4_1_row_loop_max rows in
+    every build, ahead of the AMX tiles and the
     widening: a speculative verification of up to 15 proposals gets the bits of decoding its tokens
     one by one in these products, on AVX-512 VNNI builds too (whose other types keep them to 5 rows:
     test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it)."""
     kernels, cols = cpu.quant_kernels(), 1280
-    if not getattr(kernels, "q4_1_row_loop_max", 0) or int(T.Q4_1) not in kernels.repacked_types:
-        pytest.skip("no integer kernels for repacked Q4_1 in this build")
-    (_, _), (w, kind) = blocks_and_repacked(T.Q4_1, cols, seed=12)
+    if not getattr(kernels, "q4_1_row_loop_max", 0) or int(qtype) not in kernels.repacked_types:
+        pytest.skip(f"no integer kernels for repacked {qtype.name} in this build")
+    (_, _), (w, kind) = blocks_and_repacked(qtype, cols, seed=12)
     most = kernels.q4_1_row_loop_max
     torch.manual_seed(2)
     assert_rows_keep_their_bits(torch.randn(most, cols), w, kind, cols, "int8x2", range(2, most + 1))
@@ -349,9 +353,10 @@ def test_repacked_prefill_products_are_the_rounded_activations_exact_product(qty
     in one tile, 17 a second tile of one row; 24 rows of W, an odd count of pairs of groups (Q8_0's and
     Q4_1's 21, a part of 16 rows); the other cases run without them."""
     kernels = cpu.quant_kernels()
-    # Q8_0 kept in GGUF's blocks (not gguf.REPACKED); Q4_0, Q4_1 and Q5_K repacked, as a load gives them,
-    # and in blocks (a weight whose rows are not whole tiles of 8)
-    for blocks in ((True, False) if qtype in (T.Q4_0, T.Q4_1, T.Q5_K) else (qtype == T.Q8_0,)):
+    # Q4_0, Q4_1 and Q5_K (and Q8_0 where the build repacks it) repacked, as a load gives them, and in
+    # blocks (a weight whose rows are not whole tiles of 8)
+    both = (T.Q4_0, T.Q4_1, T.Q5_K) + ((T.Q8_0,) if int(T.Q8_0) in kernels.repacked_types else ())
+    for blocks in ((True, False) if qtype in both else (qtype == T.Q8_0,)):
         _prefill_products_case(kernels, qtype, amx_tiles, blocks)
 
 
@@ -411,7 +416,8 @@ def _prefill_products_case(kernels, qtype, amx_tiles: bool, blocks: bool) -> Non
 
 
 def test_a_layer_repacks_its_k_quant_segments_in_the_integer_modes():
-    """q in Q4_K and k in Q6_K (repacked), v in Q8_0 (kept in blocks: gguf.REPACKED); products as the layer kept in blocks."""
+    """q in Q4_K and k in Q6_K (repacked), v in Q8_0 (repacked where the build's kernels repack it: AVX-512 VNNI
+    without AMX); products as the layer kept in blocks."""
     if q.repacked_type(int(T.Q4_K), 8, "int8x2", batch_invariant=False, cols=256) is None:
         pytest.skip("no repacking kernels in this build")
     types = (T.Q4_K, T.Q6_K, T.Q8_0)
@@ -427,7 +433,8 @@ def test_a_layer_repacks_its_k_quant_segments_in_the_integer_modes():
         layers[activations] = layer
     packed, blocks = layers["int8x2"], layers["none"]
     repacked = cpu.quant_kernels().repacked_types
-    assert [kind for kind, _ in packed.gguf_products] == [repacked[int(T.Q4_K)], repacked[int(T.Q6_K)], int(T.Q8_0)]
+    assert [kind for kind, _ in packed.gguf_products] == [repacked[int(T.Q4_K)], repacked[int(T.Q6_K)],
+                                                          repacked.get(int(T.Q8_0), int(T.Q8_0))]
     for m in (1, 5):
         x = torch.randn(m, 512)
         packed.method.activations = blocks.method.activations = "int8x2"  # the same products on both

@@ -244,14 +244,16 @@ INT8_KERNELS = getattr(quant_kernels(), "has_int8_activations", False)
 
 @pytest.mark.parametrize("activations, atol", [
     ("none", 1e-4),
-    pytest.param("int8", 0.05, marks=pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI"))])
+    pytest.param("int8", 0.1, marks=pytest.mark.skipif(not INT8_KERNELS, reason="no AVX2 or VNNI"))])
 def test_blocks_split_over_two_ranks_match_one(mixed_gguf, activations, atol):
     """Tensor parallelism over GGUF blocks: q/k/v and gate/up split by rows, o and down by columns
     at block boundaries, the ranks' partial sums all-reduced: one rank's tokens, and logprobs up
     to the order of that sum. With int8 activations (every step within the kernel's 16 rows) each
     rank rounds its own 32-value blocks of x as one rank would, so the ranks must all get the
-    option (rank 0 without it: logprobs 0.46 off). What is left, ~0.01: a value that the all-reduce's
-    summation order moves across a rounding boundary takes the neighbouring int8 code."""
+    option (rank 0 without it: logprobs 0.46 off). What is left: a value that the all-reduce's
+    summation order moves across a rounding boundary takes the neighbouring int8 code, by luck of
+    where the values fall: with Q8_0 in its tiles 0.055 on these prompts, 2.5e-3 and below 5e-6 on
+    three other sets (0.009 with Q8_0 in blocks)."""
     prompts = [[(7 * i + 3 * j) % 49000 + 10 for j in range(5 + i)] for i in range(3)]
     options = dict(num_kv_blocks=64, block_size=8, activation_quantization=activations, max_num_batched_tokens=16)
     reference = Reference(LLM(str(mixed_gguf), **options), prompts, 12)

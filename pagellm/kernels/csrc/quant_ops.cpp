@@ -383,7 +383,7 @@ Format checked(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // integer dot product against 8 bytes of x broadcast then sums 4 values of one row per 32-bit
 // lane, two lanes a row, so no row needs a reduction until its last super-block, and the scales
 // sit one byte per (sub-block, row), ready for a byte shuffle. Ids of our own, past GGML's:
-enum : int64_t { Q4_0_X8 = 1002, Q4_1_X8 = 1003, Q4_K_X8 = 1012, Q5_K_X8 = 1013, Q6_K_X8 = 1014 };
+enum : int64_t { Q4_0_X8 = 1002, Q4_1_X8 = 1003, Q8_0_X8 = 1008, Q4_K_X8 = 1012, Q5_K_X8 = 1013, Q6_K_X8 = 1014 };
 constexpr int64_t kX8Rows = 8;
 // Tile (8 rows x 256 values) offsets, in whole cache lines. A tile holds only what the kernels read:
 // a decode step streams the tiles from memory, so each byte beyond the file's is time. A group goes
@@ -408,22 +408,39 @@ constexpr int64_t kQ41Tile = 160, kQ41D = 128, kQ41M = 144;
 // Q4_0: Q4_1's tile without m (its w = d (u - 8) is Q4_1's d u + m with m = -8 d, which the kernels
 // compute; exact in float32): 144 bytes for 8 x 18, the blocks' own bytes.
 constexpr int64_t kQ40Tile = 144;
+// Q8_0 (AVX-512 VNNI builds without AMX): qs [4 units][8 rows][8 bytes] (unit p: the row's codes
+// 8p..8p+7, each stored + 128, so unsigned: u = w + 128, w = d u + m with m = -128 d, which Q4_1's
+// kernel takes, its products of unsigned codes and signed x within 32 bits), d [8] (float16): 272
+// bytes for 8 x 34, the blocks' own bytes. AVX2's 16-bit pair sums would overflow at 255 * 127 * 2.
+constexpr int64_t kQ80Tile = 272, kQ80D = 256;
 
 inline bool is_x8(int64_t qtype) {
-  return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 || qtype == Q6_K_X8;
+  return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q8_0_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 ||
+         qtype == Q6_K_X8;
 }
 // The GGUF type whose kernels a layout takes: Q4_0's tiles take Q4_1's (and go back as Q4_1 blocks
-// with m = -8 d), which its blocks' kernel trailed.
+// with m = -8 d), which its blocks' kernel trailed. (Q8_0's tiles, too, take Q4_1's row kernel; the
+// rest of their products are Q8_0's.)
 inline int64_t base_type(int64_t qtype) {
   return qtype == Q4_1_X8 || qtype == Q4_0_X8 ? Q4_1
+         : qtype == Q8_0_X8                   ? Q8_0
          : qtype == Q4_K_X8                   ? Q4_K
          : qtype == Q5_K_X8                   ? Q5_K
          : qtype == Q6_K_X8                   ? Q6_K
                                               : qtype;
 }
+// Q8_0 repacks where its tile kernel runs (AVX-512 VNNI builds: PAGELLM_INT8_VNNI, defined below) and
+// no AMX tiles take its blocks instead (PAGELLM_AMX's condition).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    !(defined(__AMX_TILE__) && defined(__AMX_INT8__))
+constexpr bool kRepacksQ80 = true;
+#else
+constexpr bool kRepacksQ80 = false;
+#endif
 inline int64_t repacked_id(int64_t qtype) {
   return qtype == Q4_0   ? Q4_0_X8
          : qtype == Q4_1 ? Q4_1_X8
+         : qtype == Q8_0 ? (kRepacksQ80 ? Q8_0_X8 : 0)
          : qtype == Q4_K ? Q4_K_X8
          : qtype == Q5_K ? Q5_K_X8
          : qtype == Q6_K ? Q6_K_X8
@@ -433,17 +450,21 @@ inline int64_t x8_tile(int64_t qtype) {  // a repacked id, or the GGUF type that
   const int64_t id = is_x8(qtype) ? qtype : repacked_id(qtype);
   return id == Q4_0_X8   ? kQ40Tile
          : id == Q4_1_X8 ? kQ41Tile
+         : id == Q8_0_X8 ? kQ80Tile
          : id == Q4_K_X8 ? kQ4Tile
          : id == Q5_K_X8 ? kQ5Tile
                          : kQ6Tile;
 }
-// How a weight that takes Q4_1's kernels lies: GGUF's blocks, Q4_1's tiles, or Q4_0's (no m: -8 d).
-// The other types' kernels take it as whether the weight is repacked (kBlocks: false).
-enum Layout : int { kBlocks = 0, kTiles = 1, kQ40Tiles = 2 };
-inline Layout layout_of(int64_t packed) { return packed == Q4_0_X8 ? kQ40Tiles : is_x8(packed) ? kTiles : kBlocks; }
-inline int64_t q41_tile_bytes(Layout x8) { return x8 == kQ40Tiles ? kQ40Tile : kQ41Tile; }
-// Values of a row that one tile holds: a Q4_1 block, a K-quant super-block.
-inline int64_t x8_values(int64_t qtype) { return base_type(qtype) == Q4_1 ? 32 : QK_K; }
+// How a weight that takes Q4_1's kernels lies: GGUF's blocks, Q4_1's tiles, Q4_0's (no m: -8 d) or
+// Q8_0's (8-bit codes, no m: -128 d). The other types' kernels take it as whether the weight is
+// repacked (kBlocks: false).
+enum Layout : int { kBlocks = 0, kTiles = 1, kQ40Tiles = 2, kQ80Tiles = 3 };
+inline Layout layout_of(int64_t packed) {
+  return packed == Q4_0_X8 ? kQ40Tiles : packed == Q8_0_X8 ? kQ80Tiles : is_x8(packed) ? kTiles : kBlocks;
+}
+inline int64_t q41_tile_bytes(Layout x8) { return x8 == kQ40Tiles ? kQ40Tile : x8 == kQ80Tiles ? kQ80Tile : kQ41Tile; }
+// Values of a row that one tile holds: a Q4_1 or Q8_0 block, a K-quant super-block.
+inline int64_t x8_values(int64_t qtype) { return base_type(qtype) == Q4_1 || base_type(qtype) == Q8_0 ? 32 : QK_K; }
 
 // Row n's Q4_1 block bl (rows of K values): d, m and its 16 bytes of codes, from GGUF's blocks or
 // from a Q4_1_X8 or Q4_0_X8 tile, for the kernels that read Q4_1 a block at a time in any layout.
@@ -488,6 +509,15 @@ void x8_tile_rows(int64_t qtype, uint8_t* src, int64_t row_bytes, int64_t b, uin
       const uint16_t m = c10::Half(-8.f * half_at(bl)).x;
       std::memcpy(bl + 2, &m, 2);
       for (int p = 0; p < 2; ++p) std::memcpy(bl + 4 + 8 * p, tile + 64 * p + 8 * r, 8);
+    } else if (base_type(qtype) == Q8_0) {  // codes + 128 (XOR of the sign bit), both ways
+      uint8_t* bl = src + r * row_bytes + b * 34;
+      move(bl, tile + kQ80D + 2 * r, B2{});
+      for (int p = 0; p < 4; ++p) {
+        uint8_t* gguf = bl + 2 + 8 * p;
+        uint8_t* packed = tile + 64 * p + 8 * r;
+        uint8_t *to = kBack ? gguf : packed, *from = kBack ? packed : gguf;
+        for (int i = 0; i < 8; ++i) to[i] = static_cast<uint8_t>(from[i] ^ 0x80);
+      }
     } else if (base_type(qtype) == Q4_1) {
       uint8_t* bl = src + r * row_bytes + b * 20;
       move(bl, tile + kQ41D + 2 * r, B2{});
@@ -802,6 +832,7 @@ struct ActView {
   const int16_t* wide;
   const float* block_scale;
   const int16_t* joined;
+  const int32_t* lane_offsets = nullptr;  // Q8_0's tiles: per block, -128 times each lane's sum of x's codes
 };
 
 // Whether a product takes x a super-block at a time (quantize_super, int8_super_rows): the
@@ -2066,11 +2097,17 @@ void q4_k_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
 // share each tile's loads and unpacking; each row's arithmetic is the one-row kernel's, in the same
 // order, so a row's sums do not depend on R. Each broadcast of x serves the tile's kXVecs vectors at
 // once: loaded per vector, the compiler hoisted AVX2's 16 broadcasts (2 rows) out of the loop over the
-// vectors and spilled them to the stack (2-7 rows of x 1.03-1.08x faster this way on Zen 3). kQ40:
-// Q4_0_X8 tiles, m = -8 d (the same value Q4_1_X8's float16 m held, so the same bits).
-template <int R, bool kTwo, bool kQ40 = false>
+// vectors and spilled them to the stack (2-7 rows of x 1.03-1.08x faster this way on Zen 3). kL:
+// kQ40Tiles, m = -8 d (the same value Q4_1_X8's float16 m held, so the same bits); kQ80Tiles, Q8_0's
+// codes u = w + 128 in 4 units (VNNI: a lane's 16 products of 255 * 127 in 32 bits), whose lanes take
+// -128 times their sum of x's codes in integers (lane_offsets) before the convert: each lane's sum
+// is then its Σ w x exactly, as the blocks' (a float m = -128 d term beside lost 1-2 positions of
+// greedy agreement in 4,096 to the cancellation).
+template <int R, bool kTwo, Layout kL = kTiles>
 void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
-  constexpr int64_t kTile = kQ40 ? kQ40Tile : kQ41Tile;
+  constexpr bool kQ40 = kL == kQ40Tiles, kQ80 = kL == kQ80Tiles;
+  static_assert(!kQ80 || !kPairs16, "Q8_0's tiles need 32-bit sums of their products");
+  constexpr int64_t kTile = kQ40 ? kQ40Tile : kQ80 ? kQ80Tile : kQ41Tile, kD = kQ80 ? kQ80D : kQ41D;
   const int64_t blocks = K / 32;
   const XI low = xi_bytes(0x0F);
   XF acc[R][kXVecs];
@@ -2081,11 +2118,24 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
   }
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* tile = tiles + b * kTile;
-    prefetch_tile(tile, kTile, 0, 3);
+    prefetch_tile(tile, kTile, 0, kQ80 ? 5 : 3);
     XI c[R][kXVecs], e[R][kXVecs];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < kXVecs; ++h) c[r][h] = e[r][h] = xi_zero();
-    for (int p = 0; p < 2; ++p) {
+    for (int p = 0; kQ80 && p < 4; ++p) {  // unit p: values 8p.. of the 8 rows, as they are
+      const int64_t at = 32 * b + 8 * p;
+      XI v[kXVecs];
+      for (int h = 0; h < kXVecs; ++h) v[h] = xi_load(tile + 64 * p + h * kXBytes);
+      for (int r = 0; r < R; ++r) {
+        XI x = xi_bcast64(a[r].codes + at);
+        for (int h = 0; h < kXVecs; ++h) c[r][h] = xi_dot_pairs(c[r][h], v[h], x);
+        if constexpr (kTwo) {
+          x = xi_bcast64(a[r].residual + at);
+          for (int h = 0; h < kXVecs; ++h) e[r][h] = xi_dot_pairs(e[r][h], v[h], x);
+        }
+      }
+    }
+    for (int p = 0; !kQ80 && p < 2; ++p) {
       XI lo[kXVecs], hi[kXVecs];
       for (int h = 0; h < kXVecs; ++h) {
         const XI v = xi_load(tile + 64 * p + h * kXBytes);
@@ -2106,16 +2156,20 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
       }
     }
     for (int h = 0; h < kXVecs; ++h) {
-      const XF d = xf_row_halves(tile + kQ41D, h);
+      const XF d = xf_row_halves(tile + kD, h);
       for (int r = 0; r < R; ++r) {
         XI total = xi_widen(c[r][h], kTwo ? 7 : 0);
         if constexpr (kTwo) total = xi_add32(total, xi_widen(e[r][h], 0));
+        if constexpr (kQ80)
+          total = xi_add32(total, xi_bcast64(reinterpret_cast<const int8_t*>(a[r].lane_offsets + 2 * b)));
         acc[r][h] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(a[r].block_scale[b])), acc[r][h]);
       }
     }
-    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (kQ40 ? kQ41D : kQ41M))));
-    if constexpr (kQ40) m = _mm256_mul_ps(m, _mm256_set1_ps(-8.f));
-    for (int r = 0; r < R; ++r) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].block_sum[b]), mins[r]);
+    if constexpr (!kQ80) {
+      __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (kQ40 ? kQ41D : kQ41M))));
+      if constexpr (kQ40) m = _mm256_mul_ps(m, _mm256_set1_ps(-8.f));
+      for (int r = 0; r < R; ++r) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].block_sum[b]), mins[r]);
+    }
   }
   for (int r = 0; r < R; ++r) row_sums(acc[r], mins[r], y[r]);
 }
@@ -2148,7 +2202,11 @@ constexpr int64_t kQ41PairMinRows = 8;
 template <int R>
 void q4_1_x8_dispatch(bool two_terms, Layout x8, const ActView* v, int64_t K, const uint8_t* tiles, float* const* y) {
   if (x8 == kQ40Tiles) {
-    two_terms ? q4_1_x8_rows<R, true, true>(v, K, tiles, y) : q4_1_x8_rows<R, false, true>(v, K, tiles, y);
+    two_terms ? q4_1_x8_rows<R, true, kQ40Tiles>(v, K, tiles, y) : q4_1_x8_rows<R, false, kQ40Tiles>(v, K, tiles, y);
+  } else if (x8 == kQ80Tiles) {
+#if defined(PAGELLM_INT8_VNNI)
+    two_terms ? q4_1_x8_rows<R, true, kQ80Tiles>(v, K, tiles, y) : q4_1_x8_rows<R, false, kQ80Tiles>(v, K, tiles, y);
+#endif
   } else {
     two_terms ? q4_1_x8_rows<R, true>(v, K, tiles, y) : q4_1_x8_rows<R, false>(v, K, tiles, y);
   }
@@ -2161,6 +2219,18 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, Layout x8, in
   for (int64_t m = 0; m < M; ++m)
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr, nullptr, nullptr,
                      a.block_sum.data() + m * K / 32, nullptr, nullptr, a.block_scale.data() + m * K / 32});
+  std::vector<int32_t> offsets;  // Q8_0's tiles: [M][K / 32][2 lanes] (ActView::lane_offsets)
+  if (x8 == kQ80Tiles) {
+    offsets.assign(M * K / 16, 0);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t i = 0; i < K; ++i) {  // lane 0 of a block: its values 0-3, 8-11, ...; lane 1 the rest
+        const int64_t at = m * K + i;
+        const int32_t v = two_terms ? 128 * a.codes[at] + a.residual[at] : a.codes[at];
+        offsets[m * K / 16 + i / 32 * 2 + i / 4 % 2] -= 128 * v;
+      }
+      views[m].lane_offsets = offsets.data() + m * K / 16;
+    }
+  }
   const int64_t group_bytes = K / 32 * q41_tile_bytes(x8);
 #if !defined(PAGELLM_INT8_VNNI)
   const bool many = M >= kQ41PairMinRows;  // q4_1_x8_many
@@ -2742,6 +2812,17 @@ void x8_widen_group(int64_t qtype, const uint8_t* w, int64_t K, int64_t N, int64
           }
         }
       }
+    }
+    return;
+  }
+  if (qtype == Q8_0 && x8 == kQ80Tiles) {  // a unit of a tile is a slice of buf (8 rows x 8 values), its codes + 128
+    const __m128i sign = _mm_set1_epi8(static_cast<char>(0x80));
+    for (int64_t bl = 0; bl < K / 32; ++bl) {
+      const uint8_t* t = w + (g * (K / 32) + bl) * kQ80Tile;
+      for (int r = 0; r < kX8Rows; ++r) lanes(bl, r, half_at(t + kQ80D + 2 * r));
+      for (int q = 0; q < 16; ++q)  // unit q / 4, its quarter q % 4: rows 2 (q % 4), 2 (q % 4) + 1
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + 4 * bl * 64 + 16 * q),
+                            _mm256_cvtepi8_epi16(_mm_xor_si128(load(t + 16 * q), sign)));
     }
     return;
   }
@@ -3758,7 +3839,7 @@ inline bool widens(int64_t qtype, int64_t M) {
 // float32 summation order.
 void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Layout x8, int64_t K, int64_t N,
                  bool two_terms, float* y) {
-  if (qtype == Q4_1) return q4_1_x8_row_loop(x, M, w, x8, K, N, two_terms, y);
+  if (qtype == Q4_1 || qtype == Q8_0) return q4_1_x8_row_loop(x, M, w, x8, K, N, two_terms, y);
 #if defined(PAGELLM_INT8_VNNI)
   // The blocks' wide_super_rows rounds x per 256 values from wide_min_rows; repacked Q6_K keeps x per
   // 32 in its row loop up to where x8_prefill takes it (widen_min_rows): per 256 from 6 rows, the 1B
@@ -3871,7 +3952,8 @@ torch::Tensor gguf_matmul_int8(const torch::Tensor& x_in, const torch::Tensor& w
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  const bool q4_1_rows = x8 && qtype == Q4_1 && M <= kQ41RowLoopMax;
+  // repacked Q4_1, Q4_0 and Q8_0: Q4_1's row loop
+  const bool q4_1_rows = x8 && (qtype == Q4_1 || qtype == Q8_0) && M <= kQ41RowLoopMax;
   if (!q4_1_rows && amx_takes(x8, qtype, M)) {
 #if defined(PAGELLM_AMX)
     amx_product(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), qtype, K, N, two_terms, y.data_ptr<float>(), x8);
@@ -3970,7 +4052,8 @@ torch::Tensor gguf_dequantize_rows(const torch::Tensor& w, int64_t packed_type, 
 torch::Tensor gguf_repack(const torch::Tensor& w, int64_t qtype, int64_t K, bool back) {
   const int64_t packed = back ? qtype : repacked_id(qtype);
   TORCH_CHECK(is_x8(packed),
-              "gguf_repack: Q4_0, Q4_1, Q4_K, Q5_K or Q6_K weights (or, back, their repacked ids), got type ",
+              "gguf_repack: Q4_0, Q4_1, Q4_K, Q5_K or Q6_K weights (Q8_0 in AVX-512 VNNI builds without AMX; or, back, "
+              "their repacked ids), got type ",
               qtype);
   TORCH_CHECK(w.size(0) % kX8Rows == 0, "gguf_repack: ", w.size(0), " rows are not a multiple of ", kX8Rows);
   const int64_t N = w.size(0), supers = K / x8_values(packed), tile = x8_tile(packed);
@@ -4016,6 +4099,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(PAGELLM_INT8_VNNI)
   for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0_X8), static_cast<int64_t>(Q4_1)})
     prefill.append(t);
+  if (kRepacksQ80) prefill.append(static_cast<int64_t>(Q8_0_X8));
 #else
   for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0_X8)}) prefill.append(t);
   for (int64_t t : {static_cast<int64_t>(Q4_1_X8), static_cast<int64_t>(Q4_0_X8), static_cast<int64_t>(Q4_0),
@@ -4075,10 +4159,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("back") = false,
         py::call_guard<py::gil_scoped_release>());
   py::dict repacked;  // GGUF type -> the id of its repacked layout
-  for (int64_t t : {Q4_0, Q4_1, Q4_K, Q5_K, Q6_K}) repacked[py::int_(t)] = repacked_id(t);
+  for (int64_t t : {Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K})
+    if (repacked_id(t) != 0) repacked[py::int_(t)] = repacked_id(t);
   m.attr("repacked_types") = repacked;
   py::dict bases;  // repacked id -> the GGUF type whose kernels it takes (Q4_0's tiles take Q4_1's)
-  for (int64_t t : {Q4_0, Q4_1, Q4_K, Q5_K, Q6_K}) bases[py::int_(repacked_id(t))] = base_type(repacked_id(t));
+  for (int64_t t : {Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K})
+    if (repacked_id(t) != 0) bases[py::int_(repacked_id(t))] = base_type(repacked_id(t));
   m.attr("repacked_bases") = bases;
   // AMX tiles: from how many rows of x a product against a repacked weight (by its id) takes them
   // (empty: no AMX in this build, CPU or process); set_amx(False) turns them off, returning the

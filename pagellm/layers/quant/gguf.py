@@ -297,8 +297,10 @@ def prefill_max_rows() -> dict[int, int]:
 # "Repacked Q4_K and Q6_K", "Repacked Q4_1"). Q6_K carries a Q4_K_M file's output matrix, a quarter
 # of the bytes a 1B decode step reads; Q4_1 all of the bundled SmolLM2's layers. Q4_0 repacks into
 # Q4_1's tiles without m and takes their kernels, which compute m = -8 d ("Q4_0's tiles"); Q5_K into
-# Q4_K's tiles with its fifth bits beside, and takes their kernel ("Repacked Q5_K").
-REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+# Q4_K's tiles with its fifth bits beside, and takes their kernel ("Repacked Q5_K"). Q8_0 repacks
+# where the build's kernels list it (AVX-512 VNNI without AMX: repacked_types), its codes + 128 in
+# Q4_1's row kernel ("Q8_0's tiles").
+REPACKED = frozenset(t for t, name in NATIVE_TYPES.items() if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
 
 def repacked_type(qtype: int, rows: int, activations: str, batch_invariant: bool, cols: int) -> int | None:

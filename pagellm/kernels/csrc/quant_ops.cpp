@@ -40,6 +40,18 @@
 #include <unistd.h>
 #endif
 
+// The integer kernels' instruction sets ("int8 activations" below): AVX-512 VNNI, else AVX2; and
+// AMX tiles beside VNNI. Defined up here because the repacked layouts (repacked_id) depend on them.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define PAGELLM_INT8_VNNI 1
+#define PAGELLM_INT8_ACTIVATIONS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGELLM_INT8_ACTIVATIONS 1
+#endif
+#if defined(PAGELLM_INT8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PAGELLM_AMX 1
+#endif
+
 namespace {
 
 // GGML type ids (gguf.GGMLQuantizationType). F32, F16 and BF16 are dense rows in the same
@@ -429,10 +441,8 @@ inline int64_t base_type(int64_t qtype) {
          : qtype == Q6_K_X8                   ? Q6_K
                                               : qtype;
 }
-// Q8_0 repacks where its tile kernel runs (AVX-512 VNNI builds: PAGELLM_INT8_VNNI, defined below) and
-// no AMX tiles take its blocks instead (PAGELLM_AMX's condition).
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    !(defined(__AMX_TILE__) && defined(__AMX_INT8__))
+// Q8_0 repacks where its tile kernel runs (AVX-512 VNNI builds) and no AMX tiles take its blocks instead.
+#if defined(PAGELLM_INT8_VNNI) && !defined(PAGELLM_AMX)
 constexpr bool kRepacksQ80 = true;
 #else
 constexpr bool kRepacksQ80 = false;
@@ -463,6 +473,12 @@ inline Layout layout_of(int64_t packed) {
   return packed == Q4_0_X8 ? kQ40Tiles : packed == Q8_0_X8 ? kQ80Tiles : is_x8(packed) ? kTiles : kBlocks;
 }
 inline int64_t q41_tile_bytes(Layout x8) { return x8 == kQ40Tiles ? kQ40Tile : x8 == kQ80Tiles ? kQ80Tile : kQ41Tile; }
+// The 8 rows' m of a Q4_1_X8 tile, or of a Q4_0_X8 one (-8 d: the value Q4_1_X8's float16 m held).
+inline __m256 q41_tile_mins(const uint8_t* t, Layout x8) {
+  const uint8_t* half = t + (x8 == kQ40Tiles ? kQ41D : kQ41M);
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half)));
+  return x8 == kQ40Tiles ? _mm256_mul_ps(v, _mm256_set1_ps(-8.f)) : v;
+}
 // Values of a row that one tile holds: a Q4_1 or Q8_0 block, a K-quant super-block.
 inline int64_t x8_values(int64_t qtype) { return base_type(qtype) == Q4_1 || base_type(qtype) == Q8_0 ? 32 : QK_K; }
 
@@ -795,13 +811,8 @@ void multiply_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int
 //
 // On AVX2 without AVX-512 (the second implementation below) the same lanes come from VPMADDUBSW
 // (pairs of byte products summed into 16 bits, saturating) and VPMADDWD against ones, 32 values
-// a vector; x is rounded exactly as there, so both give the same codes and scales.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define PAGELLM_INT8_VNNI 1
-#define PAGELLM_INT8_ACTIVATIONS 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PAGELLM_INT8_ACTIVATIONS 1
-#endif
+// a vector; x is rounded exactly as there, so both give the same codes and scales. (The build's
+// instruction set: PAGELLM_INT8_VNNI / PAGELLM_INT8_ACTIVATIONS, at the top.)
 
 #if defined(PAGELLM_INT8_ACTIVATIONS)
 // Bytes of a K-quant super-block (256 values), as a compile-time constant: the kernels' addresses
@@ -2166,8 +2177,7 @@ void q4_1_x8_rows(const ActView* a, int64_t K, const uint8_t* tiles, float* cons
       }
     }
     if constexpr (!kQ80) {
-      __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (kQ40 ? kQ41D : kQ41M))));
-      if constexpr (kQ40) m = _mm256_mul_ps(m, _mm256_set1_ps(-8.f));
+      const __m256 m = q41_tile_mins(tile, kL);
       for (int r = 0; r < R; ++r) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].block_sum[b]), mins[r]);
     }
   }
@@ -2595,8 +2605,7 @@ void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
     prefetch_tile(t, tile_bytes, 0, 3);
     q4_1_tile_pairs(t, pairs);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ41D)));
-    const __m256 mv = x8 == kQ40Tiles ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f))
-                                      : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ41M)));
+    const __m256 mv = q41_tile_mins(t, x8);
     for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
       const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
       const int16_t* xb = x16 + (m0 / kPairRows * blocks + b) * kPairRows * 32;
@@ -3076,8 +3085,7 @@ void x8_prefill(const float* x, int64_t M, const uint8_t* w, int64_t qtype, int6
 }
 #endif  // PAGELLM_INT8_ACTIVATIONS
 
-#if defined(PAGELLM_INT8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define PAGELLM_AMX 1
+#if defined(PAGELLM_AMX)
 // ---- AMX tiles: many rows of x against repacked Q4_K / Q6_K (Q8_0's and Q4_1's blocks below) ----
 // On CPUs with AMX (Intel Sapphire Rapids and later) one TDPBSUD / TDPBSSD multiplies 16 rows of x's
 // int8 codes by 16 rows of W's 8-bit values over 64 values into 16 x 16 exact int32 sums, where the
@@ -3436,11 +3444,8 @@ void amx_q4_1_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t row
         continue;
       }
       const uint8_t* tile = w + ((n0 / kX8Rows + t) * blocks + bl) * q41_tile_bytes(x8);
-      const __m256 dt = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41D)));
-      _mm256_storeu_ps(d + 8 * t, dt);
-      _mm256_storeu_ps(m + 8 * t, x8 == kQ40Tiles ? _mm256_mul_ps(dt, _mm256_set1_ps(-8.f))
-                                                  : _mm256_cvtph_ps(_mm_loadu_si128(
-                                                        reinterpret_cast<const __m128i*>(tile + kQ41M))));
+      _mm256_storeu_ps(d + 8 * t, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ41D))));
+      _mm256_storeu_ps(m + 8 * t, q41_tile_mins(tile, x8));
       // units 0 and 1 hold bytes 0-7 and 8-15 of each row: joined by qwords, rows 0, 2, 4, 6 and 1, 3, 5, 7
       const __m512i u0 = _mm512_loadu_si512(tile), u1 = _mm512_loadu_si512(tile + 64);
       const __m512i even = _mm512_unpacklo_epi64(u0, u1), odd = _mm512_unpackhi_epi64(u0, u1);

@@ -152,7 +152,7 @@ def test_int8_activation_products_are_the_rounded_activations_exact_product(qtyp
 def test_repacked_k_quants_multiply_as_their_blocks(qtype):
     """Q4_1 / Q4_K / Q5_K / Q6_K weights repacked into tiles of 8 rows (a layer's in the integer modes):
     the same bytes back; rows and float32 products equal to the blocks'; integer products (of 1, 3
-    and 5 rows of x: Q6_K's kernel takes up to 4 together; x rounded alike) within float32 summation
+    and 5 rows of x: Q6_K's byte kernel takes up to 4 together; x rounded alike) within float32 summation
     order of the blocks'. Q4_0's tiles are Q4_1's without m (its bytes, no more) and take Q4_1's
     kernels (m = -8 d): back it comes as Q4_1 blocks of the same values, and its float32 products too
     are Q4_1's arithmetic, within summation order."""
@@ -314,13 +314,16 @@ def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows(qtype):
 def test_repacked_q6_k_rows_keep_their_bits_beside_up_to_16_rows(without_amx):
     """Repacked Q6_K (a Q4_K_M file's head) rounds x per 32 values in its row loop up to 16 rows in
     every build (the widening, per 256, takes it from 17 in AVX-512 VNNI builds): a row's sums do not
-    depend on the rows beside it, so a verification of up to 15 proposals gets decode's bits here."""
+    depend on the rows beside it, so a verification of up to 15 proposals gets decode's bits here.
+    (AVX-512 VNNI builds' row loop takes its 16-bit kernel, q6_k_x8_wide, at every row count, in one
+    pass of up to 16 rows; AVX2 builds' switches kernels at 5.)"""
     kernels, cols = cpu.quant_kernels(), 1280
     if not getattr(kernels, "has_int8_activations", False) or int(T.Q6_K) not in kernels.repacked_types:
         pytest.skip("no integer kernels for repacked Q6_K in this build")
     (_, _), (w, kind) = blocks_and_repacked(T.Q6_K, cols, seed=13)
     torch.manual_seed(3)
-    assert_rows_keep_their_bits(torch.randn(16, cols), w, kind, cols, "int8x2", range(2, 17))
+    for activations in ("int8x2", "int8"):
+        assert_rows_keep_their_bits(torch.randn(16, cols), w, kind, cols, activations, range(2, 17))
 
 
 def amx_cases() -> list:

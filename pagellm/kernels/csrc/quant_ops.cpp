@@ -2271,17 +2271,33 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, Layout x8, in
   });
 }
 
-// Rows of x that q4_k_x8_rows takes together: AVX-512's 32 registers hold two rows' accumulators
-// (with two codes, 7 vectors a row) beside the shared ones. AVX2's 16 do not, but two rows that
-// share each tile's loads and unpacking, some accumulators in L1, still beat one row after the
-// other (kernel_ab.py, AVX2 build, one thread: 2 rows 1.11-1.19x, 16 rows 1.02-1.05x).
+// Rows of x that q4_k_x8_rows takes together: AVX-512's 32 registers hold three rows' accumulators
+// (with two codes, 7 vectors a row) beside the shared ones against Q4_K (three against two,
+// kernel_ab.py, two threads, Zen 4, the 1B shapes: 3-9 rows 1.03-1.13x, 16 rows 0.99-1.04x), two
+// against Q5_K, whose fifth bits take more (three: 9-16 rows 0.92-0.94x). AVX2's 16 do not hold
+// two, but two rows that share each tile's loads and unpacking, some accumulators in L1, still beat
+// one row after the other (kernel_ab.py, AVX2 build, one thread: 2 rows 1.11-1.19x, 16 rows 1.02-1.05x).
+#if defined(PAGELLM_INT8_VNNI)
+constexpr int64_t kQ4TileRows = 3;
+#else
 constexpr int64_t kQ4TileRows = 2;
+#endif
+constexpr int64_t kQ5TileRows = 2;
 
 // q4_k_x8_rows for R rows of x against repacked Q4_K or (five) Q5_K, one or two codes per value.
 template <int R>
 void k_x8_dispatch(bool five, bool two, const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
   if (five) two ? q4_k_x8_rows<R, true, true>(a, K, tiles, y) : q4_k_x8_rows<R, false, true>(a, K, tiles, y);
   else two ? q4_k_x8_rows<R, true>(a, K, tiles, y) : q4_k_x8_rows<R, false>(a, K, tiles, y);
+}
+
+// f(std::integral_constant<int, n>) for the rows of a pass, n = 1..R: the kernels' row count a
+// compile-time constant, so each row's accumulator stays in a register.
+template <int R, class F>
+inline void with_rows(int n, F&& f) {
+  if constexpr (R > 1)
+    if (n < R) return with_rows<R - 1>(n, f);
+  f(std::integral_constant<int, R>{});
 }
 
 #if !defined(PAGELLM_INT8_VNNI)
@@ -2365,15 +2381,6 @@ inline __m256i x_pair(const int16_t* p) {
   std::memcpy(&pair, p, 4);
   return _mm256_set1_epi32(pair);
 }
-// f(std::integral_constant<int, n>) for the rows of a pass, n = 1..kPairRows: the kernels' row count
-// a compile-time constant, so each row's accumulator stays in a register.
-template <int R = kPairRows, class F>
-inline void with_pair_rows(int n, F&& f) {
-  if constexpr (R > 1)
-    if (n < R) return with_pair_rows<R - 1>(n, f);
-  f(std::integral_constant<int, R>{});
-}
-
 // R rows of x (xb: their 16-bit values at this super-block, QK_K apart) times one widened tile's
 // pairs of one set: per row the set's exact integer sum.
 template <int R, int kSet>
@@ -2433,7 +2440,7 @@ void q4_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
     for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
       const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
       const int16_t* xb = x16 + (m0 / kPairRows * supers + b) * kPairRows * QK_K;
-      with_pair_rows(n, [&](auto rows) { q4_k_pair_rows<decltype(rows)::value>(xb, pairs, sums); });
+      with_rows<kPairRows>(n, [&](auto rows) { q4_k_pair_rows<decltype(rows)::value>(xb, pairs, sums); });
       for (int r = 0; r < n; ++r) {
         const float dx = two_terms ? a[m0 + r].scale[b] / 128.f : a[m0 + r].scale[b];
         const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(dx));
@@ -2539,7 +2546,7 @@ void q6_k_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
           ddx[r][j] = _mm256_mul_ps(d, _mm256_set1_ps(dx));
         }
       const int16_t* xb = x16 + (m0 / kPairRows * supers + b) * kPairRows * QK_K;
-      with_pair_rows(n, [&](auto rows) {
+      with_rows<kPairRows>(n, [&](auto rows) {
         q6_k_pair_rows<decltype(rows)::value>(xb, pairs, ddx, reinterpret_cast<__m256 (*)[2]>(acc.data() + 2 * m0));
       });
     }
@@ -2609,7 +2616,7 @@ void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
     for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
       const int n = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
       const int16_t* xb = x16 + (m0 / kPairRows * blocks + b) * kPairRows * 32;
-      with_pair_rows(n, [&](auto rows) { q4_1_pair_rows<decltype(rows)::value>(xb, pairs, sums); });
+      with_rows<kPairRows>(n, [&](auto rows) { q4_1_pair_rows<decltype(rows)::value>(xb, pairs, sums); });
       for (int r = 0; r < n; ++r) {
         const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(a[m0 + r].block_scale[b]));
         for (int set = 0; set < 2; ++set)
@@ -2626,6 +2633,7 @@ void q4_1_x8_many(const ActView* a, const int16_t* x16, int64_t M, int64_t K, co
 
 #endif
 
+#if !defined(PAGELLM_INT8_VNNI)
 // Per 16 values of row m of x (a Q6_K group), per lane parity, 32 times the sum of the codes a lane of
 // q6_k_x8_rows takes (values 0..3 and 8..11 of the group, or 4..7 and 12..15; with two codes of
 // 128 c + r): the offset term of the codes stored + 32, subtracted in integers per group.
@@ -2718,6 +2726,104 @@ void q6_k_x8_dispatch(bool two_terms, bool per32, const ActView* a, const int32_
   else if (per32) q6_k_x8_rows<M, true, true>(a, o, K, tiles, y);
   else q6_k_x8_rows<M, true, false>(a, o, K, tiles, y);
 }
+#else
+// ---- AVX-512 VNNI: repacked Q6_K, its codes widened once for up to 16 rows of x ---------------
+// A 16-bit form of the tile kernel: per 16-value group and row of x, the byte kernel took four
+// VPDPBUSD (two codes) and then a shift, an add, the offset's subtraction, a convert, the scale's
+// multiply, d * dx and an FMA, so Q6_K ran at two thirds of Q4_K's values per second from 2 rows on
+// (1B shapes at 16 rows, one thread: ~150 cycles per tile and row of x against Q4_K's ~100). Here
+// each pair of groups (32 values, one scale of x per32) is widened once for all the rows of a pass
+// into 16-bit values (u - 32) * sc (within +-4,096: no offset term, the scale folded in), eight
+// vectors of the 8 rows' pairs, and a row of x then takes eight VPDPWSSD against its 16-bit values
+// 128 c + r (or c), one convert and one FMA. A lane sums, per 32 values, the 16 products that the byte
+// kernel's lane summed in its two groups (lane 2 r: values 0..3 and 8..11 of each group, 2 r + 1:
+// 4..7 and 12..15), within 2^31 (16 * 4,096 * 16,320), exactly, and converts once. Up to 16 rows a
+// pass: every row count takes this kernel, so a row's sums do not depend on the rows beside it.
+// kernel_ab.py, two threads, Zen 4, against the byte kernel: 1 row 0.99-1.03x, 2 rows 0.95-1.0x,
+// 3 rows 1.08-1.17x, 5-6 rows 1.27-1.36x, 9 rows 1.35-1.47x, 16 rows 1.36-1.54x.
+constexpr int kQ6WidePassRows = 16;
+// x's 16-bit values as q6_k_x8_wide broadcasts them: per 8 values the pairs in the order the widened
+// vectors take them (0 1 4 5 | 2 3 6 7: lanes 2 r and 2 r + 1 together), and the rows' runs of 64
+// values side by side, [K / 64][M][64]: a pass's 16 rows read K * 2 bytes apart would fall in the
+// same sets of L1 (K a power of two).
+std::vector<int16_t> q6_wide_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms) {
+  constexpr int kOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+  std::vector<int16_t> x16(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t at = 0; at < K; at += 8)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t i = m * K + at + kOrder[j];
+        x16[(at / 64 * M + m) * 64 + at % 64 + j] =
+            static_cast<int16_t>(two_terms ? 128 * a.codes[i] + a.residual[i] : a.codes[i]);
+      }
+  return x16;
+}
+
+// 8 rows of a Q6_K_X8 weight times R rows of x (a: as q6_k_rows rounds them with kPer32, else
+// quantize_super's; x16: q6_wide_x16's, at the pass's first row, `chunk` values per run of 64): y[r][0..8).
+template <int R, bool kTwo, bool kPer32>
+void q6_k_x8_wide(const ActView* a, const int16_t* x16, int64_t chunk, const uint8_t* tiles, int64_t K, float* const* y) {
+  const int64_t supers = K / QK_K;
+  const XI low = xi_bytes(0x0F), top = xi_bytes(0x30), bias = _mm512_set1_epi16(32);
+  const XI first = scale_controls(0, false, 1, true), second = scale_controls(0, true, 1, true);
+  // bytes 0, 1 (pairs 0) or 2, 3 (pairs 1) of each 32-bit lane as its two 16-bit values
+  int8_t c0[64], c1[64];
+  for (int i = 0; i < 64; ++i) {
+    const int lane = i / 4 * 4, k = i % 4;
+    c0[i] = k % 2 ? -1 : static_cast<int8_t>(lane % 16 + k / 2);
+    c1[i] = k % 2 ? -1 : static_cast<int8_t>(lane % 16 + 2 + k / 2);
+  }
+  const XI pairs0 = xi_controls(c0), pairs1 = xi_controls(c1);
+  XF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = xf_zero();
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* t = tiles + b * kQ6Tile;
+    const XF d = xf_row_halves(t + kQ6D, 0);
+    for (int n = 0; n < 2; ++n) {
+      prefetch_tile(t, kQ6Tile, 16 * n, 16 * n + 16);
+#pragma GCC unroll 1
+      for (int i = 0; i < 4; ++i) {  // values 128 n + 32 i.. (groups 8 n + 2 i and 8 n + 2 i + 1)
+        // the groups' int8 scales, each lane's row's in both 16-bit halves
+        const XI sb = xi_bcast128(t + kQ6Sc + 16 * (4 * n + i));
+        XI w[8];
+        for (int gp = 0; gp < 2; ++gp) {
+          const XI sc = _mm512_srai_epi16(xi_shuffle(sb, gp ? second : first), 8);
+          for (int p = 0; p < 2; ++p) {  // as q6_k_x8_rows: the group's values 8 p.. of its 8 rows
+            const int u = 2 * gp + p;
+            const XI H = xi_load(t + kQ6Qh + (4 * n + u) * 64);
+            const XI L = xi_load(t + (8 * n + 4 * (i % 2) + u) * 64);
+            const XI v = i == 0   ? xi_or(xi_and(L, low), xi_and(xi_slli16(H, 4), top))
+                         : i == 1 ? xi_or(xi_and(L, low), xi_and(xi_slli16(H, 2), top))
+                         : i == 2 ? xi_or(xi_and(xi_srli16(L, 4), low), xi_and(H, top))
+                                  : xi_or(xi_and(xi_srli16(L, 4), low), xi_and(xi_srli16(H, 2), top));
+            w[4 * gp + 2 * p] = _mm512_mullo_epi16(_mm512_sub_epi16(xi_shuffle(v, pairs0), bias), sc);
+            w[4 * gp + 2 * p + 1] = _mm512_mullo_epi16(_mm512_sub_epi16(xi_shuffle(v, pairs1), bias), sc);
+          }
+        }
+        const int64_t at = QK_K * b + 128 * n + 32 * i;
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xp = reinterpret_cast<const int8_t*>(x16 + at / 64 * chunk + 64 * r + at % 64);
+          XI total = xi_zero();
+#pragma GCC unroll 8
+          for (int k = 0; k < 8; ++k) total = xi_madd16(total, w[k], xi_bcast64(xp + 8 * k));
+          const float dx = kPer32 ? a[r].scale[at / 32] : kTwo ? a[r].scale[b] / 128.f : a[r].scale[b];
+          acc[r] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(dx)), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) row_sums(&acc[r], y[r]);
+}
+
+template <int R>
+void q6_k_x8_wide_dispatch(bool two_terms, bool per32, const ActView* a, const int16_t* x16, int64_t chunk,
+                           const uint8_t* tiles, int64_t K, float* const* y) {
+  if (!two_terms) q6_k_x8_wide<R, false, false>(a, x16, chunk, tiles, K, y);
+  else if (per32) q6_k_x8_wide<R, true, true>(a, x16, chunk, tiles, K, y);
+  else q6_k_x8_wide<R, true, false>(a, x16, chunk, tiles, K, y);
+}
+#endif
+
 // ---- many rows of x times tiles of 8 rows of W (prefills) ------------------------------------
 // A prompt's products multiply each weight by tens to thousands of rows of x: compute-bound, so
 // the weight is unpacked once per group of 8 rows for all of them and the rows' arithmetic is what
@@ -3872,10 +3978,12 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
   std::vector<float> scale32;
   std::vector<int32_t> offsets;  // q6_k_x8_rows' alone
   if (qtype == Q6_K) {
+#if !defined(PAGELLM_INT8_VNNI)
     for (int64_t m = 0; m < M && !many; ++m) {
       const std::vector<int32_t> o = q6_k_x8_offsets(a, m, K, two_terms);
       offsets.insert(offsets.end(), o.begin(), o.end());
     }
+#endif
     if (!per_super)
       for (int64_t i = 0; i < M * K; i += 32) scale32.push_back(a.lane_scale[i / 4]);
   }
@@ -3887,6 +3995,8 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
                      per_super ? a.block_sum.data() + m * K / 32 : nullptr, nullptr, nullptr});
 #if !defined(PAGELLM_INT8_VNNI)
   const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms) : std::vector<int16_t>();
+#else
+  const std::vector<int16_t> x16 = qtype == Q6_K ? q6_wide_x16(a, M, K, two_terms) : std::vector<int16_t>();
 #endif
   claimed_for(N / kX8Rows, group_bytes, M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -3899,18 +4009,27 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
       }
 #endif
       if (qtype == Q4_K || qtype == Q5_K) {
-        for (int64_t m = 0; m < M; m += kQ4TileRows) {
+        const int64_t per = qtype == Q5_K ? kQ5TileRows : kQ4TileRows;
+        for (int64_t m = 0; m < M; m += per) {
           float* yg[kQ4TileRows];
-          for (int64_t i = 0; i < kQ4TileRows && m + i < M; ++i) yg[i] = y + (m + i) * N + kX8Rows * g;
-          const ActView* v = views.data() + m;
-          if (kQ4TileRows == 2 && m + 1 < M)
-            k_x8_dispatch<kQ4TileRows>(qtype == Q5_K, two_terms, v, K, tiles, yg);
-          else
-            k_x8_dispatch<1>(qtype == Q5_K, two_terms, v, K, tiles, yg);
-          if (kQ4TileRows == 2 && m + 1 >= M) break;
+          for (int64_t i = 0; i < per && m + i < M; ++i) yg[i] = y + (m + i) * N + kX8Rows * g;
+          with_rows<kQ4TileRows>(static_cast<int>(std::min<int64_t>(M - m, per)), [&](auto rows) {
+            k_x8_dispatch<decltype(rows)::value>(qtype == Q5_K, two_terms, views.data() + m, K, tiles, yg);
+          });
         }
         continue;
       }
+#if defined(PAGELLM_INT8_VNNI)
+      for (int64_t m0 = 0; m0 < M; m0 += kQ6WidePassRows) {  // Q6_K
+        float* yg[kQ6WidePassRows];
+        for (int64_t m = m0; m < std::min(M, m0 + kQ6WidePassRows); ++m) yg[m - m0] = y + m * N + kX8Rows * g;
+        const int n = static_cast<int>(std::min<int64_t>(M - m0, kQ6WidePassRows));
+        with_rows<kQ6WidePassRows>(n, [&](auto rows) {
+          q6_k_x8_wide_dispatch<decltype(rows)::value>(two_terms, !per_super, views.data() + m0, x16.data() + 64 * m0,
+                                                       64 * M, tiles, K, yg);
+        });
+      }
+#else
       for (int64_t m0 = 0; m0 < M; m0 += kQ6TileRows) {
         const int32_t* o[kQ6TileRows];
         float* yg[kQ6TileRows];
@@ -3924,6 +4043,7 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
           default: q6_k_x8_dispatch<4>(two_terms, !per_super, v, o, K, tiles, yg); break;
         }
       }
+#endif
     }
   });
 }

@@ -301,7 +301,8 @@ def test_repacked_q4_1_rows_keep_their_bits_beside_up_to_16_rows(qtype):
     every build, ahead of the AMX tiles and the
     widening: a speculative verification of up to 15 proposals gets the bits of decoding its tokens
     one by one in these products, on AVX-512 VNNI builds too (whose other types keep them to 5 rows:
-    test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it)."""
+    test_a_row_gets_the_same_bits_with_up_to_4_rows_beside_it). There Q8_0's tiles take a 16-bit
+    kernel of their own from 9 rows (csrc q8_0_x8_wide), which must keep the byte kernel's bits."""
     kernels, cols = cpu.quant_kernels(), 1280
     if not getattr(kernels, "q4_1_row_loop_max", 0) or int(qtype) not in kernels.repacked_types:
         pytest.skip(f"no integer kernels for repacked {qtype.name} in this build")

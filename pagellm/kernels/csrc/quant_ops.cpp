@@ -2222,6 +2222,86 @@ void q4_1_x8_dispatch(bool two_terms, Layout x8, const ActView* v, int64_t K, co
   }
 }
 
+// f(std::integral_constant<int, n>) for the rows of a pass, n = 1..R: the kernels' row count a
+// compile-time constant, so each row's accumulator stays in a register.
+template <int R, class F>
+inline void with_rows(int n, F&& f) {
+  if constexpr (R > 1)
+    if (n < R) return with_rows<R - 1>(n, f);
+  f(std::integral_constant<int, R>{});
+}
+
+#if defined(PAGELLM_INT8_VNNI)
+// ---- AVX-512 VNNI: tiles widened to 16 bits for many rows of x ----------------------------------
+// x's 16-bit values (128 c + r, or c) as the widened kernels broadcast them (q8_0_x8_wide, q6_k_x8_wide):
+// per 8 values the pairs in the order the widened vectors take them (0 1 4 5 | 2 3 6 7: lanes 2 r and
+// 2 r + 1 together), and the rows' runs of 64 values side by side, [K / 64][M][64]: a pass's 16 rows
+// read K * 2 bytes apart would fall in the same sets of L1 (K a power of two).
+std::vector<int16_t> wide_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms) {
+  constexpr int kOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+  std::vector<int16_t> x16(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t at = 0; at < K; at += 8)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t i = m * K + at + kOrder[j];
+        x16[(at / 64 * M + m) * 64 + at % 64 + j] =
+            static_cast<int16_t>(two_terms ? 128 * a.codes[i] + a.residual[i] : a.codes[i]);
+      }
+  return x16;
+}
+// Byte-shuffle controls that widen bytes 0, 1 (`second` 0) or 2, 3 (1) of each 32-bit lane into its
+// two 16-bit values: of a tile's unit (a row's 8 bytes in lanes 2 r, 2 r + 1), lane 2 r's values 0, 1
+// and lane 2 r + 1's 4, 5 (or 2, 3 and 6, 7), as wide_x16 orders x.
+inline XI word_pairs(int second) {
+  int8_t c[64];
+  for (int i = 0; i < 64; ++i) c[i] = i % 2 ? -1 : static_cast<int8_t>(i / 4 * 4 % 16 + 2 * second + i % 4 / 2);
+  return xi_controls(c);
+}
+// Rows of x per pass of the widened kernels: their accumulators beside the widened vectors of W.
+constexpr int kWidePassRows = 16;
+
+// Q8_0's tiles in 16 bits for many rows of x (decode steps of many streams): per row and block
+// q4_1_x8_rows<kQ80Tiles> spends eight VPDPBUSD, then the first codes' shift, the second codes' add,
+// the offset of the codes stored + 128 and the float steps. Here each tile (a block of 8 rows) is
+// widened once per pass of up to 16 rows into its signed codes (u - 128: no offset term), eight vectors
+// of the 8 rows' pairs, and a row of x takes eight VPDPWSSD against its 16-bit values, then the byte
+// kernel's convert and FMA. A lane sums the byte kernel's values (lane 2 r: values 0..3 of each 8 of
+// the block, 2 r + 1: 4..7), exactly: the same bits, so the row loop takes it from kQ80WideMinRows
+// rows whatever the rows beside. kernel_ab.py --types Q8_0, two threads, Zen 4, 1B shapes, against
+// the byte kernel: 3 rows 0.88-1.09x, 5 rows 0.99-1.19x, 9 rows 1.01-1.08x, 16 rows 1.05-1.19x.
+// (Q4_1's and Q4_0's tiles in the same form ran 0.74-1.0x at 2-16 rows on SmolLM2's shapes: their
+// byte kernel has no offset, and 4-bit codes need two VPDPBUSD where 16 bits need four VPDPWSSD.)
+template <int R>
+void q8_0_x8_wide(const ActView* a, const int16_t* x16, int64_t chunk, const uint8_t* tiles, int64_t K, float* const* y) {
+  const int64_t blocks = K / 32;
+  const XI bias = _mm512_set1_epi16(128), pairs0 = word_pairs(0), pairs1 = word_pairs(1);
+  XF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = xf_zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* tile = tiles + b * kQ80Tile;
+    prefetch_tile(tile, kQ80Tile, 0, 5);
+    XI w[8];  // unit p's values 8 p + {0, 1, 4, 5} (pairs 0) and 8 p + {2, 3, 6, 7} (pairs 1)
+    for (int p = 0; p < 4; ++p) {
+      const XI v = xi_load(tile + 64 * p);
+      w[2 * p] = _mm512_sub_epi16(xi_shuffle(v, pairs0), bias);
+      w[2 * p + 1] = _mm512_sub_epi16(xi_shuffle(v, pairs1), bias);
+    }
+    const XF d = xf_row_halves(tile + kQ80D, 0);
+    const int8_t* xb = reinterpret_cast<const int8_t*>(x16 + 32 * b / 64 * chunk + 32 * b % 64);
+    for (int r = 0; r < R; ++r) {
+      XI total = xi_zero();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) total = xi_madd16(total, w[k], xi_bcast64(xb + 128 * r + 8 * k));
+      acc[r] = xf_fmadd(xf_cvt(total), xf_mul(d, xf_set1(a[r].block_scale[b])), acc[r]);
+    }
+  }
+  const __m256 no_mins = _mm256_setzero_ps();  // as the byte kernel's Q8_0 rows: their minimums' term 0
+  for (int r = 0; r < R; ++r) row_sums(&acc[r], no_mins, y[r]);
+}
+// From this many rows of x repacked Q8_0's row loop takes q8_0_x8_wide.
+constexpr int64_t kQ80WideMinRows = 9;
+#endif
+
 void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, Layout x8, int64_t K, int64_t N, bool two_terms,
                       float* y) {
   const ActRows a = quantize_activations(x, M, K, two_terms);
@@ -2229,6 +2309,24 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, Layout x8, in
   for (int64_t m = 0; m < M; ++m)
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr, nullptr, nullptr,
                      a.block_sum.data() + m * K / 32, nullptr, nullptr, a.block_scale.data() + m * K / 32});
+#if defined(PAGELLM_INT8_VNNI)
+  if (x8 == kQ80Tiles && M >= kQ80WideMinRows) {
+    const std::vector<int16_t> x16 = wide_x16(a, M, K, two_terms);
+    const int64_t group_bytes = K / 32 * q41_tile_bytes(x8);
+    claimed_for(N / kX8Rows, group_bytes, M, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t m0 = 0; m0 < M; m0 += kWidePassRows) {
+          float* yg[kWidePassRows];
+          for (int64_t m = m0; m < std::min(M, m0 + kWidePassRows); ++m) yg[m - m0] = y + m * N + kX8Rows * g;
+          with_rows<kWidePassRows>(static_cast<int>(std::min<int64_t>(M - m0, kWidePassRows)), [&](auto rows) {
+            q8_0_x8_wide<decltype(rows)::value>(views.data() + m0, x16.data() + 64 * m0, 64 * M, w + g * group_bytes,
+                                                 K, yg);
+          });
+        }
+    });
+    return;
+  }
+#endif
   std::vector<int32_t> offsets;  // Q8_0's tiles: [M][K / 32][2 lanes] (ActView::lane_offsets)
   if (x8 == kQ80Tiles) {
     offsets.assign(M * K / 16, 0);
@@ -2289,15 +2387,6 @@ template <int R>
 void k_x8_dispatch(bool five, bool two, const ActView* a, int64_t K, const uint8_t* tiles, float* const* y) {
   if (five) two ? q4_k_x8_rows<R, true, true>(a, K, tiles, y) : q4_k_x8_rows<R, false, true>(a, K, tiles, y);
   else two ? q4_k_x8_rows<R, true>(a, K, tiles, y) : q4_k_x8_rows<R, false>(a, K, tiles, y);
-}
-
-// f(std::integral_constant<int, n>) for the rows of a pass, n = 1..R: the kernels' row count a
-// compile-time constant, so each row's accumulator stays in a register.
-template <int R, class F>
-inline void with_rows(int n, F&& f) {
-  if constexpr (R > 1)
-    if (n < R) return with_rows<R - 1>(n, f);
-  f(std::integral_constant<int, R>{});
 }
 
 #if !defined(PAGELLM_INT8_VNNI)
@@ -2741,39 +2830,14 @@ void q6_k_x8_dispatch(bool two_terms, bool per32, const ActView* a, const int32_
 // pass: every row count takes this kernel, so a row's sums do not depend on the rows beside it.
 // kernel_ab.py, two threads, Zen 4, against the byte kernel: 1 row 0.99-1.03x, 2 rows 0.95-1.0x,
 // 3 rows 1.08-1.17x, 5-6 rows 1.27-1.36x, 9 rows 1.35-1.47x, 16 rows 1.36-1.54x.
-constexpr int kQ6WidePassRows = 16;
-// x's 16-bit values as q6_k_x8_wide broadcasts them: per 8 values the pairs in the order the widened
-// vectors take them (0 1 4 5 | 2 3 6 7: lanes 2 r and 2 r + 1 together), and the rows' runs of 64
-// values side by side, [K / 64][M][64]: a pass's 16 rows read K * 2 bytes apart would fall in the
-// same sets of L1 (K a power of two).
-std::vector<int16_t> q6_wide_x16(const ActRows& a, int64_t M, int64_t K, bool two_terms) {
-  constexpr int kOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
-  std::vector<int16_t> x16(M * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t at = 0; at < K; at += 8)
-      for (int j = 0; j < 8; ++j) {
-        const int64_t i = m * K + at + kOrder[j];
-        x16[(at / 64 * M + m) * 64 + at % 64 + j] =
-            static_cast<int16_t>(two_terms ? 128 * a.codes[i] + a.residual[i] : a.codes[i]);
-      }
-  return x16;
-}
-
 // 8 rows of a Q6_K_X8 weight times R rows of x (a: as q6_k_rows rounds them with kPer32, else
-// quantize_super's; x16: q6_wide_x16's, at the pass's first row, `chunk` values per run of 64): y[r][0..8).
+// quantize_super's; x16: wide_x16's, at the pass's first row, `chunk` values per run of 64): y[r][0..8).
 template <int R, bool kTwo, bool kPer32>
 void q6_k_x8_wide(const ActView* a, const int16_t* x16, int64_t chunk, const uint8_t* tiles, int64_t K, float* const* y) {
   const int64_t supers = K / QK_K;
   const XI low = xi_bytes(0x0F), top = xi_bytes(0x30), bias = _mm512_set1_epi16(32);
   const XI first = scale_controls(0, false, 1, true), second = scale_controls(0, true, 1, true);
-  // bytes 0, 1 (pairs 0) or 2, 3 (pairs 1) of each 32-bit lane as its two 16-bit values
-  int8_t c0[64], c1[64];
-  for (int i = 0; i < 64; ++i) {
-    const int lane = i / 4 * 4, k = i % 4;
-    c0[i] = k % 2 ? -1 : static_cast<int8_t>(lane % 16 + k / 2);
-    c1[i] = k % 2 ? -1 : static_cast<int8_t>(lane % 16 + 2 + k / 2);
-  }
-  const XI pairs0 = xi_controls(c0), pairs1 = xi_controls(c1);
+  const XI pairs0 = word_pairs(0), pairs1 = word_pairs(1);
   XF acc[R];
   for (int r = 0; r < R; ++r) acc[r] = xf_zero();
   for (int64_t b = 0; b < supers; ++b) {
@@ -3972,8 +4036,6 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
   // and the tiles streaming through overflowed L1), and the offsets' sums
 #if !defined(PAGELLM_INT8_VNNI)
   const bool many = M >= pair_min_rows(qtype);  // the pair kernels (q4_k_x8_many, q6_k_x8_many)
-#else
-  constexpr bool many = false;
 #endif
   std::vector<float> scale32;
   std::vector<int32_t> offsets;  // q6_k_x8_rows' alone
@@ -3996,7 +4058,7 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
 #if !defined(PAGELLM_INT8_VNNI)
   const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms) : std::vector<int16_t>();
 #else
-  const std::vector<int16_t> x16 = qtype == Q6_K ? q6_wide_x16(a, M, K, two_terms) : std::vector<int16_t>();
+  const std::vector<int16_t> x16 = qtype == Q6_K ? wide_x16(a, M, K, two_terms) : std::vector<int16_t>();
 #endif
   claimed_for(N / kX8Rows, group_bytes, M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -4020,11 +4082,11 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
         continue;
       }
 #if defined(PAGELLM_INT8_VNNI)
-      for (int64_t m0 = 0; m0 < M; m0 += kQ6WidePassRows) {  // Q6_K
-        float* yg[kQ6WidePassRows];
-        for (int64_t m = m0; m < std::min(M, m0 + kQ6WidePassRows); ++m) yg[m - m0] = y + m * N + kX8Rows * g;
-        const int n = static_cast<int>(std::min<int64_t>(M - m0, kQ6WidePassRows));
-        with_rows<kQ6WidePassRows>(n, [&](auto rows) {
+      for (int64_t m0 = 0; m0 < M; m0 += kWidePassRows) {  // Q6_K
+        float* yg[kWidePassRows];
+        for (int64_t m = m0; m < std::min(M, m0 + kWidePassRows); ++m) yg[m - m0] = y + m * N + kX8Rows * g;
+        const int n = static_cast<int>(std::min<int64_t>(M - m0, kWidePassRows));
+        with_rows<kWidePassRows>(n, [&](auto rows) {
           q6_k_x8_wide_dispatch<decltype(rows)::value>(two_terms, !per_super, views.data() + m0, x16.data() + 64 * m0,
                                                        64 * M, tiles, K, yg);
         });

@@ -140,15 +140,22 @@ class TorchAttentionBackend(AttentionBackend):
                         options: AttentionOptions, sinks: torch.Tensor | None = None,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor | None:
         # The compiled kernels in one call (cpu.decode_attention_qkv): on a short decode step the
-        # Python-level splitting, views and checks around them cost more than attending.
-        if (self.batch_invariant or meta.num_decodes != meta.num_seqs or meta.num_seqs == 0
+        # Python-level splitting, views and checks around them cost more than attending. A step whose
+        # sequences each bring a few tokens over their cached context (a speculative verification's)
+        # takes it too, token by token, as forward's _compiled_tokens attends them.
+        if (self.batch_invariant or meta.num_seqs == 0
                 or (rope is not None and rope[0].shape[-1] * (num_heads + 2 * num_kv_heads) != qkv.shape[-1])
                 or not self._use_compiled(qkv, k_cache)):
             return None
+        token_seq, lens = None, meta.seq_lens_tensor
+        if meta.num_decodes != meta.num_seqs:
+            if not all(self._short_query(meta, i) for i in range(meta.num_decodes, meta.num_seqs)):
+                return None
+            token_seq, lens = meta.query_token_keys()
         return cpu.decode_attention_qkv(qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta.slot_mapping,
-                                        meta.block_tables, meta.seq_lens_tensor, options.scale,
+                                        meta.block_tables, lens, options.scale,
                                         options.sliding_window, options.softcap, sinks, self.kv_format, qk_norm=qk_norm,
-                                        attention_chunk=options.attention_chunk)
+                                        attention_chunk=options.attention_chunk, token_seq=token_seq)
 
     def decode_call(self, num_heads, num_kv_heads, options: AttentionOptions, sinks, qk_norm, qkv,
                     k_cache) -> cpu.DecodeAttention | None:

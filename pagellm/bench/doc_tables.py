@@ -90,7 +90,7 @@ def tables() -> list[DocTable]:
         DocTable(gpu_tables.NAME, gpu_tables.PAGE, lambda results: gpu_tables.render(gpu_tables.load_runs(results))),
         json_table("spec-decode-table", "speculative-decoding.md", "spec-decode-smollm2-2026-12-06-intel-amx.json",
                    spec_decode.doc_table),
-        json_table("verify-phases-table", "speculative-decoding.md", "verify-phases-smollm2-k8-2026-12-07h-zen4.json",
+        json_table("verify-phases-table", "speculative-decoding.md", "verify-phases-smollm2-k8-2026-12-08-zen4.json",
                    spec_decode.verify_phases_doc_table),
         json_runs_table("lookup-vouched-table", "speculative-decoding.md", "lookup-vouched-ab-*.json",
                         spec_decode.vouched_doc_table),

@@ -187,18 +187,20 @@ def decode_attention_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                          softcap: float | None = None, sinks: torch.Tensor | None = None,
                          kv_format: KVFormat | None = None,
                          qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
-                         attention_chunk: int | None = None) -> torch.Tensor:
+                         attention_chunk: int | None = None, token_seq: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention for one layer, from its fused projection qkv [T, (H + 2 KVH) * D]
     (T decode tokens, one per block-table row): q and k normalized in place where `qk_norm` =
     (q weight, k weight, eps, per_head) is given (rms_norm's roundings; per head, weights [D], or
     over all heads, weights [H * D] and [KVH * D]), rotary_embedding_ of q and k in place with
     rope = (cos, sin) [T, D] (None: no rotation), store_kv, then paged_attention (with its window,
-    chunk, soft-cap and sinks), in one call.
+    chunk, soft-cap and sinks), in one call. With `token_seq` [T] (a speculative verification's
+    tokens, several a sequence): token t reads block_tables' row token_seq[t] and attends to its
+    first seq_lens[t] keys, as paged_attention's token_seq.
     Returns [T, H * D] in qkv's dtype."""
     cos, sin = rope if rope is not None else (None, None)
     return _load().decode_attention_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, block_tables,
                                         seq_lens, *_decode_options(scale, sliding_window, softcap, sinks, kv_format,
-                                                                   qk_norm, attention_chunk))
+                                                                   qk_norm, attention_chunk), token_seq)
 
 
 def _decode_options(scale: float, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,

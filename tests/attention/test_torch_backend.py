@@ -127,10 +127,13 @@ def run_mixed_batch(block_size, heads, compiled, d, variant, fmt, shapes=None):
                                                   (torch.bfloat16, None)], ids=["f32", "f32-int8kv", "bf16"])
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "chunk", "no-rope", "qk-norm-head",
                                      "qk-norm-full"])
-def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
+@pytest.mark.parametrize("step", ["decode", "verify"])
+def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant, step):
     """The fused decode path (normalize, rotate, store and attend from the q/k/v projection in one
     call) gives the bits the split path gives: the q/k norms (per head as Qwen3, over all heads as
-    OLMo 2) and rotate_qk on views of qkv, then forward; same cache bytes too."""
+    OLMo 2) and rotate_qk on views of qkv, then forward; same cache bytes too. `verify`: a step where
+    one sequence brings 3 tokens over its cached context (a speculative verification of 2
+    proposals) beside decodes, each token attending to the keys up to its own."""
     from pagellm.kernels import cpu as cpu_kernels
     from pagellm.layers.norm import QKNorm, RMSNorm, ShardedRMSNorm
     from pagellm.layers.rotary import RotaryEmbedding, default_inverse_frequencies, rotate_qk
@@ -139,19 +142,24 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
     torch.manual_seed(3)
     h, kvh, d, bs, num_blocks = 8, 2, 64, 16, 64
     fmt = resolve_kv_format(kv_cache_dtype, dtype) if kv_cache_dtype else None
-    lens = [1, 17, 40, 5]  # each sequence's length after this step's token
+    lens = [1, 17, 40, 5]  # each sequence's length after this step's tokens
+    query_lens = [1] * len(lens) if step == "decode" else [1, 1, 3, 1]
+    positions = torch.tensor([p for n, ql in zip(lens, query_lens) for p in range(n - ql, n)])
     perm = torch.randperm(num_blocks)
     tables = torch.stack([perm[4 * i:4 * i + 4] for i in range(len(lens))])
-    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_lens=[1] * len(lens), seq_lens=lens,
-                             seq_lens_tensor=torch.tensor(lens), num_decodes=len(lens), block_size=bs)
+    seq_of = [i for i, ql in enumerate(query_lens) for _ in range(ql)]
+    slots = torch.tensor([int(tables[i, int(p) // bs]) * bs + int(p) % bs for i, p in zip(seq_of, positions)])
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_lens=query_lens, seq_lens=lens,
+                             seq_lens_tensor=torch.tensor(lens), num_decodes=2 if step == "verify" else len(lens),
+                             block_size=bs)
     options = AttentionOptions(d ** -0.5, 6 if variant == "window" else None, 0.7 if variant == "softcap" else None,
                                8 if variant == "chunk" else None)
     sinks = torch.randn(h) if variant == "sinks" else None
     rope = None
     if variant != "no-rope":
-        rope = RotaryEmbedding(default_inverse_frequencies(d, 10000.0), 128).cos_sin(torch.tensor(lens) - 1, dtype)
-    qkv = (torch.randn(len(lens), (h + 2 * kvh) * d) * 2).to(dtype)
+        rotary = RotaryEmbedding(default_inverse_frequencies(d, 10000.0), 128)
+        rope = rotary.cos_sin(positions, dtype)
+    qkv = (torch.randn(len(positions), (h + 2 * kvh) * d) * 2).to(dtype)
     qk_norm = None
     if variant.startswith("qk-norm"):
         per_head = variant == "qk-norm-head"
@@ -184,7 +192,7 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
             if rope is not None:
                 q, k = rotate_qk(q, k, *rope)
             out = backend.forward(q, k, v.reshape(-1, kvh, d), *caches, meta, options.scale, options,
-                                  sinks).reshape(len(lens), h * d)
+                                  sinks).reshape(len(positions), h * d)
         results.append((out, x, caches))
     (out_f, x_f, caches_f), (out_s, x_s, caches_s) = results
     assert torch.equal(out_f, out_s)
@@ -194,9 +202,15 @@ def test_decode_from_qkv_is_the_split_path(dtype, kv_cache_dtype, variant):
     # Steps the fused path does not take: the caller must fall back to the split one.
     backend = TorchAttentionBackend()
     backend.kv_format = fmt
-    mixed = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_lens=[1, 1, 1, 1], seq_lens=lens,
-                              seq_lens_tensor=torch.tensor(lens), num_decodes=3, block_size=bs)
-    assert backend.decode_from_qkv(qkv.clone(), h, kvh, rope, *caches_f, mixed, options, sinks) is None
+    # a prompt's first chunk (no cached context) beside decodes: its tokens attend in the prefill path
+    prompt_lens = [1, 17, 40, 3]
+    prompt_slots = torch.cat([slots[:3], torch.tensor([int(tables[3, 0]) * bs + p for p in range(3)])])
+    mixed = AttentionMetadata(slot_mapping=prompt_slots, block_tables=tables, query_lens=[1, 1, 1, 3],
+                              seq_lens=prompt_lens, seq_lens_tensor=torch.tensor(prompt_lens), num_decodes=3,
+                              block_size=bs)
+    mixed_qkv = torch.randn(6, (h + 2 * kvh) * d).to(dtype)
+    mixed_rope = None if rope is None else rotary.cos_sin(torch.tensor([0, 16, 39, 0, 1, 2]), dtype)
+    assert backend.decode_from_qkv(mixed_qkv, h, kvh, mixed_rope, *caches_f, mixed, options, sinks) is None
     if rope is not None:  # partial rotary (the first half of each head)
         half = tuple(t[:, :d // 2].contiguous() for t in rope)
         assert backend.decode_from_qkv(qkv.clone(), h, kvh, half, *caches_f, meta, options, sinks) is None

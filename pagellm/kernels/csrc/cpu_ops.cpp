@@ -1533,14 +1533,19 @@ torch::Tensor decode_attention_qkv(torch::Tensor qkv, int64_t H, int64_t KVH, c1
                                    double scale, int64_t window, int64_t chunk, double softcap,
                                    c10::optional<torch::Tensor> sinks, int64_t kv_format,
                                    c10::optional<torch::Tensor> q_norm,
-                                   c10::optional<torch::Tensor> k_norm, double norm_eps, bool norm_per_head) {
+                                   c10::optional<torch::Tensor> k_norm, double norm_eps, bool norm_per_head,
+                                   c10::optional<torch::Tensor> token_seq) {
   check_float_cpu(qkv, "qkv");
   TORCH_CHECK(H > 0 && KVH > 0 && qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) % (H + 2 * KVH) == 0,
               "qkv must be [T, (H + 2 KVH) * D] with contiguous rows; got ", qkv.sizes(), " for H = ", H,
               ", KVH = ", KVH);
   TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
   const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
-  TORCH_CHECK(block_tables.size(0) >= T && seq_lens.size(0) >= T, "block_tables and seq_lens need a row per token");
+  // token_seq: each token's row of block_tables (a verification's several tokens of one sequence), and
+  // seq_lens then each token's keys; without it token t is row t's one decode token
+  TORCH_CHECK(token_seq.has_value() ? token_seq->numel() == T && seq_lens.size(0) >= T
+                                    : block_tables.size(0) >= T && seq_lens.size(0) >= T,
+              "block_tables and seq_lens need a row per token (or token_seq one per token)");
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
   auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
   auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
@@ -1573,9 +1578,9 @@ torch::Tensor decode_attention_qkv(torch::Tensor qkv, int64_t H, int64_t KVH, c1
   }
   if (cos.has_value()) rotary_embedding_(q, k, *cos, *sin);
   store_kv(k, v, k_cache, v_cache, slots, kv_format);
-  auto out = paged_attention(q.to(torch::kFloat), k_cache, v_cache, block_tables.narrow(0, 0, T),
-                             seq_lens.narrow(0, 0, T), scale, window, chunk, softcap, sinks, c10::nullopt, 0,
-                             kv_format);
+  auto out = paged_attention(q.to(torch::kFloat), k_cache, v_cache,
+                             token_seq.has_value() ? block_tables : block_tables.narrow(0, 0, T),
+                             seq_lens.narrow(0, 0, T), scale, window, chunk, softcap, sinks, token_seq, 0, kv_format);
   return out.view({T, H * D}).to(qkv.scalar_type());
 }
 
@@ -1860,7 +1865,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_qkv", &decode_attention_qkv,
         "a decode step's q/k norms, RoPE, K/V store and paged attention from the fused q/k/v projection (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("qkv"), py::arg("H"), py::arg("KVH"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window"), py::arg("chunk"), py::arg("softcap"), py::arg("sinks"), py::arg("kv_format"),
+        py::arg("q_norm"), py::arg("k_norm"), py::arg("norm_eps"), py::arg("norm_per_head"),
+        py::arg("token_seq") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "x + h and the RMSNorm of it, in one call (CPU, float32 or bfloat16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gdn_decode_step", &gdn_decode_step,

@@ -2259,6 +2259,17 @@ inline XI word_pairs(int second) {
 }
 // Rows of x per pass of the widened kernels: their accumulators beside the widened vectors of W.
 constexpr int kWidePassRows = 16;
+// Group g (8 rows of W) times the M rows of x in passes of up to kWidePassRows rows: f(rows, m0, yg),
+// `rows` the pass's row count as a compile-time constant (with_rows), yg its rows of y at the group.
+template <class F>
+inline void wide_passes(int64_t M, int64_t N, int64_t g, float* y, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += kWidePassRows) {
+    const int n = static_cast<int>(std::min<int64_t>(M - m0, kWidePassRows));
+    float* yg[kWidePassRows];
+    for (int i = 0; i < n; ++i) yg[i] = y + (m0 + i) * N + kX8Rows * g;
+    with_rows<kWidePassRows>(n, [&](auto rows) { f(rows, m0, static_cast<float* const*>(yg)); });
+  }
+}
 
 // Q8_0's tiles in 16 bits for many rows of x (decode steps of many streams): per row and block
 // q4_1_x8_rows<kQ80Tiles> spends eight VPDPBUSD, then the first codes' shift, the second codes' add,
@@ -2309,26 +2320,15 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, Layout x8, in
   for (int64_t m = 0; m < M; ++m)
     views.push_back({a.codes.data() + m * K, two_terms ? a.residual.data() + m * K : nullptr, nullptr, nullptr,
                      a.block_sum.data() + m * K / 32, nullptr, nullptr, a.block_scale.data() + m * K / 32});
-#if defined(PAGELLM_INT8_VNNI)
-  if (x8 == kQ80Tiles && M >= kQ80WideMinRows) {
-    const std::vector<int16_t> x16 = wide_x16(a, M, K, two_terms);
-    const int64_t group_bytes = K / 32 * q41_tile_bytes(x8);
-    claimed_for(N / kX8Rows, group_bytes, M, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g)
-        for (int64_t m0 = 0; m0 < M; m0 += kWidePassRows) {
-          float* yg[kWidePassRows];
-          for (int64_t m = m0; m < std::min(M, m0 + kWidePassRows); ++m) yg[m - m0] = y + m * N + kX8Rows * g;
-          with_rows<kWidePassRows>(static_cast<int>(std::min<int64_t>(M - m0, kWidePassRows)), [&](auto rows) {
-            q8_0_x8_wide<decltype(rows)::value>(views.data() + m0, x16.data() + 64 * m0, 64 * M, w + g * group_bytes,
-                                                 K, yg);
-          });
-        }
-    });
-    return;
-  }
+#if !defined(PAGELLM_INT8_VNNI)
+  const bool many = M >= kQ41PairMinRows;  // q4_1_x8_many
+  const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms, 32) : std::vector<int16_t>();
+#else
+  const bool many = x8 == kQ80Tiles && M >= kQ80WideMinRows;  // q8_0_x8_wide
+  const std::vector<int16_t> x16 = many ? wide_x16(a, M, K, two_terms) : std::vector<int16_t>();
 #endif
-  std::vector<int32_t> offsets;  // Q8_0's tiles: [M][K / 32][2 lanes] (ActView::lane_offsets)
-  if (x8 == kQ80Tiles) {
+  std::vector<int32_t> offsets;  // Q8_0's tiles in the byte kernel: [M][K / 32][2 lanes] (ActView::lane_offsets)
+  if (x8 == kQ80Tiles && !many) {
     offsets.assign(M * K / 16, 0);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t i = 0; i < K; ++i) {  // lane 0 of a block: its values 0-3, 8-11, ...; lane 1 the rest
@@ -2340,30 +2340,25 @@ void q4_1_x8_row_loop(const float* x, int64_t M, const uint8_t* w, Layout x8, in
     }
   }
   const int64_t group_bytes = K / 32 * q41_tile_bytes(x8);
-#if !defined(PAGELLM_INT8_VNNI)
-  const bool many = M >= kQ41PairMinRows;  // q4_1_x8_many
-  const std::vector<int16_t> x16 = many ? pair_rows_x16(a, M, K, two_terms, 32) : std::vector<int16_t>();
-#endif
   claimed_for(N / kX8Rows, group_bytes, M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = w + g * group_bytes;
-#if !defined(PAGELLM_INT8_VNNI)
       if (many) {
+#if !defined(PAGELLM_INT8_VNNI)
         q4_1_x8_many(views.data(), x16.data(), M, K, tiles, x8, y, N, g);
+#else
+        wide_passes(M, N, g, y, [&](auto rows, int64_t m0, float* const* yg) {
+          q8_0_x8_wide<decltype(rows)::value>(views.data() + m0, x16.data() + 64 * m0, 64 * M, tiles, K, yg);
+        });
+#endif
         continue;
       }
-#endif
       for (int64_t m = 0; m < M; m += kQ41TileRows) {
-        float* yg[5];  // the most rows any case below takes
+        float* yg[kQ41TileRows];
         for (int i = 0; i < kQ41TileRows; ++i) yg[i] = y + std::min(m + i, M - 1) * N + kX8Rows * g;
-        const ActView* v = views.data() + m;
-        switch (std::min(M - m, kQ41TileRows)) {
-          case 5: q4_1_x8_dispatch<5>(two_terms, x8, v, K, tiles, yg); break;
-          case 4: q4_1_x8_dispatch<4>(two_terms, x8, v, K, tiles, yg); break;
-          case 3: q4_1_x8_dispatch<3>(two_terms, x8, v, K, tiles, yg); break;
-          case 2: q4_1_x8_dispatch<2>(two_terms, x8, v, K, tiles, yg); break;
-          default: q4_1_x8_dispatch<1>(two_terms, x8, v, K, tiles, yg); break;
-        }
+        with_rows<kQ41TileRows>(static_cast<int>(std::min(M - m, kQ41TileRows)), [&](auto rows) {
+          q4_1_x8_dispatch<decltype(rows)::value>(two_terms, x8, views.data() + m, K, tiles, yg);
+        });
       }
     }
   });
@@ -4082,28 +4077,19 @@ void x8_row_loop(const float* x, int64_t M, const uint8_t* w, int64_t qtype, Lay
         continue;
       }
 #if defined(PAGELLM_INT8_VNNI)
-      for (int64_t m0 = 0; m0 < M; m0 += kWidePassRows) {  // Q6_K
-        float* yg[kWidePassRows];
-        for (int64_t m = m0; m < std::min(M, m0 + kWidePassRows); ++m) yg[m - m0] = y + m * N + kX8Rows * g;
-        const int n = static_cast<int>(std::min<int64_t>(M - m0, kWidePassRows));
-        with_rows<kWidePassRows>(n, [&](auto rows) {
-          q6_k_x8_wide_dispatch<decltype(rows)::value>(two_terms, !per_super, views.data() + m0, x16.data() + 64 * m0,
-                                                       64 * M, tiles, K, yg);
-        });
-      }
+      wide_passes(M, N, g, y, [&](auto rows, int64_t m0, float* const* yg) {  // Q6_K
+        q6_k_x8_wide_dispatch<decltype(rows)::value>(two_terms, !per_super, views.data() + m0, x16.data() + 64 * m0,
+                                                     64 * M, tiles, K, yg);
+      });
 #else
       for (int64_t m0 = 0; m0 < M; m0 += kQ6TileRows) {
         const int32_t* o[kQ6TileRows];
         float* yg[kQ6TileRows];
         for (int64_t m = m0; m < std::min(M, m0 + kQ6TileRows); ++m)
           o[m - m0] = offsets.data() + m * K / 8, yg[m - m0] = y + m * N + kX8Rows * g;
-        const ActView* v = views.data() + m0;
-        switch (std::min(M - m0, kQ6TileRows)) {
-          case 1: q6_k_x8_dispatch<1>(two_terms, !per_super, v, o, K, tiles, yg); break;
-          case 2: q6_k_x8_dispatch<2>(two_terms, !per_super, v, o, K, tiles, yg); break;
-          case 3: q6_k_x8_dispatch<3>(two_terms, !per_super, v, o, K, tiles, yg); break;
-          default: q6_k_x8_dispatch<4>(two_terms, !per_super, v, o, K, tiles, yg); break;
-        }
+        with_rows<kQ6TileRows>(static_cast<int>(std::min(M - m0, kQ6TileRows)), [&](auto rows) {
+          q6_k_x8_dispatch<decltype(rows)::value>(two_terms, !per_super, views.data() + m0, o, K, tiles, yg);
+        });
       }
 #endif
     }
